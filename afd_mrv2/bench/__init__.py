@@ -1,0 +1,1 @@
+"""Measurements that print ratios taken side by side in one run."""

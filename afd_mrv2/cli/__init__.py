@@ -1,0 +1,46 @@
+"""The ``afd-mrv2`` command line.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``handler`` (a function
+taking the parsed arguments and returning the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from afd_mrv2.errors import AfdError
+
+# subcommand -> module; each module's register() adds the parser.
+COMMANDS = {
+    "demo": "afd_mrv2.cli.demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afd-mrv2",
+        description="Attention-FFN Disaggregation on one shared multi-stream pipeline.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS.values():
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except AfdError as exc:
+        print(f"afd-mrv2 {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"afd-mrv2 {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Stream/event backends: ``accelerator`` (torch.Stream/torch.Event), ``host``
+(a worker thread per stream) and ``recording`` (deterministic op log).
+
+All three implement :class:`~afd_mrv2.devices.base.DeviceBackend`; see
+:mod:`afd_mrv2.devices.base` for the semantics they share.
+"""
+
+from __future__ import annotations
+
+from afd_mrv2.devices.base import CloseReport, DeviceBackend, Event, Span, Stream
+from afd_mrv2.devices.host import HostBackend
+from afd_mrv2.devices.recording import RecordingBackend
+
+__all__ = [
+    "CloseReport",
+    "DeviceBackend",
+    "Event",
+    "HostBackend",
+    "RecordingBackend",
+    "Span",
+    "Stream",
+    "make_backend",
+]
+
+
+def make_backend(name: str, *, timing: bool = True) -> DeviceBackend:
+    """Build a backend by its config name (``auto`` picks accelerator, else host)."""
+    if name == "auto":
+        from afd_mrv2.devices.accelerator import accelerator_available
+
+        name = "accelerator" if accelerator_available() else "host"
+    if name == "host":
+        return HostBackend()
+    if name == "recording":
+        return RecordingBackend()
+    if name == "accelerator":
+        from afd_mrv2.devices.accelerator import AcceleratorBackend
+
+        return AcceleratorBackend(timing=timing)
+    raise ValueError(f"unknown stream backend {name!r}; accepted: auto, accelerator, host, recording")

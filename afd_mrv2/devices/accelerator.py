@@ -1,0 +1,159 @@
+"""Accelerator backend: ``torch.Stream`` / ``torch.Event`` on whatever device
+``torch.accelerator`` reports (CUDA; Ascend NPU through PrivateUse1 once
+torch_npu is imported; any other accelerator torch knows).
+
+Nothing here calls ``torch.cuda.*`` or ``torch_npu``: torch_npu's ``Stream`` and
+``Event`` subclass ``torch.Stream``/``torch.Event`` (torch_npu >= 2.10.0), and
+``torch.accelerator.set_stream`` / ``current_stream`` dispatch to the device.
+
+``submit(fn)`` calls ``fn`` on the caller's thread with the stream made current
+(``with torch_stream:``): ``fn`` enqueues kernels and returns.  Span times come
+from timing events recorded around ``fn`` and are resolved once the work has
+completed (``resolve``), against a base event recorded when the backend was
+created; timing events are pooled, so the steady state allocates none.
+
+Host waits (``Event.synchronize``) poll ``query()`` with a short back-off so that
+``abort`` and deadlines are honoured; torch's own ``synchronize`` cannot be
+interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from afd_mrv2.devices.base import CloseReport, Span
+from afd_mrv2.errors import PipelineAborted
+
+
+def accelerator_available() -> bool:
+    return torch.accelerator.is_available()
+
+
+def _poll(done: Callable[[], bool], backend: AcceleratorBackend, timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.0
+    while not done():
+        if backend.aborted:
+            raise PipelineAborted("accelerator backend aborted while waiting on an event")
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(1e-3, delay * 2 + 2e-5)
+    return True
+
+
+class AcceleratorEvent:
+    __slots__ = ("native", "_backend")
+
+    def __init__(self, backend: AcceleratorBackend, native: torch.Event) -> None:
+        self.native = native
+        self._backend = backend
+
+    def query(self) -> bool:
+        return self.native.query()
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return _poll(self.native.query, self._backend, timeout)
+
+
+class AcceleratorStream:
+    def __init__(self, backend: AcceleratorBackend, name: str, native: torch.Stream) -> None:
+        self.name = name
+        self.stream_id = int(native.stream_id)
+        self._backend = backend
+        self._native = native
+
+    @property
+    def native(self) -> torch.Stream:
+        return self._native
+
+    def submit(self, fn: Callable[[], None], span: Span | None = None) -> None:
+        backend = self._backend
+        if backend.aborted:
+            return
+        with self._native:
+            if span is not None and backend.timing:
+                start, end = backend._timing_event(), backend._timing_event()
+                start.record(self._native)
+                fn()
+                end.record(self._native)
+                span.handles = (start, end)
+            else:
+                fn()
+
+    def record(self, event: AcceleratorEvent) -> None:  # type: ignore[override]
+        event.native.record(self._native)
+
+    def wait(self, event: AcceleratorEvent) -> None:  # type: ignore[override]
+        event.native.wait(self._native)
+
+    def query(self) -> bool:
+        return self._native.query()
+
+
+class AcceleratorBackend:
+    """See the module docstring.  ``timing=True`` records span timing events."""
+
+    name = "accelerator"
+
+    def __init__(self, *, timing: bool = True) -> None:
+        if not torch.accelerator.is_available():
+            raise RuntimeError(
+                "the accelerator backend needs a device torch.accelerator reports "
+                "(CUDA, or NPU with torch_npu imported); none is available: use backend 'host'"
+            )
+        self.device = torch.accelerator.current_accelerator()
+        self.timing = timing
+        self.aborted = False
+        self._streams: list[AcceleratorStream] = []
+        self._free_timing: list[torch.Event] = []
+        self._base = torch.Event(device=self.device, enable_timing=True)
+        self._base.record(torch.accelerator.current_stream())
+        self._base.synchronize()
+        self._base_ns = time.perf_counter_ns()
+
+    def new_stream(self, name: str) -> AcceleratorStream:
+        stream = AcceleratorStream(self, name, torch.Stream(device=self.device))
+        self._streams.append(stream)
+        return stream
+
+    def current_stream(self, name: str) -> AcceleratorStream:
+        stream = AcceleratorStream(self, name, torch.accelerator.current_stream())
+        self._streams.append(stream)
+        return stream
+
+    def new_event(self) -> AcceleratorEvent:
+        return AcceleratorEvent(self, torch.Event(device=self.device))
+
+    def _timing_event(self) -> torch.Event:
+        if self._free_timing:
+            return self._free_timing.pop()
+        return torch.Event(device=self.device, enable_timing=True)
+
+    def resolve(self, spans: list[Span]) -> None:
+        for span in spans:
+            if span.handles is None:
+                continue
+            start, end = span.handles
+            span.start_ns = self._base_ns + int(self._base.elapsed_time(start) * 1e6)
+            span.end_ns = self._base_ns + int(self._base.elapsed_time(end) * 1e6)
+            span.handles = None
+            self._free_timing += (start, end)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self, deadline: float) -> CloseReport:
+        report = CloseReport()
+        for stream in self._streams:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                finished = _poll(stream.query, self, remaining)
+            except PipelineAborted:
+                finished = stream.query()
+            if not finished:
+                report.abandoned_streams[stream.name] = "device work still pending at the deadline"
+        return report

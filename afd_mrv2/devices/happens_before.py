@@ -1,0 +1,142 @@
+"""Happens-before checker over a recording-backend op log.
+
+The log is replayed with device-stream semantics and every op gets a vector
+clock (one component per stream, one for the host):
+
+* ops on one stream are ordered (FIFO; a stream runs one op at a time);
+* a ``wait`` is ordered after the ``record`` it is bound to;
+* a host ``sync`` is ordered after its bound ``record``, and every op the host
+  issues afterwards is ordered after the ``sync``.
+
+``a`` happens before ``b`` iff ``clock(a)[stream(a)] <= clock(b)[stream(a)]``.
+For two submitted work units that means "``a`` has finished before ``b`` starts",
+on any device that honours stream and event semantics, however the streams are
+interleaved at run time.
+
+The checker proves the executor's three edges for every work item ``k``:
+
+1. compute of ``k`` never starts before recv of ``k`` completed;
+2. send of ``k`` never starts before compute of ``k`` completed;
+3. the next recv bound to ``k``'s slot never starts before send of ``k`` completed;
+
+and that each phase keeps the issue order of work items.  ``host_edges=False``
+ignores host syncs, proving that the device edges alone suffice (correctness
+does not depend on the host waiting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from afd_mrv2.devices.recording import Op
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    message: str
+
+
+class HappensBeforeError(AssertionError):
+    """The op log does not guarantee one of the executor's ordering rules."""
+
+    def __init__(self, violations: list[Violation]) -> None:
+        shown = "\n".join(f"  [{v.rule}] {v.message}" for v in violations[:10])
+        more = f"\n  ... and {len(violations) - 10} more" if len(violations) > 10 else ""
+        super().__init__(f"{len(violations)} happens-before violation(s):\n{shown}{more}")
+        self.violations = violations
+
+
+class _Clocks:
+    """Vector clocks of every op in a log."""
+
+    def __init__(self, log: Sequence[Op], *, host_edges: bool) -> None:
+        streams = sorted({op.stream for op in log if op.stream is not None})
+        self.index = {name: i for i, name in enumerate(streams)}
+        width = len(streams)
+        zero = (0,) * width
+        host = zero
+        last = {name: zero for name in streams}
+        self.clocks: list[tuple[int, ...]] = []
+        for op in log:
+            if op.kind == "sync":
+                if host_edges and op.bound is not None:
+                    host = _join(host, self.clocks[op.bound])
+                self.clocks.append(host)
+                continue
+            clock = _join(last[op.stream], host)
+            if op.kind == "wait" and op.bound is not None:
+                clock = _join(clock, self.clocks[op.bound])
+            i = self.index[op.stream]
+            clock = clock[:i] + (clock[i] + 1,) + clock[i + 1 :]
+            last[op.stream] = clock
+            self.clocks.append(clock)
+
+    def before(self, log: Sequence[Op], a: int, b: int) -> bool:
+        i = self.index[log[a].stream]
+        return self.clocks[a][i] <= self.clocks[b][i]
+
+
+def _join(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(max(p, q) for p, q in zip(x, y))
+
+
+def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Violation]:
+    """Every executor ordering rule the log fails to guarantee (empty: all proven)."""
+    clocks = _Clocks(log, host_edges=host_edges)
+    phases: dict[tuple, dict[str, int]] = {}
+    issue_order: list[tuple] = []
+    slot_of: dict[tuple, int | None] = {}
+    for i, op in enumerate(log):
+        if op.kind != "submit" or op.name not in ("recv", "compute", "send"):
+            continue
+        key = (op.item, op.slot)
+        if key not in phases:
+            phases[key] = {}
+            issue_order.append(key)
+            slot_of[key] = op.slot
+        phases[key][op.name] = i
+
+    violations: list[Violation] = []
+
+    def require(rule: str, a: int | None, b: int | None, message: str) -> None:
+        if a is not None and b is not None and not clocks.before(log, a, b):
+            violations.append(Violation(rule, message))
+
+    for key in issue_order:
+        item, _slot = key
+        p = phases[key]
+        require("recv->compute", p.get("recv"), p.get("compute"), f"compute of ({item}) may start before its recv completed")
+        require("compute->send", p.get("compute"), p.get("send"), f"send of ({item}) may start before its compute completed")
+
+    last_on_slot: dict[int | None, tuple] = {}
+    for key in issue_order:
+        slot = slot_of[key]
+        previous = last_on_slot.get(slot)
+        if previous is not None:
+            require(
+                "send->slot-reuse",
+                phases[previous].get("send"),
+                phases[key].get("recv"),
+                f"recv of ({key[0]}) may reuse slot {slot} before send of ({previous[0]}) completed",
+            )
+        last_on_slot[slot] = key
+
+    for phase in ("recv", "compute", "send"):
+        ordered = [phases[key][phase] for key in issue_order if phase in phases[key]]
+        for a, b in zip(ordered, ordered[1:]):
+            require(
+                "phase-order",
+                a,
+                b,
+                f"{phase} of ({log[b].item}) may start before {phase} of ({log[a].item}) completed",
+            )
+    return violations
+
+
+def check_happens_before(log: Sequence[Op], *, host_edges: bool = True) -> None:
+    """Raise :class:`HappensBeforeError` unless every rule is guaranteed by the log."""
+    violations = find_violations(log, host_edges=host_edges)
+    if violations:
+        raise HappensBeforeError(violations)

@@ -1,0 +1,146 @@
+"""Recording backend: deterministic, single-threaded, with an op log.
+
+Every ``submit``, ``record``, ``wait`` and host-side ``synchronize`` is appended to
+``backend.log``.  Submitted work runs immediately on the caller's thread, so
+results are exactly those of program order; what the log adds is the *claim* the
+schedule makes about a real device, where streams run concurrently.  The
+happens-before checker (:mod:`afd_mrv2.devices.happens_before`) replays the log
+with device-stream semantics and proves which orderings a device would guarantee.
+
+Span times come from a logical clock (1 us per submitted op), so traces produced
+on this backend are reproducible.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from afd_mrv2.devices.base import CloseReport, Span
+from afd_mrv2.errors import PipelineAborted
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of the op log.
+
+    kind: ``submit`` | ``record`` | ``wait`` | ``sync`` (host waits on an event).
+    stream: the stream's name (None for ``sync``).
+    event: the event's id (None for ``submit``).
+    bound: for ``wait``/``sync``, the log index of the record it waits for (None:
+    the event was never recorded, so the wait is a no-op).
+    name, item, slot: for ``submit``, the span's phase name and work identity.
+    """
+
+    kind: str
+    stream: str | None
+    event: int | None = None
+    bound: int | None = None
+    name: str | None = None
+    item: Any = None
+    slot: int | None = None
+
+
+class RecordingEvent:
+    __slots__ = ("event_id", "_backend", "last_record")
+
+    def __init__(self, backend: RecordingBackend, event_id: int) -> None:
+        self.event_id = event_id
+        self._backend = backend
+        self.last_record: int | None = None
+
+    def query(self) -> bool:
+        return True  # everything runs at submit time
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        if self._backend.aborted:
+            raise PipelineAborted("recording backend aborted")
+        self._backend._append(Op("sync", None, self.event_id, self.last_record))
+        return True
+
+
+class RecordingStream:
+    def __init__(self, backend: RecordingBackend, name: str, stream_id: int) -> None:
+        self.name = name
+        self.stream_id = stream_id
+        self._backend = backend
+
+    @property
+    def native(self) -> None:
+        return None
+
+    def submit(self, fn: Callable[[], None], span: Span | None = None) -> None:
+        backend = self._backend
+        if backend.aborted:
+            return
+        backend._append(
+            Op(
+                "submit",
+                self.name,
+                name=span.name if span else None,
+                item=span.item if span else None,
+                slot=span.slot if span else None,
+            )
+        )
+        previous, backend.current = backend.current, self
+        if span is not None:
+            span.start_ns = backend._tick()
+        try:
+            fn()
+        finally:
+            backend.current = previous
+            if span is not None:
+                span.end_ns = backend._tick()
+
+    def record(self, event: RecordingEvent) -> None:  # type: ignore[override]
+        event.last_record = self._backend._append(Op("record", self.name, event.event_id))
+
+    def wait(self, event: RecordingEvent) -> None:  # type: ignore[override]
+        self._backend._append(Op("wait", self.name, event.event_id, event.last_record))
+
+
+class RecordingBackend:
+    """See the module docstring.  ``log`` is the op log the checker reads."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.log: list[Op] = []
+        self.aborted = False
+        self.current: RecordingStream | None = None
+        self._stream_ids = itertools.count(1)
+        self._event_ids = itertools.count(1)
+        self._clock_ns = 0
+        self._names: set[str] = set()
+
+    def _append(self, op: Op) -> int:
+        self.log.append(op)
+        return len(self.log) - 1
+
+    def _tick(self) -> int:
+        self._clock_ns += 1000
+        return self._clock_ns
+
+    def new_stream(self, name: str) -> RecordingStream:
+        if name in self._names:
+            raise ValueError(f"recording backend: stream name {name!r} is already used")
+        self._names.add(name)
+        return RecordingStream(self, name, next(self._stream_ids))
+
+    def current_stream(self, name: str) -> RecordingStream:
+        return self.new_stream(name)
+
+    def new_event(self) -> RecordingEvent:
+        return RecordingEvent(self, next(self._event_ids))
+
+    def resolve(self, spans: list[Span]) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self, deadline: float) -> CloseReport:
+        del deadline
+        return CloseReport()

@@ -1,0 +1,175 @@
+"""The afd-mrv2 hook specifications: the extension manual for connectors and observers.
+
+afd-mrv2 runs every AFD connector through ONE executor.  A connector is a plugin
+(a class registered under the ``afd_mrv2`` entry-point group) that implements
+the three phase hooks ``on_recv``, ``on_compute`` and ``on_send``, and usually
+``on_cleanup``.  The executor decides *when* each phase runs and on *which*
+stream; the connector decides *what* the phase enqueues.  A connector never
+creates streams or events of its own and never synchronizes the device.
+
+Per work item (one layer, one stage, one sequence number) the executor calls, in
+this order and on these streams::
+
+    on_recv(work, stream=recv)       -> recv_done event
+    on_compute(work, stream=compute, compute=...)   (waits recv_done) -> compute_done
+    on_send(work, stream=send)       (waits compute_done) -> send_done
+    the next item bound to the same slot waits send_done before its on_recv.
+
+With ``multistream.enabled = false`` (the default) the three streams are one and
+the same stream, so the phases run strictly one after another (the serialized
+fallback).  The calls themselves, their order per item and their arguments are
+identical in both modes.
+
+Threads and the current stream
+------------------------------
+A phase hook runs "on" its stream:
+
+* accelerator backend (CUDA, NPU): on the executor's thread, with ``stream`` made
+  the current ``torch`` stream.  The hook *enqueues* device work and returns; it
+  must not wait for that work on the host.
+* host backend (CPUs): on the stream's own worker thread.  The hook's work is done
+  when it returns.  Blocking (a socket receive, a sleep) is fine: it blocks only
+  that stream.
+* recording backend (tests): on the caller's thread, immediately.
+
+Blocking hooks must poll ``work.cancelled`` (or call ``work.raise_if_cancelled()``)
+so that shutdown and failures elsewhere are not held up by them.
+
+Observers
+---------
+Other plugins may observe or check phases by implementing the same hooks with
+``@hookimpl(wrapper=True)`` (see pluggy's new-style wrappers); they run around
+the connector's implementation on the same thread.  Only the one connector chosen
+by ``afd.connector`` may implement the phase hooks as plain implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from afd_mrv2.config import MultistreamConfig
+    from afd_mrv2.devices.base import DeviceBackend, Stream
+    from afd_mrv2.pipeline.work import Work
+
+PROJECT_NAME = "afd_mrv2"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: The owner's compute function, handed to ``on_compute``.  Its signature is a
+#: contract between the executor's owner (the model runner) and the connector;
+#: for the FFN role it is documented with each runner (the reference FFN takes
+#: the received hidden states and routing, and returns the combined output).
+ComputeFn = Callable[..., Any]
+
+
+@hookspec(firstresult=True)
+def create_streams(backend: DeviceBackend, roles: tuple[str, ...], config: MultistreamConfig) -> dict[str, Stream] | None:
+    """Create the streams for ``roles`` and return them as ``{role: stream}``.
+
+    Called once, on the thread that builds the executor (or the vLLM runner
+    wrapper), before any work is submitted.  The executor asks for the roles
+    ``("recv", "compute", "send")``; the MRV2 ubatch wrapper asks for
+    ``("comm", "capture")``.  Several roles may map to the same stream: the
+    serialized fallback maps all of them to one.
+
+    Streams must come from ``backend`` (``backend.new_stream(name)`` or
+    ``backend.current_stream(name)``), never from ``torch.cuda`` / ``torch.npu``
+    directly, so the same implementation works on every device and on CPUs.
+
+    This is a ``firstresult`` hook.  afd-mrv2's default implementation runs last:
+    multistream disabled -> one stream for every role; enabled -> compute on the
+    current stream, each phase listed in ``multistream.phases`` on its own stream,
+    the others sharing compute, and every other role on its own stream.  A
+    connector overrides it (return a dict) only when its operators demand a
+    particular stream layout; return None to defer.
+
+    :param backend: the stream/event backend of this executor.
+    :param roles: the stream roles needed, in the caller's order.
+    :param config: the parsed ``afd.multistream`` section.
+    :return: a dict with exactly the keys in ``roles``, or None.
+    """
+
+
+@hookspec
+def on_recv(work: Work, stream: Stream) -> None:
+    """Receive the inputs of ``work.item`` into ``work.slot``.
+
+    Called once per work item, first of its three phases, on the recv stream
+    (see "Threads and the current stream" above).  When it is called, the slot's
+    previous item has finished its send: the slot's buffers and ``slot.state``
+    may be overwritten.
+
+    May touch: ``work.slot.state`` (the connector's per-slot buffers and transfer
+    state; allocate them once, on first use, and reuse them), ``work.scratch``,
+    its own communicator.  Must not: create streams or events, synchronize the
+    device, touch other slots, or keep references to ``work`` beyond the item's
+    ``on_send``.
+
+    Raise to fail the pipeline; the executor stops new work, calls ``on_cleanup``
+    for every in-flight item and re-raises with the item's identity.
+
+    :param work: the work item, its slot, cancellation and per-item scratch space.
+    :param stream: the stream to enqueue on (already current).
+    """
+
+
+@hookspec
+def on_compute(work: Work, stream: Stream, compute: ComputeFn) -> None:
+    """Run the owner's ``compute`` on the inputs ``on_recv`` left in ``work.slot``.
+
+    Called once per work item after its recv completed (an event edge on
+    device streams), on the compute stream.  The connector adapts its transfer
+    state to ``compute``'s signature (for example dequantizing with the received
+    dynamic scales) and stores the outputs in the slot for ``on_send``.
+
+    May touch: ``work.slot.state``, ``work.scratch``.  Must not: communicate, create
+    streams or events, synchronize the device.
+
+    :param work: as for ``on_recv``.
+    :param stream: the compute stream (already current).
+    :param compute: the executor owner's compute function (see ``ComputeFn``).
+    """
+
+
+@hookspec
+def on_send(work: Work, stream: Stream) -> None:
+    """Send the outputs of ``work.item`` from ``work.slot``.
+
+    Called once per work item after its compute completed, on the send stream.
+    When the send stream passes the end of this call the slot is released: the
+    next item bound to it may overwrite buffers and state.  A transfer that is
+    still in flight after the hook returns must therefore be complete by then on
+    this stream (wait for the communicator's work object here).
+
+    May touch: ``work.slot.state``, ``work.scratch``, its own communicator.  Must
+    not keep references to ``work`` after returning.
+
+    :param work: as for ``on_recv``.
+    :param stream: the send stream (already current).
+    """
+
+
+@hookspec
+def on_cleanup(work: Work, error: BaseException) -> None:
+    """Release what an abandoned work item holds.
+
+    Called exactly once for every work item that was in flight (issued, and its
+    ``on_send`` had not returned) when the executor failed or was closed past its
+    deadline; never for items whose ``on_send`` returned.  Runs on the thread that
+    called ``submit``/``drain``/``close``, after the streams were stopped or
+    abandoned, in issue order.
+
+    A phase hook of the same item may still be blocked on an abandoned stream
+    thread (host backend) while this runs: do not wait for it; cancel what can be
+    cancelled (a pending receive, an operator handle) and drop references.  Must
+    not raise; an exception here is logged and swallowed so every item is cleaned.
+
+    :param work: the abandoned item and its slot.
+    :param error: why: the phase's exception, or a
+        :class:`~afd_mrv2.errors.PipelineAborted` for work abandoned at close.
+    """

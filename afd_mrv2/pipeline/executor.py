@@ -1,0 +1,341 @@
+"""The shared executor: bounded in-flight work slots, explicit event edges.
+
+Work item ``k`` is bound to slot ``k % depth`` and issued as::
+
+    recv stream:    wait(slot.send_done)    on_recv(k)     record(slot.recv_done)
+    compute stream: wait(slot.recv_done)    on_compute(k)  record(slot.compute_done)
+    send stream:    wait(slot.compute_done) on_send(k)     record(slot.send_done)
+
+so recv(k+1) overlaps compute(k) overlaps send(k-1) when the roles have streams
+of their own, and every dependency is an event edge (a wait between two phases on
+the same stream is implied by FIFO order and not issued).  In the serialized
+fallback all three roles share one stream and the same hooks are called in the
+same order.
+
+Host waits, all documented:
+
+* before issuing item ``k`` the host waits for slot ``k % depth`` to be released
+  (its previous item's ``send_done``).  This bounds in-flight work to ``depth``
+  items and is the only host wait of the steady state; it is an event wait, never
+  a device-wide synchronize.  The device-side ``wait(slot.send_done)`` is issued
+  as well, so correctness does not depend on host timing (the happens-before
+  checker proves this with host edges ignored);
+* ``drain`` and ``close`` wait for every in-flight item.
+
+The executor is driven from one thread (the owner's): ``submit``, ``drain``,
+``run`` and ``close`` are not thread-safe among themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from afd_mrv2.config import MultistreamConfig
+from afd_mrv2.devices.base import DeviceBackend, Event, Span, Stream
+from afd_mrv2.errors import PipelineAborted, PipelineError
+from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.pipeline.events import EventPool
+from afd_mrv2.pipeline.streams import EXECUTOR_ROLES
+from afd_mrv2.pipeline.trace import Trace
+from afd_mrv2.pipeline.work import Slot, SlotEvents, Work, WorkItem
+from afd_mrv2.plugins import Plugins
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often a host wait re-checks for failures and deadlines
+
+
+@dataclass
+class CloseReport:
+    """What ``close`` (or a failure) left behind."""
+
+    abandoned: list[WorkItem] = field(default_factory=list)
+    abandoned_streams: dict[str, str] = field(default_factory=dict)
+    error: BaseException | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.abandoned and not self.abandoned_streams and self.error is None
+
+    def describe(self) -> str:
+        if self.clean:
+            return "closed cleanly"
+        parts = []
+        if self.error is not None:
+            parts.append(f"error: {self.error}")
+        if self.abandoned:
+            parts.append("abandoned work items: " + "; ".join(str(i) for i in self.abandoned))
+        if self.abandoned_streams:
+            parts.append("abandoned streams: " + "; ".join(f"{k} ({v})" for k, v in self.abandoned_streams.items()))
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+    item: WorkItem | None
+    phase: str | None
+
+
+class Executor:
+    """Runs work items through one connector's phase hooks; see the module docstring.
+
+    :param plugins: the registered connector and observers (:func:`load_plugins`).
+    :param backend: the stream/event backend.
+    :param config: the ``afd.multistream`` section.
+    :param compute: the owner's compute function, passed to ``on_compute``.
+    :param role: the AFD role this executor serves (``multistream.roles`` decides
+        whether it pipelines).
+    :param trace: where to collect one span per phase, or None.
+    """
+
+    def __init__(
+        self,
+        plugins: Plugins,
+        backend: DeviceBackend,
+        config: MultistreamConfig,
+        *,
+        compute: ComputeFn,
+        role: str = "ffn",
+        trace: Trace | None = None,
+    ) -> None:
+        self.config = config
+        self.pipelined = config.active_for(role)
+        self.depth = config.depth
+        self.backend = backend
+        self.trace = trace
+        self._compute = compute
+        hook = plugins.hook
+        self._hook = hook
+        self._phase_hooks: dict[str, Callable[..., object]] = {
+            "recv": hook.on_recv,
+            "compute": hook.on_compute,
+            "send": hook.on_send,
+        }
+        stream_config = config if self.pipelined else replace(config, enabled=False)
+        self.streams = self._create_streams(stream_config)
+        self._pool = EventPool(backend, 3 * self.depth)
+        self.slots = [
+            Slot(i, SlotEvents(self._pool.take(), self._pool.take(), self._pool.take())) for i in range(self.depth)
+        ]
+        self._in_flight: dict[int, Work] = {}  # slot index -> work bound to it
+        self._sent: set[int] = set()  # seq of items whose on_send returned
+        self._spans: dict[int, list[Span]] = {}  # slot index -> spans awaiting resolve
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._failure: _Failure | None = None
+        self._issued = 0
+        self._last_seq: int | None = None
+        self._report: CloseReport | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _create_streams(self, config: MultistreamConfig) -> dict[str, Stream]:
+        streams = self._hook.create_streams(backend=self.backend, roles=EXECUTOR_ROLES, config=config)
+        if not isinstance(streams, dict) or set(streams) != set(EXECUTOR_ROLES):
+            raise PipelineError(
+                f"create_streams returned {streams!r}; expected a dict with exactly the keys {', '.join(EXECUTOR_ROLES)}"
+            )
+        return streams
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def closed(self) -> bool:
+        return self._report is not None
+
+    @property
+    def in_flight(self) -> list[WorkItem]:
+        """Items issued whose on_send has not returned, in issue order."""
+        works = sorted(self._in_flight.values(), key=lambda w: w.item.seq)
+        return [w.item for w in works if w.item.seq not in self._sent]
+
+    def submit(self, item: WorkItem) -> None:
+        """Issue ``item``; blocks while all ``depth`` slots are in flight.
+
+        Raises :class:`PipelineError` (naming the failed item and phase) once any
+        phase has failed, and after ``close``.
+        """
+        self._check_open()
+        if self._last_seq is not None and item.seq <= self._last_seq:
+            raise ValueError(f"work items must be submitted in increasing seq order: {item} after seq={self._last_seq}")
+        slot = self.slots[self._issued % self.depth]
+        self._wait_slot_free(slot)
+        work = Work(item, slot, self._cancel)
+        slot.item = item
+        self._in_flight[slot.index] = work
+        self._last_seq = item.seq
+        self._issued += 1
+        self._issue(work)
+
+    def drain(self) -> None:
+        """Wait until every issued item completed; raise if any phase failed."""
+        self._check_open()
+        for slot in self._slots_in_issue_order():
+            self._wait_slot_free(slot)
+
+    def run(self, items: Iterable[WorkItem]) -> None:
+        """``submit`` every item, then ``drain``."""
+        for item in items:
+            self.submit(item)
+        self.drain()
+
+    def close(self, deadline_s: float | None = None) -> CloseReport:
+        """Finish in-flight work within ``deadline_s`` seconds, else abandon it.
+
+        Returns within ``deadline_s`` plus a small grace period (threads blocked
+        inside a hook are left behind as daemons and reported, never joined
+        forever).  Abandoned items get ``on_cleanup``.  Idempotent.
+        """
+        if self._report is not None:
+            return self._report
+        timeout = self.config.close_timeout_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + timeout
+        error: BaseException | None = None
+        if self._failure is None:
+            try:
+                for slot in self._slots_in_issue_order():
+                    if not self._wait_slot_free(slot, deadline=deadline):
+                        error = PipelineAborted(f"closed after {timeout:g} s with work in flight")
+                        break
+            except PipelineError:
+                return self._report  # a phase failed while draining; _raise_failure stopped us
+        if self._failure is not None:
+            error = self._failure.error
+        return self._stop(error, deadline)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ issuing
+
+    def _issue(self, work: Work) -> None:
+        events = work.slot.events
+        recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
+        if recv is not send:
+            recv.wait(events.send_done)  # slot reuse edge (device side)
+        self._submit_phase("recv", recv, work)
+        if compute is not recv:
+            recv.record(events.recv_done)
+            compute.wait(events.recv_done)
+        self._submit_phase("compute", compute, work)
+        if send is not compute:
+            compute.record(events.compute_done)
+            send.wait(events.compute_done)
+        self._submit_phase("send", send, work)
+        send.record(events.send_done)
+
+    def _submit_phase(self, phase: str, stream: Stream, work: Work) -> None:
+        span = Span(phase, stream.name, stream.stream_id, work.item, work.slot.index)
+        if self.trace is not None:
+            self.trace.add(span)
+            self._spans.setdefault(work.slot.index, []).append(span)
+        stream.submit(self._phase_runner(phase, stream, work), span)
+
+    def _phase_runner(self, phase: str, stream: Stream, work: Work) -> Callable[[], None]:
+        hook = self._phase_hooks[phase]
+        cancel = self._cancel
+
+        def run() -> None:
+            if cancel.is_set():
+                return
+            try:
+                if phase == "compute":
+                    hook(work=work, stream=stream, compute=self._compute)
+                else:
+                    hook(work=work, stream=stream)
+                    if phase == "send":
+                        self._sent.add(work.item.seq)
+            except BaseException as exc:  # noqa: BLE001 - reported with the item's identity
+                self._fail(exc, work.item, phase)
+
+        return run
+
+    # ------------------------------------------------------------------ waiting
+
+    def _slots_in_issue_order(self) -> list[Slot]:
+        works = sorted(self._in_flight.values(), key=lambda w: w.item.seq)
+        return [w.slot for w in works]
+
+    def _wait_slot_free(self, slot: Slot, *, deadline: float | None = None) -> bool:
+        """Wait for the slot's item to finish and release it; False at ``deadline``."""
+        if slot.index not in self._in_flight:
+            return True
+        if not self._await(slot.events.send_done, deadline):
+            return False
+        work = self._in_flight.pop(slot.index)
+        self._sent.discard(work.item.seq)
+        slot.item = None
+        spans = self._spans.pop(slot.index, None)
+        if spans:
+            self.backend.resolve(spans)
+        return True
+
+    def _await(self, event: Event, deadline: float | None) -> bool:
+        while True:
+            try:
+                done = event.synchronize(timeout=_POLL_S)
+            except PipelineAborted:
+                done = False
+            if self._failure is not None:
+                self._raise_failure()
+            if done:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    # ------------------------------------------------------------------ failure and stop
+
+    def _fail(self, error: BaseException, item: WorkItem | None, phase: str | None) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = _Failure(error, item, phase)
+        self._cancel.set()
+        self.backend.abort()
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            self._raise_failure()
+        if self._report is not None:
+            raise PipelineError("the executor is closed")
+
+    def _raise_failure(self) -> None:
+        failure = self._failure
+        assert failure is not None
+        if self._report is None:
+            self._stop(failure.error, time.monotonic() + self.config.close_timeout_s)
+        where = f"on_{failure.phase} failed for work item {failure.item}" if failure.item else "the pipeline failed"
+        message = f"{where}: {type(failure.error).__name__}: {failure.error}"
+        raise PipelineError(message, item=failure.item, phase=failure.phase) from failure.error
+
+    def _stop(self, error: BaseException | None, deadline: float) -> CloseReport:
+        """Stop everything, clean up abandoned items once each, and record the report."""
+        abandoned = [w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent]
+        if error is not None or abandoned:
+            self._cancel.set()
+            self.backend.abort()
+        streams = self.backend.close(deadline)
+        reason = error if error is not None else PipelineAborted("abandoned at close")
+        for work in abandoned:
+            try:
+                self._hook.on_cleanup(work=work, error=reason)
+            except Exception:  # noqa: BLE001 - every item must get its cleanup
+                log.exception("on_cleanup raised for %s; continuing", work.item)
+        self._in_flight.clear()
+        self._sent.clear()
+        self._report = CloseReport(
+            abandoned=[w.item for w in abandoned],
+            abandoned_streams=dict(streams.abandoned_streams),
+            error=error,
+        )
+        if not self._report.clean:
+            log.warning("afd-mrv2 executor stopped: %s", self._report.describe())
+        return self._report

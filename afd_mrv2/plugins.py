@@ -1,0 +1,166 @@
+"""The plugin manager: discovers connectors and observers, registers the chosen ones.
+
+Connectors and observers are found in the ``afd_mrv2`` entry-point group, the
+built-in ones exactly like third-party ones.  An entry point names a factory (a
+class, usually) called as ``factory(context=ConnectorContext(...))``; the object it
+returns is registered with pluggy.  What the object implements decides its kind:
+
+* a **connector** implements ``on_recv``, ``on_compute`` and ``on_send`` as plain
+  hook implementations; exactly one connector, chosen by ``afd.connector``, is
+  registered per executor, so exactly one connector's phase hooks run per item;
+* an **observer** implements phase hooks only as wrappers
+  (``@hookimpl(wrapper=True)``), plus any ``on_cleanup``; the ones named in
+  ``afd.observers`` are registered around the connector.
+
+Third-party distribution example (``pyproject.toml``)::
+
+    [project.entry-points.afd_mrv2]
+    my_link = "my_pkg.connector:MyLinkConnector"
+    my_checker = "my_pkg.checks:OrderingObserver"
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from afd_mrv2 import hookspecs
+from afd_mrv2.config import AfdConfig
+from afd_mrv2.errors import PluginError
+from afd_mrv2.pipeline.streams import DefaultStreams
+
+ENTRY_POINT_GROUP = "afd_mrv2"
+PHASE_HOOKS = ("on_recv", "on_compute", "on_send")
+HOOK_NAMES = ("create_streams", *PHASE_HOOKS, "on_cleanup")
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector or observer factory receives.
+
+    config: the parsed ``afd`` section (``config.extra`` is ``connector_extra_config``).
+    resources: runtime objects the embedding application provides, by name.  Keys
+    used by afd-mrv2's own runners: ``process_group`` (a torch.distributed group),
+    ``rank_map`` (the AFD topology), ``model`` (the model-side spec the connector
+    needs for buffer shapes).  A factory must fail with a clear error when a
+    resource it needs is missing.
+    """
+
+    config: AfdConfig
+    resources: Mapping[str, Any] = field(default_factory=dict)
+
+    def resource(self, name: str) -> Any:
+        """The named resource, or a :class:`PluginError` saying who must provide it."""
+        try:
+            return self.resources[name]
+        except KeyError:
+            raise PluginError(
+                f"connector {self.config.connector!r} needs the runtime resource {name!r}, "
+                f"which its runner did not provide (provided: {', '.join(sorted(self.resources)) or 'none'})"
+            ) from None
+
+
+@dataclass
+class Plugins:
+    """A plugin manager with one connector and its observers registered."""
+
+    manager: pluggy.PluginManager
+    connector_name: str
+    connector: object
+    observers: dict[str, object]
+
+    @property
+    def hook(self) -> Any:
+        return self.manager.hook
+
+
+def new_manager() -> pluggy.PluginManager:
+    """A plugin manager with the hook specs and the default ``create_streams``."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    manager.register(DefaultStreams(), name="afd_mrv2.default_streams")
+    return manager
+
+
+def entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """Installed entry points of the ``afd_mrv2`` group, by name."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def classify(factory: object) -> str:
+    """``connector`` or ``observer``, from the hook implementations ``factory`` declares."""
+    probe = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    plain, wrappers = set(), set()
+    for name in HOOK_NAMES:
+        opts = probe.parse_hookimpl_opts(factory, name)  # type: ignore[arg-type]
+        if opts is None:
+            continue
+        (wrappers if opts.get("wrapper") or opts.get("hookwrapper") else plain).add(name)
+    phases = plain & set(PHASE_HOOKS)
+    if phases == set(PHASE_HOOKS):
+        return "connector"
+    if phases:
+        raise PluginError(
+            f"{_describe(factory)} implements {', '.join(sorted(phases))} but not all of "
+            f"{', '.join(PHASE_HOOKS)}: a connector implements all three phase hooks, "
+            "an observer implements them only as wrappers"
+        )
+    return "observer"
+
+
+def installed() -> dict[str, str]:
+    """Every installed plugin name -> ``connector``, ``observer`` or a load error."""
+    found = {}
+    for name, ep in sorted(entry_points().items()):
+        try:
+            found[name] = classify(ep.load())
+        except Exception as exc:  # noqa: BLE001 - listing must survive one broken plugin
+            found[name] = f"broken ({type(exc).__name__}: {exc})"
+    return found
+
+
+def load_plugins(config: AfdConfig, *, resources: Mapping[str, Any] | None = None) -> Plugins:
+    """Register the connector ``config.connector`` and the observers ``config.observers``.
+
+    Raises :class:`PluginError` naming the installed connectors when the requested
+    one is not installed, and for a plugin of the wrong kind.
+    """
+    context = ConnectorContext(config=config, resources=dict(resources or {}))
+    points = entry_points()
+    manager = new_manager()
+    connector = _instantiate(points, config.connector, "connector", context)
+    manager.register(connector, name=f"connector:{config.connector}")
+    observers = {}
+    for name in config.observers:
+        observer = _instantiate(points, name, "observer", context)
+        manager.register(observer, name=f"observer:{name}")
+        observers[name] = observer
+    return Plugins(manager, config.connector, connector, observers)
+
+
+def _instantiate(points: dict[str, importlib.metadata.EntryPoint], name: str, kind: str, context: ConnectorContext) -> object:
+    if name not in points:
+        available = [n for n, k in installed().items() if k == kind]
+        raise PluginError(
+            f"{kind} {name!r} is not installed (entry-point group {ENTRY_POINT_GROUP!r}); "
+            f"installed {kind}s: {', '.join(available) or 'none'}"
+        )
+    try:
+        factory = points[name].load()
+    except Exception as exc:
+        raise PluginError(f"{kind} {name!r} failed to load from {points[name].value!r}: {exc}") from exc
+    actual = classify(factory)
+    if actual != kind:
+        raise PluginError(f"{name!r} is installed as {actual}, not as {kind}; check afd.connector / afd.observers")
+    if isinstance(factory, types.ModuleType) or not callable(factory):
+        raise PluginError(f"{kind} {name!r}: entry point {points[name].value!r} must name a class or factory")
+    return factory(context=context)
+
+
+def _describe(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
