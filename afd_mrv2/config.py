@@ -139,7 +139,7 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
         compute_gate_on_attention=section.boolean("compute_gate_on_attention", False),
         async_mode=section.boolean("async", False),
         observers=section.names("observers"),
-        connector_extra_config=tuple(sorted((k, _freeze(v, f"{key}.connector_extra_config.{k}")) for k, v in extra.items())),
+        connector_extra_config=tuple(sorted((k, _freeze(v, _join_key(f"{key}.connector_extra_config", k))) for k, v in extra.items())),
         multistream=parse_multistream(section.get("multistream", None), key=f"{key}.multistream"),
     )
 
@@ -168,7 +168,7 @@ class _Section:
             raise ConfigError(key, f"expected a mapping, got {_show(raw)}")
         for name in raw:
             if name not in accepted:
-                raise ConfigError(f"{key}.{name}", f"unknown key; accepted keys: {', '.join(sorted(accepted))}")
+                raise ConfigError(_join_key(key, name), f"unknown key; accepted keys: {', '.join(sorted(accepted))}")
         self.raw = raw
         self.key = key
 
@@ -233,6 +233,13 @@ class _Section:
         return tuple(value)
 
 
+def _join_key(base: str, name: object) -> str:
+    """``base.name`` for plain names; ``base[<repr>]`` for anything that would not read well."""
+    if isinstance(name, str) and name and name.isprintable() and " " not in name and "." not in name:
+        return f"{base}.{name}"
+    return f"{base}[{name!r}]"
+
+
 def _show(value: object) -> str:
     text = repr(value)
     if len(text) > 60:
@@ -243,7 +250,7 @@ def _show(value: object) -> str:
 def _freeze(value: Any, key: str) -> Any:
     """JSON-like value -> hashable equivalent (dicts become sorted item tuples)."""
     if isinstance(value, Mapping):
-        return ("__map__", tuple(sorted((str(k), _freeze(v, f"{key}.{k}")) for k, v in value.items())))
+        return ("__map__", tuple(sorted((str(k), _freeze(v, _join_key(key, k))) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
         return ("__seq__", tuple(_freeze(v, key) for v in value))
     if value is None or isinstance(value, (bool, int, float, str)):

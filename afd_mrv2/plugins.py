@@ -132,18 +132,36 @@ def load_plugins(config: AfdConfig, *, resources: Mapping[str, Any] | None = Non
     """
     context = ConnectorContext(config=config, resources=dict(resources or {}))
     points = entry_points()
+    # Resolve and check every factory before building any plugin object.
+    factories = {name: _factory(points, name, "observer") for name in config.observers}
+    connector_factory = _factory(points, config.connector, "connector")
     manager = new_manager()
-    connector = _instantiate(points, config.connector, "connector", context)
+    connector = connector_factory(context=context)
     manager.register(connector, name=f"connector:{config.connector}")
     observers = {}
-    for name in config.observers:
-        observer = _instantiate(points, name, "observer", context)
-        manager.register(observer, name=f"observer:{name}")
-        observers[name] = observer
+    for name, factory in factories.items():
+        observers[name] = factory(context=context)
+        manager.register(observers[name], name=f"observer:{name}")
     return Plugins(manager, config.connector, connector, observers)
 
 
-def _instantiate(points: dict[str, importlib.metadata.EntryPoint], name: str, kind: str, context: ConnectorContext) -> object:
+def plugins_for(connector: object, *, observers: Mapping[str, object] | None = None, name: str = "custom") -> Plugins:
+    """Register already-built plugin objects (checked like entry-point ones).
+
+    For applications that construct their connector themselves, and for tests.
+    """
+    if classify(connector) != "connector":
+        raise PluginError(f"{_describe(type(connector))} does not implement the phase hooks of a connector")
+    manager = new_manager()
+    manager.register(connector, name=f"connector:{name}")
+    for observer_name, observer in (observers or {}).items():
+        if classify(observer) != "observer":
+            raise PluginError(f"observer {observer_name!r} implements phase hooks as a connector would")
+        manager.register(observer, name=f"observer:{observer_name}")
+    return Plugins(manager, name, connector, dict(observers or {}))
+
+
+def _factory(points: dict[str, importlib.metadata.EntryPoint], name: str, kind: str) -> Any:
     if name not in points:
         available = [n for n, k in installed().items() if k == kind]
         raise PluginError(
@@ -159,7 +177,7 @@ def _instantiate(points: dict[str, importlib.metadata.EntryPoint], name: str, ki
         raise PluginError(f"{name!r} is installed as {actual}, not as {kind}; check afd.connector / afd.observers")
     if isinstance(factory, types.ModuleType) or not callable(factory):
         raise PluginError(f"{kind} {name!r}: entry point {points[name].value!r} must name a class or factory")
-    return factory(context=context)
+    return factory
 
 
 def _describe(obj: object) -> str:

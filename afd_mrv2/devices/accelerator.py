@@ -46,7 +46,7 @@ def _poll(done: Callable[[], bool], backend: AcceleratorBackend, timeout: float 
 
 
 class AcceleratorEvent:
-    __slots__ = ("native", "_backend")
+    __slots__ = ("_backend", "native")
 
     def __init__(self, backend: AcceleratorBackend, native: torch.Event) -> None:
         self.native = native

@@ -26,6 +26,7 @@ does not depend on the host waiting).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class _Clocks:
             if op.kind == "wait" and op.bound is not None:
                 clock = _join(clock, self.clocks[op.bound])
             i = self.index[op.stream]
-            clock = clock[:i] + (clock[i] + 1,) + clock[i + 1 :]
+            clock = (*clock[:i], clock[i] + 1, *clock[i + 1:])
             last[op.stream] = clock
             self.clocks.append(clock)
 
@@ -79,7 +80,7 @@ class _Clocks:
 
 
 def _join(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(max(p, q) for p, q in zip(x, y))
+    return tuple(max(p, q) for p, q in zip(x, y, strict=False))
 
 
 def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Violation]:
@@ -125,7 +126,7 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
 
     for phase in ("recv", "compute", "send"):
         ordered = [phases[key][phase] for key in issue_order if phase in phases[key]]
-        for a, b in zip(ordered, ordered[1:]):
+        for a, b in itertools.pairwise(ordered):
             require(
                 "phase-order",
                 a,

@@ -16,6 +16,7 @@ instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -32,7 +33,7 @@ _ids = itertools.count(1)
 class HostEvent:
     """An event with generation counting: records and waits pair like on CUDA."""
 
-    __slots__ = ("_backend", "_cond", "_recorded", "_completed")
+    __slots__ = ("_backend", "_completed", "_cond", "_recorded")
 
     def __init__(self, backend: HostBackend) -> None:
         self._backend = backend
@@ -126,10 +127,8 @@ class HostStream:
                 obj._complete(arg)
             elif kind == _WAIT:
                 self.running = "waiting on an event"
-                try:
+                with contextlib.suppress(PipelineAborted):
                     obj._wait_for(arg, None)
-                except PipelineAborted:
-                    pass
             else:
                 self._run(obj, arg)
             self.running = None

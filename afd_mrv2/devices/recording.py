@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from afd_mrv2.devices.base import CloseReport, Span
 from afd_mrv2.errors import PipelineAborted
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
     """One entry of the op log.
 
     kind: ``submit`` | ``record`` | ``wait`` | ``sync`` (host waits on an event).
@@ -44,7 +42,7 @@ class Op:
 
 
 class RecordingEvent:
-    __slots__ = ("event_id", "_backend", "last_record")
+    __slots__ = ("_backend", "event_id", "last_record")
 
     def __init__(self, backend: RecordingBackend, event_id: int) -> None:
         self.event_id = event_id

@@ -318,16 +318,18 @@ class Executor:
 
     def _stop(self, error: BaseException | None, deadline: float) -> CloseReport:
         """Stop everything, clean up abandoned items once each, and record the report."""
-        abandoned = [w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent]
-        if error is not None or abandoned:
+        if error is not None or self.in_flight:
             self._cancel.set()
             self.backend.abort()
         streams = self.backend.close(deadline)
+        # Only now, with the streams stopped (or abandoned), is "in flight" final: a
+        # send that was running when we aborted may have completed meanwhile.
+        abandoned = [w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent]
         reason = error if error is not None else PipelineAborted("abandoned at close")
         for work in abandoned:
             try:
                 self._hook.on_cleanup(work=work, error=reason)
-            except Exception:  # noqa: BLE001 - every item must get its cleanup
+            except Exception:
                 log.exception("on_cleanup raised for %s; continuing", work.item)
         self._in_flight.clear()
         self._sent.clear()

@@ -1,0 +1,146 @@
+"""Test connectors and observers (plain hook implementations, no transport).
+
+``RecordingConnector`` makes each item's inputs from its identity, runs the owner's
+``compute`` and keeps the outputs; it records every hook call, with the thread it
+ran on, and can be told to sleep, fail or block in a given phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_mrv2 import hookimpl
+from afd_mrv2.pipeline import Work, WorkItem
+
+
+def item_inputs(item: WorkItem, rows: int = 8, width: int = 32) -> torch.Tensor:
+    base = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width) / (rows * width)
+    return base + item.layer_idx + 0.1 * item.stage_idx + 0.01 * item.seq
+
+
+def matmul_compute(width: int = 32, reps: int = 2) -> Callable[[WorkItem, torch.Tensor], torch.Tensor]:
+    weight = torch.randn(width, width, generator=torch.Generator().manual_seed(7)) / width**0.5
+
+    def compute(item: WorkItem, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(reps):
+            x = torch.tanh(x @ weight)
+        return x
+
+    return compute
+
+
+@dataclass
+class Call:
+    phase: str
+    item: WorkItem
+    slot: int
+    thread: str
+
+
+@dataclass
+class RecordingConnector:
+    sleep_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    fail: tuple[str, int] | None = None  # (phase, seq) that raises
+    block: tuple[str, int] | None = None  # (phase, seq) that blocks forever (ignores cancellation)
+    block_cooperative: tuple[str, int] | None = None  # blocks until work.cancelled
+    calls: list[Call] = field(default_factory=list)
+    outputs: dict[WorkItem, torch.Tensor] = field(default_factory=dict)
+    cleanups: list[tuple[WorkItem, BaseException]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    never: threading.Event = field(default_factory=threading.Event)
+
+    def _enter(self, phase: str, work: Work) -> None:
+        with self._lock:
+            self.calls.append(Call(phase, work.item, work.slot.index, threading.current_thread().name))
+        if self.fail == (phase, work.item.seq):
+            raise RuntimeError(f"planted failure in {phase}")
+        if self.block == (phase, work.item.seq):
+            self.never.wait()
+        if self.block_cooperative == (phase, work.item.seq):
+            while not work.cancelled:
+                time.sleep(0.005)
+            work.raise_if_cancelled()
+        if self.sleep_s.get(phase):
+            time.sleep(self.sleep_s[phase])
+
+    @hookimpl
+    def on_recv(self, work: Work) -> None:
+        self._enter("recv", work)
+        work.slot.state = item_inputs(work.item)
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: Callable) -> None:
+        self._enter("compute", work)
+        work.scratch["out"] = compute(work.item, work.slot.state)
+
+    @hookimpl
+    def on_send(self, work: Work) -> None:
+        self._enter("send", work)
+        self.outputs[work.item] = work.scratch["out"]
+
+    @hookimpl
+    def on_cleanup(self, work: Work, error: BaseException) -> None:
+        self.cleanups.append((work.item, error))
+
+    def sequence(self, item: WorkItem) -> list[tuple[str, int]]:
+        return [(c.phase, c.slot) for c in self.calls if c.item == item]
+
+    def order(self, phase: str) -> list[WorkItem]:
+        return [c.item for c in self.calls if c.phase == phase]
+
+
+class NoopConnector:
+    @hookimpl
+    def on_recv(self, work: Work) -> None:
+        pass
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: Callable) -> None:
+        pass
+
+    @hookimpl
+    def on_send(self, work: Work) -> None:
+        pass
+
+
+@dataclass
+class PhaseObserver:
+    """Wraps every phase; records (phase, item, raised?) after the connector ran."""
+
+    seen: list[tuple[str, WorkItem, bool]] = field(default_factory=list)
+
+    def _wrap(self, phase: str, work: Work):  # type: ignore[no-untyped-def]
+        try:
+            result = yield
+        except BaseException:
+            self.seen.append((phase, work.item, True))
+            raise
+        self.seen.append((phase, work.item, False))
+        return result
+
+    @hookimpl(wrapper=True)
+    def on_recv(self, work: Work):  # type: ignore[no-untyped-def]
+        return (yield from self._wrap("recv", work))
+
+    @hookimpl(wrapper=True)
+    def on_compute(self, work: Work):  # type: ignore[no-untyped-def]
+        return (yield from self._wrap("compute", work))
+
+    @hookimpl(wrapper=True)
+    def on_send(self, work: Work):  # type: ignore[no-untyped-def]
+        return (yield from self._wrap("send", work))
+
+
+def grid(layers: int, stages: int, per_stage: int) -> list[WorkItem]:
+    """layers x stages x per_stage work items with increasing seq."""
+    items = []
+    for _ in range(per_stage):
+        for layer in range(layers):
+            for stage in range(stages):
+                items.append(WorkItem(layer, stage, len(items)))
+    return items

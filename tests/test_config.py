@@ -1,0 +1,141 @@
+"""The typed ``afd`` / ``afd.multistream`` configuration: defaults, errors, fuzzing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd_mrv2.config import MultistreamConfig, parse_afd_config, parse_multistream
+from afd_mrv2.errors import ConfigError
+
+
+def test_defaults_are_the_serialized_fallback() -> None:
+    config = parse_multistream(None)
+    assert config == MultistreamConfig()
+    assert config.enabled is False and config.depth == 2
+    assert not config.active_for("ffn")
+
+
+def test_valid_section_round_trips_and_is_hashable() -> None:
+    config = parse_multistream(
+        {"enabled": True, "depth": 4, "roles": ["attention", "ffn"], "phases": ["send"], "backend": "host", "trace": True}
+    )
+    assert config.depth == 4 and config.phases == ("send",) and config.roles == ("attention", "ffn")
+    assert config.active_for("attention") and config.active_for("ffn")
+    hash(config)
+
+
+def test_afd_section_parses_upstream_keys() -> None:
+    config = parse_afd_config(
+        {
+            "connector": "simlink",
+            "role": "ffn",
+            "num_attention_ranks": 4,
+            "num_ffn_ranks": 2,
+            "async": True,
+            "connector_extra_config": {"latency_us": 10, "nested": {"a": [1, 2]}},
+            "multistream": {"enabled": True},
+        }
+    )
+    assert config.async_mode is True and config.num_attention_ranks == 4
+    assert config.extra == {"latency_us": 10, "nested": {"a": [1, 2]}}
+    hash(config)
+
+
+# (section, expected key named in the error)
+MALFORMED_MULTISTREAM = [
+    ({"depth": 0}, "afd.multistream.depth"),
+    ({"depth": 9}, "afd.multistream.depth"),
+    ({"depth": "2"}, "afd.multistream.depth"),
+    ({"depth": True}, "afd.multistream.depth"),
+    ({"depth": 2.0}, "afd.multistream.depth"),
+    ({"enabled": "yes"}, "afd.multistream.enabled"),
+    ({"enabled": 1}, "afd.multistream.enabled"),
+    ({"roles": "ffn"}, "afd.multistream.roles"),
+    ({"roles": []}, "afd.multistream.roles"),
+    ({"roles": ["ffn", "ffn"]}, "afd.multistream.roles"),
+    ({"roles": ["expert"]}, "afd.multistream.roles"),
+    ({"phases": ["compute"]}, "afd.multistream.phases"),
+    ({"phases": []}, "afd.multistream.phases"),
+    ({"backend": "cuda"}, "afd.multistream.backend"),
+    ({"close_timeout_s": 0}, "afd.multistream.close_timeout_s"),
+    ({"close_timeout_s": float("nan")}, "afd.multistream.close_timeout_s"),
+    ({"close_timeout_s": -1}, "afd.multistream.close_timeout_s"),
+    ({"trace": None}, "afd.multistream.trace"),
+    ({"dpeth": 2}, "afd.multistream.dpeth"),
+    ({"is_multistream": True}, "afd.multistream.is_multistream"),
+]
+
+
+@pytest.mark.parametrize(("section", "key"), MALFORMED_MULTISTREAM)
+def test_malformed_multistream_gives_one_line_naming_the_key(section: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_multistream(section)
+    message = str(info.value)
+    assert info.value.key == key
+    assert message.startswith(key + ":")
+    assert "\n" not in message
+    assert "expected" in message or "accepted" in message
+
+
+def test_unknown_key_lists_the_accepted_ones() -> None:
+    with pytest.raises(ConfigError, match="accepted keys: backend, close_timeout_s, depth, enabled, phases, roles, trace"):
+        parse_multistream({"depht": 3})
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"role": "ffn"}, "afd.connector"),
+        ({"connector": "x"}, "afd.role"),
+        ({"connector": "x", "role": "expert"}, "afd.role"),
+        ({"connector": "", "role": "ffn"}, "afd.connector"),
+        ({"connector": "x", "role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 3}, "afd.num_ffn_ranks"),
+        ({"connector": "x", "role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}, "afd.num_ffn_ranks"),
+        ({"connector": "x", "role": "ffn", "port": 70000}, "afd.port"),
+        ({"connector": "x", "role": "ffn", "observers": "trace"}, "afd.observers"),
+        ({"connector": "x", "role": "ffn", "connector_extra_config": [1]}, "afd.connector_extra_config"),
+        ({"connector": "x", "role": "ffn", "connector_extra_config": {"f": object()}}, "afd.connector_extra_config.f"),
+        ({"connector": "x", "role": "ffn", "multistream": []}, "afd.multistream"),
+        ({"connector": "x", "role": "ffn", "multistream": {"depth": -1}}, "afd.multistream.depth"),
+    ],
+)
+def test_malformed_afd_section(section: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_afd_config(section)
+    assert info.value.key == key
+    assert "\n" not in str(info.value)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 12) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+multistream_keys = st.sampled_from(["enabled", "depth", "roles", "phases", "backend", "close_timeout_s", "trace", "x"])
+values = json_values | st.sampled_from(["ffn", "attention", "recv", "send", "host", ["ffn"], ["recv", "send"], 3])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(multistream_keys, values, max_size=6) | json_values)
+def test_fuzzed_multistream_only_raises_config_error(raw: object) -> None:
+    try:
+        config = parse_multistream(raw)
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and exc.key.startswith("afd.multistream")
+    else:
+        assert 1 <= config.depth <= 8
+        hash(config)
+
+
+afd_keys = st.sampled_from(["connector", "role", "num_attention_ranks", "num_ffn_ranks", "port", "observers", "async", "multistream", "zz"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(afd_keys, values | st.dictionaries(multistream_keys, values, max_size=3), max_size=6))
+def test_fuzzed_afd_section_only_raises_config_error(raw: dict) -> None:
+    try:
+        parse_afd_config(raw)
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and exc.key.startswith("afd")

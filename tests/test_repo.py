@@ -1,0 +1,28 @@
+"""The repository contract: README's commands and what CI runs agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"```sh\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    main_job, tests = readme_commands()[:2]
+    assert tests.endswith("python -m pytest")
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci_lines[-1] == tests
+    assert main_job.startswith(tests.rsplit("&&", 1)[0])  # same set-up, then the main job
+
+
+def test_readme_main_job_is_a_registered_command() -> None:
+    from afd_mrv2.cli import COMMANDS
+
+    main_job = readme_commands()[0]
+    command = main_job.rsplit("&&", 1)[1].split()
+    assert command[0] == "afd-mrv2" and command[1] in COMMANDS
