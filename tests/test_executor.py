@@ -65,16 +65,19 @@ def test_serialized_and_pipelined_make_identical_calls_and_outputs() -> None:
 
 
 def test_pipelined_run_overlaps_phases_loose_bound() -> None:
-    """Sleep-only phases, so the bound holds on a loaded 2-core machine (ideal 2.7x)."""
-    items = grid(2, 2, 3)
+    """Sleep-only phases, so the bound holds on a loaded 2-core machine (ideal 2.4x).
+
+    The real overlap numbers come from ``afd-mrv2 demo`` (ratios measured side by side).
+    """
+    items = grid(2, 2, 2)
     walls = {}
     for enabled in (False, True):
-        connector = RecordingConnector(sleep_s={"recv": 0.01, "compute": 0.01, "send": 0.01})
+        connector = RecordingConnector(sleep_s={"recv": 0.02, "compute": 0.02, "send": 0.02})
         with make(connector, enabled=enabled, depth=3) as executor:
             start = time.perf_counter()
             executor.run(items)
             walls[enabled] = time.perf_counter() - start
-    assert walls[False] / walls[True] > 1.5, walls
+    assert walls[False] / walls[True] > 1.3, walls
 
 
 def test_failure_in_compute_cleans_every_in_flight_item_once() -> None:
