@@ -147,7 +147,10 @@ def on_send(work: Work, stream: Stream) -> None:
     this stream (wait for the communicator's work object here).
 
     May touch: ``work.slot.state``, ``work.scratch``, its own communicator.  Must
-    not keep references to ``work`` after returning.
+    not keep references to ``work`` after returning.  On accelerators, an output
+    that ``on_compute`` allocated (rather than wrote into a preallocated slot
+    buffer) is read here on another stream: call
+    ``tensor.record_stream(stream.native)`` before using it.
 
     :param work: as for ``on_recv``.
     :param stream: the send stream (already current).

@@ -22,7 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--items", type=int, default=32, help="work items per run (default 32)")
     parser.add_argument("--depth", type=int, nargs="+", default=[2, 3], help="in-flight depths to run (default 2 3)")
     parser.add_argument("--phase-ms", type=float, default=5.0, help="time of each phase in ms (default 5)")
-    parser.add_argument("--backend", choices=["host", "accelerator"], default="host")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON (Perfetto) of all runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(handler=run)
@@ -34,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.items < 1 or args.phase_ms <= 0 or any(not 1 <= d <= 8 for d in args.depth):
         raise SystemExit("afd-mrv2 demo: --items must be >= 1, --phase-ms > 0, each --depth in 1..8")
-    rows, results = compare(items=args.items, depths=tuple(args.depth), phase_s=args.phase_ms / 1e3, backend=args.backend)
+    rows, results = compare(items=args.items, depths=tuple(args.depth), phase_s=args.phase_ms / 1e3)
     trace_path = None
     if args.trace:
         trace_path = str(write_chrome_trace(args.trace, [r.trace for r in results], distinct_pids=True))
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     headers = ["mode", "makespan ms", "bound ms", "efficiency", "hidden comm", "speedup", "max |diff|"]
     keys = ["mode", "makespan_ms", "lower_bound_ms", "efficiency", "hidden_comm_fraction", "speedup", "max_abs_diff"]
-    print(f"simulated link, {args.items} work items, recv = compute = send = {args.phase_ms:g} ms ({args.backend} backend)")
+    print(f"simulated link, {args.items} work items, recv = compute = send = {args.phase_ms:g} ms (host backend)")
     print(format_table(headers, [[row[k] for k in keys] for row in rows]))
     print("bound = flow-shop lower bound; efficiency = bound / makespan; speedup = serialized wall / this wall")
     if trace_path:
