@@ -26,6 +26,7 @@ ROLES = ("attention", "ffn")
 STREAM_PHASES = ("recv", "send")
 BACKENDS = ("auto", "accelerator", "host", "recording")
 MAX_DEPTH = 8
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,14 @@ class MultistreamConfig:
         order: the serialized fallback.  True gives recv and send their own
         streams so they overlap compute.
     depth
-        In-flight work slots (1..8).  Slot ``k % depth`` carries work item ``k``;
-        a slot is reused only after its previous send completed.
+        In-flight work slots (1..8), or ``"auto"``.  Slot ``k % depth`` carries
+        work item ``k``; a slot is reused only after its previous send completed,
+        so three balanced phases need depth 3 to all overlap.  ``"auto"`` runs the
+        first ``auto_window`` items at depth 8, measures their phase times, picks
+        the smallest depth the analytic model (:mod:`afd_mrv2.pipeline.model`)
+        puts within 5 % of unbounded depth, logs the choice once, and keeps it.
+    auto_window
+        Work items measured before ``depth: "auto"`` decides (1..1024, default 8).
     roles
         Which AFD roles run multistream when enabled (``attention``, ``ffn``).
     phases
@@ -56,12 +63,22 @@ class MultistreamConfig:
     """
 
     enabled: bool = False
-    depth: int = 2
+    depth: int | str = 2
+    auto_window: int = 8
     roles: tuple[str, ...] = ("ffn",)
     phases: tuple[str, ...] = STREAM_PHASES
     backend: str = "auto"
     close_timeout_s: float = 10.0
     trace: bool = False
+
+    @property
+    def auto_depth(self) -> bool:
+        return self.depth == AUTO
+
+    @property
+    def slots(self) -> int:
+        """Slots to allocate: the fixed depth, or the most ``auto`` may choose."""
+        return MAX_DEPTH if self.depth == AUTO else int(self.depth)
 
     def active_for(self, role: str) -> bool:
         """True when ``role`` runs the pipelined (multistream) schedule."""
@@ -107,7 +124,8 @@ def parse_multistream(raw: object, *, key: str = "afd.multistream") -> Multistre
     section = _Section(raw, key, _MULTISTREAM_KEYS)
     return MultistreamConfig(
         enabled=section.boolean("enabled", False),
-        depth=section.integer("depth", 2, low=1, high=MAX_DEPTH),
+        depth=section.depth("depth", 2),
+        auto_window=section.integer("auto_window", 8, low=1, high=1024),
         roles=section.choices("roles", ("ffn",), ROLES, allow_empty=False),
         phases=section.choices("phases", STREAM_PHASES, STREAM_PHASES, allow_empty=False),
         backend=section.choice("backend", "auto", BACKENDS),
@@ -144,7 +162,7 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     )
 
 
-_MULTISTREAM_KEYS = ("enabled", "depth", "roles", "phases", "backend", "close_timeout_s", "trace")
+_MULTISTREAM_KEYS = ("enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace")
 _AFD_KEYS = (
     "connector",
     "role",
@@ -188,6 +206,14 @@ class _Section:
         value = self.raw.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise self._fail(name, f"an integer in {low}..{high}")
+        return value
+
+    def depth(self, name: str, default: int) -> int | str:
+        value = self.raw.get(name, default)
+        if value == AUTO:
+            return AUTO
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEPTH:
+            raise self._fail(name, f'an integer in 1..{MAX_DEPTH} or "{AUTO}"')
         return value
 
     def number(self, name: str, default: float, *, low: float, high: float) -> float:

@@ -26,6 +26,14 @@ def test_valid_section_round_trips_and_is_hashable() -> None:
     hash(config)
 
 
+def test_depth_auto() -> None:
+    config = parse_multistream({"enabled": True, "depth": "auto", "auto_window": 12})
+    assert config.auto_depth and config.slots == 8 and config.auto_window == 12
+    assert parse_multistream({"depth": 3}).slots == 3 and not parse_multistream({"depth": 3}).auto_depth
+    with pytest.raises(ConfigError, match=r'expected an integer in 1\.\.8 or "auto", got 9'):
+        parse_multistream({"depth": 9})
+
+
 def test_afd_section_parses_upstream_keys() -> None:
     config = parse_afd_config(
         {
@@ -50,6 +58,8 @@ MALFORMED_MULTISTREAM = [
     ({"depth": "2"}, "afd.multistream.depth"),
     ({"depth": True}, "afd.multistream.depth"),
     ({"depth": 2.0}, "afd.multistream.depth"),
+    ({"depth": "Auto"}, "afd.multistream.depth"),
+    ({"auto_window": 0}, "afd.multistream.auto_window"),
     ({"enabled": "yes"}, "afd.multistream.enabled"),
     ({"enabled": 1}, "afd.multistream.enabled"),
     ({"roles": "ffn"}, "afd.multistream.roles"),
@@ -80,7 +90,7 @@ def test_malformed_multistream_gives_one_line_naming_the_key(section: dict, key:
 
 
 def test_unknown_key_lists_the_accepted_ones() -> None:
-    with pytest.raises(ConfigError, match="accepted keys: backend, close_timeout_s, depth, enabled, phases, roles, trace"):
+    with pytest.raises(ConfigError, match="accepted keys: auto_window, backend, close_timeout_s, depth, enabled, phases, roles, trace"):
         parse_multistream({"depht": 3})
 
 
@@ -113,8 +123,8 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-multistream_keys = st.sampled_from(["enabled", "depth", "roles", "phases", "backend", "close_timeout_s", "trace", "x"])
-values = json_values | st.sampled_from(["ffn", "attention", "recv", "send", "host", ["ffn"], ["recv", "send"], 3])
+multistream_keys = st.sampled_from(["enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace", "x"])
+values = json_values | st.sampled_from(["ffn", "attention", "recv", "send", "host", "auto", ["ffn"], ["recv", "send"], 3])
 
 
 @settings(max_examples=300, deadline=None)
@@ -125,7 +135,7 @@ def test_fuzzed_multistream_only_raises_config_error(raw: object) -> None:
     except ConfigError as exc:
         assert "\n" not in str(exc) and exc.key.startswith("afd.multistream")
     else:
-        assert 1 <= config.depth <= 8
+        assert 1 <= config.slots <= 8
         hash(config)
 
 

@@ -26,11 +26,12 @@ ROWS, WIDTH = 64, 256
 @dataclass(frozen=True)
 class ModeResult:
     label: str
-    depth: int
+    depth: int  # for depth "auto": the depth it chose
     pipelined: bool
     wall_s: float
     trace: Trace
     outputs: dict[WorkItem, torch.Tensor]
+    window: int = 0  # items measured before an "auto" choice (0: fixed depth)
 
     def row(self, serialized_wall_s: float, reference: dict[WorkItem, torch.Tensor]) -> dict[str, object]:
         metrics = self.trace.metrics()
@@ -70,20 +71,25 @@ def calibrated_compute(target_s: float, *, seed: int = 0) -> Callable[[WorkItem,
 def run_mode(
     *,
     items: int,
-    depth: int,
+    depth: int | str,
     pipelined: bool,
-    phase_s: float,
     compute: Callable[[WorkItem, torch.Tensor], torch.Tensor],
+    phase_s: float | None = None,
+    recv_s: float | None = None,
+    send_s: float | None = None,
+    auto_window: int = 8,
     backend: str = "host",
 ) -> ModeResult:
+    """One executor run of ``items`` items; recv/send cost ``recv_s``/``send_s`` (default ``phase_s``)."""
     outputs: dict[WorkItem, torch.Tensor] = {}
+    recv_s = phase_s if recv_s is None else recv_s
+    send_s = phase_s if send_s is None else send_s
+    if recv_s is None or send_s is None:
+        raise ValueError("give phase_s, or both recv_s and send_s")
+    link = {"recv_latency_us": recv_s * 1e6, "send_latency_us": send_s * 1e6, "bandwidth_gbps": 0}
+    multistream = {"enabled": pipelined, "depth": depth, "auto_window": auto_window, "backend": backend, "trace": True}
     config = parse_afd_config(
-        {
-            "connector": "simlink",
-            "role": "ffn",
-            "connector_extra_config": {"latency_us": phase_s * 1e6, "bandwidth_gbps": 0},
-            "multistream": {"enabled": pipelined, "depth": depth, "backend": backend, "trace": True},
-        }
+        {"connector": "simlink", "role": "ffn", "connector_extra_config": link, "multistream": multistream}
     )
 
     def source(item: WorkItem) -> torch.Tensor:
@@ -97,7 +103,12 @@ def run_mode(
     with executor:
         executor.run(WorkItem(i % 4, (i // 4) % 2, i) for i in range(items))
     wall = time.perf_counter() - start
-    return ModeResult(label, depth, pipelined, wall, trace, outputs)
+    choice = executor.depth_choice
+    if choice is not None:
+        return ModeResult(f"auto -> d={choice.depth}", choice.depth, pipelined, wall, trace, outputs, choice.window)
+    if depth == "auto" and pipelined:
+        label = f"auto (undecided: fewer than {auto_window} items completed in time; ran at d={executor.depth})"
+    return ModeResult(label, executor.depth, pipelined, wall, trace, outputs)
 
 
 def compare(

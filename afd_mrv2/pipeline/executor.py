@@ -38,6 +38,7 @@ from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices.base import DeviceBackend, Event, Span, Stream
 from afd_mrv2.errors import PipelineAborted, PipelineError
 from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
 from afd_mrv2.pipeline.events import EventPool
 from afd_mrv2.pipeline.streams import EXECUTOR_ROLES
 from afd_mrv2.pipeline.trace import Trace
@@ -105,7 +106,8 @@ class Executor:
     ) -> None:
         self.config = config
         self.pipelined = config.active_for(role)
-        self.depth = config.depth
+        self.depth = config.slots
+        self._tuner = DepthTuner(config.auto_window, config.slots) if config.auto_depth and self.pipelined else None
         self.backend = backend
         self.trace = trace
         self._compute = compute
@@ -118,7 +120,7 @@ class Executor:
         }
         stream_config = config if self.pipelined else replace(config, enabled=False)
         self.streams = self._create_streams(stream_config)
-        self._pool = EventPool(backend, 3 * self.depth)
+        self._pool = EventPool(backend, 3 * config.slots)
         self.slots = [
             Slot(i, SlotEvents(self._pool.take(), self._pool.take(), self._pool.take())) for i in range(self.depth)
         ]
@@ -129,6 +131,7 @@ class Executor:
         self._lock = threading.Lock()
         self._failure: _Failure | None = None
         self._issued = 0
+        self._cursor = 0  # slot binding counter (restarts when auto depth decides)
         self._last_seq: int | None = None
         self._report: CloseReport | None = None
 
@@ -163,13 +166,16 @@ class Executor:
         self._check_open()
         if self._last_seq is not None and item.seq <= self._last_seq:
             raise ValueError(f"work items must be submitted in increasing seq order: {item} after seq={self._last_seq}")
-        slot = self.slots[self._issued % self.depth]
+        if self._tuner is not None and self._tuner.choice is None and self._issued >= self._tuner.window:
+            self._maybe_decide_depth()
+        slot = self.slots[self._cursor % self.depth]
         self._wait_slot_free(slot)
         work = Work(item, slot, self._cancel)
         slot.item = item
         self._in_flight[slot.index] = work
         self._last_seq = item.seq
         self._issued += 1
+        self._cursor += 1
         self._issue(work)
 
     def drain(self) -> None:
@@ -236,6 +242,7 @@ class Executor:
         span = Span(phase, stream.name, stream.stream_id, work.item, work.slot.index)
         if self.trace is not None:
             self.trace.add(span)
+        if self.trace is not None or (self._tuner is not None and self._tuner.choice is None):
             self._spans.setdefault(work.slot.index, []).append(span)
         stream.submit(self._phase_runner(phase, stream, work), span)
 
@@ -258,6 +265,25 @@ class Executor:
 
         return run
 
+    @property
+    def depth_choice(self) -> DepthChoice | None:
+        """The ``depth: "auto"`` decision, once made (None before, or with a fixed depth)."""
+        return None if self._tuner is None else self._tuner.choice
+
+    def _maybe_decide_depth(self) -> None:
+        """Choose the depth once the window's items completed; never drains.
+
+        Completed slots are released without blocking; once every window item is
+        measured the depth shrinks in place: new items bind to the first ``depth``
+        slots, and a slot still busy with an older item is waited for as usual.
+        """
+        assert self._tuner is not None
+        for slot in self._slots_in_issue_order():
+            if slot.events.send_done.query():
+                self._wait_slot_free(slot)
+        if self._tuner.ready():
+            self.depth = self._tuner.decide().depth
+
     # ------------------------------------------------------------------ waiting
 
     def _slots_in_issue_order(self) -> list[Slot]:
@@ -276,6 +302,8 @@ class Executor:
         spans = self._spans.pop(slot.index, None)
         if spans:
             self.backend.resolve(spans)
+            if self._tuner is not None and self._tuner.choice is None:
+                self._tuner.spans += spans
         return True
 
     def _await(self, event: Event, deadline: float | None) -> bool:

@@ -1,0 +1,124 @@
+"""The ``afd-mrv2 bench`` grid: scenarios x depth x schedule on the simulated link.
+
+Every cell runs the same items through the simulated-link connector (recv and send
+are sleeps of the scenario's transfer times, compute is a calibrated matmul on one
+thread) and reports makespan, flow-shop lower bound, efficiency, hidden
+communication and speedup over the serialized run of the same scenario, measured
+in the same process.  Each cell also carries the analytic model's prediction made
+from that cell's own measured per-phase medians, so the model is checked on what
+it claims (the schedule), not on timer calibration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from afd_mrv2.bench.overlap import ModeResult, calibrated_compute, run_mode
+from afd_mrv2.pipeline.metrics import stage_times
+from afd_mrv2.pipeline.model import SERIALIZED, PhaseTimes, choose_depth, median_phase_times, predict_makespan
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    recv_ms: float
+    compute_ms: float
+    send_ms: float
+
+
+SCENARIOS = (
+    Scenario("comm-bound", 6.0, 2.0, 6.0),
+    Scenario("compute-bound", 2.0, 6.0, 2.0),
+    Scenario("balanced", 4.0, 4.0, 4.0),
+    Scenario("unequal", 6.0, 3.0, 1.5),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    scenario: str
+    mode: str  # "serialized" | "pipelined" | "auto"
+    depth: int
+    makespan_ms: float
+    lower_bound_ms: float
+    efficiency: float
+    hidden_comm_fraction: float
+    speedup: float
+    predicted_ms: float
+    model_error: float  # |predicted - measured| / measured
+    model_depth: int  # the depth the model chooses from this cell's phase times
+    decided: bool = True  # for "auto": whether it made its choice during the run
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: float) -> Cell:
+    trace = result.trace
+    metrics = trace.metrics()
+    per_item = [PhaseTimes(*(ns / 1e6 for ns in t)) for t in stage_times(trace.spans)]
+    items = metrics.items
+    depth = result.depth
+    # The model replays the schedule from the measured per-item phase times.
+    # "auto" runs its window at a larger depth, then the chosen one: never slower
+    # than the chosen depth throughout, which is what the model predicts for it.
+    predicted = predict_makespan(per_item, items, depth, streams=SERIALIZED if mode == "serialized" else None)
+    times = median_phase_times([t.as_tuple() for t in per_item])
+    measured = metrics.makespan_ns / 1e6
+    return Cell(
+        scenario=scenario.name,
+        mode=mode,
+        depth=depth,
+        makespan_ms=measured,
+        lower_bound_ms=metrics.lower_bound_ns / 1e6,
+        efficiency=metrics.efficiency,
+        hidden_comm_fraction=metrics.hidden_comm_fraction,
+        speedup=serialized_ms / measured,
+        predicted_ms=predicted,
+        model_error=abs(predicted - measured) / measured,
+        model_depth=choose_depth(times),
+        decided=mode != "auto" or result.window > 0,
+    )
+
+
+def run_grid(
+    *,
+    scenarios: tuple[Scenario, ...] = SCENARIOS,
+    depths: tuple[int, ...] = (1, 2, 3, 4),
+    items: int = 24,
+    auto_window: int | None = None,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[Cell]:
+    """Run every scenario: serialized, pipelined at each depth, and ``depth: auto``.
+
+    Each mode runs ``repeats`` times, interleaved with the other modes so that a
+    burst of machine load hits all of them alike; the run with the median makespan
+    is reported.
+    """
+    window = auto_window or max(2, min(6, items // 4))
+    modes: list[tuple[str, int | str]] = [("serialized", 1)] + [("pipelined", d) for d in depths] + [("auto", "auto")]
+    cells: list[Cell] = []
+    for scenario in scenarios:
+        compute = calibrated_compute(scenario.compute_ms / 1e3)
+        runs: dict[int, list[ModeResult]] = {i: [] for i in range(len(modes))}
+        for repeat in range(repeats):
+            for i, (mode, depth) in enumerate(modes):
+                if progress:
+                    progress(f"{scenario.name}: {mode} depth {depth} (run {repeat + 1}/{repeats})")
+                runs[i].append(
+                    run_mode(
+                        items=items,
+                        depth=depth,
+                        pipelined=mode != "serialized",
+                        compute=compute,
+                        recv_s=scenario.recv_ms / 1e3,
+                        send_s=scenario.send_ms / 1e3,
+                        auto_window=window,
+                    )
+                )
+        chosen = [sorted(rs, key=lambda r: r.trace.metrics().makespan_ns)[len(rs) // 2] for rs in runs.values()]
+        serial_ms = chosen[0].trace.metrics().makespan_ns / 1e6
+        cells += [_cell(scenario, mode, result, serial_ms) for (mode, _), result in zip(modes, chosen, strict=True)]
+    return cells

@@ -1,0 +1,98 @@
+"""``afd-mrv2 bench``: measured overlap vs the analytic limit, and the depth to run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from afd_mrv2.cli.table import format_table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from afd_mrv2.bench.grid import SCENARIOS
+
+    parser = sub.add_parser(
+        "bench",
+        help="scenario grid x depth x schedule: efficiency, hidden communication, model, auto depth",
+        description=(
+            "Runs each scenario (communication-bound, compute-bound, balanced, unequal recv/send) "
+            "serialized, pipelined at each depth, and with depth auto, on the simulated link; "
+            "reports makespan, flow-shop bound, efficiency, hidden communication, speedup and the "
+            "analytic model's prediction, and writes a PNG chart."
+        ),
+    )
+    parser.add_argument("--scenario", nargs="+", choices=[s.name for s in SCENARIOS], help="scenarios (default: all)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4], help="depths (default 1 2 3 4)")
+    parser.add_argument("--items", type=int, default=24, help="work items per run (default 24)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
+    parser.add_argument("--chart", default="out/bench.png", help="PNG chart path (default out/bench.png)")
+    parser.add_argument("--no-chart", action="store_true", help="do not write the chart")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from afd_mrv2.bench.grid import SCENARIOS, run_grid
+
+    if args.items < 2 or args.repeats < 1 or any(not 1 <= d <= 8 for d in args.depths):
+        raise SystemExit("afd-mrv2 bench: --items >= 2, --repeats >= 1, each --depth in 1..8")
+    torch.set_num_threads(1)
+    scenarios = tuple(s for s in SCENARIOS if not args.scenario or s.name in args.scenario)
+
+    def progress(message: str) -> None:
+        print(f"\r\033[K[bench] {message}", end="", file=sys.stderr, flush=True)
+
+    cells = run_grid(scenarios=scenarios, depths=tuple(args.depths), items=args.items, repeats=args.repeats, progress=progress)
+    print("\r\033[K", end="", file=sys.stderr, flush=True)
+    chart = None if args.no_chart else str(write_chart_path(cells, args.chart))
+    summary = summarize(cells)
+    if args.json:
+        print(json.dumps({"cells": [c.as_dict() for c in cells], "summary": summary, "chart": chart}))
+        return 0
+    headers = ["scenario", "mode", "depth", "makespan ms", "bound ms", "efficiency", "hidden comm", "speedup", "model ms", "model err"]
+    rows = [
+        [c.scenario, c.mode, c.depth, c.makespan_ms, c.lower_bound_ms, c.efficiency, c.hidden_comm_fraction, c.speedup, c.predicted_ms, c.model_error]
+        for c in cells
+    ]
+    print(format_table(headers, rows))
+    print()
+    print(f"model vs measured: median |error| {summary['median_model_error']:.1%} over {len(cells)} cells")
+    for name, s in summary["scenarios"].items():
+        chose = "auto chose" if s["auto_decided"] else "auto undecided, ran at"
+        print(
+            f"{name}: best fixed depth {s['best_depth']} ({s['best_ms']:.1f} ms); model chooses {s['model_depth']}; "
+            f"{chose} {s['auto_depth']} ({s['auto_ms']:.1f} ms, {s['auto_vs_best']:.2f}x best)"
+        )
+    if chart:
+        print(f"chart: {chart}")
+    return 0
+
+
+def write_chart_path(cells, path: str):  # type: ignore[no-untyped-def]
+    from afd_mrv2.bench.chart import write_chart
+
+    return write_chart(cells, path)
+
+
+def summarize(cells) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Model error, best fixed depth, and what auto chose, per scenario."""
+    scenarios: dict[str, dict[str, object]] = {}
+    for name in dict.fromkeys(c.scenario for c in cells):
+        rows = [c for c in cells if c.scenario == name]
+        piped = [c for c in rows if c.mode == "pipelined"]
+        auto = next(c for c in rows if c.mode == "auto")
+        best = min(piped, key=lambda c: c.makespan_ms)
+        scenarios[name] = {
+            "best_depth": best.depth,
+            "best_ms": best.makespan_ms,
+            "model_depth": auto.model_depth,
+            "auto_depth": auto.depth,
+            "auto_decided": auto.decided,
+            "auto_ms": auto.makespan_ms,
+            "auto_vs_best": auto.makespan_ms / best.makespan_ms,
+        }
+    return {"median_model_error": statistics.median(c.model_error for c in cells), "scenarios": scenarios}
