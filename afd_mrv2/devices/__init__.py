@@ -7,12 +7,12 @@ All three implement :class:`~afd_mrv2.devices.base.DeviceBackend`; see
 
 from __future__ import annotations
 
-from afd_mrv2.devices.base import CloseReport, DeviceBackend, Event, Span, Stream
+from afd_mrv2.devices.base import BackendCloseReport, DeviceBackend, Event, Span, Stream
 from afd_mrv2.devices.host import HostBackend
 from afd_mrv2.devices.recording import RecordingBackend
 
 __all__ = [
-    "CloseReport",
+    "BackendCloseReport",
     "DeviceBackend",
     "Event",
     "HostBackend",

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from afd_mrv2.devices.base import CloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Span
 from afd_mrv2.errors import PipelineAborted
 
 
@@ -146,8 +146,8 @@ class AcceleratorBackend:
     def abort(self) -> None:
         self.aborted = True
 
-    def close(self, deadline: float) -> CloseReport:
-        report = CloseReport()
+    def close(self, deadline: float) -> BackendCloseReport:
+        report = BackendCloseReport()
         for stream in self._streams:
             remaining = max(0.0, deadline - time.monotonic())
             try:

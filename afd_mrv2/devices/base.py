@@ -81,7 +81,7 @@ class Stream(Protocol):
 
 
 @dataclass
-class CloseReport:
+class BackendCloseReport:
     """What a backend could not stop cleanly within its deadline."""
 
     # stream name -> description of the work it was still running when abandoned
@@ -117,6 +117,6 @@ class DeviceBackend(Protocol):
         """Stop executing queued work and wake every waiter with PipelineAborted."""
         ...
 
-    def close(self, deadline: float) -> CloseReport:
+    def close(self, deadline: float) -> BackendCloseReport:
         """Finish or abandon all streams by ``deadline`` (a ``time.monotonic()`` value)."""
         ...

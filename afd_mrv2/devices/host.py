@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from afd_mrv2.devices.base import CloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Span
 from afd_mrv2.errors import PipelineAborted
 
 _RUN, _RECORD, _WAIT, _STOP = 0, 1, 2, 3
@@ -198,7 +198,7 @@ class HostBackend:
     def threads(self) -> list[threading.Thread]:
         return [s.thread for s in self._streams]
 
-    def close(self, deadline: float) -> CloseReport:
+    def close(self, deadline: float) -> BackendCloseReport:
         """Let each stream finish its queue, then stop; abandon what outlives ``deadline``."""
         if not self._closed:
             self._closed = True
@@ -211,7 +211,7 @@ class HostBackend:
             grace = time.monotonic() + 0.1
             for stream in self._streams:
                 stream.thread.join(max(0.0, grace - time.monotonic()))
-        report = CloseReport()
+        report = BackendCloseReport()
         for stream in self._streams:
             if stream.thread.is_alive():
                 report.abandoned_streams[stream.name] = stream.running or "unknown work"

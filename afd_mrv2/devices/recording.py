@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from afd_mrv2.devices.base import CloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Span
 from afd_mrv2.errors import PipelineAborted
 
 
@@ -139,6 +139,6 @@ class RecordingBackend:
     def abort(self) -> None:
         self.aborted = True
 
-    def close(self, deadline: float) -> CloseReport:
+    def close(self, deadline: float) -> BackendCloseReport:
         del deadline
-        return CloseReport()
+        return BackendCloseReport()
