@@ -173,7 +173,7 @@ def _check_params(seam: Seam, fn: ast.FunctionDef | ast.AsyncFunctionDef, bound:
         pos_required.discard(positional[0])
         positional = positional[1:]
     kwonly = [a.arg for a in args.kwonlyargs]
-    kw_required = {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None}
+    kw_required = {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is None}
     available = positional + kwonly
     shown = ", ".join(available) or "no parameters"
     out: list[Violation] = []
@@ -231,9 +231,9 @@ def _class_fields(cls: ast.ClassDef) -> set[str]:
 
 def _module_constant(tree: ast.Module, name: str) -> object:
     for node in _body_defs(tree.body):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            if isinstance(node.value, ast.Constant):
-                return node.value.value
+        named = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        if named and isinstance(node.value, ast.Constant):  # type: ignore[union-attr]
+            return node.value.value  # type: ignore[union-attr]
     return None
 
 
