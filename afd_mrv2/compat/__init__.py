@@ -11,7 +11,7 @@ Nothing in this package imports vllm, vllm_ascend, torch_npu or torch.
 
 from __future__ import annotations
 
-from afd_mrv2.compat.decision import OVERRIDE_ENV, Decision, decide
+from afd_mrv2.compat.decision import OVERRIDE_ENV, CompatRefused, Decision, decide
 from afd_mrv2.compat.detect import Runtime, detect_runtime
 from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status
 
@@ -19,6 +19,7 @@ __all__ = [
     "CAPABILITIES",
     "OVERRIDE_ENV",
     "PAIRS",
+    "CompatRefused",
     "Decision",
     "Runtime",
     "RuntimePair",

@@ -23,10 +23,19 @@ from dataclasses import dataclass, field
 from afd_mrv2.compat.detect import Runtime
 from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status, accepted_pairs
 from afd_mrv2.compat.versions import spec_matches
+from afd_mrv2.errors import AfdError
 
 log = logging.getLogger(__name__)
 
 OVERRIDE_ENV = "AFD_MRV2_FORCE_RUNTIME"
+
+
+class CompatRefused(AfdError):
+    """The installed runtime pair is refused; the message is :meth:`Decision.message`."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__("afd-mrv2 refuses this runtime:\n" + decision.message())
+        self.decision = decision
 
 
 @dataclass(frozen=True)
