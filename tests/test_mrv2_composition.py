@@ -20,7 +20,7 @@ from standins.vllm.v1.worker.gpu import ubatch_utils
 from standins.vllm.v1.worker.gpu.model_runner import InputBatch
 from standins.vllm.v1.worker.gpu_worker import Worker
 
-from afd_mrv2.compat import CompatRefused, decide
+from afd_mrv2.compat import CompatRefused, Runtime, decide
 from afd_mrv2.devices.happens_before import check_happens_before
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.mrv2 import runner as runner_module
@@ -173,9 +173,9 @@ def test_bad_config_raises_before_any_upstream_code_runs(afd, error, fragment) -
 
 def test_refused_runtime_raises_before_any_upstream_code_runs() -> None:
     standins.EVENTS.clear()
-    refuse = attention_runner_class(CUDA, gate=lambda caps: decide(accept_0_33(()).runtime.__class__(
-        python="3.11.9", vllm="0.31.0", vllm_ascend=None, torch="2.13.0", torch_npu=None, cann=None), require=caps, env={}))
-    with pytest.raises(CompatRefused, match="unknown pair: vLLM 0.31.0"):
+    unknown = Runtime(python="3.11.9", vllm="0.31.0", vllm_ascend=None, torch="2.13.0", torch_npu=None, cann=None)
+    refuse = attention_runner_class(CUDA, gate=lambda caps: decide(unknown, require=caps, env={}))
+    with pytest.raises(CompatRefused, match=r"unknown pair: vLLM 0\.31\.0"):
         refuse(VllmConfig(additional_config={"afd": afd_section()}), torch.device("cpu"))
     assert standins.EVENTS == []
 

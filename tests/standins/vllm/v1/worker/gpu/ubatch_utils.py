@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import ubatching
 from ....config import VllmConfig
+from .. import ubatching
 
 #: every stream upstream's UBatchRunner.__init__ created (it hard-codes torch.cuda.Stream)
 CREATED_STREAMS: list[tuple[str, object]] = []
