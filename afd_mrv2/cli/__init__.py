@@ -17,6 +17,7 @@ from afd_mrv2.errors import AfdError
 COMMANDS = {
     "demo": "afd_mrv2.cli.demo",
     "bench": "afd_mrv2.cli.bench",
+    "compat": "afd_mrv2.cli.compat",
 }
 
 

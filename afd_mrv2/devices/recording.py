@@ -112,6 +112,7 @@ class RecordingBackend:
         self._event_ids = itertools.count(1)
         self._clock_ns = 0
         self._names: set[str] = set()
+        self._current: dict[str, RecordingStream] = {}
 
     def _append(self, op: Op) -> int:
         self.log.append(op)
@@ -128,7 +129,11 @@ class RecordingBackend:
         return RecordingStream(self, name, next(self._stream_ids))
 
     def current_stream(self, name: str) -> RecordingStream:
-        return self.new_stream(name)
+        # The caller's current stream is one stream: asking twice under one name
+        # (the executor and the MRV2 ubatch wrapper both do) returns the same object.
+        if name not in self._current:
+            self._current[name] = self.new_stream(name)
+        return self._current[name]
 
     def new_event(self) -> RecordingEvent:
         return RecordingEvent(self, next(self._event_ids))

@@ -1,0 +1,184 @@
+"""The compat decision: accept the installed runtime pair (granting its capabilities) or refuse it.
+
+A refusal lists why, the accepted pairs, and the one explicit override::
+
+    AFD_MRV2_FORCE_RUNTIME='vllm==0.31.0'            # CUDA
+    AFD_MRV2_FORCE_RUNTIME='vllm==0.30.0,vllm-ascend==0.30.0rc2'
+
+The override must name the detected pair exactly, so an override left in a CI
+environment does not silently accept the next, different pair.  When it is used
+the decision says ``overridden`` and a warning is logged every time it is made.
+It grants the capabilities of the table row with the same vLLM / vLLM-Ascend
+versions (for a refused row, the capabilities that row declares), or none for a
+pair the table does not know.  ``--require`` is never overridden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from afd_mrv2.compat.detect import Runtime
+from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status, accepted_pairs
+from afd_mrv2.compat.versions import spec_matches
+from afd_mrv2.errors import AfdError
+
+log = logging.getLogger(__name__)
+
+OVERRIDE_ENV = "AFD_MRV2_FORCE_RUNTIME"
+
+
+class CompatRefused(AfdError):
+    """The installed runtime pair is refused; the message is :meth:`Decision.message`."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__("afd-mrv2 refuses this runtime:\n" + decision.message())
+        self.decision = decision
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``accepted`` with ``capabilities`` granted, or refused with ``reasons``."""
+
+    runtime: Runtime
+    status: str  # validated | accepted-unvalidated | overridden | refused
+    pair: RuntimePair | None
+    capabilities: frozenset[str]
+    reasons: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    accepted_names: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def accepted(self) -> bool:
+        return self.status != "refused"
+
+    @property
+    def platform(self) -> str:
+        return self.runtime.platform
+
+    def message(self) -> str:
+        """A multi-line, human-readable account of the decision."""
+        lines = [f"installed: {self.runtime.describe()}"]
+        if self.runtime.cann_source:
+            lines.append(f"CANN version read from {self.runtime.cann_source}")
+        pair = f"{self.pair.name} ({self.pair.status.value})" if self.pair else "no table row"
+        if self.accepted:
+            lines.append(f"ACCEPTED as {pair}: {self.status}")
+            lines.append(f"capabilities granted: {', '.join(sorted(self.capabilities)) or 'none'}")
+            if self.status == "overridden":
+                lines.append(f"WARNING: accepted only because {OVERRIDE_ENV}={self.runtime.key()} is set")
+            return "\n".join(lines)
+        lines.append(f"REFUSED ({pair}):")
+        lines += [f"  - {reason}" for reason in self.reasons]
+        lines.append("accepted pairs:")
+        lines += [f"  - {p.describe()} [{p.status.value}]" for p in accepted_pairs()]
+        if self.runtime.vllm is None:
+            lines.append("install one of the accepted pairs (afd-mrv2 runs inside vLLM); nothing can override a missing vLLM")
+        else:
+            lines.append(
+                f"to run anyway at your own risk, set {OVERRIDE_ENV}={self.runtime.key()!r} "
+                "(logged as a warning every time it is used)"
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "accepted": self.accepted,
+            "status": self.status,
+            "installed": self.runtime.as_dict(),
+            "pair": self.pair.as_dict() if self.pair else None,
+            "capabilities": sorted(self.capabilities),
+            "required": list(self.required),
+            "reasons": list(self.reasons),
+            "accepted_pairs": [p.name for p in accepted_pairs()],
+            "override_env": OVERRIDE_ENV,
+            "override_value": self.runtime.key() if self.runtime.vllm else None,
+            "message": self.message(),
+        }
+
+
+def _row_matches_versions(row: RuntimePair, runtime: Runtime) -> bool:
+    if not spec_matches(row.vllm, runtime.vllm):
+        return False
+    if row.vllm_ascend is None:
+        return runtime.vllm_ascend is None
+    return spec_matches(row.vllm_ascend, runtime.vllm_ascend)
+
+
+def _stack_mismatches(row: RuntimePair, runtime: Runtime) -> list[str]:
+    problems = []
+
+    def check(name: str, spec: str | None, value: str | None) -> None:
+        if spec is None:
+            if value is not None:
+                problems.append(f"{name} {value} is installed but {row.name} is a CUDA pair without it")
+        elif spec and not spec_matches(spec, value):
+            problems.append(f"{name} {value or '(not installed)'} does not satisfy {spec} required by {row.name}")
+
+    check("torch", row.torch, runtime.torch)
+    check("torch_npu", row.torch_npu, runtime.torch_npu)
+    check("python", row.python, runtime.python)
+    if row.cann is not None and not row.cann.contains(runtime.cann):
+        problems.append(f"CANN {runtime.cann or '(not found)'} does not satisfy {row.cann} required by {row.name}")
+    return problems
+
+
+def decide(
+    runtime: Runtime,
+    *,
+    require: Iterable[str] = (),
+    env: Mapping[str, str] | None = None,
+    pairs: tuple[RuntimePair, ...] = PAIRS,
+) -> Decision:
+    """Decide on ``runtime``; see the module docstring."""
+    env = os.environ if env is None else env
+    required = tuple(dict.fromkeys(require))
+    unknown = [c for c in required if c not in CAPABILITIES]
+    if unknown:
+        raise ValueError(f"unknown capability {', '.join(unknown)}; known: {', '.join(CAPABILITIES)}")
+
+    row = next((p for p in pairs if _row_matches_versions(p, runtime)), None)
+    reasons: list[str] = []
+    if runtime.vllm is None:
+        reasons.append("vLLM is not installed (no 'vllm' distribution metadata found)")
+    elif row is None:
+        va = f" with vLLM-Ascend {runtime.vllm_ascend}" if runtime.vllm_ascend else " (CUDA, no vLLM-Ascend)"
+        reasons.append(f"unknown pair: vLLM {runtime.vllm}{va} is not in afd-mrv2's runtime-pair table")
+    elif row.status is Status.REFUSED:
+        reasons.append(row.reason)
+    else:
+        reasons += _stack_mismatches(row, runtime)
+
+    status = row.status.value if row is not None and not reasons else "refused"
+    granted = row.capabilities if row is not None else frozenset()
+    forced = env.get(OVERRIDE_ENV, "").strip()
+    if reasons and runtime.vllm is not None and forced:
+        if forced == runtime.key():
+            log.warning(
+                "afd-mrv2: runtime pair %s is REFUSED (%s) but %s forces it; you are running an unsupported stack",
+                runtime.key(), "; ".join(reasons), OVERRIDE_ENV,
+            )
+            status = "overridden"
+        else:
+            reasons.append(f"{OVERRIDE_ENV}={forced!r} is set but does not name the installed pair {runtime.key()!r}")
+
+    if status != "refused":
+        missing = [c for c in required if c not in granted]
+        if missing:
+            where = row.name if row is not None else "this pair"
+            reasons.append(
+                f"required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} not granted by {where} "
+                f"(granted: {', '.join(sorted(granted)) or 'none'})"
+            )
+            status = "refused"
+    return Decision(
+        runtime=runtime,
+        status=status,
+        pair=row,
+        capabilities=granted if status != "refused" else frozenset(),
+        reasons=tuple(reasons),
+        required=required,
+        accepted_names=tuple(p.name for p in accepted_pairs(pairs)),
+    )

@@ -1,0 +1,121 @@
+"""Detect the installed runtime without importing it.
+
+Versions come from distribution metadata (:mod:`importlib.metadata`), never from
+importing ``vllm``, ``vllm_ascend`` or ``torch_npu``: importing them has side effects
+(platform plugins, device initialisation; ``torch_npu`` without CANN even breaks
+``import torch``), and the gate must run before any of that.
+
+The CANN version is read from the toolkit's install-info file,
+``<toolkit>/latest/<arch>-linux/ascend_toolkit_install.info`` (the file
+vllm-ascend's ``collect_env.py`` reads; its ``version=`` line).  ``<toolkit>`` is
+``$ASCEND_TOOLKIT_HOME`` or ``$ASCEND_HOME_PATH`` when set (the variables CANN's
+``set_env.sh`` exports and vllm-ascend's build scripts read), else
+``/usr/local/Ascend/ascend-toolkit/latest`` and ``~/Ascend/ascend-toolkit/latest``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: field -> distribution name on PyPI
+DISTRIBUTIONS = {"vllm": "vllm", "vllm_ascend": "vllm-ascend", "torch": "torch", "torch_npu": "torch-npu"}
+
+VersionOf = Callable[[str], "str | None"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What is installed.  None: not installed (or, for CANN, no install-info file found)."""
+
+    python: str
+    vllm: str | None
+    vllm_ascend: str | None
+    torch: str | None
+    torch_npu: str | None
+    cann: str | None
+    cann_source: str | None = None
+
+    @property
+    def platform(self) -> str:
+        return "ascend" if self.vllm_ascend is not None else "cuda"
+
+    def key(self) -> str:
+        """The pair's override key: ``vllm==X`` or ``vllm==X,vllm-ascend==Y``."""
+        parts = [f"vllm=={self.vllm}"]
+        if self.vllm_ascend is not None:
+            parts.append(f"vllm-ascend=={self.vllm_ascend}")
+        return ",".join(parts)
+
+    def describe(self) -> str:
+        fields = [("vllm", self.vllm), ("vllm-ascend", self.vllm_ascend), ("torch", self.torch)]
+        fields += [("torch_npu", self.torch_npu), ("CANN", self.cann), ("python", self.python)]
+        missing = {"CANN": "(no install-info file found)"}
+        return ", ".join(f"{name} {value if value is not None else missing.get(name, '(not installed)')}" for name, value in fields)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None; reads metadata only."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cann_info_candidates(env: Mapping[str, str] | None = None, machine: str | None = None) -> list[Path]:
+    """The install-info files to look at, in order (see the module docstring)."""
+    env = os.environ if env is None else env
+    arch = f"{machine or platform.machine()}-linux"
+    roots = [env.get("ASCEND_TOOLKIT_HOME"), env.get("ASCEND_HOME_PATH")]
+    roots += ["/usr/local/Ascend/ascend-toolkit/latest", str(Path.home() / "Ascend/ascend-toolkit/latest")]
+    seen: list[Path] = []
+    for root in roots:
+        if root:
+            path = Path(root) / arch / "ascend_toolkit_install.info"
+            if path not in seen:
+                seen.append(path)
+    return seen
+
+
+def read_cann_version(path: Path) -> str | None:
+    """The ``version=`` value of an install-info file, or None if absent/unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "version" and value.strip():
+            return value.strip()
+    return None
+
+
+def detect_runtime(
+    version_of: VersionOf = installed_version,
+    *,
+    python: str | None = None,
+    cann_files: list[Path] | None = None,
+) -> Runtime:
+    """Detect the installed runtime.  Arguments exist so tests can inject what is "installed"."""
+    cann = source = None
+    for path in cann_info_candidates() if cann_files is None else cann_files:
+        cann = read_cann_version(path)
+        if cann is not None:
+            source = str(path)
+            break
+    return Runtime(
+        python=python or platform.python_version(),
+        vllm=version_of(DISTRIBUTIONS["vllm"]),
+        vllm_ascend=version_of(DISTRIBUTIONS["vllm_ascend"]),
+        torch=version_of(DISTRIBUTIONS["torch"]),
+        torch_npu=version_of(DISTRIBUTIONS["torch_npu"]),
+        cann=cann,
+        cann_source=source,
+    )

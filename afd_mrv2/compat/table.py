@@ -1,0 +1,212 @@
+"""The runtime-pair table: which (vLLM, vLLM-Ascend, torch, torch_npu, CANN, Python)
+combinations afd-mrv2 accepts, with which capabilities, and why.
+
+Every row says where its facts come from (``evidence``).  Rows are matched on the
+vLLM and vLLM-Ascend versions first; an accepted row then also requires the rest
+of the stack (torch, torch_npu, CANN, Python) to match.  A pair that matches no
+row is refused: the table is an allow-list, not a deny-list.
+
+Status:
+
+* ``validated``: run end to end on that stack by this project (no row yet);
+* ``accepted-unvalidated``: the upstream seams this shim relies on were checked
+  against the real release (``afd-mrv2 compat contracts``), but no end-to-end
+  run on that stack backs it;
+* ``refused``: known not to work, with the reason.
+
+An empty specifier (``""``) in a refused row means "not verified": it matches any
+version, since a refused row refuses whatever the rest of the stack is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from afd_mrv2.compat.versions import CannRange
+
+#: capability -> what it grants.  ``--require`` takes these names.
+CAPABILITIES: dict[str, str] = {
+    "mrv2": "vLLM ModelRunner V2 (vllm/v1/worker/gpu/) is present and selectable",
+    "ubatch_runner": "MRV2 UBatchRunner + maybe_build_ubatch_runner (dual-batch overlap) seams are present",
+    "worker_runner_factory": "Worker._make_model_runner exists: afd-mrv2's worker subclass builds its runner there",
+    "multistream_ffn": "the shared executor may run AFD phases on torch.Stream/torch.Event side streams",
+    "camp2p": "CAMP2P connector (Ascend torch.ops.afd_ascend a2e/e2a operators)",
+    "camasync": "CAMAsync connector (Ascend umdk_cam_op_lib async dispatch/combine operators)",
+    "graph": "graph capture (CUDA graph / ACL graph) of AFD microbatched steps",
+}
+
+
+class Status(str, Enum):
+    VALIDATED = "validated"
+    ACCEPTED_UNVALIDATED = "accepted-unvalidated"
+    REFUSED = "refused"
+
+    @property
+    def accepted(self) -> bool:
+        return self is not Status.REFUSED
+
+
+@dataclass(frozen=True)
+class RuntimePair:
+    """One row of the table.  Version fields are PEP 440 specifiers."""
+
+    name: str
+    vllm: str
+    vllm_ascend: str | None  # None: a CUDA pair (vLLM-Ascend must be absent)
+    torch: str
+    torch_npu: str | None  # None: must be absent
+    cann: CannRange | None  # None: not used (CUDA)
+    python: str
+    status: Status
+    reason: str
+    evidence: str
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        unknown = self.capabilities - CAPABILITIES.keys()
+        if unknown:
+            raise ValueError(f"row {self.name}: unknown capabilities {sorted(unknown)}")
+
+    @property
+    def platform(self) -> str:
+        return "cuda" if self.vllm_ascend is None else "ascend"
+
+    def describe(self) -> str:
+        stack = [f"vllm{self.vllm}"]
+        if self.vllm_ascend is not None:
+            stack.append(f"vllm-ascend{self.vllm_ascend}")
+        stack.append(f"torch{self.torch or ' (unverified)'}")
+        if self.torch_npu is not None:
+            stack.append(f"torch_npu{self.torch_npu or ' (unverified)'}")
+        if self.cann is not None:
+            stack.append(f"CANN{self.cann}")
+        stack.append(f"python{self.python}")
+        return f"{self.name}: " + ", ".join(stack)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "platform": self.platform,
+            "vllm": self.vllm,
+            "vllm_ascend": self.vllm_ascend,
+            "torch": self.torch,
+            "torch_npu": self.torch_npu,
+            "cann": str(self.cann) if self.cann else None,
+            "python": self.python,
+            "status": self.status.value,
+            "capabilities": sorted(self.capabilities),
+            "reason": self.reason,
+            "evidence": self.evidence,
+        }
+
+
+_CUDA_CAPS = frozenset({"mrv2", "ubatch_runner", "multistream_ffn"})
+_AFD_PY = ">=3.10,<3.13"  # afd-mrv2's own range (pyproject.toml); rows intersect with it
+
+_NO_UBATCH = (
+    "vLLM {vllm} predates the MRV2 UBatchRunner (first verified in vLLM 0.30.0), and vLLM-Ascend's "
+    "V2 NPUModelRunner has no ubatch runner (enable_dbo is forced off on Ascend); AFD on this pair "
+    "runs only through ModelRunner V1 (the afd-plugin path), which afd-mrv2 does not serve"
+)
+_ASCEND_EVIDENCE = (
+    "vllm-ascend docs/source/community/versioning_policy.md (repository snapshot of 2026-08-22) "
+    "and shared/FACTS.md"
+)
+
+
+def _ascend_row(va: str, vllm: str, torch: str, npu: str, cann: str, python: str, *, caps: frozenset[str] = frozenset()) -> RuntimePair:
+    return RuntimePair(
+        name=f"ascend-{va}",
+        vllm=f"=={vllm}",
+        vllm_ascend=f"=={va}",
+        torch=f"=={torch}",
+        torch_npu=f"=={npu}",
+        cann=CannRange(cann),
+        python=python,
+        status=Status.REFUSED,
+        reason=_NO_UBATCH.format(vllm=vllm),
+        evidence=_ASCEND_EVIDENCE,
+        capabilities=caps,
+    )
+
+
+PAIRS: tuple[RuntimePair, ...] = (
+    RuntimePair(
+        name="cuda-vllm-0.33.0",
+        vllm="==0.33.0",
+        vllm_ascend=None,
+        torch="==2.14.0",
+        torch_npu=None,
+        cann=None,
+        python=">=3.11,<3.13",
+        status=Status.ACCEPTED_UNVALIDATED,
+        reason="upstream-seam contracts pass against the vllm 0.33.0 wheel; no end-to-end GPU run yet",
+        evidence=(
+            "vllm-0.33.0 wheel: METADATA (Requires-Dist torch==2.14.0, Requires-Python >=3.11,<3.15), "
+            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, gpu_worker.py (_make_model_runner)"
+        ),
+        capabilities=_CUDA_CAPS | {"worker_runner_factory"},
+    ),
+    RuntimePair(
+        name="cuda-vllm-0.30.0",
+        vllm="==0.30.0",
+        vllm_ascend=None,
+        torch="==2.13.0",
+        torch_npu=None,
+        cann=None,
+        python=_AFD_PY,
+        status=Status.ACCEPTED_UNVALIDATED,
+        reason=(
+            "upstream-seam contracts pass against the vllm 0.30.0 wheel; no end-to-end GPU run yet; "
+            "its Worker has no _make_model_runner, so the runner must be installed by a worker of the user's own"
+        ),
+        evidence=(
+            "vllm-0.30.0 wheel: METADATA (Requires-Dist torch==2.13.0, Requires-Python >=3.10,<3.15), "
+            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py"
+        ),
+        capabilities=_CUDA_CAPS,
+    ),
+    _ascend_row("0.19.1rc1", "0.19.1", "2.9.0", "2.9.0", "8.5.1", ">=3.10,<3.12"),
+    _ascend_row("0.20.2rc1", "0.20.2", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.12"),
+    _ascend_row("0.21.0rc1", "0.21.0", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.13"),
+    _ascend_row("0.22.1rc1", "0.22.1", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.13"),
+    _ascend_row("0.23.0rc1", "0.23.0", "2.10.0", "2.10.0.post2", "9.0.1", ">=3.10,<3.13"),
+    # PyPI serves 0.23.0 as 0.23.0.post1 (sdist only); both spellings are the same release.
+    _ascend_row("0.23.0", "0.23.0", "2.10.0", "2.10.0.post4", "9.1.0", ">=3.10,<3.13"),
+    _ascend_row("0.23.0.post1", "0.23.0", "2.10.0", "2.10.0.post4", "9.1.0", ">=3.10,<3.13"),
+    _ascend_row("0.24.0rc1", "0.24.0", "2.10.0", "2.10.0.post2", "9.0.1", ">=3.10,<3.13", caps=frozenset({"mrv2"})),
+    RuntimePair(
+        name="ascend-0.25.1rc1",
+        vllm="==0.25.1",
+        vllm_ascend="==0.25.1rc1",
+        torch="==2.10.0",
+        torch_npu="==2.10.0.post2",
+        cann=None,
+        python="",
+        status=Status.REFUSED,
+        reason=_NO_UBATCH.format(vllm="0.25.1"),
+        evidence="vllm-ascend tag v0.25.1rc1: Dockerfile VLLM_TAG=v0.25.1, pyproject torch==2.10.0 / torch-npu==2.10.0.post2",
+        capabilities=frozenset({"mrv2"}),
+    ),
+    RuntimePair(
+        name="ascend-unverified-0.26-0.30",
+        vllm=">=0.26",
+        vllm_ascend=">=0.26.0rc1,<0.31",
+        torch="",
+        torch_npu="",
+        cann=None,
+        python="",
+        status=Status.REFUSED,
+        reason=(
+            "vllm-ascend 0.26.0rc1 .. 0.30.0rc2 are published but unverified here: their sources and "
+            "torch_npu/CANN pins were not read (the sdists need NPU build dependencies), and no vllm-ascend "
+            "source this project has read contains an AscendUBatchRunner (the seam RFC 0002 asks for)"
+        ),
+        evidence="pip's version list for vllm-ascend; vllm-ascend main snapshot 2026-08-22 (no ubatch runner in worker/v2)",
+    ),
+)
+
+
+def accepted_pairs(pairs: tuple[RuntimePair, ...] = PAIRS) -> list[RuntimePair]:
+    return [p for p in pairs if p.status.accepted]

@@ -1,0 +1,13 @@
+"""Composition with vLLM ModelRunner V2: subclass the platform runner, wrap what it built.
+
+* :mod:`~afd_mrv2.mrv2.upstream`: the typed adapter holding the upstream classes used
+  (resolved once, from the compat decision's platform);
+* :mod:`~afd_mrv2.mrv2.ubatch`: the UBatchRunner subclass whose comm/capture streams
+  come from the ``create_streams`` hook;
+* :mod:`~afd_mrv2.mrv2.exchange`: per-microbatch AFD transfers as executor work items;
+* :mod:`~afd_mrv2.mrv2.runner`: the Attention-side runner class factory;
+* :mod:`~afd_mrv2.mrv2.ffn`: the FFN-side loop driven by the executor;
+* :mod:`~afd_mrv2.mrv2.worker`: the vLLM worker whose ``_make_model_runner`` builds it.
+
+No module here assigns to an attribute of an upstream class or module.
+"""

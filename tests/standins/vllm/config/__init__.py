@@ -1,0 +1,5 @@
+"""Stand-in for vllm.config."""
+
+from .vllm import ParallelConfig, VllmConfig
+
+__all__ = ["ParallelConfig", "VllmConfig"]

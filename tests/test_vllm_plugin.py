@@ -1,0 +1,78 @@
+"""The vllm.general_plugins entry point and register()."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from afd_mrv2 import vllm_plugin
+from afd_mrv2.compat import CompatRefused
+from afd_mrv2.errors import ConfigError, PluginError
+
+
+def test_entry_point_is_installed() -> None:
+    points = {ep.name: ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert points["afd_mrv2"].value == "afd_mrv2.vllm_plugin:register"
+    assert points["afd_mrv2"].load() is vllm_plugin.register
+
+
+def test_register_as_vllm_calls_it_twice_is_harmless() -> None:
+    """Loaded like vllm.plugins.load_general_plugins does, in a fresh process: no arguments, twice."""
+    code = (
+        "import importlib.metadata, sys, threading\n"
+        "ep = next(e for e in importlib.metadata.entry_points(group='vllm.general_plugins') if e.name == 'afd_mrv2')\n"
+        "fn = ep.load(); n = threading.active_count()\n"
+        "print(fn(), fn(), threading.active_count() == n, "
+        "sorted(m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "None None True []"
+
+
+def test_no_afd_section_does_nothing() -> None:
+    assert vllm_plugin.register({}) is None
+    assert vllm_plugin.register({"other_plugin": {"x": 1}}) is None
+    assert vllm_plugin.validate("not-a-mapping") is None
+
+
+@pytest.mark.parametrize(
+    ("afd", "error", "key"),
+    [
+        ({"role": "attention"}, ConfigError, "afd.connector"),
+        ({"connector": "simlink", "role": "attention", "port": 0}, ConfigError, "afd.port"),
+        ({"connector": "simlink", "role": "attention", "unknown": 1}, ConfigError, "afd.unknown"),
+        ({"connector": "missing", "role": "attention"}, PluginError, "afd.connector"),
+    ],
+)
+def test_bad_afd_config_raises_before_anything_else(afd, error, key, monkeypatch) -> None:
+    def no_decision(required):
+        raise AssertionError("the compat gate ran before the config was validated")
+
+    threads = threading.active_count()
+    with pytest.raises(error) as info:
+        vllm_plugin.validate({"afd": afd}, gate=no_decision)
+    assert str(info.value).startswith(key)
+    with pytest.raises(error):
+        vllm_plugin.register({"afd": afd})
+    assert threading.active_count() == threads
+
+
+def test_valid_config_on_a_refused_runtime_is_refused_clearly() -> None:
+    """This machine has no vLLM: a valid afd section is refused with the accepted pairs listed."""
+    with pytest.raises(CompatRefused) as info:
+        vllm_plugin.register({"afd": {"connector": "simlink", "role": "attention"}})
+    text = str(info.value)
+    assert "vLLM is not installed" in text and "cuda-vllm-0.33.0" in text
+
+
+def test_required_capabilities_follow_the_config() -> None:
+    from afd_mrv2.config import parse_afd_config
+
+    plain = parse_afd_config({"connector": "simlink", "role": "attention"})
+    assert vllm_plugin.required_capabilities(plain) == ("mrv2",)
+    ffn = parse_afd_config({"connector": "camp2p", "role": "ffn", "multistream": {"enabled": True}})
+    assert vllm_plugin.required_capabilities(ffn) == ("mrv2", "multistream_ffn", "camp2p")
