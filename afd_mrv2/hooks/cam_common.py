@@ -82,14 +82,15 @@ class CamConnectorBase:
             raise PluginError(f"runtime resource {name!r} must be a {kind.__name__}, got {type(value).__name__}")
         return value
 
-    def _ops(self, context: ConnectorContext, build_real: Callable[[], OpSet], needed: tuple[str, ...]) -> OpSet:
+    def _ops(self, context: ConnectorContext, build_real: Callable[[], OpSet], *, recv: tuple[str, ...],
+             send: tuple[str, ...]) -> OpSet:
         """The test doubles when the test switch is set, else the real operators; then check them."""
         ops = context.resources.get(TEST_OPS_RESOURCE)
         if ops is None:
             ops = build_real()
         elif not isinstance(ops, OpSet):
             raise PluginError(f"resource {TEST_OPS_RESOURCE!r} must be an OpSet from afd_mrv2.testing.cam_doubles")
-        ops.check_start_up(needed, connector=self.name, pipelined=self.pipelined)
+        ops.check_start_up(recv, send, connector=self.name, pipelined=self.pipelined)
         return ops
 
     def _check_stages(self, stages: int, what: str) -> None:

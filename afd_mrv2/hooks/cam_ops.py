@@ -144,19 +144,41 @@ class OpSet:
     def capabilities(self) -> list[OpCapability]:
         return [op.capability for op in self.ops.values()]
 
-    def check_start_up(self, names: Iterable[str], *, connector: str, pipelined: bool) -> None:
-        """Refuse what cannot run safely: missing operators, or multistream on unverified ones."""
-        needed = [self.ops[n] for n in names]
+    def check_start_up(self, recv: Iterable[str], send: Iterable[str], *, connector: str, pipelined: bool) -> None:
+        """Refuse what cannot run safely, before any communication.
+
+        ``recv`` / ``send``: the operators this role calls in its recv and send
+        phases.  Refused: a missing operator; multistream with an operator whose
+        stream behaviour is unverified; multistream when a recv-phase and a
+        send-phase operator are both FOREIGN on the same home stream (that home
+        runs them one after the other anyway, so there is no overlap to gain, and
+        a blocking receive queued on it ahead of the send it waits for deadlocks
+        when the phases reach the home in another order than issued).
+        """
+        recv_ops, send_ops = [self.ops[n] for n in recv], [self.ops[n] for n in send]
+        needed = recv_ops + send_ops
         missing = [op.qualname for op in needed if not op.capability.present]
         if missing:
             raise PluginError(f"connector {connector!r}: operators not available: {', '.join(missing)}")
+        if not pipelined:
+            return
         unverified = [op.qualname for op in needed if op.capability.stream is StreamBehaviour.UNVERIFIED]
-        if pipelined and unverified:
+        if unverified:
             raise ConfigError(
                 "afd.multistream.enabled",
                 f"connector {connector!r} cannot run multistream: the current-stream behaviour of "
                 f"{', '.join(unverified)} is unverified; run `afd-mrv2 probe npu` on the target machine and pass "
                 "its file as afd.connector_extra_config.stream_evidence, or keep multistream disabled",
+            )
+        homes = {op.home.name: op.qualname for op in recv_ops if op.home is not None}
+        clash = [(homes[op.home.name], op.qualname) for op in send_ops if op.home is not None and op.home.name in homes]
+        if clash:
+            a, b = clash[0]
+            raise ConfigError(
+                "afd.multistream.enabled",
+                f"connector {connector!r}: {a} (recv phase) and {b} (send phase) both ignore the caller's stream and "
+                f"share one home stream, which serializes them: multistream gains nothing and can deadlock; "
+                "keep multistream disabled for this role (the fence keeps serialized execution correct)",
             )
 
 

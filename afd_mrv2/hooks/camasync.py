@@ -66,7 +66,6 @@ from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
 
 NAMESPACE = "umdk_cam_op_lib"
 OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
-FFN_OPS, ATTENTION_OPS = OPS[1:3], (OPS[0], OPS[3])
 KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
 _MOVED = {k: "afd.async_moe" for k in ("async_moe_ubatching", "async_moe_num_ubatches", "async_moe_split")}
 
@@ -182,7 +181,8 @@ class CamAsyncConnector(CamConnectorBase):
             context,
             lambda: torch_opset(NAMESPACE, KNOWN, evidence=evidence, environment=installed_versions("torch_npu", "umdk_cam_op_lib"),
                                 install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib"),
-            FFN_OPS if self.role == "ffn" else ATTENTION_OPS,
+            recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),
+            send=("async_combine_send",) if self.role == "ffn" else ("async_dispatch_send",),
         )
         limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
         self._dispatched: PendingFifo[AFDAsyncTransferState] = PendingFifo("camasync dispatches awaiting combine", limit=limit)

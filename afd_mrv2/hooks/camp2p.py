@@ -135,7 +135,8 @@ class CamP2PConnector(CamConnectorBase):
             context,
             lambda: torch_opset(NAMESPACE, KNOWN, evidence=evidence, environment=installed_versions("torch_npu"),
                                 install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension"),
-            OPS,
+            recv=("a2e",) if self.role == "ffn" else ("e2a",),
+            send=("e2a",) if self.role == "ffn" else ("a2e",),
         )
         self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
         self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
