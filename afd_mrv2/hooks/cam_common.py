@@ -20,6 +20,7 @@ from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_ops import OpSet
 from afd_mrv2.pipeline.work import WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.support import check_deployment
 
 #: Resource name of the explicit test switch: an :class:`OpSet` built by
 #: :mod:`afd_mrv2.testing.cam_doubles`.  Only code can provide it (resources are
@@ -64,6 +65,9 @@ class CamConnectorBase:
     def __init__(self, context: ConnectorContext) -> None:
         config = context.config
         self.config = config
+        deployment = context.resources.get("deployment")
+        if deployment is not None:
+            check_deployment(config, deployment)
         self.role = config.role
         self.pipelined = config.multistream.active_for(config.role)
         self.model: CamModelSpec = self._resource(context, "model", CamModelSpec)

@@ -112,10 +112,10 @@ class CamP2PConnector(CamConnectorBase):
         self.aiv_num = per_role if per_role is not None else core
         if opts.integer("quant_mode", 0, low=0, high=16) != 0:
             raise ConfigError("afd.connector_extra_config.quant_mode", "CAMP2P supports only quant_mode 0")
-        if config.compute_gate_on_attention:
-            raise ConfigError("afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false")
         if config.async_moe.enabled:
             raise ConfigError("afd.async_moe.enabled", "async-MoE ubatching needs connector camasync; CAMP2P stages are its HCCL groups")
+        if config.compute_gate_on_attention:
+            raise ConfigError("afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false")
         groups = context.resource("hccl_groups")
         if isinstance(groups, str) or not isinstance(groups, Sequence) or not all(isinstance(g, str) and g for g in groups):
             raise PluginError("runtime resource 'hccl_groups' must be a sequence of HCCL comm names, one per stage")

@@ -146,10 +146,11 @@ class CamAsyncDoubles(CamDoubles):
             queue = self._outstanding[(group_name, comm_id, rank)]
             if not queue:
                 raise RuntimeError(f"combine_recv double: rank {rank} has no outstanding dispatch")
-            layer, batch, k = queue.popleft()
-        if (batch, k) != (batch_size, topk) or tuple(topk_ids.shape) != (batch, k) or tuple(topk_weights.shape) != (batch, k):
-            raise RuntimeError(f"combine_recv double: arguments (batch {batch_size}, topk_ids {tuple(topk_ids.shape)}) do not "
-                               f"pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})")
+            layer, batch, k = queue[0]
+            if (batch, k) != (batch_size, topk) or tuple(topk_ids.shape) != (batch, k) or tuple(topk_weights.shape) != (batch, k):
+                raise RuntimeError(f"combine_recv double: arguments (batch {batch_size}, topk_ids {tuple(topk_ids.shape)}) do not "
+                                   f"pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})")
+            queue.popleft()
         out = torch.full((batch_size, hidden_size), float("nan"), dtype=placeholder.dtype)
 
         def receive() -> None:
