@@ -64,6 +64,7 @@ from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.probe.evidence import StreamBehaviour
 from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
 
+NAME = "camasync"
 NAMESPACE = "umdk_cam_op_lib"
 OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
 KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
@@ -150,7 +151,7 @@ def dequantize(x: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype)
 class CamAsyncConnector(CamConnectorBase):
     """See the module docstring."""
 
-    name = "camasync"
+    name = NAME
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)

@@ -53,6 +53,7 @@ from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.probe.evidence import StreamBehaviour
 from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
 
+NAME = "camp2p"
 NAMESPACE = "afd_ascend"
 OPS = ("a2e", "e2a")
 _SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"
@@ -101,7 +102,7 @@ def select_group(stage_idx: int, groups: Sequence[str]) -> str:
 class CamP2PConnector(CamConnectorBase):
     """See the module docstring."""
 
-    name = "camp2p"
+    name = NAME
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -138,7 +139,10 @@ class CamP2PConnector(CamConnectorBase):
             recv=("a2e",) if self.role == "ffn" else ("e2a",),
             send=("e2a",) if self.role == "ffn" else ("a2e",),
         )
+        # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
         self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
+        self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
+        self._empty_scales = torch.empty((0,), dtype=torch.float32, device=self.device)
         self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
 
     def _state(self, item: WorkItem, batch_size: int) -> CAMP2PTransferState:
@@ -160,7 +164,7 @@ class CamP2PConnector(CamConnectorBase):
                 raise PluginError(f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks")
             mine = counts[self.role_rank * self.per_ffn : (self.role_rank + 1) * self.per_ffn]
             state = self._state(item, max(1, sum(mine)))  # the operator needs at least one row
-            out = self.ops["a2e"](stream, self._empty, None, None, state.batch_size, state.h, state.k,
+            out = self.ops["a2e"](stream, self._empty, self._empty_ids, self._empty_scales, state.batch_size, state.h, state.k,
                                   *self._sizes(), state.group_ep, state.aiv_num, 0)
             expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
             state.cam_p2p_ep_name = self.ep_group

@@ -48,6 +48,13 @@ class ToyMoE:
         return cls(w(num_layers, hidden, hidden), w(num_layers, hidden, num_experts), bias.to(dtype),
                    w(num_layers, num_experts, hidden, hidden), w(num_layers, hidden, hidden), topk)
 
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ToyMoE:
+        """A copy on ``device`` (and ``dtype``): the NPU probe runs the same model on the NPU in bf16."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype or t.dtype)
+
+        return ToyMoE(move(self.attn), move(self.gate), move(self.gate_bias), move(self.experts), move(self.shared), self.topk)
+
     @property
     def spec(self) -> CamModelSpec:
         layers, experts, hidden = self.gate.shape[0], self.gate.shape[2], self.gate.shape[1]
@@ -55,7 +62,7 @@ class ToyMoE:
 
     def embed(self, rank: int, tokens: int, seed: int = 1) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 1000 + rank)
-        return torch.randn(tokens, self.spec.hidden_size, generator=g).to(self.attn.dtype)
+        return torch.randn(tokens, self.spec.hidden_size, generator=g).to(device=self.attn.device, dtype=self.attn.dtype)
 
     def attention(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return h + torch.tanh(h @ self.attn[layer])
@@ -74,7 +81,7 @@ class ToyMoE:
     def moe(self, layer: int, a: torch.Tensor) -> torch.Tensor:
         """The whole MoE of one layer on one rank (the CAMP2P FFN computes this)."""
         ids, weights = self.route(layer, a)
-        out = self.shared_expert(layer, a).to(torch.float32)
+        out = self.shared_expert(layer, a).to(torch.float32)  # same device as a
         for k in range(self.topk):
             for e in ids[:, k].unique().tolist():
                 rows = ids[:, k] == e
