@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options
 from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
@@ -197,7 +198,7 @@ class CamAsyncConnector(CamConnectorBase):
 
     # ------------------------------------------------------------------ FFN side
 
-    def _receive(self, stream) -> AFDAsyncTransferState:
+    def _receive(self, stream: Stream) -> AFDAsyncTransferState:
         m = self.model
         out = self.ops["async_dispatch_recv"](stream, self._recv_placeholder, self.comm_args, self.comm_id, self.max_seq_len,
                                               m.hidden_size, m.topk, *self._common(), self.tp_size, self.dynamic_quant,
@@ -216,7 +217,7 @@ class CamAsyncConnector(CamConnectorBase):
             dynamic_scales=None if scales is None else scales[:routed], expand_x_shared=shared[:num_shared],
             dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared])
 
-    def _ffn_recv(self, work: Work, stream) -> AFDAsyncTransferState:
+    def _ffn_recv(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
         want = StageKey(work.item.layer_idx, work.item.stage_idx)
         while True:
             state = self._arrived.pop_or_none(want)
@@ -232,7 +233,7 @@ class CamAsyncConnector(CamConnectorBase):
     # ------------------------------------------------------------------ hooks
 
     @hookimpl
-    def on_recv(self, work: Work, stream) -> None:
+    def on_recv(self, work: Work, stream: Stream) -> None:
         slot = work.slot.state = work.slot.state or _Slot()
         item = work.item
         if self.role == "ffn":
@@ -266,7 +267,7 @@ class CamAsyncConnector(CamConnectorBase):
         slot.outputs = out
 
     @hookimpl
-    def on_send(self, work: Work, stream) -> None:
+    def on_send(self, work: Work, stream: Stream) -> None:
         slot: _Slot = work.slot.state
         item = work.item
         if self.role == "ffn":

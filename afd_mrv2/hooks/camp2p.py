@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options
 from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
@@ -155,7 +156,7 @@ class CamP2PConnector(CamConnectorBase):
     # ------------------------------------------------------------------ hooks
 
     @hookimpl
-    def on_recv(self, work: Work, stream) -> None:
+    def on_recv(self, work: Work, stream: Stream) -> None:
         slot = work.slot.state = work.slot.state or _Slot()
         item = work.item
         if self.role == "ffn":
@@ -193,7 +194,7 @@ class CamP2PConnector(CamConnectorBase):
         slot.outputs = out
 
     @hookimpl
-    def on_send(self, work: Work, stream) -> None:
+    def on_send(self, work: Work, stream: Stream) -> None:
         slot: _Slot = work.slot.state
         item = work.item
         if self.role == "ffn":
