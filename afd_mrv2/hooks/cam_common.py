@@ -9,6 +9,7 @@ all before any communication happens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 
 from afd_mrv2.config import AfdConfig, _Section
+from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_ops import OpSet
-from afd_mrv2.pipeline.work import WorkItem
+from afd_mrv2.pipeline.work import Work, WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.support import check_deployment
 
@@ -55,6 +57,23 @@ def options(config: AfdConfig, accepted: tuple[str, ...], moved: Mapping[str, st
         if name in config.extra:
             raise ConfigError(f"{key}.{name}", f"not a connector option in afd-mrv2; use {target}")
     return Options(config.extra, key, (*accepted, "stream_evidence"))
+
+
+def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
+    """Before a host read of a device result: poll the stream, honouring cancellation.
+
+    A plain ``.item()`` / ``.tolist()`` would block the executor's thread inside
+    the runtime until the stream drains, forever if the peer died.  Polling
+    ``query()`` waits for the same thing (this one stream, never the device) but
+    lets shutdown and failures elsewhere through.  Streams of the CPU backends
+    have no native handle: their hooks run in stream order already.
+    """
+    native = stream.native
+    if native is None:
+        return
+    while not native.query():
+        work.raise_if_cancelled()
+        time.sleep(poll_s)
 
 
 class CamConnectorBase:

@@ -57,7 +57,7 @@ import torch
 
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam_common import CamConnectorBase, options
+from afd_mrv2.hooks.cam_common import CamConnectorBase, options, wait_until_idle
 from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.pipeline.work import Work
@@ -198,12 +198,13 @@ class CamAsyncConnector(CamConnectorBase):
 
     # ------------------------------------------------------------------ FFN side
 
-    def _receive(self, stream: Stream) -> AFDAsyncTransferState:
+    def _receive(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
         m = self.model
         out = self.ops["async_dispatch_recv"](stream, self._recv_placeholder, self.comm_args, self.comm_id, self.max_seq_len,
                                               m.hidden_size, m.topk, *self._common(), self.tp_size, self.dynamic_quant,
                                               self.group_name)
         expand_x, shared, scales, scales_shared, header, expert_counts, shared_counts = out
+        wait_until_idle(stream, work)
         batch, src, layer = (int(v) for v in header[:3].tolist())  # the connector's one host read
         routed, num_shared = int(expert_counts.sum().item()), int(shared_counts[0].item())
         if src < 0 or not 0 <= routed <= expand_x.shape[0] or not 0 <= num_shared <= shared.shape[0]:
@@ -224,7 +225,7 @@ class CamAsyncConnector(CamConnectorBase):
             if state is not None:
                 return state
             work.raise_if_cancelled()
-            state = self._receive(stream)
+            state = self._receive(work, stream)
             if StageKey(state.layer_idx, state.stage_idx) == want:
                 return state
             self._arrived.push(StageKey(state.layer_idx, state.stage_idx), state)

@@ -110,3 +110,35 @@ def test_bad_evidence_is_a_config_error(tmp_path, document: dict, text: str) -> 
         Evidence.load(tmp_path / "absent.json")
     with pytest.raises(ConfigError, match="expected a path"):
         load_evidence({"stream_evidence": 3}, "k")
+
+
+class _Native:
+    def __init__(self, busy: int) -> None:
+        self.busy = busy
+
+    def query(self) -> bool:
+        self.busy -= 1
+        return self.busy < 0
+
+
+class _Stream:
+    def __init__(self, native) -> None:
+        self.native = native
+
+
+def test_host_reads_poll_the_stream_and_honour_cancellation() -> None:
+    import threading
+
+    from afd_mrv2.errors import PipelineAborted
+    from afd_mrv2.hooks.cam_common import wait_until_idle
+    from afd_mrv2.pipeline.work import Slot, SlotEvents, Work, WorkItem
+
+    cancel = threading.Event()
+    work = Work(WorkItem(0, 0, 0), Slot(0, SlotEvents(None, None, None)), cancel)
+    native = _Native(busy=3)
+    wait_until_idle(_Stream(native), work, poll_s=0)
+    assert native.busy == -1  # polled until idle
+    wait_until_idle(_Stream(None), work)  # CPU backends: nothing to wait for
+    cancel.set()
+    with pytest.raises(PipelineAborted):
+        wait_until_idle(_Stream(_Native(busy=10**9)), work, poll_s=0)

@@ -75,17 +75,25 @@ def test_one_stage_without_ubatching(connector: str) -> None:
     assert_matches_reference(multi.outputs(), spec)
 
 
+DELAYS = {"camp2p": DelayChannel((("a2e", "afd0"), ("e2a", "afd0")), 0.02), "camasync": DelayEveryOther("dispatch", 0.02)}
+
+
 @pytest.mark.parametrize("spec", [CAMP2P, CAMASYNC], ids=["camp2p", "camasync"])
 def test_recording_backend_proves_the_edges(spec: ClusterSpec) -> None:
-    spec = ClusterSpec(**{**spec.__dict__, "multistream": True, "backend": "recording"})
-    backends = {key: RecordingBackend() for key in ranks(spec)}
-    result = run(spec, backends=backends)
-    assert_matches_reference(result.outputs(), spec)
-    for key, backend in backends.items():
-        streams = {op.stream for op in backend.log if op.stream is not None}
-        assert streams == {"recv", "compute", "send"}, key
-        check_happens_before(backend.log)
-        check_happens_before(backend.log, host_edges=False)  # device edges alone suffice
-        submits = [op for op in backend.log if op.kind == "submit"]
-        items = 2 * 5 if key[0] == "attention" else 2 * 4 * (2 if spec.connector == "camasync" else 1)
-        assert len(submits) == 3 * items, key
+    outputs = {}
+    for multistream in (False, True):
+        mode = ClusterSpec(**{**spec.__dict__, "multistream": multistream, "backend": "recording"})
+        backends = {key: RecordingBackend() for key in ranks(mode)}
+        result = run(mode, backends=backends, delay=DELAYS[spec.connector])
+        outputs[multistream] = result.outputs()
+        assert_matches_reference(result.outputs(), mode)
+        for key, backend in backends.items():
+            streams = {op.stream for op in backend.log if op.stream is not None}
+            assert streams == ({"recv", "compute", "send"} if multistream else {"serial"}), key
+            check_happens_before(backend.log)
+            check_happens_before(backend.log, host_edges=False)  # device edges alone suffice
+            submits = [op for op in backend.log if op.kind == "submit"]
+            items = 2 * 5 if key[0] == "attention" else 2 * 4 * (2 if spec.connector == "camasync" else 1)
+            assert len(submits) == 3 * items, key
+    for rank, out in outputs[False].items():
+        assert torch.equal(out, outputs[True][rank])

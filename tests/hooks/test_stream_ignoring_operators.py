@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from afd_mrv2.devices.happens_before import check_happens_before
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.probe.cluster import ClusterSpec, reference
 from afd_mrv2.probe.evidence import Evidence, OpEvidence, StreamBehaviour
@@ -45,11 +46,12 @@ def _one_thread() -> None:
 MODES = [("recv-side", True), ("send-side", True), ("recv-side", False), ("all", False)]
 
 
+@pytest.mark.parametrize("backend", ["host", "recording"])
 @pytest.mark.parametrize(("foreign", "multistream"), MODES, ids=[f"{f}-{'multi' if m else 'serial'}" for f, m in MODES])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_probe_detects_and_the_fence_keeps_outputs_equal(name: str, foreign: str, multistream: bool) -> None:
+def test_probe_detects_and_the_fence_keeps_outputs_equal(name: str, foreign: str, multistream: bool, backend: str) -> None:
     ops = {"recv-side": RECV_SIDE, "send-side": SEND_SIDE, "all": ALL}[foreign][name]
-    spec = spec_for(name, multistream)
+    spec = ClusterSpec(**{**spec_for(name, multistream).__dict__, "backend": backend})
     delay = DelayEveryOther("dispatch", 0.02) if name == "camasync" else None
     honest = run(spec, delay=delay)
     ignoring = run(spec, foreign=ops, delay=delay)
@@ -67,6 +69,9 @@ def test_probe_detects_and_the_fence_keeps_outputs_equal(name: str, foreign: str
     assert fenced > 0
     for connector in honest.connectors():
         assert all(op.fenced_calls == 0 for op in connector.ops.ops.values())
+    if backend == "recording":
+        for result in ignoring.results.values():
+            check_happens_before(result.backend.log, host_edges=False)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
