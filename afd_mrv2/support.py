@@ -59,7 +59,9 @@ def check_deployment(config: AfdConfig, deployment: Deployment) -> None:
             + "; CAMAsync stages its MoE itself (afd.async_moe): disable native DBO",
         )
     if camasync and not deployment.enforce_eager:
-        raise ConfigError("afd.connector", "CAMAsync runs eager only (its operators have no graph path); set enforce_eager")
+        raise ConfigError(
+            "afd.connector", "CAMAsync runs eager only (its operators have no graph path); set enforce_eager"
+        )
     if moe.enabled and deployment.decode_context_parallel_size > 1:
         raise ConfigError(
             "afd.async_moe.enabled",

@@ -27,7 +27,10 @@ def test_enabled_token_split() -> None:
 @pytest.mark.parametrize(
     ("section", "message"),
     [
-        ({"num_stages": 3}, "afd.async_moe.num_stages: expected 2 (async-MoE ubatching supports exactly two stages), got 3 (int)"),
+        (
+            {"num_stages": 3},
+            "afd.async_moe.num_stages: expected 2 (async-MoE ubatching supports exactly two stages), got 3 (int)",
+        ),
         ({"num_stages": 1}, "afd.async_moe.num_stages: expected 2"),
         ({"num_stages": True}, "afd.async_moe.num_stages: expected 2"),
         ({"split": "layer"}, "afd.async_moe.split: expected one of request, token, got 'layer' (str)"),

@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     npu = targets.add_parser("npu", help="run on two local Ascend NPUs (needs torch_npu and CANN)")
     npu.add_argument("--out", default="afd-mrv2-cam-evidence.json", help="evidence file to write")
-    npu.add_argument("--window-ms", type=float, default=200.0,
-                     help="how long the escape check keeps a stream busy (default 200)")
+    npu.add_argument(
+        "--window-ms", type=float, default=200.0, help="how long the escape check keeps a stream busy (default 200)"
+    )
     npu.add_argument("--port", type=int, default=29533, help="rendezvous port on 127.0.0.1 (default 29533)")
     npu.set_defaults(handler=run_npu)
 
@@ -47,5 +48,7 @@ def run_npu(args: argparse.Namespace) -> int:
         return EXIT_NO_NPU
     evidence = Evidence.load(path)
     summary = {name: op.stream.value for name, op in evidence.operators.items()}
-    print(json.dumps({"evidence": str(path), "operators": summary, "comparisons": dict(evidence.comparisons)}, indent=2))
+    print(
+        json.dumps({"evidence": str(path), "operators": summary, "comparisons": dict(evidence.comparisons)}, indent=2)
+    )
     return 0

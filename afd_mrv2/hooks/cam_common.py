@@ -93,7 +93,9 @@ class CamConnectorBase:
         self.role_rank: int = self._resource(context, "role_rank", int)
         size = config.num_attention_ranks if self.role == "attention" else config.num_ffn_ranks
         if not 0 <= self.role_rank < size:
-            raise PluginError(f"connector {self.name!r}: role_rank {self.role_rank} is outside 0..{size - 1} for role {self.role}")
+            raise PluginError(
+                f"connector {self.name!r}: role_rank {self.role_rank} is outside 0..{size - 1} for role {self.role}"
+            )
         if self.role == "attention":
             self.source: Callable[[WorkItem], torch.Tensor] = context.resource("source")
             self.sink: Callable[[WorkItem, torch.Tensor], None] = context.resource("sink")
@@ -105,8 +107,14 @@ class CamConnectorBase:
             raise PluginError(f"runtime resource {name!r} must be a {kind.__name__}, got {type(value).__name__}")
         return value
 
-    def _ops(self, context: ConnectorContext, build_real: Callable[[], OpSet], *, recv: tuple[str, ...],
-             send: tuple[str, ...]) -> OpSet:
+    def _ops(
+        self,
+        context: ConnectorContext,
+        build_real: Callable[[], OpSet],
+        *,
+        recv: tuple[str, ...],
+        send: tuple[str, ...],
+    ) -> OpSet:
         """The test doubles when the test switch is set, else the real operators; then check them."""
         ops = context.resources.get(TEST_OPS_RESOURCE)
         if ops is None:
@@ -118,4 +126,6 @@ class CamConnectorBase:
 
     def _check_stages(self, stages: int, what: str) -> None:
         if not 1 <= stages <= MAX_STAGES:
-            raise ConfigError(what, f"expected 1..{MAX_STAGES} stages (more than two stages is not supported), got {stages}")
+            raise ConfigError(
+                what, f"expected 1..{MAX_STAGES} stages (more than two stages is not supported), got {stages}"
+            )

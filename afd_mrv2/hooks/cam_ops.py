@@ -78,7 +78,9 @@ class DeviceHomeStream:
 
     def _caller(self, caller: Stream) -> torch.Stream:
         if caller.native is None:
-            raise PluginError(f"the fence against home stream {self.name!r} needs an accelerator stream, got {caller.name!r}")
+            raise PluginError(
+                f"the fence against home stream {self.name!r} needs an accelerator stream, got {caller.name!r}"
+            )
         return caller.native
 
     def wait_for_caller(self, caller: Stream) -> None:
@@ -105,7 +107,9 @@ class BoundOp:
 
     def __init__(self, capability: OpCapability, fn: Callable[..., Any], home: HomeStream | None = None) -> None:
         if capability.stream is StreamBehaviour.FOREIGN and home is None:
-            raise PluginError(f"{capability.qualname} runs off the caller's stream but no home stream is known to fence it")
+            raise PluginError(
+                f"{capability.qualname} runs off the caller's stream but no home stream is known to fence it"
+            )
         self.capability = capability
         self.fn = fn
         self.home = home if capability.stream is StreamBehaviour.FOREIGN else None

@@ -58,7 +58,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options, wait_until_idle
-from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hooks.cam_ops import BoundOp, OpSet, installed_versions, load_evidence, torch_opset
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.pipeline.work import Work
 from afd_mrv2.plugins import ConnectorContext
@@ -70,6 +70,20 @@ NAMESPACE = "umdk_cam_op_lib"
 OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
 KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
 _MOVED = {k: "afd.async_moe" for k in ("async_moe_ubatching", "async_moe_num_ubatches", "async_moe_split")}
+
+
+@dataclass(frozen=True)
+class CamAsyncOps:
+    """The four CAM async operators, typed: ``ops.dispatch_send(stream, *args)`` and so on."""
+
+    dispatch_send: BoundOp
+    dispatch_recv: BoundOp
+    combine_send: BoundOp
+    combine_recv: BoundOp
+
+    @classmethod
+    def of(cls, ops: OpSet) -> CamAsyncOps:
+        return cls(*(ops[name] for name in OPS))
 
 
 @dataclass
@@ -134,7 +148,7 @@ class CamAsyncDispatch:
 
 @dataclass
 class _Slot:
-    state: AFDAsyncTransferState | None = None
+    transfer: AFDAsyncTransferState | None = None
     inputs: object = None
     outputs: object = None
     placeholder: torch.Tensor | None = None
@@ -163,9 +177,13 @@ class CamAsyncConnector(CamConnectorBase):
         self.comm_id = opts.integer("comm_id", 0, low=0, high=1 << 16)
         self.max_seq_len = opts.integer("max_seq_len", 8192, low=1, high=1 << 24)
         if not config.async_mode:
-            raise ConfigError("afd.async", "CAMAsync carries its metadata in the CAM payload and needs async DP; expected true")
+            raise ConfigError(
+                "afd.async", "CAMAsync carries its metadata in the CAM payload and needs async DP; expected true"
+            )
         if not config.compute_gate_on_attention:
-            raise ConfigError("afd.compute_gate_on_attention", "CAMAsync dispatches routed tokens from attention; expected true")
+            raise ConfigError(
+                "afd.compute_gate_on_attention", "CAMAsync dispatches routed tokens from attention; expected true"
+            )
         self.stages = config.async_moe.stages
         self._check_stages(self.stages, "afd.async_moe.num_stages")
         if self.role == "attention":
@@ -181,14 +199,24 @@ class CamAsyncConnector(CamConnectorBase):
         evidence = load_evidence(config.extra, "afd.connector_extra_config.stream_evidence")
         self.ops: OpSet = self._ops(
             context,
-            lambda: torch_opset(NAMESPACE, KNOWN, evidence=evidence, environment=installed_versions("torch_npu", "umdk_cam_op_lib"),
-                                install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib"),
+            lambda: torch_opset(
+                NAMESPACE,
+                KNOWN,
+                evidence=evidence,
+                environment=installed_versions("torch_npu", "umdk_cam_op_lib"),
+                install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
+            ),
             recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),
             send=("async_combine_send",) if self.role == "ffn" else ("async_dispatch_send",),
         )
+        self.cam = CamAsyncOps.of(self.ops)
         limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
-        self._dispatched: PendingFifo[AFDAsyncTransferState] = PendingFifo("camasync dispatches awaiting combine", limit=limit)
-        self._arrived: PendingFifo[AFDAsyncTransferState] = PendingFifo("camasync arrivals ahead of the schedule", limit=limit)
+        self._dispatched: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+            "camasync dispatches awaiting combine", limit=limit
+        )
+        self._arrived: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+            "camasync arrivals ahead of the schedule", limit=limit
+        )
         self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
         #: observability: arrivals parked ahead of the schedule, placeholder rows sent
         self.stats = {"parked": 0, "placeholders": 0}
@@ -200,23 +228,47 @@ class CamAsyncConnector(CamConnectorBase):
 
     def _receive(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
         m = self.model
-        out = self.ops["async_dispatch_recv"](stream, self._recv_placeholder, self.comm_args, self.comm_id, self.max_seq_len,
-                                              m.hidden_size, m.topk, *self._common(), self.tp_size, self.dynamic_quant,
-                                              self.group_name)
+        out = self.cam.dispatch_recv(
+            stream,
+            self._recv_placeholder,
+            self.comm_args,
+            self.comm_id,
+            self.max_seq_len,
+            m.hidden_size,
+            m.topk,
+            *self._common(),
+            self.tp_size,
+            self.dynamic_quant,
+            self.group_name,
+        )
         expand_x, shared, scales, scales_shared, header, expert_counts, shared_counts = out
         wait_until_idle(stream, work)
         batch, src, layer = (int(v) for v in header[:3].tolist())  # the connector's one host read
         routed, num_shared = int(expert_counts.sum().item()), int(shared_counts[0].item())
         if src < 0 or not 0 <= routed <= expand_x.shape[0] or not 0 <= num_shared <= shared.shape[0]:
-            raise PluginError(f"camasync: dispatch_recv returned an inconsistent header {header.tolist()} ({routed} routed rows)")
+            raise PluginError(
+                f"camasync: dispatch_recv returned an inconsistent header {header.tolist()} ({routed} routed rows)"
+            )
         stage = self._ordinal[(src, layer)] % self.stages
         self._ordinal[(src, layer)] += 1
         return AFDAsyncTransferState(
-            batch_size=self.max_seq_len, source_tokens=batch, hidden_size=m.hidden_size, topk=m.topk, layer_idx=layer, stage_idx=stage, source_rank=src,
-            num_routed=routed, num_shared=num_shared, expand_x=expand_x[:routed], token_nums_rankid_layeridx=header,
-            expert_token_nums_shared=shared_counts, group_list=expert_counts,
-            dynamic_scales=None if scales is None else scales[:routed], expand_x_shared=shared[:num_shared],
-            dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared])
+            batch_size=self.max_seq_len,
+            hidden_size=m.hidden_size,
+            topk=m.topk,
+            layer_idx=layer,
+            stage_idx=stage,
+            source_rank=src,
+            source_tokens=batch,
+            num_routed=routed,
+            num_shared=num_shared,
+            expand_x=expand_x[:routed],
+            token_nums_rankid_layeridx=header,
+            expert_token_nums_shared=shared_counts,
+            group_list=expert_counts,
+            dynamic_scales=None if scales is None else scales[:routed],
+            expand_x_shared=shared[:num_shared],
+            dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared],
+        )
 
     def _ffn_recv(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
         want = StageKey(work.item.layer_idx, work.item.stage_idx)
@@ -238,17 +290,27 @@ class CamAsyncConnector(CamConnectorBase):
         slot = work.slot.state = work.slot.state or _Slot()
         item = work.item
         if self.role == "ffn":
-            slot.state = self._ffn_recv(work, stream)
+            slot.transfer = self._ffn_recv(work, stream)
             return
         if item.layer_idx == 0:
-            slot.state, slot.inputs = None, self.source(item)
+            slot.transfer, slot.inputs = None, self.source(item)
             return
         sent = self._dispatched.pop(StageKey(item.layer_idx - 1, item.stage_idx))
-        slot.state = sent
+        slot.transfer = sent
         placeholder = sent.reference.new_empty((1,))
-        slot.inputs = self.ops["async_combine_recv"](stream, placeholder, sent.topk_ids, sent.topk_weights, self.comm_args,
-                                                     self.comm_id, sent.batch_size, sent.hidden_size, sent.topk,
-                                                     *self._common(), self.group_name)
+        slot.inputs = self.cam.combine_recv(
+            stream,
+            placeholder,
+            sent.topk_ids,
+            sent.topk_weights,
+            self.comm_args,
+            self.comm_id,
+            sent.batch_size,
+            sent.hidden_size,
+            sent.topk,
+            *self._common(),
+            self.group_name,
+        )
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
@@ -256,10 +318,14 @@ class CamAsyncConnector(CamConnectorBase):
         if self.role == "attention":
             slot.outputs = compute(work.item, slot.inputs)
             return
-        s = slot.state
+        s = slot.transfer
         dtype = self.model.dtype
-        batch = CamAsyncFfnBatch(s.layer_idx, dequantize(s.expand_x, s.dynamic_scales, dtype), s.group_list[: self.expert_per_rank],
-                                 dequantize(s.expand_x_shared, s.dynamic_scales_shared, dtype))
+        batch = CamAsyncFfnBatch(
+            s.layer_idx,
+            dequantize(s.expand_x, s.dynamic_scales, dtype),
+            s.group_list[: self.expert_per_rank],
+            dequantize(s.expand_x_shared, s.dynamic_scales_shared, dtype),
+        )
         out = compute(work.item, batch)
         if not isinstance(out, CamAsyncFfnOutput) or out.routed.shape[0] != s.num_routed:
             raise PluginError(f"camasync: FFN compute must return CamAsyncFfnOutput with {s.num_routed} routed rows")
@@ -272,7 +338,7 @@ class CamAsyncConnector(CamConnectorBase):
         slot: _Slot = work.slot.state
         item = work.item
         if self.role == "ffn":
-            s, out = slot.state, slot.outputs
+            s, out = slot.transfer, slot.outputs
             routed = out.routed
             if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
                 if slot.placeholder is None or slot.placeholder.dtype != routed.dtype:
@@ -280,8 +346,20 @@ class CamAsyncConnector(CamConnectorBase):
                 routed = slot.placeholder
                 self.stats["placeholders"] += 1
             shared = out.shared if out.shared is not None and s.num_shared else routed
-            self.ops["async_combine_send"](stream, routed, shared, self.comm_args, s.token_nums_rankid_layeridx, self.comm_id,
-                                           s.batch_size, s.hidden_size, s.topk, *self._common(), self.tp_size, self.group_name)
+            self.cam.combine_send(
+                stream,
+                routed,
+                shared,
+                self.comm_args,
+                s.token_nums_rankid_layeridx,
+                self.comm_id,
+                s.batch_size,
+                s.hidden_size,
+                s.topk,
+                *self._common(),
+                self.tp_size,
+                self.group_name,
+            )
             return
         if item.layer_idx == self.model.num_layers:
             self.sink(item, slot.outputs)
@@ -295,13 +373,34 @@ class CamAsyncConnector(CamConnectorBase):
         for name, t in (("topk_ids", out.topk_ids), ("topk_weights", out.topk_weights)):
             if tuple(t.shape) != (batch, m.topk):
                 raise PluginError(f"camasync: {name} shape must be ({batch}, {m.topk}), got {tuple(t.shape)}")
-        state = AFDAsyncTransferState(batch_size=batch, hidden_size=m.hidden_size, topk=m.topk, layer_idx=item.layer_idx,
-                                      stage_idx=item.stage_idx, source_rank=self.world_rank, topk_ids=out.topk_ids,
-                                      topk_weights=out.topk_weights, reference=out.hidden_states)
+        state = AFDAsyncTransferState(
+            batch_size=batch,
+            hidden_size=m.hidden_size,
+            topk=m.topk,
+            layer_idx=item.layer_idx,
+            stage_idx=item.stage_idx,
+            source_rank=self.world_rank,
+            topk_ids=out.topk_ids,
+            topk_weights=out.topk_weights,
+            reference=out.hidden_states,
+        )
         self._dispatched.push(StageKey(item.layer_idx, item.stage_idx), state)
-        self.ops["async_dispatch_send"](stream, out.hidden_states, out.topk_ids, self.comm_args, self.comm_id, self.max_seq_len,
-                                        batch, m.hidden_size, m.topk, *self._common(), item.layer_idx, self.tp_size,
-                                        self.dynamic_quant, self.group_name)
+        self.cam.dispatch_send(
+            stream,
+            out.hidden_states,
+            out.topk_ids,
+            self.comm_args,
+            self.comm_id,
+            self.max_seq_len,
+            batch,
+            m.hidden_size,
+            m.topk,
+            *self._common(),
+            item.layer_idx,
+            self.tp_size,
+            self.dynamic_quant,
+            self.group_name,
+        )
 
     @hookimpl
     def on_cleanup(self, work: Work, error: BaseException) -> None:

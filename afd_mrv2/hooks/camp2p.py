@@ -47,7 +47,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options
-from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hooks.cam_ops import BoundOp, OpSet, installed_versions, load_evidence, torch_opset
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.pipeline.work import Work, WorkItem
 from afd_mrv2.plugins import ConnectorContext
@@ -59,6 +59,18 @@ NAMESPACE = "afd_ascend"
 OPS = ("a2e", "e2a")
 _SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"
 KNOWN = {name: (StreamBehaviour.CURRENT, _SOURCE_BASIS) for name in OPS}
+
+
+@dataclass(frozen=True)
+class CamP2POps:
+    """The two CAMP2P operators, typed: ``ops.a2e(stream, *args)`` / ``ops.e2a(stream, *args)``."""
+
+    a2e: BoundOp
+    e2a: BoundOp
+
+    @classmethod
+    def of(cls, ops: OpSet) -> CamP2POps:
+        return cls(ops["a2e"], ops["e2a"])
 
 
 @dataclass
@@ -96,7 +108,9 @@ class _Slot:
 def select_group(stage_idx: int, groups: Sequence[str]) -> str:
     """The HCCL group of ``stage_idx``: one group per stage, so stages never share a FIFO."""
     if not 0 <= stage_idx < len(groups):
-        raise PluginError(f"camp2p: stage {stage_idx} has no HCCL group (groups for stages 0..{len(groups) - 1}: {list(groups)})")
+        raise PluginError(
+            f"camp2p: stage {stage_idx} has no HCCL group (groups for stages 0..{len(groups) - 1}: {list(groups)})"
+        )
     return groups[stage_idx]
 
 
@@ -115,11 +129,20 @@ class CamP2PConnector(CamConnectorBase):
         if opts.integer("quant_mode", 0, low=0, high=16) != 0:
             raise ConfigError("afd.connector_extra_config.quant_mode", "CAMP2P supports only quant_mode 0")
         if config.async_moe.enabled:
-            raise ConfigError("afd.async_moe.enabled", "async-MoE ubatching needs connector camasync; CAMP2P stages are its HCCL groups")
+            raise ConfigError(
+                "afd.async_moe.enabled",
+                "async-MoE ubatching needs connector camasync; CAMP2P stages are its HCCL groups",
+            )
         if config.compute_gate_on_attention:
-            raise ConfigError("afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false")
+            raise ConfigError(
+                "afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false"
+            )
         groups = context.resource("hccl_groups")
-        if isinstance(groups, str) or not isinstance(groups, Sequence) or not all(isinstance(g, str) and g for g in groups):
+        if (
+            isinstance(groups, str)
+            or not isinstance(groups, Sequence)
+            or not all(isinstance(g, str) and g for g in groups)
+        ):
             raise PluginError("runtime resource 'hccl_groups' must be a sequence of HCCL comm names, one per stage")
         self.groups = tuple(groups)
         self._check_stages(len(self.groups), "afd.camp2p.hccl_groups")
@@ -135,11 +158,17 @@ class CamP2PConnector(CamConnectorBase):
         evidence = load_evidence(config.extra, "afd.connector_extra_config.stream_evidence")
         self.ops: OpSet = self._ops(
             context,
-            lambda: torch_opset(NAMESPACE, KNOWN, evidence=evidence, environment=installed_versions("torch_npu"),
-                                install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension"),
+            lambda: torch_opset(
+                NAMESPACE,
+                KNOWN,
+                evidence=evidence,
+                environment=installed_versions("torch_npu"),
+                install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
+            ),
             recv=("a2e",) if self.role == "ffn" else ("e2a",),
             send=("e2a",) if self.role == "ffn" else ("a2e",),
         )
+        self.cam = CamP2POps.of(self.ops)
         # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
         self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
         self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
@@ -147,8 +176,15 @@ class CamP2PConnector(CamConnectorBase):
         self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
 
     def _state(self, item: WorkItem, batch_size: int) -> CAMP2PTransferState:
-        return CAMP2PTransferState(item.layer_idx, item.stage_idx, select_group(item.stage_idx, self.groups),
-                                   self.aiv_num, batch_size, self.model.hidden_size, self.model.topk)
+        return CAMP2PTransferState(
+            item.layer_idx,
+            item.stage_idx,
+            select_group(item.stage_idx, self.groups),
+            self.aiv_num,
+            batch_size,
+            self.model.hidden_size,
+            self.model.topk,
+        )
 
     def _sizes(self) -> tuple[int, int, int]:
         return self.num_ffn, self.num_attention, self.world_rank
@@ -162,11 +198,24 @@ class CamP2PConnector(CamConnectorBase):
         if self.role == "ffn":
             counts = list(self.token_counts(item))
             if len(counts) != self.num_attention:
-                raise PluginError(f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks")
+                raise PluginError(
+                    f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks"
+                )
             mine = counts[self.role_rank * self.per_ffn : (self.role_rank + 1) * self.per_ffn]
             state = self._state(item, max(1, sum(mine)))  # the operator needs at least one row
-            out = self.ops["a2e"](stream, self._empty, self._empty_ids, self._empty_scales, state.batch_size, state.h, state.k,
-                                  *self._sizes(), state.group_ep, state.aiv_num, 0)
+            out = self.cam.a2e(
+                stream,
+                self._empty,
+                self._empty_ids,
+                self._empty_scales,
+                state.batch_size,
+                state.h,
+                state.k,
+                *self._sizes(),
+                state.group_ep,
+                state.aiv_num,
+                0,
+            )
             expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
             state.cam_p2p_ep_name = self.ep_group
             slot.transfer, slot.num_real, slot.inputs = state, sum(mine), expand_x[: sum(mine)]
@@ -176,8 +225,17 @@ class CamP2PConnector(CamConnectorBase):
             return
         sent = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
         slot.transfer = sent
-        slot.inputs = self.ops["e2a"](stream, sent.reference, sent.atten_batch_size, sent.batch_size, sent.h, sent.k,
-                                      *self._sizes(), sent.group_ep, sent.aiv_num)
+        slot.inputs = self.cam.e2a(
+            stream,
+            sent.reference,
+            sent.atten_batch_size,
+            sent.batch_size,
+            sent.h,
+            sent.k,
+            *self._sizes(),
+            sent.group_ep,
+            sent.aiv_num,
+        )
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
@@ -199,8 +257,17 @@ class CamP2PConnector(CamConnectorBase):
         item = work.item
         if self.role == "ffn":
             state = slot.transfer
-            self.ops["e2a"](stream, slot.outputs, state.atten_batch_size, state.batch_size, state.h, state.k,
-                            *self._sizes(), state.group_ep, state.aiv_num)
+            self.cam.e2a(
+                stream,
+                slot.outputs,
+                state.atten_batch_size,
+                state.batch_size,
+                state.h,
+                state.k,
+                *self._sizes(),
+                state.group_ep,
+                state.aiv_num,
+            )
             return
         if item.layer_idx == self.model.num_layers:
             self.sink(item, slot.outputs)
@@ -208,8 +275,19 @@ class CamP2PConnector(CamConnectorBase):
         hidden = slot.outputs
         state = self._state(item, hidden.shape[0])
         state.reference = hidden
-        out = self.ops["a2e"](stream, hidden, None, None, state.batch_size, state.h, state.k,
-                              *self._sizes(), state.group_ep, state.aiv_num, 0)
+        out = self.cam.a2e(
+            stream,
+            hidden,
+            None,
+            None,
+            state.batch_size,
+            state.h,
+            state.k,
+            *self._sizes(),
+            state.group_ep,
+            state.aiv_num,
+            0,
+        )
         state.atten_batch_size = out[3]
         self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
 

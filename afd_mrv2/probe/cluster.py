@@ -58,12 +58,22 @@ class ClusterSpec:
     def config(self, role: str) -> AfdConfig:
         camasync = self.connector == "camasync"
         raw: dict[str, Any] = {
-            "connector": self.connector, "role": role, "num_attention_ranks": self.num_attention,
-            "num_ffn_ranks": self.num_ffn, "async": camasync, "compute_gate_on_attention": camasync,
-            "multistream": {"enabled": self.multistream, "depth": self.depth, "roles": ["attention", "ffn"],
-                            "backend": self.backend},
-            "connector_extra_config": {**({"dynamicQuant": self.dynamic_quant, "max_seq_len": 256} if camasync else {}),
-                                       **self.extra},
+            "connector": self.connector,
+            "role": role,
+            "num_attention_ranks": self.num_attention,
+            "num_ffn_ranks": self.num_ffn,
+            "async": camasync,
+            "compute_gate_on_attention": camasync,
+            "multistream": {
+                "enabled": self.multistream,
+                "depth": self.depth,
+                "roles": ["attention", "ffn"],
+                "backend": self.backend,
+            },
+            "connector_extra_config": {
+                **({"dynamicQuant": self.dynamic_quant, "max_seq_len": 256} if camasync else {}),
+                **self.extra,
+            },
         }
         if camasync and self.split is not None:
             raw["async_moe"] = {"enabled": True, "split": self.split}
@@ -80,8 +90,16 @@ class RankResult:
     connector: Any
 
 
-def run_rank(spec: ClusterSpec, model: ToyMoE, role: str, rank: int, *, ops: OpSet | None,
-             resources: Mapping[str, Any] | None = None, backend: DeviceBackend | None = None) -> RankResult:
+def run_rank(
+    spec: ClusterSpec,
+    model: ToyMoE,
+    role: str,
+    rank: int,
+    *,
+    ops: OpSet | None,
+    resources: Mapping[str, Any] | None = None,
+    backend: DeviceBackend | None = None,
+) -> RankResult:
     """One rank's run; ``ops`` None means the real operators (resolved by the connector)."""
     config = spec.config(role)
     backend = backend or make_backend(spec.backend)
@@ -128,9 +146,15 @@ def ranks(spec: ClusterSpec) -> list[tuple[str, int]]:
     return [("attention", a) for a in range(spec.num_attention)] + [("ffn", f) for f in range(spec.num_ffn)]
 
 
-def run_in_threads(spec: ClusterSpec, model: ToyMoE, make_ops: Callable[[str, int], OpSet], *,
-                   abort: Callable[[], None] = lambda: None, timeout_s: float = 60.0,
-                   backends: Mapping[tuple[str, int], DeviceBackend] | None = None) -> dict[tuple[str, int], RankResult]:
+def run_in_threads(
+    spec: ClusterSpec,
+    model: ToyMoE,
+    make_ops: Callable[[str, int], OpSet],
+    *,
+    abort: Callable[[], None] = lambda: None,
+    timeout_s: float = 60.0,
+    backends: Mapping[tuple[str, int], DeviceBackend] | None = None,
+) -> dict[tuple[str, int], RankResult]:
     """Every rank of ``spec`` on its own thread; the first failure aborts the others and is raised."""
     results: dict[tuple[str, int], RankResult] = {}
     errors: list[BaseException] = []
@@ -143,7 +167,9 @@ def run_in_threads(spec: ClusterSpec, model: ToyMoE, make_ops: Callable[[str, in
             errors.append(exc)
             abort()
 
-    threads = [threading.Thread(target=one, args=key, name=f"rank-{key[0]}{key[1]}", daemon=True) for key in ranks(spec)]
+    threads = [
+        threading.Thread(target=one, args=key, name=f"rank-{key[0]}{key[1]}", daemon=True) for key in ranks(spec)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

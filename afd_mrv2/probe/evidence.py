@@ -69,10 +69,16 @@ class Evidence:
         return all(environment.get(k) == v for k, v in self.environment.items())
 
     def to_json(self) -> dict[str, Any]:
-        ops = {name: {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(op).items() if k != "qualname"}
-               for name, op in self.operators.items()}
-        return {"schema": self.schema, "environment": dict(self.environment), "operators": ops,
-                "comparisons": dict(self.comparisons)}
+        ops = {
+            name: {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(op).items() if k != "qualname"}
+            for name, op in self.operators.items()
+        }
+        return {
+            "schema": self.schema,
+            "environment": dict(self.environment),
+            "operators": ops,
+            "comparisons": dict(self.comparisons),
+        }
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -83,18 +89,31 @@ class Evidence:
     @classmethod
     def from_json(cls, raw: object, *, key: str = "stream_evidence") -> Evidence:
         if not isinstance(raw, Mapping) or raw.get("schema") != SCHEMA:
-            raise ConfigError(key, f"expected an evidence document with schema {SCHEMA!r} (written by afd-mrv2 probe npu)")
+            raise ConfigError(
+                key, f"expected an evidence document with schema {SCHEMA!r} (written by afd-mrv2 probe npu)"
+            )
         ops: dict[str, OpEvidence] = {}
         for name, entry in dict(raw.get("operators", {})).items():
             try:
                 stream = StreamBehaviour(entry.get("stream", "unverified"))
             except ValueError:
-                raise ConfigError(f"{key}.operators.{name}.stream", f"expected one of {', '.join(b.value for b in StreamBehaviour)}") from None
+                raise ConfigError(
+                    f"{key}.operators.{name}.stream", f"expected one of {', '.join(b.value for b in StreamBehaviour)}"
+                ) from None
             home = entry.get("home")
             if stream is StreamBehaviour.FOREIGN and home not in HOMES:
-                raise ConfigError(f"{key}.operators.{name}.home", f"a foreign operator needs a home the fence can name ({', '.join(HOMES)}), got {home!r}")
-            ops[name] = OpEvidence(name, bool(entry.get("present", False)), stream, home,
-                                   entry.get("concurrent_in_flight_safe"), str(entry.get("detail", "")))
+                raise ConfigError(
+                    f"{key}.operators.{name}.home",
+                    f"a foreign operator needs a home the fence can name ({', '.join(HOMES)}), got {home!r}",
+                )
+            ops[name] = OpEvidence(
+                name,
+                bool(entry.get("present", False)),
+                stream,
+                home,
+                entry.get("concurrent_in_flight_safe"),
+                str(entry.get("detail", "")),
+            )
         return cls(dict(raw.get("environment", {})), ops, dict(raw.get("comparisons", {})))
 
     @classmethod

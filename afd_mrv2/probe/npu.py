@@ -53,7 +53,9 @@ def require_npus(count: int = 2) -> None:
     try:
         importlib.import_module("torch_npu")
     except Exception as exc:  # noqa: BLE001 - any import failure means no usable NPU
-        raise NoNpu(f"torch_npu does not import ({type(exc).__name__}: {exc}); is CANN installed and sourced?") from None
+        raise NoNpu(
+            f"torch_npu does not import ({type(exc).__name__}: {exc}); is CANN installed and sourced?"
+        ) from None
     npu = torch.npu  # type: ignore[attr-defined]
     available = npu.device_count() if npu.is_available() else 0
     if available < count:
@@ -110,7 +112,9 @@ class _Rank:
         return torch.randn(rows, H, generator=g).to(self.device, dtype)
 
 
-def _escape(me: _Rank, sender: int, send: Callable[[], Any], recv: Callable[[], torch.Tensor]) -> dict[str, tuple[str, str]]:
+def _escape(
+    me: _Rank, sender: int, send: Callable[[], Any], recv: Callable[[], torch.Tensor]
+) -> dict[str, tuple[str, str]]:
     """Escape-check one send/recv pair both ways; each rank returns what it measured."""
     found: dict[str, tuple[str, str]] = {}
     me.barrier()
@@ -191,8 +195,11 @@ def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
         got = [a2e_recv(0), a2e_recv(1)]
         e2a_send(0, 21), e2a_send(1, 22)
     me.npu.synchronize()
-    ok = all(torch.equal(g.cpu(), me.data(s).cpu()) for g, s in zip(got, (11, 12), strict=True)) if me.rank == 0 else \
-        all(torch.equal(b.cpu(), me.data(s).cpu()) for b, s in zip(back, (21, 22), strict=True))
+    ok = (
+        all(torch.equal(g.cpu(), me.data(s).cpu()) for g, s in zip(got, (11, 12), strict=True))
+        if me.rank == 0
+        else all(torch.equal(b.cpu(), me.data(s).cpu()) for b, s in zip(back, (21, 22), strict=True))
+    )
     return {"a2e": a2e, "e2a": e2a}, ok
 
 
@@ -207,7 +214,9 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     received: list[Any] = []
 
     def dispatch_send(layer: int = 0, seed: int = 1) -> Any:
-        return ops["async_dispatch_send"](me.data(seed), ids, comm_args, 0, seq, T, H, K, *common, 0, 2, layer, 1, 0, me.names[0])
+        return ops["async_dispatch_send"](
+            me.data(seed), ids, comm_args, 0, seq, T, H, K, *common, 0, 2, layer, 1, 0, me.names[0]
+        )
 
     def dispatch_recv() -> torch.Tensor:
         out = ops["async_dispatch_recv"](place, comm_args, 0, seq, H, K, *common, 1, 2, 1, 0, me.names[0])
@@ -217,7 +226,9 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     def combine_send() -> Any:
         expand_x, shared, _, _, header, counts, _ = received.pop(0)
         rows = max(1, int(counts.sum()))
-        return ops["async_combine_send"](expand_x[:rows], shared, comm_args, header, 0, seq, H, K, *common, 1, 2, 1, me.names[0])
+        return ops["async_combine_send"](
+            expand_x[:rows], shared, comm_args, header, 0, seq, H, K, *common, 1, 2, 1, me.names[0]
+        )
 
     def combine_recv() -> torch.Tensor:
         return ops["async_combine_recv"](place, ids, weights, comm_args, 0, T, H, K, *common, 0, 2, me.names[0])
@@ -225,8 +236,14 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     found = {"async_dispatch_send": {}, "async_dispatch_recv": {}, "async_combine_send": {}, "async_combine_recv": {}}
     dispatch = _escape(me, 0, dispatch_send, dispatch_recv)  # the receiver keeps both payloads for the combines
     combine = _escape(me, 1, combine_send, combine_recv)
-    found["async_dispatch_send"], found["async_dispatch_recv"] = {"send": dispatch.get("send")}, {"recv": dispatch.get("recv")}
-    found["async_combine_send"], found["async_combine_recv"] = {"send": combine.get("send")}, {"recv": combine.get("recv")}
+    found["async_dispatch_send"], found["async_dispatch_recv"] = (
+        {"send": dispatch.get("send")},
+        {"recv": dispatch.get("recv")},
+    )
+    found["async_combine_send"], found["async_combine_recv"] = (
+        {"send": combine.get("send")},
+        {"recv": combine.get("recv")},
+    )
     if me.rank == 0:  # two dispatches in flight (layers 5 and 6), then their combines
         dispatch_send(5, 31), dispatch_send(6, 32)
         outs = [combine_recv(), combine_recv()]
@@ -257,7 +274,9 @@ def _compare(me: _Rank, connector: str, evidence_path: str) -> dict[str, Any]:
     from afd_mrv2.probe.toy import ToyMoE
 
     model = ToyMoE.build(hidden=H, num_experts=8, topk=K, num_layers=4).to(me.device, torch.bfloat16)
-    spec = ClusterSpec(connector, batches=((5, 3, 4, 4),), backend="accelerator", extra={"stream_evidence": evidence_path})
+    spec = ClusterSpec(
+        connector, batches=((5, 3, 4, 4),), backend="accelerator", extra={"stream_evidence": evidence_path}
+    )
     ffn_first = connector == "camp2p"
     role = ("ffn" if me.rank == 0 else "attention") if ffn_first else ("attention" if me.rank == 0 else "ffn")
     resources = {"hccl_groups": tuple(me.names), "cam_group": me.names[0], "device": str(me.device)}
@@ -300,8 +319,9 @@ def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
         for name in module.OPS:
             stream, detail = _behaviour([r.get(name, {}) for r in per_rank_found])
             home = "default" if stream is StreamBehaviour.FOREIGN else None
-            operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(f"{module.NAMESPACE}.{name}", True, stream, home,
-                                                                 all(per_rank_safe), detail)
+            operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(
+                f"{module.NAMESPACE}.{name}", True, stream, home, all(per_rank_safe), detail
+            )
         partial = f"{out}.rank{rank}.partial.json"
         Evidence(environment, operators).write(partial)
         comparisons[module.NAME] = _compare(me, module.NAME, partial)

@@ -25,7 +25,9 @@ from afd_mrv2.probe.evidence import StreamBehaviour
 Check = Callable[[], bool]
 
 
-def classify_late(backend: DeviceBackend, run: Callable[[], Check], *, timeout_s: float = 30.0) -> tuple[StreamBehaviour, str]:
+def classify_late(
+    backend: DeviceBackend, run: Callable[[], Check], *, timeout_s: float = 30.0
+) -> tuple[StreamBehaviour, str]:
     """Run ``run()`` (which calls the operator and returns an effect check) on a probe stream."""
     stream = backend.new_stream("probe")
     event = backend.new_event()
@@ -41,7 +43,9 @@ def classify_late(backend: DeviceBackend, run: Callable[[], Check], *, timeout_s
     return StreamBehaviour.FOREIGN, "effect still pending after the caller's stream passed the call"
 
 
-def classify_escape(hold: Callable[[], None], run: Callable[[], Check], *, window_s: float) -> tuple[StreamBehaviour, str]:
+def classify_escape(
+    hold: Callable[[], None], run: Callable[[], Check], *, window_s: float
+) -> tuple[StreamBehaviour, str]:
     """Device check: ``hold()`` enqueues a kernel that keeps the caller's stream busy for
     about ``window_s``; ``run()`` enqueues the operator behind it.  An effect visible
     before the window closes escaped the caller's stream."""

@@ -35,8 +35,17 @@ class ToyMoE:
     topk: int
 
     @classmethod
-    def build(cls, *, hidden: int = 16, num_experts: int = 8, topk: int = 2, num_layers: int = 4, seed: int = 0,
-              starve: Mapping[int, tuple[int, int]] | None = None, dtype: torch.dtype = torch.float32) -> ToyMoE:
+    def build(
+        cls,
+        *,
+        hidden: int = 16,
+        num_experts: int = 8,
+        topk: int = 2,
+        num_layers: int = 4,
+        seed: int = 0,
+        starve: Mapping[int, tuple[int, int]] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> ToyMoE:
         g = torch.Generator().manual_seed(seed)
 
         def w(*shape: int) -> torch.Tensor:
@@ -45,15 +54,24 @@ class ToyMoE:
         bias = torch.zeros(num_layers, num_experts)
         for layer, (lo, hi) in (starve or {}).items():
             bias[layer, lo:hi] = -1e4
-        return cls(w(num_layers, hidden, hidden), w(num_layers, hidden, num_experts), bias.to(dtype),
-                   w(num_layers, num_experts, hidden, hidden), w(num_layers, hidden, hidden), topk)
+        return cls(
+            w(num_layers, hidden, hidden),
+            w(num_layers, hidden, num_experts),
+            bias.to(dtype),
+            w(num_layers, num_experts, hidden, hidden),
+            w(num_layers, hidden, hidden),
+            topk,
+        )
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ToyMoE:
         """A copy on ``device`` (and ``dtype``): the NPU probe runs the same model on the NPU in bf16."""
+
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype or t.dtype)
 
-        return ToyMoE(move(self.attn), move(self.gate), move(self.gate_bias), move(self.experts), move(self.shared), self.topk)
+        return ToyMoE(
+            move(self.attn), move(self.gate), move(self.gate_bias), move(self.experts), move(self.shared), self.topk
+        )
 
     @property
     def spec(self) -> CamModelSpec:
@@ -62,7 +80,9 @@ class ToyMoE:
 
     def embed(self, rank: int, tokens: int, seed: int = 1) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 1000 + rank)
-        return torch.randn(tokens, self.spec.hidden_size, generator=g).to(device=self.attn.device, dtype=self.attn.dtype)
+        return torch.randn(tokens, self.spec.hidden_size, generator=g).to(
+            device=self.attn.device, dtype=self.attn.dtype
+        )
 
     def attention(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return h + torch.tanh(h @ self.attn[layer])
@@ -135,7 +155,9 @@ def camasync_ffn(model: ToyMoE, ffn_rank: int, experts_per_rank: int):
         x, routed, row = batch.hidden_states, torch.empty_like(batch.hidden_states), 0
         for local, count in enumerate(batch.group_list.tolist()):
             if count:
-                routed[row : row + count] = model.expert(batch.layer_idx, ffn_rank * experts_per_rank + local, x[row : row + count])
+                routed[row : row + count] = model.expert(
+                    batch.layer_idx, ffn_rank * experts_per_rank + local, x[row : row + count]
+                )
             row += count
         shared = batch.shared_hidden_states
         return CamAsyncFfnOutput(routed, model.shared_expert(batch.layer_idx, shared) if shared.shape[0] else None)

@@ -91,7 +91,9 @@ class Fabric:
         self.overtakes = 0  # taken while an earlier-posted message to the same rank was still pending
         self.late_deliveries = 0  # taken after a later-posted message to the same rank became visible
 
-    def post(self, *, channel: Hashable, src: int, dst: int, tag: tuple, payload: dict[str, Any], fifo: Hashable) -> None:
+    def post(
+        self, *, channel: Hashable, src: int, dst: int, tag: tuple, payload: dict[str, Any], fifo: Hashable
+    ) -> None:
         with self._cond:
             message = Message(next(self._seq), channel, src, dst, tag, payload, 0.0)
             at = time.monotonic() + (self._delay(message) if self._delay else 0.0)

@@ -60,14 +60,36 @@ class CamAsyncDoubles(CamDoubles):
         self._outstanding: dict[tuple, deque] = defaultdict(deque)  # (group, comm, rank) -> dispatches awaiting combine
         self._receipts: dict[tuple, deque] = defaultdict(deque)  # (group, comm, ffn, src, layer) -> row counts
 
-    def async_dispatch_send(self, x, topk_ids, comm_args, comm_id, max_seq_len, batch_size, hidden_size, topk, ffn_size,
-                            attn_size, expert_per_rank, rank, world_size, layer_idx, tp_size, dynamic_quant, group_name):
+    def async_dispatch_send(
+        self,
+        x,
+        topk_ids,
+        comm_args,
+        comm_id,
+        max_seq_len,
+        batch_size,
+        hidden_size,
+        topk,
+        ffn_size,
+        attn_size,
+        expert_per_rank,
+        rank,
+        world_size,
+        layer_idx,
+        tp_size,
+        dynamic_quant,
+        group_name,
+    ):
         del comm_args, world_size, tp_size
         if tuple(x.shape) != (batch_size, hidden_size) or tuple(topk_ids.shape) != (batch_size, topk):
-            raise RuntimeError(f"dispatch_send double: x {tuple(x.shape)} / topk_ids {tuple(topk_ids.shape)} do not match "
-                               f"batch_size={batch_size}, hidden_size={hidden_size}, topk={topk}")
+            raise RuntimeError(
+                f"dispatch_send double: x {tuple(x.shape)} / topk_ids {tuple(topk_ids.shape)} do not match "
+                f"batch_size={batch_size}, hidden_size={hidden_size}, topk={topk}"
+            )
         if batch_size > max_seq_len or not 0 <= rank < attn_size:
-            raise RuntimeError(f"dispatch_send double: batch {batch_size} > max_seq_len {max_seq_len} or rank {rank} not attention")
+            raise RuntimeError(
+                f"dispatch_send double: batch {batch_size} > max_seq_len {max_seq_len} or rank {rank} not attention"
+            )
         with self._lock:
             self._outstanding[(group_name, comm_id, rank)].append((layer_idx, batch_size, topk))
 
@@ -78,17 +100,41 @@ class CamAsyncDoubles(CamDoubles):
                 shared = x if f == rank % ffn_size else x[:0]
                 payload = {"tokens": batch_size, "group_list": torch.bincount(local, minlength=expert_per_rank)}
                 if dynamic_quant:
-                    (payload["routed"], payload["scales"]), (payload["shared"], payload["shared_scales"]) = quantize(routed), quantize(shared)
+                    (payload["routed"], payload["scales"]), (payload["shared"], payload["shared_scales"]) = (
+                        quantize(routed),
+                        quantize(shared),
+                    )
                 else:
                     payload.update(routed=routed.clone(), shared=shared.clone(), scales=None, shared_scales=None)
                 dst = attn_size + f
-                self.fabric.post(channel=("dispatch", group_name, comm_id), src=rank, dst=dst, tag=(layer_idx,),
-                                 payload=payload, fifo=("dispatch", group_name, comm_id, rank, dst, layer_idx))
+                self.fabric.post(
+                    channel=("dispatch", group_name, comm_id),
+                    src=rank,
+                    dst=dst,
+                    tag=(layer_idx,),
+                    payload=payload,
+                    fifo=("dispatch", group_name, comm_id, rank, dst, layer_idx),
+                )
 
         self._run("async_dispatch_send", rank, send)
 
-    def async_dispatch_recv(self, placeholder, comm_args, comm_id, batch_size, hidden_size, topk, ffn_size, attn_size,
-                            expert_per_rank, rank, world_size, tp_size, dynamic_quant, group_name):
+    def async_dispatch_recv(
+        self,
+        placeholder,
+        comm_args,
+        comm_id,
+        batch_size,
+        hidden_size,
+        topk,
+        ffn_size,
+        attn_size,
+        expert_per_rank,
+        rank,
+        world_size,
+        tp_size,
+        dynamic_quant,
+        group_name,
+    ):
         del comm_args, ffn_size, attn_size, world_size, tp_size
         capacity = batch_size * topk
         dtype = torch.int8 if dynamic_quant else placeholder.dtype
@@ -105,7 +151,9 @@ class CamAsyncDoubles(CamDoubles):
             p = m.payload
             n, ns = p["routed"].shape[0], p["shared"].shape[0]
             if n > capacity or ns > batch_size:
-                raise RuntimeError(f"dispatch_recv double: {n} routed / {ns} shared rows exceed capacity {capacity}/{batch_size}")
+                raise RuntimeError(
+                    f"dispatch_recv double: {n} routed / {ns} shared rows exceed capacity {capacity}/{batch_size}"
+                )
             expand_x[:n], shared[:ns] = p["routed"], p["shared"]
             if p["scales"] is not None:
                 scales[:n], shared_scales[:ns] = p["scales"], p["shared_scales"]
@@ -118,11 +166,29 @@ class CamAsyncDoubles(CamDoubles):
         self._run("async_dispatch_recv", rank, receive)
         return expand_x, shared, scales, shared_scales, header, expert_counts, shared_counts
 
-    def async_combine_send(self, routed, shared, comm_args, token_nums_rankid_layeridx, comm_id, batch_size, hidden_size,
-                           topk, ffn_size, attn_size, expert_per_rank, rank, world_size, tp_size, group_name):
+    def async_combine_send(
+        self,
+        routed,
+        shared,
+        comm_args,
+        token_nums_rankid_layeridx,
+        comm_id,
+        batch_size,
+        hidden_size,
+        topk,
+        ffn_size,
+        attn_size,
+        expert_per_rank,
+        rank,
+        world_size,
+        tp_size,
+        group_name,
+    ):
         del comm_args, batch_size, topk, ffn_size, attn_size, expert_per_rank, world_size, tp_size
         if routed.dim() != 2 or routed.shape[0] == 0 or routed.shape[1] != hidden_size:
-            raise RuntimeError(f"combine_send double: CAM needs a non-empty (rows, {hidden_size}) routed output, got {tuple(routed.shape)}")
+            raise RuntimeError(
+                f"combine_send double: CAM needs a non-empty (rows, {hidden_size}) routed output, got {tuple(routed.shape)}"
+            )
         if routed.dtype == torch.int8:
             raise RuntimeError("combine_send double: CAM cannot combine an int8 routed output")
 
@@ -131,25 +197,54 @@ class CamAsyncDoubles(CamDoubles):
             with self._lock:
                 n, ns = self._receipts[(group_name, comm_id, rank, src, layer)].popleft()
             if routed.shape[0] != max(n, 1) or shared.shape[0] < ns:
-                raise RuntimeError(f"combine_send double: {routed.shape[0]} routed / {shared.shape[0]} shared rows for a "
-                                   f"dispatch of {n} / {ns} rows (a zero-row dispatch takes exactly one placeholder row)")
+                raise RuntimeError(
+                    f"combine_send double: {routed.shape[0]} routed / {shared.shape[0]} shared rows for a "
+                    f"dispatch of {n} / {ns} rows (a zero-row dispatch takes exactly one placeholder row)"
+                )
             payload = {"routed": routed[:n].clone(), "shared": shared[:ns].clone()}
-            self.fabric.post(channel=("combine", group_name, comm_id), src=rank, dst=src, tag=(layer,), payload=payload,
-                             fifo=("combine", group_name, comm_id, rank, src, layer))
+            self.fabric.post(
+                channel=("combine", group_name, comm_id),
+                src=rank,
+                dst=src,
+                tag=(layer,),
+                payload=payload,
+                fifo=("combine", group_name, comm_id, rank, src, layer),
+            )
 
         self._run("async_combine_send", rank, send)
 
-    def async_combine_recv(self, placeholder, topk_ids, topk_weights, comm_args, comm_id, batch_size, hidden_size, topk,
-                           ffn_size, attn_size, expert_per_rank, rank, world_size, group_name):
+    def async_combine_recv(
+        self,
+        placeholder,
+        topk_ids,
+        topk_weights,
+        comm_args,
+        comm_id,
+        batch_size,
+        hidden_size,
+        topk,
+        ffn_size,
+        attn_size,
+        expert_per_rank,
+        rank,
+        world_size,
+        group_name,
+    ):
         del comm_args, world_size
         with self._lock:
             queue = self._outstanding[(group_name, comm_id, rank)]
             if not queue:
                 raise RuntimeError(f"combine_recv double: rank {rank} has no outstanding dispatch")
             layer, batch, k = queue[0]
-            if (batch, k) != (batch_size, topk) or tuple(topk_ids.shape) != (batch, k) or tuple(topk_weights.shape) != (batch, k):
-                raise RuntimeError(f"combine_recv double: arguments (batch {batch_size}, topk_ids {tuple(topk_ids.shape)}) do not "
-                                   f"pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})")
+            if (
+                (batch, k) != (batch_size, topk)
+                or tuple(topk_ids.shape) != (batch, k)
+                or tuple(topk_weights.shape) != (batch, k)
+            ):
+                raise RuntimeError(
+                    f"combine_recv double: arguments (batch {batch_size}, topk_ids {tuple(topk_ids.shape)}) do not "
+                    f"pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})"
+                )
             queue.popleft()
         out = torch.full((batch_size, hidden_size), float("nan"), dtype=placeholder.dtype)
 
@@ -157,8 +252,11 @@ class CamAsyncDoubles(CamDoubles):
             acc = torch.zeros((batch_size, hidden_size), dtype=torch.float32)
             weights = topk_weights.reshape(-1).to(torch.float32)
             for f in range(ffn_size):
-                m = self.fabric.take(channel=("combine", group_name, comm_id), dst=rank,
-                                     match=lambda m, f=f: m.src == attn_size + f and m.tag == (layer,))
+                m = self.fabric.take(
+                    channel=("combine", group_name, comm_id),
+                    dst=rank,
+                    match=lambda m, f=f: m.src == attn_size + f and m.tag == (layer,),
+                )
                 positions, _ = route(topk_ids, f, expert_per_rank)
                 rows = m.payload["routed"].to(torch.float32) * weights[positions].reshape(-1, 1)
                 acc.index_add_(0, positions // topk, rows)

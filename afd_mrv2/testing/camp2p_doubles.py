@@ -31,11 +31,26 @@ class CamP2PDoubles(CamDoubles):
     @staticmethod
     def _group(ffn: int, attention: int) -> int:
         if attention % ffn:
-            raise RuntimeError(f"afd_ascend double: attention ranks ({attention}) must be a multiple of FFN ranks ({ffn})")
+            raise RuntimeError(
+                f"afd_ascend double: attention ranks ({attention}) must be a multiple of FFN ranks ({ffn})"
+            )
         return attention // ffn
 
-    def a2e(self, x, expert_ids, scales, batch_size, hidden_size, topk, expert_rank_size, attention_rank_size, rank,
-            group_ep, aiv_num, compute_gate):
+    def a2e(
+        self,
+        x,
+        expert_ids,
+        scales,
+        batch_size,
+        hidden_size,
+        topk,
+        expert_rank_size,
+        attention_rank_size,
+        rank,
+        group_ep,
+        aiv_num,
+        compute_gate,
+    ):
         del expert_ids, scales, aiv_num, compute_gate
         ffn, attention = expert_rank_size, attention_rank_size
         g = self._group(ffn, attention)
@@ -46,12 +61,23 @@ class CamP2PDoubles(CamDoubles):
                 raise RuntimeError(f"a2e double: x must be (tokens, {hidden_size}), got {tuple(x.shape)}")
 
             def send() -> None:
-                self.fabric.post(channel=("a2e", group_ep), src=rank, dst=dst, tag=(), payload={"x": x.clone()},
-                                 fifo=("a2e", group_ep, rank, dst))
+                self.fabric.post(
+                    channel=("a2e", group_ep),
+                    src=rank,
+                    dst=dst,
+                    tag=(),
+                    payload={"x": x.clone()},
+                    fifo=("a2e", group_ep, rank, dst),
+                )
 
             self._run("a2e", rank, send)
-            return [x.new_empty((1, 1)), torch.empty((1, 1), dtype=torch.int32), torch.empty((1, 1)),
-                    torch.zeros(per_ffn, dtype=torch.int32), torch.zeros(1, dtype=torch.bool)]
+            return [
+                x.new_empty((1, 1)),
+                torch.empty((1, 1), dtype=torch.int32),
+                torch.empty((1, 1)),
+                torch.zeros(per_ffn, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.bool),
+            ]
         expand_x = torch.full((batch_size, hidden_size), float("nan"), dtype=x.dtype)
         counts = torch.full((g,), -1, dtype=torch.int32)
         mask = torch.zeros(batch_size, dtype=torch.bool)
@@ -60,7 +86,9 @@ class CamP2PDoubles(CamDoubles):
         def receive() -> None:
             row = 0
             for i, src in enumerate(sources):
-                rows = self.fabric.take(channel=("a2e", group_ep), dst=rank, match=lambda m, s=src: m.src == s).payload["x"]
+                rows = self.fabric.take(channel=("a2e", group_ep), dst=rank, match=lambda m, s=src: m.src == s).payload[
+                    "x"
+                ]
                 if row + rows.shape[0] > batch_size:
                     raise RuntimeError(f"a2e double: {row + rows.shape[0]} rows received for batch_size {batch_size}")
                 expand_x[row : row + rows.shape[0]] = rows
@@ -70,20 +98,44 @@ class CamP2PDoubles(CamDoubles):
             expand_x[row:] = 0
 
         self._run("a2e", rank, receive)
-        return [expand_x, torch.zeros((batch_size, topk), dtype=torch.int32), torch.zeros((batch_size, topk)), counts, mask]
+        return [
+            expand_x,
+            torch.zeros((batch_size, topk), dtype=torch.int32),
+            torch.zeros((batch_size, topk)),
+            counts,
+            mask,
+        ]
 
-    def e2a(self, expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size, attention_rank_size, rank,
-            group_ep, aiv_num):
+    def e2a(
+        self,
+        expand_x,
+        atten_batch_size,
+        batch_size,
+        hidden_size,
+        topk,
+        expert_rank_size,
+        attention_rank_size,
+        rank,
+        group_ep,
+        aiv_num,
+    ):
         del batch_size, topk, aiv_num
         ffn, attention = expert_rank_size, attention_rank_size
         g = self._group(ffn, attention)
         if rank < ffn:  # FFN: split the rows back to its attention ranks
+
             def send() -> None:
                 row = 0
                 for i, n in enumerate(atten_batch_size.tolist()):
                     dst = ffn + rank * g + i
-                    self.fabric.post(channel=("e2a", group_ep), src=rank, dst=dst, tag=(),
-                                     payload={"x": expand_x[row : row + n].clone()}, fifo=("e2a", group_ep, rank, dst))
+                    self.fabric.post(
+                        channel=("e2a", group_ep),
+                        src=rank,
+                        dst=dst,
+                        tag=(),
+                        payload={"x": expand_x[row : row + n].clone()},
+                        fifo=("e2a", group_ep, rank, dst),
+                    )
                     row += n
 
             self._run("e2a", rank, send)

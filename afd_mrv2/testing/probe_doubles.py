@@ -65,8 +65,15 @@ def probe_camp2p(d: CamP2PDoubles) -> Evidence:
         out = d.e2a(x, torch.zeros(1, dtype=torch.int32), batch_size=_T, rank=1, **sizes)
         return lambda: torch.equal(out, y)
 
-    return _evidence(d, [("a2e", send_a2e, _settle(d, 1)), ("a2e", recv_a2e, _settle(d, 0)),
-                         ("e2a", send_e2a, _settle(d, 0)), ("e2a", recv_e2a, _settle(d, 1))])
+    return _evidence(
+        d,
+        [
+            ("a2e", send_a2e, _settle(d, 1)),
+            ("a2e", recv_a2e, _settle(d, 0)),
+            ("e2a", send_e2a, _settle(d, 0)),
+            ("e2a", recv_e2a, _settle(d, 1)),
+        ],
+    )
 
 
 def probe_camasync(d: CamAsyncDoubles) -> Evidence:
@@ -75,16 +82,27 @@ def probe_camasync(d: CamAsyncDoubles) -> Evidence:
     ids = torch.tensor([[0, 1]] * _T)
     weights = torch.full((_T, _K), 0.5)
     routed_out, box = torch.randn(_T * _K, _H), {}
-    common = dict(comm_id=0, hidden_size=_H, topk=_K, ffn_size=1, attn_size=1, expert_per_rank=_E, world_size=2,
-                  group_name="probe")
+    common = dict(
+        comm_id=0,
+        hidden_size=_H,
+        topk=_K,
+        ffn_size=1,
+        attn_size=1,
+        expert_per_rank=_E,
+        world_size=2,
+        group_name="probe",
+    )
 
     def dispatch_send() -> Check:
-        d.async_dispatch_send(x, ids, None, max_seq_len=8, batch_size=_T, rank=0, layer_idx=0, tp_size=1, dynamic_quant=0,
-                              **common)
+        d.async_dispatch_send(
+            x, ids, None, max_seq_len=8, batch_size=_T, rank=0, layer_idx=0, tp_size=1, dynamic_quant=0, **common
+        )
         return lambda: d.fabric.peek(channel=("dispatch", "probe", 0), dst=1)
 
     def dispatch_recv() -> Check:
-        box["recv"] = out = d.async_dispatch_recv(x[:1], None, batch_size=8, rank=1, tp_size=1, dynamic_quant=0, **common)
+        box["recv"] = out = d.async_dispatch_recv(
+            x[:1], None, batch_size=8, rank=1, tp_size=1, dynamic_quant=0, **common
+        )
         # expert 0 gets every token's k=0 row, expert 1 every k=1 row, in token order
         expected = torch.cat([x, x])
         return lambda: int(out[4][1]) == 0 and torch.equal(out[0][: _T * _K], expected)
@@ -98,7 +116,12 @@ def probe_camasync(d: CamAsyncDoubles) -> Evidence:
         expected = 0.5 * routed_out[:_T] + 0.5 * routed_out[_T:] + x
         return lambda: torch.allclose(out, expected)
 
-    return _evidence(d, [("async_dispatch_send", dispatch_send, _settle(d, 0)),
-                         ("async_dispatch_recv", dispatch_recv, _settle(d, 1)),
-                         ("async_combine_send", combine_send, _settle(d, 1)),
-                         ("async_combine_recv", combine_recv, _settle(d, 0))])
+    return _evidence(
+        d,
+        [
+            ("async_dispatch_send", dispatch_send, _settle(d, 0)),
+            ("async_dispatch_recv", dispatch_recv, _settle(d, 1)),
+            ("async_combine_send", combine_send, _settle(d, 1)),
+            ("async_combine_recv", combine_recv, _settle(d, 0)),
+        ],
+    )

@@ -94,9 +94,13 @@ def build_stage_metadata(
         raise ValueError(f"query_start_loc: expected {n + 1} prefix sums starting at 0, got {qsl.tolist()}")
     total = int(qsl[-1])
     if stage.request_slice.stop > n or stage.token_slice.stop > total:
-        raise ValueError(f"stage {stage.index} ({stage.request_slice}, {stage.token_slice}) does not fit the parent batch")
+        raise ValueError(
+            f"stage {stage.index} ({stage.request_slice}, {stage.token_slice}) does not fit the parent batch"
+        )
     if pos.numel() < total or slots.numel() < total:
-        raise ValueError(f"positions/slot_mapping: expected at least {total} entries, got {pos.numel()}/{slots.numel()}")
+        raise ValueError(
+            f"positions/slot_mapping: expected at least {total} entries, got {pos.numel()}/{slots.numel()}"
+        )
     parent_query = qsl[1:] - qsl[:-1]
     if bool((lens < parent_query).any()):
         raise ValueError("seq_lens: every sequence length must be >= its scheduled tokens")

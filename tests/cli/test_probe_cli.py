@@ -19,7 +19,11 @@ from afd_mrv2.probe.evidence import Evidence, StreamBehaviour
 def test_console_script_without_npu(tmp_path) -> None:
     out = tmp_path / "evidence.json"
     exe = shutil.which("afd-mrv2") or sys.executable
-    cmd = [exe, "probe", "npu", "--out", str(out)] if exe != sys.executable else [exe, "-m", "afd_mrv2.cli", "probe", "npu", "--out", str(out)]
+    cmd = (
+        [exe, "probe", "npu", "--out", str(out)]
+        if exe != sys.executable
+        else [exe, "-m", "afd_mrv2.cli", "probe", "npu", "--out", str(out)]
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_NO_NPU
     assert "afd-mrv2 probe npu: no usable Ascend NPU: torch_npu is not installed" in done.stderr
@@ -29,7 +33,9 @@ def test_console_script_without_npu(tmp_path) -> None:
 
 def fake_importlib(import_module) -> types.SimpleNamespace:
     """Stands in for the probe module's ``importlib``: torch_npu is "installed"."""
-    return types.SimpleNamespace(util=types.SimpleNamespace(find_spec=lambda name: object()), import_module=import_module)
+    return types.SimpleNamespace(
+        util=types.SimpleNamespace(find_spec=lambda name: object()), import_module=import_module
+    )
 
 
 def test_torch_npu_that_does_not_import(monkeypatch, capsys, tmp_path) -> None:
@@ -43,7 +49,9 @@ def test_torch_npu_that_does_not_import(monkeypatch, capsys, tmp_path) -> None:
 
 def test_too_few_npus(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(probe_npu, "importlib", fake_importlib(types.ModuleType))
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1), raising=False)
+    monkeypatch.setattr(
+        torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1), raising=False
+    )
     assert main(["probe", "npu", "--out", str(tmp_path / "e.json")]) == EXIT_NO_NPU
     assert "needs 2 NPUs (one attention rank, one FFN rank); torch.npu sees 1" in capsys.readouterr().err
 

@@ -50,8 +50,12 @@ def run(
         evidence = probe_camp2p(doubles) if spec.connector == "camp2p" else probe_camasync(doubles)
     try:
         results = run_in_threads(
-            spec, MODEL, lambda role, rank: doubles.opset(world_rank(spec, role, rank), evidence),
-            abort=fabric.abort, timeout_s=timeout_s * 2, backends=backends,
+            spec,
+            MODEL,
+            lambda role, rank: doubles.opset(world_rank(spec, role, rank), evidence),
+            abort=fabric.abort,
+            timeout_s=timeout_s * 2,
+            backends=backends,
         )
     finally:
         doubles.close()

@@ -14,7 +14,9 @@ from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
 from afd_mrv2.testing.probe_doubles import probe_camasync, probe_camp2p
 
 H, K, E = 4, 2, 4
-COMMON = dict(comm_id=0, hidden_size=H, topk=K, ffn_size=2, attn_size=1, expert_per_rank=E // 2, world_size=3, group_name="g")
+COMMON = dict(
+    comm_id=0, hidden_size=H, topk=K, ffn_size=2, attn_size=1, expert_per_rank=E // 2, world_size=3, group_name="g"
+)
 
 
 def test_fabric_delays_keep_fifo_within_a_domain_and_count_overtakes() -> None:
@@ -70,7 +72,9 @@ def test_camasync_dispatch_groups_rows_by_local_expert_and_combine_pairs() -> No
     x = torch.arange(3 * H, dtype=torch.float32).reshape(3, H)
     ids = torch.tensor([[3, 0], [1, 3], [0, 2]])  # FFN 0 owns experts 0,1; FFN 1 owns 2,3
     weights = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]])
-    d.async_dispatch_send(x, ids, None, max_seq_len=8, batch_size=3, rank=0, layer_idx=5, tp_size=1, dynamic_quant=0, **COMMON)
+    d.async_dispatch_send(
+        x, ids, None, max_seq_len=8, batch_size=3, rank=0, layer_idx=5, tp_size=1, dynamic_quant=0, **COMMON
+    )
     outs = {}
     for f in (1, 2):
         out = d.async_dispatch_recv(x[:1], None, batch_size=8, rank=f, tp_size=1, dynamic_quant=0, **COMMON)
@@ -82,8 +86,16 @@ def test_camasync_dispatch_groups_rows_by_local_expert_and_combine_pairs() -> No
         assert int(out[6][0]) == (3 if f == 1 else 0)  # shared input goes to FFN (source % F) = 0
     for f in (1, 2):
         n = int(outs[f][5].sum())
-        d.async_combine_send(outs[f][0][:n] * 10, outs[f][1][: int(outs[f][6][0])] if f == 1 else outs[f][0][:n] * 10, None,
-                             outs[f][4], batch_size=8, rank=f, tp_size=1, **COMMON)
+        d.async_combine_send(
+            outs[f][0][:n] * 10,
+            outs[f][1][: int(outs[f][6][0])] if f == 1 else outs[f][0][:n] * 10,
+            None,
+            outs[f][4],
+            batch_size=8,
+            rank=f,
+            tp_size=1,
+            **COMMON,
+        )
     with pytest.raises(RuntimeError, match="do not pair with the oldest outstanding dispatch"):
         d.async_combine_recv(x[:1], ids[:2], weights[:2], None, batch_size=2, rank=0, **COMMON)
     combined = d.async_combine_recv(x[:1], ids, weights, None, batch_size=3, rank=0, **COMMON)
@@ -95,10 +107,20 @@ def test_camasync_combine_send_needs_a_real_routed_row() -> None:
     d = CamAsyncDoubles(Fabric(timeout_s=2))
     header = torch.tensor([1, 0, 0])
     with pytest.raises(RuntimeError, match="non-empty"):
-        d.async_combine_send(torch.empty(0, H), torch.empty(0, H), None, header, batch_size=1, rank=1, tp_size=1, **COMMON)
+        d.async_combine_send(
+            torch.empty(0, H), torch.empty(0, H), None, header, batch_size=1, rank=1, tp_size=1, **COMMON
+        )
     with pytest.raises(RuntimeError, match="int8"):
-        d.async_combine_send(torch.zeros(1, H, dtype=torch.int8), torch.empty(0, H), None, header, batch_size=1, rank=1,
-                             tp_size=1, **COMMON)
+        d.async_combine_send(
+            torch.zeros(1, H, dtype=torch.int8),
+            torch.empty(0, H),
+            None,
+            header,
+            batch_size=1,
+            rank=1,
+            tp_size=1,
+            **COMMON,
+        )
 
 
 def test_quantize_and_route_helpers() -> None:
@@ -111,7 +133,9 @@ def test_quantize_and_route_helpers() -> None:
 
 def test_camp2p_ffn_gathers_its_attention_ranks_in_order() -> None:
     d = CamP2PDoubles(Fabric(timeout_s=2))
-    sizes = dict(hidden_size=H, topk=K, expert_rank_size=1, attention_rank_size=2, group_ep="afd0", aiv_num=8, compute_gate=0)
+    sizes = dict(
+        hidden_size=H, topk=K, expert_rank_size=1, attention_rank_size=2, group_ep="afd0", aiv_num=8, compute_gate=0
+    )
     a1, a0 = torch.ones(2, H), torch.zeros(3, H)
     d.a2e(a1, None, None, batch_size=2, rank=2, **sizes)
     d.a2e(a0, None, None, batch_size=3, rank=1, **sizes)
@@ -127,11 +151,17 @@ def test_camp2p_ffn_gathers_its_attention_ranks_in_order() -> None:
 @pytest.mark.parametrize("foreign", [(), ("a2e",), ("e2a",), ("a2e", "e2a")])
 def test_probe_classifies_camp2p_doubles(foreign: tuple[str, ...]) -> None:
     evidence = probe_camp2p(CamP2PDoubles(Fabric(timeout_s=5), foreign=foreign))
-    assert {q.split(".")[1] for q, e in evidence.operators.items() if e.stream is StreamBehaviour.FOREIGN} == set(foreign)
+    assert {q.split(".")[1] for q, e in evidence.operators.items() if e.stream is StreamBehaviour.FOREIGN} == set(
+        foreign
+    )
 
 
-@pytest.mark.parametrize("foreign", [(), ("async_dispatch_recv",), ("async_dispatch_send", "async_combine_send"), CamAsyncDoubles.OPS])
+@pytest.mark.parametrize(
+    "foreign", [(), ("async_dispatch_recv",), ("async_dispatch_send", "async_combine_send"), CamAsyncDoubles.OPS]
+)
 def test_probe_classifies_camasync_doubles(foreign: tuple[str, ...]) -> None:
     evidence = probe_camasync(CamAsyncDoubles(Fabric(timeout_s=5), foreign=foreign))
-    assert {q.split(".")[1] for q, e in evidence.operators.items() if e.stream is StreamBehaviour.FOREIGN} == set(foreign)
+    assert {q.split(".")[1] for q, e in evidence.operators.items() if e.stream is StreamBehaviour.FOREIGN} == set(
+        foreign
+    )
     assert all(e.present for e in evidence.operators.values()) and len(evidence.operators) == 4

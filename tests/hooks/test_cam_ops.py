@@ -27,31 +27,49 @@ def test_resolution_checks_the_dispatcher_once() -> None:
 def test_torch_opset_uses_known_behaviour_without_evidence() -> None:
     ops = torch_opset("afd_mrv2_fake_ops", KNOWN, evidence=None, environment={}, install_hint="n/a")
     cap = ops["echo"].capability
-    assert (cap.qualname, cap.stream, cap.basis) == ("afd_mrv2_fake_ops.echo", StreamBehaviour.CURRENT, "read the source")
+    assert (cap.qualname, cap.stream, cap.basis) == (
+        "afd_mrv2_fake_ops.echo",
+        StreamBehaviour.CURRENT,
+        "read the source",
+    )
     assert ops.source == "torch.ops.afd_mrv2_fake_ops"
     ops.check_start_up(["echo"], [], connector="x", pipelined=True)
 
 
 def test_evidence_applies_only_to_its_environment() -> None:
-    evidence = Evidence({"torch_npu": "2.10.0"}, {"afd_mrv2_fake_ops.echo": OpEvidence(
-        "afd_mrv2_fake_ops.echo", True, StreamBehaviour.UNVERIFIED, detail="inconclusive")})
-    same = torch_opset("afd_mrv2_fake_ops", KNOWN, evidence=evidence, environment={"torch_npu": "2.10.0"}, install_hint="")
+    evidence = Evidence(
+        {"torch_npu": "2.10.0"},
+        {
+            "afd_mrv2_fake_ops.echo": OpEvidence(
+                "afd_mrv2_fake_ops.echo", True, StreamBehaviour.UNVERIFIED, detail="inconclusive"
+            )
+        },
+    )
+    same = torch_opset(
+        "afd_mrv2_fake_ops", KNOWN, evidence=evidence, environment={"torch_npu": "2.10.0"}, install_hint=""
+    )
     assert same["echo"].capability.stream is StreamBehaviour.UNVERIFIED
     assert "probe evidence: inconclusive" in same["echo"].capability.basis
-    other = torch_opset("afd_mrv2_fake_ops", KNOWN, evidence=evidence, environment={"torch_npu": "2.11.0"}, install_hint="")
+    other = torch_opset(
+        "afd_mrv2_fake_ops", KNOWN, evidence=evidence, environment={"torch_npu": "2.11.0"}, install_hint=""
+    )
     assert other["echo"].capability.stream is StreamBehaviour.CURRENT
     assert "evidence ignored" in other["echo"].capability.basis
 
 
 def test_foreign_on_a_machine_without_accelerator_is_refused() -> None:
-    evidence = Evidence({}, {"afd_mrv2_fake_ops.echo": OpEvidence("afd_mrv2_fake_ops.echo", True, StreamBehaviour.FOREIGN, "default")})
+    evidence = Evidence(
+        {}, {"afd_mrv2_fake_ops.echo": OpEvidence("afd_mrv2_fake_ops.echo", True, StreamBehaviour.FOREIGN, "default")}
+    )
     with pytest.raises(PluginError, match="no accelerator is available"):
         torch_opset("afd_mrv2_fake_ops", KNOWN, evidence=evidence, environment={}, install_hint="")
 
 
 def test_missing_operator_names_the_install_hint() -> None:
     with pytest.raises(PluginError, match=r"afd_mrv2_fake_ops\.nope; install it"):
-        torch_opset("afd_mrv2_fake_ops", {"nope": KNOWN["echo"]}, evidence=None, environment={}, install_hint="install it")
+        torch_opset(
+            "afd_mrv2_fake_ops", {"nope": KNOWN["echo"]}, evidence=None, environment={}, install_hint="install it"
+        )
 
 
 class Home:
@@ -69,7 +87,9 @@ class Home:
 
 def test_bound_op_fences_only_foreign_operators() -> None:
     log: list[str] = []
-    foreign = BoundOp(OpCapability("ns.f", True, StreamBehaviour.FOREIGN, "probe"), lambda x: log.append(f"op {x}") or x, Home(log))
+    foreign = BoundOp(
+        OpCapability("ns.f", True, StreamBehaviour.FOREIGN, "probe"), lambda x: log.append(f"op {x}") or x, Home(log)
+    )
     assert foreign("recv", 7) == 7
     assert log == ["home waits recv", "op 7", "recv waits home"]
     assert (foreign.calls, foreign.fenced_calls) == (1, 1)
@@ -80,11 +100,23 @@ def test_bound_op_fences_only_foreign_operators() -> None:
 
 
 def test_evidence_round_trip(tmp_path) -> None:
-    evidence = Evidence({"torch": "2.10.0"}, {
-        "umdk_cam_op_lib.async_dispatch_recv": OpEvidence("umdk_cam_op_lib.async_dispatch_recv", True, StreamBehaviour.FOREIGN,
-                                                          "default", True, "escaped the held stream"),
-        "umdk_cam_op_lib.async_combine_send": OpEvidence("umdk_cam_op_lib.async_combine_send", True, StreamBehaviour.CURRENT),
-    }, {"camasync": {"equal": True, "max_abs_diff": 0.0}})
+    evidence = Evidence(
+        {"torch": "2.10.0"},
+        {
+            "umdk_cam_op_lib.async_dispatch_recv": OpEvidence(
+                "umdk_cam_op_lib.async_dispatch_recv",
+                True,
+                StreamBehaviour.FOREIGN,
+                "default",
+                True,
+                "escaped the held stream",
+            ),
+            "umdk_cam_op_lib.async_combine_send": OpEvidence(
+                "umdk_cam_op_lib.async_combine_send", True, StreamBehaviour.CURRENT
+            ),
+        },
+        {"camasync": {"equal": True, "max_abs_diff": 0.0}},
+    )
     path = evidence.write(tmp_path / "e.json")
     raw = json.loads(path.read_text())
     assert raw["schema"] == SCHEMA and raw["operators"]["umdk_cam_op_lib.async_dispatch_recv"]["stream"] == "foreign"

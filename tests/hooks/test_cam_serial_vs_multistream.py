@@ -75,7 +75,10 @@ def test_one_stage_without_ubatching(connector: str) -> None:
     assert_matches_reference(multi.outputs(), spec)
 
 
-DELAYS = {"camp2p": DelayChannel((("a2e", "afd0"), ("e2a", "afd0")), 0.02), "camasync": DelayEveryOther("dispatch", 0.02)}
+DELAYS = {
+    "camp2p": DelayChannel((("a2e", "afd0"), ("e2a", "afd0")), 0.02),
+    "camasync": DelayEveryOther("dispatch", 0.02),
+}
 
 
 @pytest.mark.parametrize("spec", [CAMP2P, CAMASYNC], ids=["camp2p", "camasync"])

@@ -17,10 +17,14 @@ from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
 
 from .harness import MODEL
 
-CURRENT_EVIDENCE = Evidence({}, {
-    f"{ns}.{op}": OpEvidence(f"{ns}.{op}", True, StreamBehaviour.CURRENT)
-    for ns, ops in (("afd_ascend", CamP2PDoubles.OPS), ("umdk_cam_op_lib", CamAsyncDoubles.OPS)) for op in ops
-})
+CURRENT_EVIDENCE = Evidence(
+    {},
+    {
+        f"{ns}.{op}": OpEvidence(f"{ns}.{op}", True, StreamBehaviour.CURRENT)
+        for ns, ops in (("afd_ascend", CamP2PDoubles.OPS), ("umdk_cam_op_lib", CamAsyncDoubles.OPS))
+        for op in ops
+    },
+)
 
 
 def camasync(**afd):
@@ -34,8 +38,16 @@ def camp2p(**afd):
 
 def build(config, *, evidence=CURRENT_EVIDENCE, doubles=True, **resources):
     kind = CamP2PDoubles if config.connector == "camp2p" else CamAsyncDoubles
-    res = {"model": MODEL.spec, "role_rank": 0, "source": lambda i: None, "sink": lambda i, o: None,
-           "hccl_groups": ("afd0", "afd1"), "cam_group": "g", "stage_token_counts": lambda i: [1], **resources}
+    res = {
+        "model": MODEL.spec,
+        "role_rank": 0,
+        "source": lambda i: None,
+        "sink": lambda i, o: None,
+        "hccl_groups": ("afd0", "afd1"),
+        "cam_group": "g",
+        "stage_token_counts": lambda i: [1],
+        **resources,
+    }
     if doubles:
         res[TEST_OPS_RESOURCE] = kind(Fabric()).opset(0, evidence)
     return load_plugins(config, resources=res).connector
@@ -64,15 +76,39 @@ def test_supported_defaults_build() -> None:
     [
         (lambda: camasync(**{"async": False}), "afd.async", "needs async DP"),
         (lambda: camasync(compute_gate_on_attention=False), "afd.compute_gate_on_attention", "expected true"),
-        (lambda: camasync(async_moe=MOE, multistream={**MS, "depth": 3}), "afd.multistream.depth", "must equal the number of stages (2), got 3"),
+        (
+            lambda: camasync(async_moe=MOE, multistream={**MS, "depth": 3}),
+            "afd.multistream.depth",
+            "must equal the number of stages (2), got 3",
+        ),
         (lambda: camasync(multistream=MS), "afd.multistream.depth", "must equal the number of stages (1), got 2"),
-        (lambda: camasync(connector_extra_config={"async_moe_split": "token"}), "afd.connector_extra_config.async_moe_split", "use afd.async_moe"),
-        (lambda: camasync(connector_extra_config={"dynamicQuant": 2}), "afd.connector_extra_config.dynamicQuant", "0..1"),
+        (
+            lambda: camasync(connector_extra_config={"async_moe_split": "token"}),
+            "afd.connector_extra_config.async_moe_split",
+            "use afd.async_moe",
+        ),
+        (
+            lambda: camasync(connector_extra_config={"dynamicQuant": 2}),
+            "afd.connector_extra_config.dynamicQuant",
+            "0..1",
+        ),
         (lambda: camasync(connector_extra_config={"queue": 1}), "afd.connector_extra_config.queue", "unknown key"),
-        (lambda: camp2p(compute_gate_on_attention=True, async_moe=MOE), "afd.async_moe.enabled", "needs connector camasync"),
+        (
+            lambda: camp2p(compute_gate_on_attention=True, async_moe=MOE),
+            "afd.async_moe.enabled",
+            "needs connector camasync",
+        ),
         (lambda: camp2p(compute_gate_on_attention=True), "afd.compute_gate_on_attention", "expected false"),
-        (lambda: camp2p(connector_extra_config={"quant_mode": 1}), "afd.connector_extra_config.quant_mode", "only quant_mode 0"),
-        (lambda: camp2p(multistream={**MS, "depth": 1}), "afd.multistream.depth", "must equal the number of stages (2), got 1"),
+        (
+            lambda: camp2p(connector_extra_config={"quant_mode": 1}),
+            "afd.connector_extra_config.quant_mode",
+            "only quant_mode 0",
+        ),
+        (
+            lambda: camp2p(multistream={**MS, "depth": 1}),
+            "afd.multistream.depth",
+            "must equal the number of stages (2), got 1",
+        ),
     ],
 )
 def test_connector_refusals(make, key: str, text: str) -> None:
@@ -92,7 +128,9 @@ def test_multistream_needs_verified_stream_behaviour() -> None:
     build(camasync(async_moe=MOE), evidence=None)  # serialized stays available
 
 
-@pytest.mark.parametrize(("config", "names"), [(camasync, "umdk_cam_op_lib.async_dispatch_send"), (camp2p, "afd_ascend.a2e")])
+@pytest.mark.parametrize(
+    ("config", "names"), [(camasync, "umdk_cam_op_lib.async_dispatch_send"), (camp2p, "afd_ascend.a2e")]
+)
 def test_real_operators_missing_fail_before_anything_runs(config, names: str) -> None:
     with pytest.raises(PluginError, match=f"operators not registered with torch: {names}"):
         build(config(), doubles=False)
@@ -100,8 +138,17 @@ def test_real_operators_missing_fail_before_anything_runs(config, names: str) ->
 
 def test_test_switch_must_be_an_opset() -> None:
     with pytest.raises(PluginError, match="must be an OpSet"):
-        load_plugins(camasync(), resources={"model": MODEL.spec, "role_rank": 0, "source": 1, "sink": 1,
-                                            "cam_group": "g", TEST_OPS_RESOURCE: object()})
+        load_plugins(
+            camasync(),
+            resources={
+                "model": MODEL.spec,
+                "role_rank": 0,
+                "source": 1,
+                "sink": 1,
+                "cam_group": "g",
+                TEST_OPS_RESOURCE: object(),
+            },
+        )
 
 
 def test_resources_are_checked() -> None:
@@ -119,11 +166,26 @@ def test_resources_are_checked() -> None:
 @pytest.mark.parametrize(
     ("config", "deployment", "key", "text"),
     [
-        (lambda: camasync(async_moe=MOE), Deployment(native_dbo=True), "afd.async_moe.enabled", "native DBO (--enable-dbo) cannot be combined with CAMAsync async-MoE ubatching"),
+        (
+            lambda: camasync(async_moe=MOE),
+            Deployment(native_dbo=True),
+            "afd.async_moe.enabled",
+            "native DBO (--enable-dbo) cannot be combined with CAMAsync async-MoE ubatching",
+        ),
         (camasync, Deployment(native_dbo=True), "afd.connector", "cannot be combined with CAMAsync"),
         (camasync, Deployment(enforce_eager=False), "afd.connector", "eager only"),
-        (lambda: camasync(async_moe=MOE), Deployment(decode_context_parallel_size=2), "afd.async_moe.enabled", "decode_context_parallel_size=2"),
-        (lambda: camasync(async_moe=MOE), Deployment(prefill_context_parallel_size=8), "afd.async_moe.split", "use the request split"),
+        (
+            lambda: camasync(async_moe=MOE),
+            Deployment(decode_context_parallel_size=2),
+            "afd.async_moe.enabled",
+            "decode_context_parallel_size=2",
+        ),
+        (
+            lambda: camasync(async_moe=MOE),
+            Deployment(prefill_context_parallel_size=8),
+            "afd.async_moe.split",
+            "use the request split",
+        ),
         (lambda: camp2p(multistream=MS), Deployment(enforce_eager=False), "afd.multistream.enabled", "eager only"),
     ],
 )
@@ -137,8 +199,11 @@ def test_deployment_refusals(config, deployment: Deployment, key: str, text: str
 
 @pytest.mark.parametrize(
     "deployment",
-    [Deployment(), Deployment(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=3),
-     Deployment(prefill_context_parallel_size=8)],
+    [
+        Deployment(),
+        Deployment(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=3),
+        Deployment(prefill_context_parallel_size=8),
+    ],
 )
 def test_supported_deployments(deployment: Deployment) -> None:
     config = camasync(async_moe={"enabled": True, "split": "request"})

@@ -83,8 +83,14 @@ def test_every_stream_and_event_comes_from_the_executor(
     connector: str, multistream: bool, backend: type, no_torch_streams: list[str]
 ) -> None:
     torch.set_num_threads(1)
-    spec = ClusterSpec(connector, num_attention=2, num_ffn=2, batches=((5, 3), (4,)), multistream=multistream,
-                       backend="recording" if backend is CountingRecording else "host")
+    spec = ClusterSpec(
+        connector,
+        num_attention=2,
+        num_ffn=2,
+        batches=((5, 3), (4,)),
+        multistream=multistream,
+        backend="recording" if backend is CountingRecording else "host",
+    )
     backends = {key: backend() for key in ranks(spec)}
     result = run(spec, backends=backends)
     assert_matches_reference(result.outputs(), spec)
@@ -101,15 +107,31 @@ def test_every_stream_and_event_comes_from_the_executor(
         assert not hasattr(connector_obj, "streams") and not hasattr(connector_obj, "events")
 
 
-FORBIDDEN_CALLS = {"Stream", "Event", "new_stream", "new_event", "current_stream", "set_stream", "synchronize",
-                   "default_stream", "stream", "record", "wait", "wait_event", "record_event"}
+FORBIDDEN_CALLS = {
+    "Stream",
+    "Event",
+    "new_stream",
+    "new_event",
+    "current_stream",
+    "set_stream",
+    "synchronize",
+    "default_stream",
+    "stream",
+    "record",
+    "wait",
+    "wait_event",
+    "record_event",
+}
 
 
 @pytest.mark.parametrize("module", [camp2p, camasync, cam_common], ids=lambda m: m.__name__)
 def test_connector_sources_touch_no_streams(module) -> None:
     tree = ast.parse(inspect.getsource(module))
-    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-              for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    called = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
     assert not called & FORBIDDEN_CALLS, called & FORBIDDEN_CALLS
     assert "Executor" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
@@ -117,7 +139,9 @@ def test_connector_sources_touch_no_streams(module) -> None:
 def test_the_fence_only_orders_existing_streams() -> None:
     """cam_ops may order streams (wait_stream) but never creates one or synchronizes the device."""
     tree = ast.parse(inspect.getsource(cam_ops))
-    called = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    called = {
+        node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
     assert "wait_stream" in called
     assert not called & {"Stream", "Event", "new_stream", "new_event", "synchronize", "record", "record_event"}
 

@@ -49,7 +49,9 @@ MODES = [("recv-side", True), ("send-side", True), ("recv-side", False), ("all",
 @pytest.mark.parametrize("backend", ["host", "recording"])
 @pytest.mark.parametrize(("foreign", "multistream"), MODES, ids=[f"{f}-{'multi' if m else 'serial'}" for f, m in MODES])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_probe_detects_and_the_fence_keeps_outputs_equal(name: str, foreign: str, multistream: bool, backend: str) -> None:
+def test_probe_detects_and_the_fence_keeps_outputs_equal(
+    name: str, foreign: str, multistream: bool, backend: str
+) -> None:
     ops = {"recv-side": RECV_SIDE, "send-side": SEND_SIDE, "all": ALL}[foreign][name]
     spec = ClusterSpec(**{**spec_for(name, multistream).__dict__, "backend": backend})
     delay = DelayEveryOther("dispatch", 0.02) if name == "camasync" else None
@@ -83,8 +85,14 @@ def test_both_phases_on_one_home_refuse_multistream(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_without_the_fence_the_run_breaks(name: str) -> None:
     ops = RECV_SIDE[name]
-    lie = Evidence({}, {f"{ns}.{op}": OpEvidence(f"{ns}.{op}", True, StreamBehaviour.CURRENT)
-                        for ns in ("afd_ascend", "umdk_cam_op_lib") for op in ALL[name]})
+    lie = Evidence(
+        {},
+        {
+            f"{ns}.{op}": OpEvidence(f"{ns}.{op}", True, StreamBehaviour.CURRENT)
+            for ns in ("afd_ascend", "umdk_cam_op_lib")
+            for op in ALL[name]
+        },
+    )
     spec = spec_for(name, True)
     try:
         result = run(spec, foreign=ops, evidence=lie, lag_s=0.05, timeout_s=3.0)

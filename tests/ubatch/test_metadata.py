@@ -20,7 +20,9 @@ def parent(counts: list[int], cached: list[int]) -> dict:
         "query_start_loc": qsl,
         "seq_lens": [c + n for c, n in zip(cached, counts, strict=True)],
         "positions": positions,
-        "slot_mapping": [1000 + p + 100 * r for r, (c, n) in enumerate(zip(cached, counts, strict=True)) for p in range(c, c + n)],
+        "slot_mapping": [
+            1000 + p + 100 * r for r, (c, n) in enumerate(zip(cached, counts, strict=True)) for p in range(c, c + n)
+        ],
     }
 
 

@@ -23,7 +23,9 @@ def test_fifo_within_a_key_and_independent_keys() -> None:
 def test_missing_key_names_what_is_pending() -> None:
     fifo: PendingFifo[int] = PendingFifo("dispatches", limit=4)
     fifo.push(StageKey(1, 0), 1)
-    with pytest.raises(PairingError, match=r"dispatches: nothing pending for \(layer=0, stage=1\) \(pending: \(layer=1, stage=0\)\)"):
+    with pytest.raises(
+        PairingError, match=r"dispatches: nothing pending for \(layer=0, stage=1\) \(pending: \(layer=1, stage=0\)\)"
+    ):
         fifo.pop(StageKey(0, 1))
 
 
@@ -51,5 +53,7 @@ def test_schedules() -> None:
 def test_attention_depth_must_equal_stages_when_pipelined() -> None:
     check_attention_depth(2, 2, pipelined=True)
     check_attention_depth(3, 2, pipelined=False)  # serialized: one stream, no slot edge needed
-    with pytest.raises(ConfigError, match=r"afd.multistream.depth: .* depth must equal the number of stages \(2\), got 3"):
+    with pytest.raises(
+        ConfigError, match=r"afd.multistream.depth: .* depth must equal the number of stages \(2\), got 3"
+    ):
         check_attention_depth(3, 2, pipelined=True)
