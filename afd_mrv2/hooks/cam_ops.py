@@ -243,14 +243,19 @@ def load_evidence(extra: Mapping[str, Any], key: str) -> Evidence | None:
     return Evidence.load(path, key=key)
 
 
-def installed_versions(*modules: str) -> dict[str, str]:
-    """Versions of the named distributions that are installed (for evidence matching)."""
+#: Distributions whose versions an evidence file is tied to (the probe records them,
+#: the connectors compare them): the NPU runtime and both CAM operator libraries.
+EVIDENCE_DISTRIBUTIONS = ("torch_npu", "umdk_cam_op_lib", "afd-plugin")
+
+
+def installed_versions(*distributions: str) -> dict[str, str]:
+    """Versions of torch and of the named distributions that are installed."""
     from importlib import metadata
 
     versions = {"torch": torch.__version__}
-    for module in modules:
+    for name in distributions or EVIDENCE_DISTRIBUTIONS:
         try:
-            versions[module] = metadata.version(module)
+            versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
     return versions

@@ -203,7 +203,7 @@ class CamAsyncConnector(CamConnectorBase):
                 NAMESPACE,
                 KNOWN,
                 evidence=evidence,
-                environment=installed_versions("torch_npu", "umdk_cam_op_lib"),
+                environment=installed_versions(),
                 install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
             ),
             recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),

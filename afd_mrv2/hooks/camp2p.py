@@ -162,7 +162,7 @@ class CamP2PConnector(CamConnectorBase):
                 NAMESPACE,
                 KNOWN,
                 evidence=evidence,
-                environment=installed_versions("torch_npu"),
+                environment=installed_versions(),
                 install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
             ),
             recv=("a2e",) if self.role == "ffn" else ("e2a",),

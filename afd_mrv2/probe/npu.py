@@ -304,7 +304,7 @@ def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
         if importlib.util.find_spec(library) is not None:
             importlib.import_module(library)  # registers torch.ops.<library>
     me = _Rank(rank, port, window_s)
-    environment = installed_versions("torch_npu", "umdk_cam_op_lib")
+    environment = installed_versions()
     operators: dict[str, OpEvidence] = {}
     comparisons: dict[str, Any] = {}
     for module, measure in ((camp2p, _camp2p), (camasync, _camasync)):

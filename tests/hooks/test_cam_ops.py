@@ -174,3 +174,12 @@ def test_host_reads_poll_the_stream_and_honour_cancellation() -> None:
     cancel.set()
     with pytest.raises(PipelineAborted):
         wait_until_idle(_Stream(_Native(busy=10**9)), work, poll_s=0)
+
+
+def test_installed_versions_name_torch_and_only_installed_distributions() -> None:
+    from afd_mrv2.hooks.cam_ops import installed_versions
+
+    versions = installed_versions()
+    assert versions["torch"] == torch.__version__
+    assert "umdk_cam_op_lib" not in versions  # not installed on CPU machines: evidence from an NPU cannot apply
+    assert installed_versions("pluggy")["pluggy"]
