@@ -64,7 +64,7 @@ def test_camp2p_serial_equals_multistream_with_a_slow_stage_group() -> None:
 def test_camasync_dynamic_quant() -> None:
     spec = ClusterSpec(**{**CAMASYNC.__dict__, "dynamic_quant": 1})
     _, multi = both_modes(spec)
-    worst = assert_matches_reference(multi.outputs(), spec, atol=5e-2)
+    worst = assert_matches_reference(multi.outputs(), spec, atol=1e-1)  # measured 4.1e-2: int8 rounding
     assert worst > 1e-6, "int8 activations really travelled (the result is not bit-exact)"
 
 
