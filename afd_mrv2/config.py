@@ -27,6 +27,8 @@ STREAM_PHASES = ("recv", "send")
 BACKENDS = ("auto", "accelerator", "host", "recording")
 MAX_DEPTH = 8
 AUTO = "auto"
+ASYNC_MOE_SPLITS = ("request", "token")
+ASYNC_MOE_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -86,14 +88,40 @@ class MultistreamConfig:
 
 
 @dataclass(frozen=True)
+class AsyncMoeConfig:
+    """The ``afd.async_moe`` section: AFD-managed two-stage MoE ubatching (CAMAsync).
+
+    enabled
+        False (the default) runs each batch as one stage.  True cuts every batch
+        into two stages with :func:`afd_mrv2.ubatch.plan_stages` so one stage's
+        MoE overlaps the other's attention.  Needs ``compute_gate_on_attention``
+        (each stage dispatches its own routing).
+    split
+        ``request`` (cut at a request boundary) or ``token`` (cut the flattened
+        tokens in half; a request may continue in stage 2 as a chunked prefill).
+    num_stages
+        Exactly 2: more stages are refused here, at configuration time.
+    """
+
+    enabled: bool = False
+    split: str = "request"
+    num_stages: int = ASYNC_MOE_STAGES
+
+    @property
+    def stages(self) -> int:
+        """Stages per batch: ``num_stages`` when enabled, else 1."""
+        return self.num_stages if self.enabled else 1
+
+
+@dataclass(frozen=True)
 class AfdConfig:
     """The whole ``afd`` section of ``additional_config``.
 
     The keys follow the upstream AFD plugin (``connector``, ``role``,
     ``num_attention_ranks``, ``num_ffn_ranks``, ``host``, ``port``,
     ``compute_gate_on_attention``, ``async``, ``connector_extra_config``) plus
-    afd-mrv2's ``multistream`` section and ``observers`` (names of observer plugins
-    to enable).  ``async`` is stored as ``async_mode`` (a Python keyword).
+    afd-mrv2's ``multistream`` and ``async_moe`` sections and ``observers`` (names of
+    observer plugins to enable).  ``async`` is stored as ``async_mode`` (a Python keyword).
     """
 
     connector: str
@@ -107,6 +135,7 @@ class AfdConfig:
     observers: tuple[str, ...] = ()
     connector_extra_config: tuple[tuple[str, Any], ...] = ()
     multistream: MultistreamConfig = field(default_factory=MultistreamConfig)
+    async_moe: AsyncMoeConfig = field(default_factory=AsyncMoeConfig)
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -134,6 +163,24 @@ def parse_multistream(raw: object, *, key: str = "afd.multistream") -> Multistre
     )
 
 
+def parse_async_moe(raw: object, *, key: str = "afd.async_moe") -> AsyncMoeConfig:
+    """Parse the ``async_moe`` section (a mapping, or None for the defaults)."""
+    if raw is None:
+        return AsyncMoeConfig()
+    section = _Section(raw, key, _ASYNC_MOE_KEYS)
+    stages = section.get("num_stages", ASYNC_MOE_STAGES)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages != ASYNC_MOE_STAGES:
+        raise ConfigError(
+            f"{key}.num_stages",
+            f"expected {ASYNC_MOE_STAGES} (async-MoE ubatching supports exactly two stages), got {_show(stages)}",
+        )
+    return AsyncMoeConfig(
+        enabled=section.boolean("enabled", False),
+        split=section.choice("split", "request", ASYNC_MOE_SPLITS),
+        num_stages=stages,
+    )
+
+
 def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     """Parse the ``afd`` section of ``additional_config``."""
     section = _Section(raw, key, _AFD_KEYS)
@@ -147,6 +194,14 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     extra = section.get("connector_extra_config", {})
     if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
         raise ConfigError(f"{key}.connector_extra_config", f"expected a mapping with string keys, got {_show(extra)}")
+    async_moe = parse_async_moe(section.get("async_moe", None), key=f"{key}.async_moe")
+    gate_on_attention = section.boolean("compute_gate_on_attention", False)
+    if async_moe.enabled and not gate_on_attention:
+        raise ConfigError(
+            f"{key}.async_moe.enabled",
+            "async-MoE ubatching dispatches each stage's routing from the attention side; "
+            f"set {key}.compute_gate_on_attention to true",
+        )
     return AfdConfig(
         connector=section.string("connector", required=True),
         role=section.choice("role", None, ROLES),
@@ -154,14 +209,16 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
         num_ffn_ranks=ffn,
         host=section.string("host", "127.0.0.1"),
         port=section.integer("port", 29500, low=1, high=65535),
-        compute_gate_on_attention=section.boolean("compute_gate_on_attention", False),
+        compute_gate_on_attention=gate_on_attention,
         async_mode=section.boolean("async", False),
         observers=section.names("observers"),
         connector_extra_config=tuple(sorted((k, _freeze(v, _join_key(f"{key}.connector_extra_config", k))) for k, v in extra.items())),
         multistream=parse_multistream(section.get("multistream", None), key=f"{key}.multistream"),
+        async_moe=async_moe,
     )
 
 
+_ASYNC_MOE_KEYS = ("enabled", "split", "num_stages")
 _MULTISTREAM_KEYS = ("enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace")
 _AFD_KEYS = (
     "connector",
@@ -175,6 +232,7 @@ _AFD_KEYS = (
     "observers",
     "connector_extra_config",
     "multistream",
+    "async_moe",
 )
 
 

@@ -160,7 +160,7 @@ def test_no_afd_section_leaves_upstream_untouched() -> None:
     [
         ({"connector": "simlink", "role": "decoder"}, ConfigError, "afd.role: expected one of attention, ffn"),
         ({"connector": "simlink", "role": "attention", "multistream": {"depth": 0}}, ConfigError, "afd.multistream.depth"),
-        ({"connector": "nccl_magic", "role": "attention"}, PluginError, "installed connectors: simlink"),
+        ({"connector": "nccl_magic", "role": "attention"}, PluginError, r"installed connectors: .*simlink"),
         ({"connector": "simlink", "role": "ffn"}, ConfigError, "afd.role: the Attention runner serves role attention"),
     ],
 )

@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": "afd_mrv2.cli.demo",
     "bench": "afd_mrv2.cli.bench",
     "compat": "afd_mrv2.cli.compat",
+    "probe": "afd_mrv2.cli.probe",
 }
 
 

@@ -1,0 +1,54 @@
+"""``afd-mrv2 probe npu``: the CAM operator probe for hardware owners.
+
+Runs :mod:`afd_mrv2.probe.npu` on two local Ascend NPUs and writes the JSON
+evidence file a CAM connector reads through
+``connector_extra_config.stream_evidence``.  Exit codes: 0 evidence written,
+3 no usable NPU here (the message says what is missing), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_NO_NPU = 3
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "probe",
+        help="probe the CAM operators on the hardware and write an evidence file",
+        description=(
+            "Probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
+            "are they present, do they run on the caller's current stream, are two in-flight transfers safe, "
+            "and do serialized and multistream runs of a toy MoE agree.  Writes a JSON evidence file."
+        ),
+    )
+    targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
+    npu = targets.add_parser("npu", help="run on two local Ascend NPUs (needs torch_npu and CANN)")
+    npu.add_argument("--out", default="afd-mrv2-cam-evidence.json", help="evidence file to write")
+    npu.add_argument(
+        "--window-ms", type=float, default=200.0, help="how long the escape check keeps a stream busy (default 200)"
+    )
+    npu.add_argument("--port", type=int, default=29533, help="rendezvous port on 127.0.0.1 (default 29533)")
+    npu.set_defaults(handler=run_npu)
+
+
+def run_npu(args: argparse.Namespace) -> int:
+    from afd_mrv2.probe.evidence import Evidence
+    from afd_mrv2.probe.npu import NoNpu, run_probe
+
+    if args.window_ms <= 0 or not 1 <= args.port <= 65535:
+        raise SystemExit("afd-mrv2 probe npu: --window-ms must be > 0 and --port in 1..65535")
+    try:
+        path = run_probe(args.out, window_s=args.window_ms / 1e3, port=args.port)
+    except NoNpu as exc:
+        print(f"afd-mrv2 probe npu: no usable Ascend NPU: {exc}; nothing was written", file=sys.stderr)
+        return EXIT_NO_NPU
+    evidence = Evidence.load(path)
+    summary = {name: op.stream.value for name, op in evidence.operators.items()}
+    print(
+        json.dumps({"evidence": str(path), "operators": summary, "comparisons": dict(evidence.comparisons)}, indent=2)
+    )
+    return 0

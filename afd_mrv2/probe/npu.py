@@ -1,0 +1,340 @@
+"""``afd-mrv2 probe npu``: establish on Ascend hardware what the CAM operators do with streams.
+
+Two processes (NPU 0 and NPU 1) form the smallest AFD world of each connector,
+one attention and one FFN rank, over HCCL (one group per stage), plus a gloo
+group to coordinate.  For every operator the probe records:
+
+* ``present``: the schema is registered with torch (its library was imported);
+* ``stream``: ``current`` or ``foreign`` by the *escape* check: the calling rank
+  keeps its stream busy with a matmul chain and issues the operator behind it.
+  A receive whose output already holds its final value while the stream is still
+  busy (read on a side stream), or a send whose peer finishes receiving while the
+  sender's stream is still busy, escaped the caller's stream.  If the busy window
+  ended before the check could tell, the result is ``unverified``;
+* ``concurrent_in_flight_safe``: two transfers issued back to back, without
+  waiting (two stages' worth), both arrive intact.
+
+Then the toy MoE runs through the real connector and executor on the NPUs,
+serialized and multistream (with the stream behaviour just found), and the
+outputs are compared.  Rank 0 writes the evidence file that
+``connector_extra_config.stream_evidence`` accepts.
+
+Status: written against the operator contracts of ``afd_mrv2.hooks.camp2p`` and
+``camasync``; it has not run on an NPU in this repository (no hardware).  The
+CPU tests cover the connectors, the comparison harness and the evidence format.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afd_mrv2.probe.evidence import Evidence, OpEvidence, StreamBehaviour
+
+H, K, T = 128, 2, 16
+OPTIONAL_LIBRARIES = ("umdk_cam_op_lib",)
+
+
+class NoNpu(RuntimeError):
+    """No usable Ascend NPU here; the message says what is missing."""
+
+
+def require_npus(count: int = 2) -> None:
+    """Raise :class:`NoNpu` unless torch_npu imports and ``count`` NPUs are visible."""
+    if importlib.util.find_spec("torch_npu") is None:
+        raise NoNpu("torch_npu is not installed (the probe needs torch_npu, CANN and two Ascend NPUs)")
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # noqa: BLE001 - any import failure means no usable NPU
+        raise NoNpu(
+            f"torch_npu does not import ({type(exc).__name__}: {exc}); is CANN installed and sourced?"
+        ) from None
+    npu = torch.npu  # type: ignore[attr-defined]
+    available = npu.device_count() if npu.is_available() else 0
+    if available < count:
+        raise NoNpu(f"the probe needs {count} NPUs (one attention rank, one FFN rank); torch.npu sees {available}")
+
+
+class _Rank:
+    """This process: its device, groups, a stream-holding kernel and small helpers."""
+
+    def __init__(self, rank: int, port: int, window_s: float) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.dist, self.window_s = rank, dist, window_s
+        self.npu = torch.npu  # type: ignore[attr-defined]
+        self.npu.set_device(rank)
+        self.device = torch.device(f"npu:{rank}")
+        dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+        self.gloo = dist.new_group(backend="gloo")
+        groups = [dist.new_group(backend="hccl") for _ in range(2)]  # one HCCL group per stage
+        self.names = [str(g._get_backend(self.device).get_hccl_comm_name(rank)) for g in groups]
+        self._x = torch.randn(2048, 2048, device=self.device)
+        self.npu.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            self._x = torch.tanh(self._x @ self._x)
+        self.npu.synchronize()
+        self._steps = max(1, int(window_s / ((time.perf_counter() - start) / 10)))
+
+    def hold(self) -> None:
+        """Keep the current stream busy for about ``window_s``."""
+        for _ in range(self._steps):
+            self._x = torch.tanh(self._x @ self._x)
+
+    def busy(self) -> bool:
+        return not self.npu.current_stream().query()
+
+    def side_read(self, t: torch.Tensor) -> torch.Tensor:
+        side = self.npu.Stream()
+        with self.npu.stream(side):
+            host = t.to("cpu", non_blocking=True)
+        side.synchronize()
+        return host
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.gloo)
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None, None]
+        self.dist.all_gather_object(out, value, group=self.gloo)
+        return out
+
+    def data(self, seed: int, rows: int = T, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, H, generator=g).to(self.device, dtype)
+
+
+def _escape(
+    me: _Rank, sender: int, send: Callable[[], Any], recv: Callable[[], torch.Tensor]
+) -> dict[str, tuple[str, str]]:
+    """Escape-check one send/recv pair both ways; each rank returns what it measured."""
+    found: dict[str, tuple[str, str]] = {}
+    me.barrier()
+    if me.rank != sender:  # receiver held; the sender sends once the receive is queued
+        me.hold()
+        out = recv()
+        me.barrier()
+        snapshots = []
+        deadline = time.monotonic() + me.window_s * 0.6
+        while time.monotonic() < deadline and me.busy():
+            snapshots.append(me.side_read(out))
+            time.sleep(me.window_s / 30)
+        me.npu.synchronize()
+        final = out.cpu()
+        if any(torch.equal(s, final) for s in snapshots):
+            found["recv"] = ("foreign", "output final while the caller's stream was still busy")
+        elif snapshots:
+            found["recv"] = ("current", f"output not written during {len(snapshots)} reads of the busy window")
+        else:
+            found["recv"] = ("unverified", "busy window ended before the first read; raise --window-ms")
+    else:
+        me.barrier()
+        send()
+        me.npu.synchronize()
+    me.barrier()
+    if me.rank == sender:  # sender held; the receiver reports whether it finished meanwhile
+        me.hold()
+        send()
+        me.barrier()
+        peer_done = me.gather(None)[1 - sender]
+        still_busy = me.busy()
+        me.npu.synchronize()
+        if peer_done and still_busy:
+            found["send"] = ("foreign", "peer received while the sender's stream was still busy")
+        elif still_busy:
+            found["send"] = ("current", "peer waited for the sender's stream")
+        else:
+            found["send"] = ("unverified", "busy window ended before the peer reported; raise --window-ms")
+    else:
+        me.barrier()
+        out = recv()
+        done = me.npu.Event()
+        done.record()
+        deadline = time.monotonic() + me.window_s * 0.6
+        while time.monotonic() < deadline and not done.query():
+            time.sleep(me.window_s / 30)
+        me.gather(bool(done.query()))
+        me.npu.synchronize()
+        del out
+    me.barrier()
+    return found
+
+
+def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
+    """FFN = rank 0 (world 0), attention = rank 1 (world 1); a2e then e2a, per stage group."""
+    empty = torch.empty((0, H), dtype=torch.bfloat16, device=me.device)
+    ids, scales = torch.empty(0, dtype=torch.int32, device=me.device), torch.empty(0, device=me.device)
+    counts = torch.tensor([T], dtype=torch.int32, device=me.device)
+
+    def a2e_send(stage: int = 0, seed: int = 1) -> Any:
+        return ops["a2e"](me.data(seed), None, None, T, H, K, 1, 1, 1, me.names[stage], 8, 0)
+
+    def a2e_recv(stage: int = 0) -> torch.Tensor:
+        return ops["a2e"](empty, ids, scales, T, H, K, 1, 1, 0, me.names[stage], 8, 0)[0]
+
+    def e2a_send(stage: int = 0, seed: int = 2) -> Any:
+        return ops["e2a"](me.data(seed), counts, T, H, K, 1, 1, 0, me.names[stage], 8)
+
+    def e2a_recv(stage: int = 0) -> torch.Tensor:
+        return ops["e2a"](me.data(0), counts, T, H, K, 1, 1, 1, me.names[stage], 8)
+
+    a2e = _escape(me, 1, a2e_send, a2e_recv)
+    e2a = _escape(me, 0, e2a_send, e2a_recv)
+    if me.rank == 1:  # two stages in flight at once, each on its own group
+        a2e_send(0, 11), a2e_send(1, 12)
+        back = [e2a_recv(0), e2a_recv(1)]
+    else:
+        got = [a2e_recv(0), a2e_recv(1)]
+        e2a_send(0, 21), e2a_send(1, 22)
+    me.npu.synchronize()
+    ok = (
+        all(torch.equal(g.cpu(), me.data(s).cpu()) for g, s in zip(got, (11, 12), strict=True))
+        if me.rank == 0
+        else all(torch.equal(b.cpu(), me.data(s).cpu()) for b, s in zip(back, (21, 22), strict=True))
+    )
+    return {"a2e": a2e, "e2a": e2a}, ok
+
+
+def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
+    """Attention = rank 0 (world 0), FFN = rank 1 (world 1), one FFN rank holding all experts."""
+    experts, seq = 8, 256
+    comm_args = torch.empty((1,), dtype=torch.float16, device=me.device)
+    ids = (torch.arange(T * K).reshape(T, K) % experts).to(me.device, torch.int32)
+    weights = torch.full((T, K), 0.5, device=me.device)
+    place = torch.empty((1,), dtype=torch.bfloat16, device=me.device)
+    common = (1, 1, experts)
+    received: list[Any] = []
+
+    def dispatch_send(layer: int = 0, seed: int = 1) -> Any:
+        return ops["async_dispatch_send"](
+            me.data(seed), ids, comm_args, 0, seq, T, H, K, *common, 0, 2, layer, 1, 0, me.names[0]
+        )
+
+    def dispatch_recv() -> torch.Tensor:
+        out = ops["async_dispatch_recv"](place, comm_args, 0, seq, H, K, *common, 1, 2, 1, 0, me.names[0])
+        received.append(out)
+        return out[4]  # token_nums_rankid_layeridx
+
+    def combine_send() -> Any:
+        expand_x, shared, _, _, header, counts, _ = received.pop(0)
+        rows = max(1, int(counts.sum()))
+        return ops["async_combine_send"](
+            expand_x[:rows], shared, comm_args, header, 0, seq, H, K, *common, 1, 2, 1, me.names[0]
+        )
+
+    def combine_recv() -> torch.Tensor:
+        return ops["async_combine_recv"](place, ids, weights, comm_args, 0, T, H, K, *common, 0, 2, me.names[0])
+
+    found = {"async_dispatch_send": {}, "async_dispatch_recv": {}, "async_combine_send": {}, "async_combine_recv": {}}
+    dispatch = _escape(me, 0, dispatch_send, dispatch_recv)  # the receiver keeps both payloads for the combines
+    combine = _escape(me, 1, combine_send, combine_recv)
+    found["async_dispatch_send"], found["async_dispatch_recv"] = (
+        {"send": dispatch.get("send")},
+        {"recv": dispatch.get("recv")},
+    )
+    found["async_combine_send"], found["async_combine_recv"] = (
+        {"send": combine.get("send")},
+        {"recv": combine.get("recv")},
+    )
+    if me.rank == 0:  # two dispatches in flight (layers 5 and 6), then their combines
+        dispatch_send(5, 31), dispatch_send(6, 32)
+        outs = [combine_recv(), combine_recv()]
+        me.npu.synchronize()
+        ok = all(bool(torch.isfinite(o).all()) for o in outs) and not torch.equal(outs[0], outs[1])
+    else:
+        headers = [dispatch_recv().cpu().tolist(), dispatch_recv().cpu().tolist()]
+        combine_send(), combine_send()
+        me.npu.synchronize()
+        ok = [h[2] for h in headers] == [5, 6]
+    return {k: {d: v for d, v in found[k].items() if v is not None} for k in found}, ok
+
+
+def _behaviour(per_rank: list[dict]) -> tuple[StreamBehaviour, str]:
+    results = [r for d in per_rank for r in d.values()]
+    kinds = {kind for kind, _ in results}
+    detail = "; ".join(f"{d}: {why}" for rank in per_rank for d, (_, why) in rank.items())
+    if "foreign" in kinds:
+        return StreamBehaviour.FOREIGN, detail
+    if kinds == {"current"}:
+        return StreamBehaviour.CURRENT, detail
+    return StreamBehaviour.UNVERIFIED, detail or "no measurement"
+
+
+def _compare(me: _Rank, connector: str, evidence_path: str) -> dict[str, Any]:
+    """The toy MoE through the real connector and executor: serialized vs multistream."""
+    from afd_mrv2.probe.cluster import ClusterSpec, run_rank
+    from afd_mrv2.probe.toy import ToyMoE
+
+    model = ToyMoE.build(hidden=H, num_experts=8, topk=K, num_layers=4).to(me.device, torch.bfloat16)
+    spec = ClusterSpec(
+        connector, batches=((5, 3, 4, 4),), backend="accelerator", extra={"stream_evidence": evidence_path}
+    )
+    ffn_first = connector == "camp2p"
+    role = ("ffn" if me.rank == 0 else "attention") if ffn_first else ("attention" if me.rank == 0 else "ffn")
+    resources = {"hccl_groups": tuple(me.names), "cam_group": me.names[0], "device": str(me.device)}
+    outputs: dict[str, Any] = {}
+    for mode, multistream in (("serialized", False), ("multistream", True)):
+        try:
+            result = run_rank(replace(spec, multistream=multistream), model, role, 0, ops=None, resources=resources)
+            outputs[mode] = None if result.output is None else result.output.float().cpu()
+        except Exception as exc:  # noqa: BLE001 - recorded in the evidence; the probe goes on
+            outputs[mode] = f"{type(exc).__name__}: {exc}"
+        me.barrier()
+    attention = me.gather(outputs)[1 if ffn_first else 0]
+    serial, multi = attention["serialized"], attention["multistream"]
+    if isinstance(serial, torch.Tensor) and isinstance(multi, torch.Tensor):
+        return {"equal": bool(torch.equal(serial, multi)), "max_abs_diff": float((serial - multi).abs().max())}
+    return {"serialized": str(serial), "multistream": str(multi)}
+
+
+def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
+    """One probe process; :func:`run_probe` spawns two."""
+    from afd_mrv2.hooks import camasync, camp2p
+    from afd_mrv2.hooks.cam_ops import installed_versions, resolve_torch_ops
+
+    for library in OPTIONAL_LIBRARIES:
+        if importlib.util.find_spec(library) is not None:
+            importlib.import_module(library)  # registers torch.ops.<library>
+    me = _Rank(rank, port, window_s)
+    environment = installed_versions()
+    operators: dict[str, OpEvidence] = {}
+    comparisons: dict[str, Any] = {}
+    for module, measure in ((camp2p, _camp2p), (camasync, _camasync)):
+        resolved = resolve_torch_ops(module.NAMESPACE, module.OPS)
+        if not all(me.gather(all(fn is not None for fn in resolved.values()))):
+            for name, fn in resolved.items():
+                operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(f"{module.NAMESPACE}.{name}", fn is not None)
+            comparisons[module.NAME] = {"skipped": "operators not registered on every rank"}
+            continue
+        found, safe = measure(me, resolved)
+        per_rank_found, per_rank_safe = me.gather(found), me.gather(safe)
+        for name in module.OPS:
+            stream, detail = _behaviour([r.get(name, {}) for r in per_rank_found])
+            home = "default" if stream is StreamBehaviour.FOREIGN else None
+            operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(
+                f"{module.NAMESPACE}.{name}", True, stream, home, all(per_rank_safe), detail
+            )
+        partial = f"{out}.rank{rank}.partial.json"
+        Evidence(environment, operators).write(partial)
+        comparisons[module.NAME] = _compare(me, module.NAME, partial)
+    if rank == 0:
+        Evidence(environment, operators, comparisons).write(out)
+    me.barrier()
+    me.dist.destroy_process_group()
+
+
+def run_probe(out: str | Path, *, window_s: float = 0.2, port: int = 29533) -> Path:
+    """Check for NPUs, spawn the two probe processes, return the evidence path."""
+    require_npus(2)
+    import torch.multiprocessing as mp
+
+    mp.spawn(probe_rank, args=(port, str(out), window_s), nprocs=2, join=True)
+    return Path(out)

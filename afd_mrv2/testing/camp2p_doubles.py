@@ -1,0 +1,153 @@
+"""Doubles of ``torch.ops.afd_ascend.a2e`` / ``e2a`` (CAMP2P) over the in-process fabric.
+
+Mimicked contract (afd-plugin ``csrc/npu/torch_extension/torch_binding.cpp``):
+world ranks are FFN ``0..F-1`` then attention ``F..F+A-1``; FFN rank ``r`` serves
+attention ranks ``r*g .. r*g+g-1`` (``g = A / F``) over the HCCL group
+``group_ep``, which is a FIFO per (group, source, destination).
+
+* attention ``a2e(x, ...)`` sends ``x``; returns placeholder tensors.
+* FFN ``a2e(x_empty, ..., batch_size, ...)`` receives one message from each of its
+  attention ranks in rank order into ``expand_x`` (``batch_size`` rows, real rows
+  first), ``atten_batch_size`` (rows per attention rank) and ``x_active_mask``.
+* FFN ``e2a(expand_x, atten_batch_size, ...)`` splits the rows back to the
+  attention ranks; attention ``e2a(ref, ...)`` receives ``ref.shape[0]`` rows.
+
+Deviations, on purpose: the real operators produce bf16; the doubles keep the
+input dtype so float32 tests can compare exactly.  More than ``batch_size``
+received rows is an error here (the real kernel would overrun its buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_mrv2.testing.doubles_base import CamDoubles
+
+
+class CamP2PDoubles(CamDoubles):
+    NAMESPACE = "afd_ascend"
+    OPS = ("a2e", "e2a")
+
+    @staticmethod
+    def _group(ffn: int, attention: int) -> int:
+        if attention % ffn:
+            raise RuntimeError(
+                f"afd_ascend double: attention ranks ({attention}) must be a multiple of FFN ranks ({ffn})"
+            )
+        return attention // ffn
+
+    def a2e(
+        self,
+        x,
+        expert_ids,
+        scales,
+        batch_size,
+        hidden_size,
+        topk,
+        expert_rank_size,
+        attention_rank_size,
+        rank,
+        group_ep,
+        aiv_num,
+        compute_gate,
+    ):
+        del expert_ids, scales, aiv_num, compute_gate
+        ffn, attention = expert_rank_size, attention_rank_size
+        g = self._group(ffn, attention)
+        per_ffn = -(-attention // ffn)
+        if rank >= ffn:  # attention: send x to the FFN rank serving it
+            dst = (rank - ffn) // g
+            if tuple(x.shape) != (x.shape[0], hidden_size):
+                raise RuntimeError(f"a2e double: x must be (tokens, {hidden_size}), got {tuple(x.shape)}")
+
+            def send() -> None:
+                self.fabric.post(
+                    channel=("a2e", group_ep),
+                    src=rank,
+                    dst=dst,
+                    tag=(),
+                    payload={"x": x.clone()},
+                    fifo=("a2e", group_ep, rank, dst),
+                )
+
+            self._run("a2e", rank, send)
+            return [
+                x.new_empty((1, 1)),
+                torch.empty((1, 1), dtype=torch.int32),
+                torch.empty((1, 1)),
+                torch.zeros(per_ffn, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.bool),
+            ]
+        expand_x = torch.full((batch_size, hidden_size), float("nan"), dtype=x.dtype)
+        counts = torch.full((g,), -1, dtype=torch.int32)
+        mask = torch.zeros(batch_size, dtype=torch.bool)
+        sources = [ffn + rank * g + i for i in range(g)]
+
+        def receive() -> None:
+            row = 0
+            for i, src in enumerate(sources):
+                rows = self.fabric.take(channel=("a2e", group_ep), dst=rank, match=lambda m, s=src: m.src == s).payload[
+                    "x"
+                ]
+                if row + rows.shape[0] > batch_size:
+                    raise RuntimeError(f"a2e double: {row + rows.shape[0]} rows received for batch_size {batch_size}")
+                expand_x[row : row + rows.shape[0]] = rows
+                counts[i] = rows.shape[0]
+                row += rows.shape[0]
+            mask[:row] = True
+            expand_x[row:] = 0
+
+        self._run("a2e", rank, receive)
+        return [
+            expand_x,
+            torch.zeros((batch_size, topk), dtype=torch.int32),
+            torch.zeros((batch_size, topk)),
+            counts,
+            mask,
+        ]
+
+    def e2a(
+        self,
+        expand_x,
+        atten_batch_size,
+        batch_size,
+        hidden_size,
+        topk,
+        expert_rank_size,
+        attention_rank_size,
+        rank,
+        group_ep,
+        aiv_num,
+    ):
+        del batch_size, topk, aiv_num
+        ffn, attention = expert_rank_size, attention_rank_size
+        g = self._group(ffn, attention)
+        if rank < ffn:  # FFN: split the rows back to its attention ranks
+
+            def send() -> None:
+                row = 0
+                for i, n in enumerate(atten_batch_size.tolist()):
+                    dst = ffn + rank * g + i
+                    self.fabric.post(
+                        channel=("e2a", group_ep),
+                        src=rank,
+                        dst=dst,
+                        tag=(),
+                        payload={"x": expand_x[row : row + n].clone()},
+                        fifo=("e2a", group_ep, rank, dst),
+                    )
+                    row += n
+
+            self._run("e2a", rank, send)
+            return expand_x.new_empty((1, 1))
+        out = torch.full((expand_x.shape[0], hidden_size), float("nan"), dtype=expand_x.dtype)
+        src = (rank - ffn) // g
+
+        def receive() -> None:
+            rows = self.fabric.take(channel=("e2a", group_ep), dst=rank, match=lambda m: m.src == src).payload["x"]
+            if rows.shape[0] != out.shape[0]:
+                raise RuntimeError(f"e2a double: received {rows.shape[0]} rows for a {out.shape[0]}-row reference")
+            out.copy_(rows)
+
+        self._run("e2a", rank, receive)
+        return out

@@ -1,0 +1,141 @@
+"""Stage identity and dispatch/combine pairing across layers.
+
+With two async-MoE stages the attention side has, per layer, two dispatches
+(stage 0, stage 1) whose combines come back later.  Correctness needs:
+
+1. every combine of (layer L, stage s) pairs with the dispatch of (L, s): the
+   routing metadata (top-k ids and weights) used to combine is the one that was
+   dispatched, not the other stage's;
+2. combines happen in dispatch order (CAM pairs a combine with the oldest
+   outstanding dispatch of the rank; CAMP2P with the per-stage HCCL group's FIFO).
+
+On the executor, attention work item ``(L, s)`` receives layer ``L-1``'s combine
+for stage ``s``, computes attention of layer ``L`` and dispatches layer ``L``.
+Items are issued layer-major, stage-minor.  With ``depth == num_stages`` every
+stage owns one slot, so the executor's slot-reuse edge ("the next recv on a slot
+waits for that slot's previous send") is exactly the pairing edge
+dispatch(L-1, s) -> combine(L-1, s).  Any other depth breaks it, which is why
+:func:`check_attention_depth` refuses it at configuration time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from afd_mrv2.errors import ConfigError
+from afd_mrv2.pipeline.work import WorkItem
+
+T = TypeVar("T")
+
+
+class PairingError(RuntimeError):
+    """A combine found no matching dispatch, or transfers piled up past the limit."""
+
+
+@dataclass(frozen=True, order=True)
+class StageKey:
+    """The identity a transfer carries through dispatch and combine."""
+
+    layer: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"(layer={self.layer}, stage={self.stage})"
+
+
+class PendingFifo(Generic[T]):
+    """In-flight transfers keyed by (layer, stage), FIFO within one key.
+
+    Pushed by one stream's hook and popped by another's, so it is locked.  ``limit``
+    bounds what may be outstanding: a transport that delivers far ahead of the
+    schedule is a bug to report, not memory to grow without bound.
+    """
+
+    def __init__(self, what: str, *, limit: int) -> None:
+        self._what = what
+        self._limit = limit
+        self._items: dict[StageKey, deque[T]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def push(self, key: StageKey, value: T) -> None:
+        with self._lock:
+            if self._count >= self._limit:
+                raise PairingError(
+                    f"{self._what}: more than {self._limit} transfers outstanding "
+                    f"(pending keys: {', '.join(map(str, sorted(self._items)))}); the schedule and the transport disagree"
+                )
+            self._items.setdefault(key, deque()).append(value)
+            self._count += 1
+
+    def pop(self, key: StageKey) -> T:
+        """The oldest value pushed under ``key``; :class:`PairingError` if there is none."""
+        value = self.pop_or_none(key)
+        if value is None:
+            with self._lock:
+                pending = ", ".join(map(str, sorted(self._items))) or "none"
+            raise PairingError(f"{self._what}: nothing pending for {key} (pending: {pending})")
+        return value
+
+    def pop_or_none(self, key: StageKey) -> T | None:
+        with self._lock:
+            queue = self._items.get(key)
+            if not queue:
+                return None
+            value = queue.popleft()
+            if not queue:
+                del self._items[key]
+            self._count -= 1
+            return value
+
+    def __len__(self) -> int:
+        return self._count
+
+    def keys(self) -> list[StageKey]:
+        with self._lock:
+            return sorted(self._items)
+
+    def clear(self) -> int:
+        """Drop everything (cleanup after a failure); returns how many were dropped."""
+        with self._lock:
+            dropped, self._count = self._count, 0
+            self._items.clear()
+            return dropped
+
+
+def attention_items(num_layers: int, num_stages: int, *, first_seq: int = 0) -> Iterator[WorkItem]:
+    """Attention-side work items: ``(L, s)`` for L in 0..num_layers, layer-major.
+
+    Item ``(L, s)`` receives layer ``L-1``'s combined output (layer 0: the
+    embedding), computes layer ``L`` and dispatches it; the extra item
+    ``(num_layers, s)`` only receives and finishes the stage.
+    """
+    seq = first_seq
+    for layer in range(num_layers + 1):
+        for stage in range(num_stages):
+            yield WorkItem(layer, stage, seq)
+            seq += 1
+
+
+def ffn_items(num_layers: int, num_stages: int, *, sources: int = 1, first_seq: int = 0) -> Iterator[WorkItem]:
+    """FFN-side work items: one per (layer, stage) per source attention rank, layer-major."""
+    seq = first_seq
+    for layer in range(num_layers):
+        for stage in range(num_stages):
+            for _ in range(sources):
+                yield WorkItem(layer, stage, seq)
+                seq += 1
+
+
+def check_attention_depth(depth: int, num_stages: int, *, pipelined: bool, key: str = "afd.multistream.depth") -> None:
+    """Refuse an attention-side depth whose slot reuse would not pair dispatch with combine."""
+    if pipelined and depth != num_stages:
+        raise ConfigError(
+            key,
+            f"the attention side pairs combine(L-1, s) with dispatch(L-1, s) through slot reuse, "
+            f"so depth must equal the number of stages ({num_stages}), got {depth}",
+        )

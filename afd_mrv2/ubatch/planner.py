@@ -1,0 +1,134 @@
+"""The async-MoE two-stage planner: where to cut one scheduled batch into two stages.
+
+CAMAsync overlaps the MoE of one stage with the attention of the other, so a
+batch is cut into exactly two ordered stages.  The cut must keep token order
+(stage 1 is a prefix of the flattened tokens, stage 2 the rest) so that the
+stages' outputs concatenate back into the unsplit batch, and every token must
+land in exactly one stage.  Two policies:
+
+``"request"``
+    cut at a request boundary ``i`` (1 <= i <= n-1) minimising
+    ``|2*cu[i] - total|`` (``cu`` = prefix sums of the scheduled tokens), ties to
+    the smaller ``|2*i - n|`` and then to the smaller ``i``.  No request is split,
+    so with fewer than two requests there is no plan (``None``).
+``"token"``
+    cut the flattened tokens at ``t = (total + 1) // 2``.  The request that
+    crosses ``t`` appears in both stages; stage 2 continues it as a chunked
+    prefill whose KV context includes the stage-1 tokens (see
+    :mod:`afd_mrv2.ubatch.metadata`).  ``None`` when ``total < 2``.
+
+Physical tokens (``num_input_tokens``) equal the real ones except under sequence
+parallelism, where each stage is padded up to a multiple of ``tp_size`` because
+SP scatters a stage's tokens evenly over the TP ranks.
+
+Pure Python on purpose: the planner runs on the scheduler's CPU-side token
+counts before any device tensor exists, and is property-tested in isolation.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+SPLITS = ("request", "token")
+NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One of the two stages, in the parent batch's coordinates.
+
+    request_slice: the requests with at least one token in this stage (for the
+        ``token`` split the crossing request is in both stages' slices).
+    token_slice: the stage's real tokens in the parent's flattened order.
+    num_input_tokens: physical tokens the stage runs with (>= real tokens; larger
+        only under sequence parallelism).
+    """
+
+    index: int
+    request_slice: slice
+    token_slice: slice
+    num_input_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (scheduled) tokens in this stage."""
+        return self.token_slice.stop - self.token_slice.start
+
+    @property
+    def num_padding(self) -> int:
+        """Physical padding tokens appended after the real ones."""
+        return self.num_input_tokens - self.num_tokens
+
+    @property
+    def num_requests(self) -> int:
+        return self.request_slice.stop - self.request_slice.start
+
+
+def plan_stages(
+    num_scheduled_tokens: Sequence[int],
+    *,
+    split: str,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+) -> tuple[Stage, Stage] | None:
+    """Plan the two stages of one batch; see the module docstring for the semantics.
+
+    :param num_scheduled_tokens: tokens scheduled per request, in batch order.
+    :param split: ``"request"`` or ``"token"``.
+    :param tp_size: attention tensor-parallel size (padding unit under SP).
+    :param sequence_parallel: pad each stage to a multiple of ``tp_size``.
+    :return: two stages, or None when the policy cannot form two non-empty stages.
+    :raises ValueError: empty list, a non-positive count, ``tp_size < 1`` or an
+        unknown ``split``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    tp = _as_int(tp_size, "tp_size")
+    if tp < 1:
+        raise ValueError(f"tp_size: expected an integer >= 1, got {tp_size!r}")
+    counts = tuple(_as_int(c, "num_scheduled_tokens") for c in num_scheduled_tokens)
+    if not counts:
+        raise ValueError("num_scheduled_tokens: expected at least one request, got an empty list")
+    bad = [(i, c) for i, c in enumerate(counts) if c <= 0]
+    if bad:
+        i, c = bad[0]
+        raise ValueError(f"num_scheduled_tokens[{i}]: expected a positive token count, got {c}")
+
+    cu = tuple(accumulate(counts, initial=0))
+    n, total = len(counts), cu[-1]
+    if split == "request":
+        if n < NUM_STAGES:
+            return None
+        i = min(range(1, n), key=lambda i: (abs(2 * cu[i] - total), abs(2 * i - n), i))
+        bounds = ((slice(0, i), 0, cu[i]), (slice(i, n), cu[i], total))
+    else:
+        if total < NUM_STAGES:
+            return None
+        t = (total + 1) // 2
+        # requests overlapping [0, t): those starting before t; the request holding token t starts stage 2
+        first = slice(0, bisect_left(cu, t))
+        second = slice(bisect_right(cu, t) - 1, n)
+        bounds = ((first, 0, t), (second, t, total))
+    unit = tp if sequence_parallel else 1
+    stages = tuple(
+        Stage(index, requests, slice(start, stop), _round_up(stop - start, unit))
+        for index, (requests, start, stop) in enumerate(bounds)
+    )
+    return stages  # type: ignore[return-value]
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _as_int(value: object, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})") from None
