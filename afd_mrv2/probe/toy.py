@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from afd_mrv2.hooks.cam_common import CamModelSpec
-from afd_mrv2.hooks.camasync import CamAsyncDispatch, CamAsyncFfnBatch, CamAsyncFfnOutput
+from afd_mrv2.hooks.camasync_state import CamAsyncDispatch, CamAsyncFfnBatch, CamAsyncFfnOutput
 from afd_mrv2.pipeline.work import WorkItem
 
 
