@@ -1,0 +1,92 @@
+"""What both sides of torch_p2p share: options, the model shape, the simulated link.
+
+Options (``afd.connector_extra_config``), all optional:
+
+``recv_timeout_s`` (default 30)
+    Deadline of every receive phase: a peer that stays connected but sends nothing
+    for this long fails the waiting side with :class:`PeerTimeout`.
+``send_timeout_s`` (default: ``recv_timeout_s``)
+    Deadline of every send phase (gloo sends complete when the peer has posted
+    the matching receive).
+``sim_latency_us`` / ``sim_bandwidth_gbps``
+    Adds a simulated link: after each phase's real transfers complete, the
+    phase's stream is held for ``latency + bytes / bandwidth`` (a sleep, no CPU),
+    at both ends, like a DMA engine per direction.  Setting either enables it;
+    bandwidth 0 (the default) means infinite.  The data still moves through
+    torch.distributed, so results stay checkable.
+``max_tokens``
+    Per-stage token capacity of one attention rank (the buffer size); defaults
+    to the ``model`` resource's ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
+from afd_mrv2.pipeline.work import Work
+
+OPTION_KEYS = ("recv_timeout_s", "send_timeout_s", "sim_latency_us", "sim_bandwidth_gbps", "max_tokens")
+
+
+@dataclass(frozen=True)
+class P2pShape:
+    """The model dimensions torch_p2p sizes its buffers and checks its messages with.
+
+    Provided by the owner as the ``model`` resource.  ``num_layers`` tells the
+    attention side which items have nothing to receive (layer 0) and which have
+    nothing to send (the epilogue item ``layer == num_layers`` that only combines
+    the last layer's FFN output).
+    """
+
+    hidden_size: int
+    top_k: int
+    num_experts: int
+    num_layers: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class P2pOptions:
+    recv_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    link: LinkModel | None = None
+    max_tokens: int | None = None
+
+
+def parse_options(extra: Mapping[str, Any], key: str = "afd.connector_extra_config") -> P2pOptions:
+    """Parse torch_p2p's ``connector_extra_config``; one :class:`ConfigError` per bad key."""
+    for name in extra:
+        if name not in OPTION_KEYS:
+            raise ConfigError(f"{key}.{name}", f"unknown torch_p2p option; accepted: {', '.join(OPTION_KEYS)}")
+
+    def number(name: str, default: float, *, positive: bool) -> float:
+        value = extra.get(name, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or value < 0 or (positive and value == 0) or value != value:
+            raise ConfigError(f"{key}.{name}", f"expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
+        return float(value)
+
+    recv = number("recv_timeout_s", 30.0, positive=True)
+    link = None
+    if "sim_latency_us" in extra or "sim_bandwidth_gbps" in extra:
+        latency = number("sim_latency_us", 0.0, positive=False) * 1e-6
+        link = LinkModel(latency, latency, number("sim_bandwidth_gbps", 0.0, positive=False) * 1e9)
+    max_tokens = extra.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ConfigError(f"{key}.max_tokens", f"expected an integer >= 1, got {max_tokens!r}")
+    return P2pOptions(
+        recv_timeout_s=recv,
+        send_timeout_s=number("send_timeout_s", recv, positive=True),
+        link=link,
+        max_tokens=max_tokens,
+    )
+
+
+def charge_link(options: P2pOptions, work: Work, direction: str, nbytes: int) -> None:
+    """Hold the calling stream for the simulated link's cost of ``nbytes`` (no-op without one)."""
+    if options.link is not None and nbytes:
+        simulate_transfer(work, options.link.cost_s(direction, nbytes))
