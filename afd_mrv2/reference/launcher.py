@@ -21,6 +21,7 @@ outcome of a demo:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -147,10 +148,8 @@ def _terminate(workers: list[_Worker]) -> None:
     for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
         for w in live:
             w.killed_by_launcher = True
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + wait_s
         for w in live:
             try:

@@ -15,6 +15,7 @@ Definitions (all measured in the run itself, on the measured batches):
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -49,6 +50,7 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
                 "per_layer_ms": per_layer_ms,
                 "wall_ms": head["wall_s"] * 1e3,
                 "cpu_cores_busy": sum(r["modes"][i]["cpu_s"] for r in ranks) / head["wall_s"],
+                "machine_load_average": head["load_average"],
                 "cpu_ms_per_layer_by_rank": {
                     r["name"]: r["modes"][i]["cpu_s"] * 1e3 / (cfg.batches * spec.num_layers) for r in ranks
                 },
@@ -144,7 +146,7 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         f"{report['batches']} batches, routing {report['routing']}",
         "",
     ]
-    headers = ["mode", "per-layer ms", "speedup", "overlap eff", "hidden comm", "max |diff|"]
+    headers = ["mode", "per-layer ms", "speedup", "overlap eff", "hidden comm", "cores busy", "max |diff|"]
     rows = [
         [
             m["mode"],
@@ -152,6 +154,7 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
             m["speedup"],
             m["overlap_efficiency"],
             m["hidden_comm_fraction"],
+            m["cpu_cores_busy"],
             f"{m['max_abs_diff']:.2e}",
         ]
         for m in report["modes"]
@@ -165,7 +168,9 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         f"(tolerance {report['tolerance']:g}) {verdict}",
         f"routing: hottest expert {stats['hot_expert']} selected by {stats['hot_expert_share']:.0%} of tokens; "
         f"tokens per FFN rank {stats['tokens_per_ffn_rank']}",
-        "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute",
+        "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute;",
+        f"cores busy = CPU time of all ranks / wall time; this machine has {os.cpu_count()} cores and a 1-minute "
+        f"load average of {report['modes'][-1]['machine_load_average']:.1f} (when they are all busy, overlap cannot help)",
         f"trace:    {report['trace']}  (open in https://ui.perfetto.dev)",
         f"timeline: {report['timeline'] or report.get('timeline_note')}",
     ]

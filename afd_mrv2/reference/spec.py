@@ -30,13 +30,13 @@ class ModelSpec:
     """
 
     vocab_size: int = 512
-    hidden_size: int = 128
+    hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
     num_experts: int = 8
     top_k: int = 2
-    expert_size: int = 256
-    shared_size: int = 256
+    expert_size: int = 1024
+    shared_size: int = 1024
     seed: int = 0
     hot_expert: int | None = None
     hot_bias: float = 4.0

@@ -39,7 +39,7 @@ def draw_timeline(path: str | Path, ranks: list[dict[str, Any]], report: dict[st
     )
     axes = list(axes) if len(modes) > 1 else [axes]
     names = {r["rank"]: f"{'A' if r['role'] == 'attention' else 'F'}{r['index']}" for r in ordered}
-    for ax, mode, lanes in zip(axes, modes, lanes_per_mode):
+    for ax, mode, lanes in zip(axes, modes, lanes_per_mode, strict=True):
         keys = sorted(lanes, key=lambda k: (k[0], _STREAM_ORDER.get(k[1], 3)))
         for row, key in enumerate(keys):
             for phase in COLOURS:

@@ -16,6 +16,7 @@ the exit up).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -211,6 +212,7 @@ class _Session:
             "depth": depth,
             "wall_s": wall,
             "cpu_s": cpu,
+            "load_average": os.getloadavg()[0],
             "metrics": trace.metrics().as_dict(),
             "max_abs_diff": diff,
             "spans": spans,
@@ -284,9 +286,7 @@ def _fail(exc: BaseException, link: PeerLink | None, me: str) -> None:
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: get SIGKILL when the launcher dies, so no worker outlives it."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
     if os.getppid() != parent_pid:
         os._exit(1)  # the launcher is already gone

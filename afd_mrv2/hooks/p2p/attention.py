@@ -38,7 +38,7 @@ import torch
 
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
-from afd_mrv2.hooks.p2p.link import Pending, PeerLink
+from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.pipeline.work import Work
 from afd_mrv2.topology import FFN
@@ -118,7 +118,7 @@ class AttentionSide:
         self.link.wait(
             inbox.pendings, timeout_s=self.options.recv_timeout_s, work=work, action=action, option="recv_timeout_s"
         )
-        for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, inbox.counts):
+        for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, inbox.counts, strict=True):
             expected = wire.Header(
                 kind=wire.KIND_COMBINE,
                 src=ffn,
@@ -130,7 +130,7 @@ class AttentionSide:
             )
             got = wire.Header.read(wire.header_view(buffer))
             wire.validate(got, expected, peer_name=self.link.describe(ffn), what="combine")
-        charge_link(self.options, work, "recv", sum(p.nbytes for p in inbox.pendings))
+        charge_link(self.options, work, "recv", inbox.pendings)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         item, slot = work.item, self._slot(work)
@@ -138,7 +138,7 @@ class AttentionSide:
         if item.layer_idx > 0:
             inbox = self._inboxes[item.stage_idx]
             combined = slot.combined[: inbox.tokens].zero_()
-            for buffer, count, index in zip(inbox.buffers, inbox.counts, inbox.indices):
+            for buffer, count, index in zip(inbox.buffers, inbox.counts, inbox.indices, strict=True):
                 if count:
                     combined.index_add_(0, index, wire.combine_rows(buffer, self.shape.hidden_size, count))
         result = compute(item, combined)
@@ -182,7 +182,7 @@ class AttentionSide:
                     wire.TAG_COMBINE,
                     f"combine message (layer={item.layer_idx} stage={item.stage_idx})",
                 )
-                for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, slot.counts)
+                for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, slot.counts, strict=True)
             ]
             inbox.layer, inbox.seq, inbox.tokens = item.layer_idx, item.seq, slot.tokens
             inbox.counts, inbox.indices = slot.counts, slot.indices
@@ -195,7 +195,7 @@ class AttentionSide:
                 sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
         action = f"dispatching {item}"
         self.link.wait(sends, timeout_s=self.options.send_timeout_s, work=work, action=action, option="send_timeout_s")
-        charge_link(self.options, work, "send", sum(p.nbytes for p in sends))
+        charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:
         # gloo operations cannot be cancelled; their Pending objects keep the buffers

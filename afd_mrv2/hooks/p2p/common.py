@@ -9,11 +9,16 @@ Options (``afd.connector_extra_config``), all optional:
     Deadline of every send phase (gloo sends complete when the peer has posted
     the matching receive).
 ``sim_latency_us`` / ``sim_bandwidth_gbps``
-    Adds a simulated link: after each phase's real transfers complete, the
-    phase's stream is held for ``latency + bytes / bandwidth`` (a sleep, no CPU),
-    at both ends, like a DMA engine per direction.  Setting either enables it;
-    bandwidth 0 (the default) means infinite.  The data still moves through
-    torch.distributed, so results stay checkable.
+    Adds a simulated link.  The data still moves through torch.distributed (so
+    results stay checkable); on top, what a phase exchanges with each peer is
+    delivered only ``latency + bytes / bandwidth`` after it started moving, and
+    the phase's stream is held (a sleep, no CPU) until then, at both ends, like
+    a DMA engine per direction and peer.  "Started moving" is the moment the
+    first operation of the phase with that peer completed in gloo (for a
+    rendezvous send: the peer had posted its receive; for a receive: the first
+    bytes arrived), so gloo's own handshake overlaps the simulated latency
+    instead of adding to it.  Setting either option enables the link; bandwidth
+    0 (the default) means infinite.
 ``max_tokens``
     Per-stage token capacity of one attention rank (the buffer size); defaults
     to the ``model`` resource's ``max_tokens``.
@@ -21,11 +26,13 @@ Options (``afd.connector_extra_config``), all optional:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.p2p.link import Pending
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
 from afd_mrv2.pipeline.work import Work
 
@@ -86,7 +93,19 @@ def parse_options(extra: Mapping[str, Any], key: str = "afd.connector_extra_conf
     )
 
 
-def charge_link(options: P2pOptions, work: Work, direction: str, nbytes: int) -> None:
-    """Hold the calling stream for the simulated link's cost of ``nbytes`` (no-op without one)."""
-    if options.link is not None and nbytes:
-        simulate_transfer(work, options.link.cost_s(direction, nbytes))
+def charge_link(options: P2pOptions, work: Work, direction: str, pendings: Sequence[Pending]) -> None:
+    """Hold the calling stream until the simulated link delivered ``pendings`` (no-op without a link).
+
+    Per peer: delivery = first completion of that peer's operations + latency +
+    their bytes / bandwidth; the stream waits for the last delivery.
+    """
+    link = options.link
+    if link is None or not pendings:
+        return
+    started: dict[int, float] = {}
+    nbytes: dict[int, int] = {}
+    for p in pendings:
+        started[p.peer] = min(started.get(p.peer, p.done_at), p.done_at)
+        nbytes[p.peer] = nbytes.get(p.peer, 0) + p.nbytes
+    delivered = max(started[peer] + link.cost_s(direction, nbytes[peer]) for peer in started)
+    simulate_transfer(work, delivered - time.perf_counter())

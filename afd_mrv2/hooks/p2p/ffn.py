@@ -41,7 +41,6 @@ class _Slot:
     topk_weights: torch.Tensor  # [A * max_tokens, k]
     outgoing: list[torch.Tensor]  # per attention rank, uint8 [header + max_tokens * H * 4]
     counts: list[int] = field(default_factory=list)
-    nbytes_in: int = 0
 
 
 class FfnSide:
@@ -101,15 +100,14 @@ class FfnSide:
             slot.counts.append(got.tokens)
         payloads = [
             link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
-            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts))
+            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
             if n
         ]
         link.wait(payloads, **opts)
-        for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts)):
+        for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True)):
             if n:
                 self._check_routing(slot.staging[a], n, peer)
-        slot.nbytes_in = sum(p.nbytes for p in headers + payloads)
-        charge_link(self.options, work, "recv", slot.nbytes_in)
+        charge_link(self.options, work, "recv", headers + payloads)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         item, slot, hidden_size = work.item, self._slot(work), self.shape.hidden_size
@@ -128,7 +126,7 @@ class FfnSide:
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
                 got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
-        for a, (peer, n, start) in enumerate(zip(self.attention_ranks, slot.counts, offsets)):
+        for a, (peer, n, start) in enumerate(zip(self.attention_ranks, slot.counts, offsets, strict=True)):
             message = slot.outgoing[a]
             header = wire.Header(
                 kind=wire.KIND_COMBINE,
@@ -152,11 +150,11 @@ class FfnSide:
                 wire.TAG_COMBINE,
                 f"combine message ({item})",
             )
-            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts))
+            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
         ]
         action = f"sending the combine of {item}"
         self.link.wait(sends, timeout_s=self.options.send_timeout_s, work=work, action=action, option="send_timeout_s")
-        charge_link(self.options, work, "send", sum(p.nbytes for p in sends))
+        charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.

@@ -72,7 +72,7 @@ class Header:
     @classmethod
     def read(cls, words: torch.Tensor) -> Header:
         values = [int(v) for v in words.tolist()]
-        return cls(**dict(zip(FIELDS, values)))
+        return cls(**dict(zip(FIELDS, values, strict=True)))
 
 
 def header_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -93,9 +93,17 @@ def validate(got: Header, expected: Header, *, peer_name: str, what: str, max_to
                 raise _bad(expected.src, field, f"expected 0..{max_tokens} (the per-stage capacity), got {value}", peer_name, what)
             continue
         if value != want:
-            shown = (lambda v: hex(v)) if field == "magic" else (lambda v: KIND_NAMES.get(v, v) if field == "kind" else v)
             hint = " (not a torch_p2p v1 header: protocol mismatch or corrupted stream)" if field == "magic" else ""
-            raise _bad(expected.src, field, f"expected {shown(want)}, got {shown(value)}{hint}", peer_name, what)
+            detail = f"expected {_show(field, want)}, got {_show(field, value)}{hint}"
+            raise _bad(expected.src, field, detail, peer_name, what)
+
+
+def _show(field: str, value: int) -> str:
+    if field == "magic":
+        return hex(value)
+    if field == "kind":
+        return KIND_NAMES.get(value, str(value))
+    return str(value)
 
 
 def _bad(peer: int, field: str, detail: str, peer_name: str, what: str) -> ProtocolError:
