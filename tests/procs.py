@@ -49,16 +49,18 @@ class Proc:
         )
         self.out: list[str] = []
         self.err: list[str] = []
+        self.err_times: list[float] = []  # time.monotonic() when each stderr line arrived
         self._readers = [
-            threading.Thread(target=self._pump, args=(self.popen.stdout, self.out), daemon=True),
-            threading.Thread(target=self._pump, args=(self.popen.stderr, self.err), daemon=True),
+            threading.Thread(target=self._pump, args=(self.popen.stdout, self.out, []), daemon=True),
+            threading.Thread(target=self._pump, args=(self.popen.stderr, self.err, self.err_times), daemon=True),
         ]
         for reader in self._readers:
             reader.start()
 
     @staticmethod
-    def _pump(stream: object, lines: list[str]) -> None:
+    def _pump(stream: object, lines: list[str], times: list[float]) -> None:
         for line in stream:  # type: ignore[attr-defined]
+            times.append(time.monotonic())
             lines.append(line.rstrip("\n"))
 
     def wait_for_stderr(self, needle: str, timeout_s: float) -> bool:

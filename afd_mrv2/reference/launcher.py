@@ -107,7 +107,8 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     _write_status(out, workers)
     failed = [w for w in workers if w.returncode != 0]
     if failed:
-        first = min(failed, key=lambda w: w.exited_at or 0.0)
+        # Exits seen in the same poll are ordered cause first: a signal death before an exit status.
+        first = min(failed, key=lambda w: (w.exited_at or 0.0, (w.returncode or 0) >= 0))
         lines = [f"failed after {time.monotonic() - started:.1f} s; first: {first.name} ({first.describe_exit()})"]
         for w in sorted(workers, key=lambda w: w.rank):
             delay = (w.exited_at or 0.0) - (first.exited_at or 0.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import resource
 import signal
@@ -74,6 +75,8 @@ def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
     if launcher:
         _die_with_parent(int(launcher))
     torch.set_num_threads(1)
+    # This worker reports a failure itself, in one line; the executor's own warning would repeat it.
+    logging.getLogger("afd_mrv2.pipeline.executor").setLevel(logging.ERROR)
     link: PeerLink | None = None
     try:
         timeout = datetime.timedelta(seconds=max(60.0, 3 * cfg.recv_timeout_s))
@@ -111,9 +114,9 @@ class _Session:
         if self.role == ATTENTION:
             batches = {b: make_batch(cfg.batch, self.spec.vocab_size, link.index, b) for b in all_batches}
             self.owner = AttentionOwner(self.spec, self.weights, self.schedule, batches)
-            self.references = {b: self._reference(b) for b in all_batches}
         else:
             self.owner = FfnOwner(self.spec, self.weights, cfg.topology, link.index)
+        self.references: dict[int, torch.Tensor] = {}  # batch -> reference output, computed on first use
 
     def _reference(self, batch: int) -> torch.Tensor:
         assert isinstance(self.owner, AttentionOwner)
@@ -223,6 +226,8 @@ class _Session:
     def _diff(self, batch: int) -> float:
         assert isinstance(self.owner, AttentionOwner)
         got = torch.cat([self.owner.outputs[(batch, s)] for s in range(self.cfg.batch.stages)])
+        if batch not in self.references:
+            self.references[batch] = self._reference(batch)
         return float((got - self.references[batch]).abs().max())
 
     def _calibrate(self, extra: dict[str, Any]) -> float:

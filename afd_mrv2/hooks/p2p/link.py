@@ -176,16 +176,16 @@ class PeerLink:
                         peer_name=self.describe(pending.peer),
                     )
             if pending.error is not None:
+                self._raise_earlier_loss(pending.done_at)
                 raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
 
     def check_peers(self) -> None:
-        """Raise if a peer died (first) or aborted (then); peers that said BYE are fine."""
+        """Raise if a peer died (the first to die) or aborted (then); peers that said BYE are fine."""
+        self._raise_earlier_loss(float("inf"))
         aborted: tuple[int, str] | None = None
         for peer, pending in self._control.items():
-            if not pending.done.is_set():
+            if not pending.done.is_set() or pending.error is not None:
                 continue
-            if pending.error is not None:
-                raise self._lost(peer, "its control channel", pending.error)
             header = wire.Header.read(wire.header_view(pending.tensor))
             if header.kind == wire.KIND_ABORT and aborted is None:
                 aborted = (peer, wire.decode_control_text(pending.tensor))
@@ -194,6 +194,18 @@ class PeerLink:
             raise PeerAborted(
                 f"{self.me}: {self.describe(peer)} aborted the run: {text}", peer=peer, peer_name=self.describe(peer)
             )
+
+    def _raise_earlier_loss(self, before: float) -> None:
+        """Raise PeerLost for the peer whose connection closed first, if that was before ``before``.
+
+        When one process dies, the ranks that then fail because of it close their
+        connections too; naming the earliest loss names the root cause.
+        """
+        lost = [(p.done_at, peer, p) for peer, p in self._control.items() if p.done.is_set() and p.error is not None]
+        if lost:
+            done_at, peer, pending = min(lost, key=lambda entry: entry[0])
+            if done_at <= before:
+                raise self._lost(peer, "its control channel", pending.error) from pending.error  # type: ignore[arg-type]
 
     def _lost(self, peer: int, what: str, error: BaseException) -> PeerLost:
         detail = str(error).split(". This is typically", 1)[0].strip()
