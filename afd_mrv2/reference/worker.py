@@ -51,8 +51,14 @@ LAUNCHER_ENV = "AFD_MRV2_LAUNCHER"  # the launcher's pid, set in the workers it 
 
 
 def progress(message: str) -> None:
-    """A progress line on stderr (rank 0 only; stdout stays machine-readable)."""
-    print(f"afd-mrv2 run: {message}", file=sys.stderr, flush=True)
+    """A progress line on stderr (stdout stays machine-readable).
+
+    One ``os.write`` per message: workers share the launcher's stderr, and
+    ``print`` writes the text and the newline separately, so lines of two
+    processes failing at the same moment would interleave.
+    """
+    sys.stderr.flush()
+    os.write(2, f"afd-mrv2 run: {message}\n".encode("utf-8", "replace"))
 
 
 def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
@@ -281,7 +287,7 @@ def _fail(exc: BaseException, link: PeerLink | None, me: str) -> None:
                 message = f"{named} (seen as: {message.splitlines()[0]})"
         if not isinstance(exc, (AfdError, RuntimeError)):
             traceback.print_exception(exc, file=sys.stderr)
-    print(f"afd-mrv2 run: {link.me if link else me} failed: {message}", file=sys.stderr, flush=True)
+    progress(f"{link.me if link else me} failed: {message}")
     if link is not None:
         link.abort(message)
     sys.stderr.flush()
