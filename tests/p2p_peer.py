@@ -13,6 +13,9 @@ Scenarios:
     silent-attention    the attention rank connects and never sends (FFN recv_timeout_s = 1)
     dead-attention      the attention rank exits right after start-up
     cancel              like silent-attention, but the FFN executor is closed after 0.5 s
+    concurrent          no executor: on both ranks a sender thread and a receiver thread push
+                        messages through one PeerLink at the same time (the multistream
+                        pattern: recv stream and send stream of one process), contents checked
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -135,6 +139,37 @@ def stay_until_real_side_aborts(real: int) -> None:
     os._exit(0)
 
 
+def concurrent(link: PeerLink, rank: int, messages: int = 300) -> int:
+    """Both directions at once, from two threads, on distinct tags; every message checked in order."""
+    peer = 1 - rank
+    send_tag, recv_tag = (wire.TAG_DISPATCH_PAYLOAD, wire.TAG_COMBINE) if rank == 0 else (wire.TAG_COMBINE, wire.TAG_DISPATCH_PAYLOAD)
+    errors: list[str] = []
+
+    def sender() -> None:
+        for i in range(messages):
+            p = link.isend(torch.full((2048,), float(i + 1000 * rank)), peer, send_tag, "message")
+            link.wait([p], timeout_s=20, work=None, action="sending", option="test")
+
+    def receiver() -> None:
+        buffer = torch.empty(2048)
+        for i in range(messages):
+            p = link.irecv(buffer, peer, recv_tag, "message")
+            link.wait([p], timeout_s=20, work=None, action="receiving", option="test")
+            if not bool((buffer == float(i + 1000 * peer)).all()):
+                errors.append(f"message {i}: got {float(buffer[0])}")
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=sender), threading.Thread(target=receiver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    ok = not errors and not any(t.is_alive() for t in threads)
+    print(json.dumps({"ok": ok, "errors": errors[:3], "elapsed_s": time.monotonic() - start}), flush=True)
+    link.close(timeout_s=10)
+    return 0 if ok else 1
+
+
 def main() -> int:
     scenario, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -142,6 +177,9 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     link = PeerLink(TOPOLOGY, rank)
     dist.barrier()
+    if scenario == "concurrent":
+        sys.stdout.flush()
+        os._exit(concurrent(link, rank))
     rogue_rank = 1 if scenario == "bad-combine-seq" else 0
     if rank == rogue_rank:
         rogue_ffn() if rank == 1 else rogue_attention(scenario)

@@ -61,6 +61,17 @@ def test_dead_peer_is_named_at_once() -> None:
     assert outcome["elapsed_s"] < 5
 
 
+def test_concurrent_send_and_receive_threads_on_one_gloo_group() -> None:
+    """What multistream does on gloo: the recv and send streams post and wait at the same time."""
+    port = str(free_port())
+    procs = [Proc([sys.executable, PEER, "concurrent", str(rank), port]) for rank in (0, 1)]
+    with running(*procs):
+        codes = [p.wait(60) for p in procs]
+    for proc, code in zip(procs, codes, strict=True):
+        assert code == 0, proc.stderr[-2000:]
+        assert json.loads(proc.out[-1])["ok"] is True
+
+
 def test_close_cancels_a_blocked_receive() -> None:
     """The receive honours work.cancelled: close() returns promptly and leaves no stream thread behind."""
     outcome, _ = scenario("cancel", real_rank=1)

@@ -1,9 +1,12 @@
 """``torch_p2p``: the reference AFD connector on torch.distributed point-to-point.
 
 Registered under the ``afd_mrv2`` entry-point group as ``torch_p2p``, exactly as
-a third-party connector would be.  It runs on gloo (CPUs, this project's CI) and
-on any backend with ``isend``/``irecv`` (NCCL, HCCL) unchanged, because it only
-posts operations and waits for them through :class:`~afd_mrv2.hooks.p2p.link.PeerLink`.
+a third-party connector would be.  It posts ``ProcessGroup.send``/``recv`` and
+waits for them through :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, so the logic
+is backend-neutral; today its buffers are host tensors, which is what gloo (CPUs,
+this project's CI) needs.  NCCL/HCCL would need the slot buffers on the device
+and the waits expressed as stream edges; that is not done (and not tested: it
+needs two accelerators).
 
 What moves, per work item ``(layer, stage, seq)`` (details in
 :mod:`afd_mrv2.hooks.p2p.wire`)::
