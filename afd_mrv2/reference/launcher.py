@@ -115,7 +115,11 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
             lines.append(f"  {w.name}, pid {w.proc.pid}: {w.describe_exit()}, {delay:+.2f} s")
         progress("\n".join(lines))
         return 1
-    report = json.loads((out / "result.json").read_text())
+    result = out / "result.json"
+    if not result.is_file():
+        progress(f"every worker exited 0 but rank 0 wrote no {result}")
+        return 1
+    report = json.loads(result.read_text())
     print(render(report, as_json=as_json), flush=True)
     return 0 if report["ok"] else 1
 

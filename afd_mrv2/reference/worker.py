@@ -153,7 +153,6 @@ class _Session:
             "index": self.link.index,
             "name": self.link.me,
             "modes": results,
-            **self._owner_stats(),
         }
         gathered: list[Any] | None = [None] * self.link.topology.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
