@@ -41,9 +41,9 @@ def _overlap(interval: tuple[int, int], union: Sequence[tuple[int, int]]) -> int
     Bisecting keeps metrics of long runs (thousands of items) O(n log n) instead of O(n^2).
     """
     start, end = interval
-    first = max(0, bisect.bisect_right(union, (start, start)) - 1)
     total = 0
-    for a, b in union[first:]:
+    for i in range(max(0, bisect.bisect_right(union, (start, start)) - 1), len(union)):
+        a, b = union[i]
         if a >= end:
             break
         total += max(0, min(end, b) - max(start, a))

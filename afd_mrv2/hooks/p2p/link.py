@@ -104,8 +104,6 @@ class PeerLink:
         self.role, self.index = topology.role_of(rank)
         self._watchers: dict[tuple[int, int, str], _Watcher] = {}
         self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self._control: dict[int, Pending] = {}
         for peer in range(topology.world_size):
             if peer != rank:
@@ -143,10 +141,6 @@ class PeerLink:
             watcher = self._watchers.get(key)
             if watcher is None:
                 watcher = self._watchers[key] = _Watcher(f"afd-p2p-{direction}-{peer}-{tag:x}")
-            if direction == "send":
-                self.bytes_sent += pending.nbytes
-            else:
-                self.bytes_received += pending.nbytes
         watcher.add(pending)
         return pending
 
