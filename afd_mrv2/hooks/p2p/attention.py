@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
+from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.pipeline.work import Work
@@ -71,15 +71,11 @@ class _Inbox:
     pendings: list[Pending] = field(default_factory=list)
 
 
-class AttentionSide:
+class AttentionSide(Side):
     """Phase logic of an attention rank; see the module docstring."""
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
-        self.link = link
-        self.shape = shape
-        self.options = options
-        self.capacity = options.max_tokens or shape.max_tokens
-        self.layout = wire.DispatchLayout(shape.hidden_size, shape.top_k)
+        super().__init__(link, shape, options)
         topo = link.topology
         self.ffn_ranks = [topo.global_rank(FFN, f) for f in range(topo.num_ffn)]
         self.experts_per_ffn = topo.experts_per_ffn
@@ -115,9 +111,7 @@ class AttentionSide:
             return
         inbox = self._await_posted(work, item.layer_idx - 1)
         action = f"receiving the combine of layer={item.layer_idx - 1} stage={item.stage_idx} seq={inbox.seq}"
-        self.link.wait(
-            inbox.pendings, timeout_s=self.options.recv_timeout_s, work=work, action=action, option="recv_timeout_s"
-        )
+        self.wait(inbox.pendings, work, "recv", action)
         for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, inbox.counts, strict=True):
             expected = wire.Header(
                 kind=wire.KIND_COMBINE,
@@ -193,8 +187,7 @@ class AttentionSide:
             if slot.counts[f]:
                 payload = slot.staging[f][: self.layout.nbytes(slot.counts[f])]
                 sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
-        action = f"dispatching {item}"
-        self.link.wait(sends, timeout_s=self.options.send_timeout_s, work=work, action=action, option="send_timeout_s")
+        self.wait(sends, work, "send", f"dispatching {item}")
         charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:

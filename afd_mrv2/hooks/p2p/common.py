@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.hooks.p2p.link import Pending
+from afd_mrv2.hooks.p2p.link import PeerLink, Pending
+from afd_mrv2.hooks.p2p.wire import DispatchLayout
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
 from afd_mrv2.pipeline.work import Work
 
@@ -91,6 +92,23 @@ def parse_options(extra: Mapping[str, Any], key: str = "afd.connector_extra_conf
         link=link,
         max_tokens=max_tokens,
     )
+
+
+class Side:
+    """What both roles' phase logic shares: the link, sizes, and deadline-bound waits."""
+
+    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
+        self.link = link
+        self.shape = shape
+        self.options = options
+        self.capacity = options.max_tokens or shape.max_tokens
+        self.layout = DispatchLayout(shape.hidden_size, shape.top_k)
+
+    def wait(self, pendings: Sequence[Pending], work: Work, phase: str, action: str) -> None:
+        """Wait for ``pendings`` under the deadline of ``phase`` (``recv`` or ``send``)."""
+        option = f"{phase}_timeout_s"
+        timeout = self.options.recv_timeout_s if phase == "recv" else self.options.send_timeout_s
+        self.link.wait(pendings, timeout_s=timeout, work=work, action=action, option=option)
 
 
 def charge_link(options: P2pOptions, work: Work, direction: str, pendings: Sequence[Pending]) -> None:

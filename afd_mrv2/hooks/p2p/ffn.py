@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
+from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hookspecs import ComputeFn
@@ -43,15 +43,11 @@ class _Slot:
     counts: list[int] = field(default_factory=list)
 
 
-class FfnSide:
+class FfnSide(Side):
     """Phase logic of an FFN rank; see the module docstring."""
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
-        self.link = link
-        self.shape = shape
-        self.options = options
-        self.capacity = options.max_tokens or shape.max_tokens
-        self.layout = wire.DispatchLayout(shape.hidden_size, shape.top_k)
+        super().__init__(link, shape, options)
         topo = link.topology
         self.attention_ranks = [topo.global_rank(ATTENTION, a) for a in range(topo.num_attention)]
         local = topo.experts_of(link.index)
@@ -78,12 +74,11 @@ class FfnSide:
     def on_recv(self, work: Work) -> None:
         item, slot, link = work.item, self._slot(work), self.link
         action = f"receiving {item}"
-        opts = {"timeout_s": self.options.recv_timeout_s, "work": work, "action": action, "option": "recv_timeout_s"}
         headers = [
             link.irecv(slot.headers[a], peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
             for a, peer in enumerate(self.attention_ranks)
         ]
-        link.wait(headers, **opts)
+        self.wait(headers, work, "recv", action)
         slot.counts = []
         for a, peer in enumerate(self.attention_ranks):
             got = wire.Header.read(slot.headers[a])
@@ -103,7 +98,7 @@ class FfnSide:
             for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
             if n
         ]
-        link.wait(payloads, **opts)
+        self.wait(payloads, work, "recv", action)
         for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True)):
             if n:
                 self._check_routing(slot.staging[a], n, peer)
@@ -152,8 +147,7 @@ class FfnSide:
             )
             for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
         ]
-        action = f"sending the combine of {item}"
-        self.link.wait(sends, timeout_s=self.options.send_timeout_s, work=work, action=action, option="send_timeout_s")
+        self.wait(sends, work, "send", f"sending the combine of {item}")
         charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:
