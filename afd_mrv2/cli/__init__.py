@@ -16,6 +16,7 @@ from afd_mrv2.errors import AfdError
 # subcommand -> module; each module's register() adds the parser.
 COMMANDS = {
     "demo": "afd_mrv2.cli.demo",
+    "run": "afd_mrv2.cli.run",
     "bench": "afd_mrv2.cli.bench",
     "compat": "afd_mrv2.cli.compat",
     "probe": "afd_mrv2.cli.probe",

@@ -1,0 +1,115 @@
+"""``afd-mrv2 run``: the embedded AFD deployment, the project's main job.
+
+Three ways to start it, one code path:
+
+* ``afd-mrv2 run``: the local launcher starts A attention + F FFN processes on
+  this machine (loopback, free port) and prints the report;
+* ``torchrun ... --no-python afd-mrv2 run ...``: every rank runs this command with
+  torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; rank 0 prints
+  the report (works across machines);
+* the same variables set by hand, one process per rank.
+
+See docs/embedded-run.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from afd_mrv2.errors import AfdError
+from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
+from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "run",
+        help="run the embedded AFD deployment: attention + FFN processes, serialized vs multistream",
+        description=(
+            "Launches A attention and F FFN processes (torch.distributed gloo, torch_p2p connector), runs the "
+            "same prefill batches of a tiny DeepSeek-V2-style MoE model through L layers serialized and "
+            "multistream, and reports per-layer latency, speedup, overlap efficiency, max |diff| against a "
+            "single-process reference forward, a merged Chrome trace and a timeline PNG. Under torchrun (RANK and "
+            "WORLD_SIZE set) each process runs one rank instead."
+        ),
+    )
+    topo = parser.add_argument_group("topology and schedule")
+    topo.add_argument("--attention", type=int, default=2, metavar="A", help="attention ranks (default 2)")
+    topo.add_argument("--ffn", type=int, default=1, metavar="F", help="FFN ranks; must divide A (default 1)")
+    topo.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
+    topo.add_argument("--stages", type=int, default=4, help="micro-batches (stages) per prefill batch (default 4)")
+    topo.add_argument("--requests-per-stage", type=int, default=2, help="requests per stage (default 2)")
+    topo.add_argument("--min-len", type=int, default=16, help="shortest request, tokens (default 16)")
+    topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
+    topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
+    topo.add_argument("--warmup", type=int, default=1, help="warm-up batches per mode (default 1)")
+    topo.add_argument(
+        "--depth", type=int, nargs="+", default=[3], help="multistream depths to run after serialized (default 3)"
+    )
+    topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=int, default=ModelSpec.hidden_size, help="hidden size (default %(default)s)")
+    model.add_argument("--experts", type=int, default=ModelSpec.num_experts, help="routed experts, a multiple of F (default %(default)s)")
+    model.add_argument("--top-k", type=int, default=ModelSpec.top_k, help="experts per token (default %(default)s)")
+    model.add_argument("--expert-size", type=int, default=ModelSpec.expert_size, help="routed and shared expert width (default %(default)s)")
+    model.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default %(default)s)")
+    link = parser.add_argument_group("link and faults")
+    link.add_argument("--link", choices=LINKS, default="gloo", help="gloo, or gloo plus a simulated link cost")
+    link.add_argument(
+        "--sim-latency-us", type=float, default=None, help="simulated latency per transfer (default: balanced)"
+    )
+    link.add_argument("--sim-bandwidth-gbps", type=float, default=0.0, help="simulated bandwidth (0 = infinite)")
+    link.add_argument("--recv-timeout-s", type=float, default=30.0, help="deadline for a silent peer (default 30)")
+    link.add_argument("--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)")
+    parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.set_defaults(handler=run)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    try:
+        return RunConfig(
+            num_attention=args.attention,
+            num_ffn=args.ffn,
+            model=ModelSpec(
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_experts=args.experts,
+                top_k=args.top_k,
+                expert_size=args.expert_size,
+                shared_size=args.expert_size,
+                seed=args.seed,
+            ),
+            batch=BatchSpec(
+                stages=args.stages,
+                requests_per_stage=args.requests_per_stage,
+                min_len=args.min_len,
+                max_len=args.max_len,
+                seed=args.seed + 1,
+            ),
+            routing=args.routing,
+            batches=args.batches,
+            warmup=args.warmup,
+            depths=tuple(args.depth),
+            link=args.link,
+            sim_latency_us=args.sim_latency_us,
+            sim_bandwidth_gbps=args.sim_bandwidth_gbps,
+            recv_timeout_s=args.recv_timeout_s,
+            out_dir=args.out,
+        )
+    except ValueError as exc:
+        raise AfdError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd_mrv2.reference.worker import run_worker
+
+    if CONFIG_ENV in os.environ:  # a worker started by the local launcher
+        return run_worker(RunConfig.from_json(os.environ[CONFIG_ENV]), as_json=args.json)
+    cfg = config_from_args(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun or by hand: one rank
+        return run_worker(cfg, as_json=args.json)
+    from afd_mrv2.reference.launcher import launch
+
+    return launch(cfg, as_json=args.json, grace_s=args.grace_s)

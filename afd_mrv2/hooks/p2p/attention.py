@@ -1,0 +1,254 @@
+"""The attention side of torch_p2p.
+
+Work item ``(layer l, stage s)`` on an attention rank::
+
+    on_recv     l > 0: wait for the combine of (l-1, s) from every FFN rank and
+                validate each header (receives posted earlier, see on_send)
+    on_compute  sum the FFN partials into one [T, H] tensor (token order of the
+                stage), call ``compute(item, combined)`` -> (x, topk_ids,
+                topk_weights) or None, and pack, for every FFN rank, the rows of
+                the tokens routed to at least one of its experts
+    on_send     post the receives for this item's combine, then send a header
+                (and, for n > 0 tokens, the payload) to every FFN rank
+
+The owner's ``compute(item, combined)`` gets ``combined = None`` for layer 0 and
+the summed FFN output of layer ``l-1`` otherwise (a view of slot memory: use it,
+do not keep it); it returns the normalized hidden states and the routing of
+layer ``l``, or None for the epilogue item ``l == num_layers``, which only
+combines and sends nothing.
+
+Why the combine receive is posted in on_send: gloo sends are rendezvous (a send
+completes only once the receiver posted the matching receive).  If the attention
+side posted it only when it reaches item (l+1, s), a serialized FFN rank sending
+the combine of (l, s) would wait for the attention side, which waits in its own
+send of (l, s+1) for the FFN rank: a deadlock whenever there are 2+ stages.
+Posting it together with the dispatch makes the FFN -> attention direction never
+block, so no cycle exists at any depth.  The receive lands in a per-stage inbox
+(its size is known: the attention side knows what it dispatched), which lives
+until item (l+1, s) has combined it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
+from afd_mrv2.hooks.p2p.link import PeerLink, Pending
+from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.pipeline.work import Work
+from afd_mrv2.topology import FFN
+
+_SLICE_S = 0.05
+
+
+@dataclass
+class _Slot:
+    headers: torch.Tensor  # [F, 8] int64, one dispatch header per FFN rank
+    staging: list[torch.Tensor]  # per FFN rank, uint8 [max_tokens * row_bytes]
+    combined: torch.Tensor  # [max_tokens, H]: the summed FFN output handed to compute
+    counts: list[int] = field(default_factory=list)
+    indices: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    dispatch: bool = False
+
+
+@dataclass
+class _Inbox:
+    """Where the combine of one stage lands, from on_send(l, s) until on_compute(l+1, s)."""
+
+    buffers: list[torch.Tensor]  # per FFN rank, uint8 [header + max_tokens * H * 4]
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    layer: int = -1  # layer whose combine is posted here
+    seq: int = -1
+    tokens: int = 0
+    counts: list[int] = field(default_factory=list)
+    indices: list[torch.Tensor] = field(default_factory=list)
+    pendings: list[Pending] = field(default_factory=list)
+
+
+class AttentionSide(Side):
+    """Phase logic of an attention rank; see the module docstring."""
+
+    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
+        super().__init__(link, shape, options)
+        topo = link.topology
+        self.ffn_ranks = [topo.global_rank(FFN, f) for f in range(topo.num_ffn)]
+        self.experts_per_ffn = topo.experts_per_ffn
+        self._inboxes: dict[int, _Inbox] = {}
+        self._inbox_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ buffers
+
+    def _slot(self, work: Work) -> _Slot:
+        state = work.slot.state
+        if state is None:
+            n = len(self.ffn_ranks)
+            state = work.slot.state = _Slot(
+                headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
+                staging=[torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8) for _ in range(n)],
+                combined=torch.empty(self.capacity, self.shape.hidden_size),
+            )
+        return state
+
+    def _inbox(self, stage: int) -> _Inbox:
+        with self._inbox_lock:
+            inbox = self._inboxes.get(stage)
+            if inbox is None:
+                size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
+                inbox = self._inboxes[stage] = _Inbox([torch.empty(size, dtype=torch.uint8) for _ in self.ffn_ranks])
+            return inbox
+
+    # ------------------------------------------------------------------ phases
+
+    def on_recv(self, work: Work) -> None:
+        item = work.item
+        if item.layer_idx == 0:
+            return
+        inbox = self._await_posted(work, item.layer_idx - 1)
+        action = f"receiving the combine of layer={item.layer_idx - 1} stage={item.stage_idx} seq={inbox.seq}"
+        self.wait(inbox.pendings, work, "recv", action)
+        for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, inbox.counts, strict=True):
+            expected = wire.Header(
+                kind=wire.KIND_COMBINE,
+                src=ffn,
+                dst=self.link.rank,
+                layer=inbox.layer,
+                stage=item.stage_idx,
+                seq=inbox.seq,
+                tokens=count,
+            )
+            got = wire.Header.read(wire.header_view(buffer))
+            wire.validate(got, expected, peer_name=self.link.describe(ffn), what="combine")
+        charge_link(self.options, work, "recv", inbox.pendings)
+
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        item, slot = work.item, self._slot(work)
+        combined = None
+        if item.layer_idx > 0:
+            inbox = self._inboxes[item.stage_idx]
+            combined = slot.combined[: inbox.tokens].zero_()
+            for buffer, count, index in zip(inbox.buffers, inbox.counts, inbox.indices, strict=True):
+                if count:
+                    combined.index_add_(0, index, wire.combine_rows(buffer, self.shape.hidden_size, count))
+        result = compute(item, combined)
+        slot.dispatch = result is not None
+        if result is None:
+            return
+        hidden, topk_ids, topk_weights = self._check_result(item, result)
+        owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
+        slot.tokens = hidden.shape[0]
+        slot.counts, slot.indices = [], []
+        for f, ffn in enumerate(self.ffn_ranks):
+            index = (owners == f).any(dim=1).nonzero().squeeze(1)
+            count = index.numel()
+            rows, weights, ids = self.layout.views(slot.staging[f], count)
+            torch.index_select(hidden, 0, index, out=rows)
+            torch.index_select(topk_weights, 0, index, out=weights)
+            ids.copy_(topk_ids.index_select(0, index))
+            header = wire.Header(
+                kind=wire.KIND_DISPATCH,
+                src=self.link.rank,
+                dst=ffn,
+                layer=item.layer_idx,
+                stage=item.stage_idx,
+                seq=item.seq,
+                tokens=count,
+            )
+            header.write(slot.headers[f])
+            slot.counts.append(count)
+            slot.indices.append(index)
+
+    def on_send(self, work: Work) -> None:
+        item, slot = work.item, self._slot(work)
+        if not slot.dispatch:
+            return
+        inbox = self._inbox(item.stage_idx)
+        with inbox.cond:
+            inbox.pendings = [
+                self.link.irecv(
+                    buffer[: wire.combine_nbytes(self.shape.hidden_size, count)],
+                    ffn,
+                    wire.TAG_COMBINE,
+                    f"combine message (layer={item.layer_idx} stage={item.stage_idx})",
+                )
+                for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, slot.counts, strict=True)
+            ]
+            inbox.layer, inbox.seq, inbox.tokens = item.layer_idx, item.seq, slot.tokens
+            inbox.counts, inbox.indices = slot.counts, slot.indices
+            inbox.cond.notify_all()
+        sends = []
+        for f, ffn in enumerate(self.ffn_ranks):
+            sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
+            if slot.counts[f]:
+                payload = slot.staging[f][: self.layout.nbytes(slot.counts[f])]
+                sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
+        self.wait(sends, work, "send", f"dispatching {item}")
+        charge_link(self.options, work, "send", sends)
+
+    def on_cleanup(self, work: Work) -> None:
+        # gloo operations cannot be cancelled; their Pending objects keep the buffers
+        # alive until the watcher sees them end.  Drop this item's routing state.
+        state = work.slot.state
+        if state is not None:
+            state.indices = []
+            state.dispatch = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _await_posted(self, work: Work, layer: int) -> _Inbox:
+        """Wait until on_send of (layer, stage) posted the combine receives of this stage.
+
+        Usually already true; with a depth larger than the number of stages the
+        recv stream can get here before the send stream did.
+        """
+        inbox = self._inbox(work.item.stage_idx)
+        deadline = time.monotonic() + self.options.recv_timeout_s
+        with inbox.cond:
+            while inbox.layer != layer:
+                work.raise_if_cancelled()
+                self.link.check_peers()
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.link.me}: the dispatch of layer={layer} stage={work.item.stage_idx} was never sent, "
+                        f"so its combine cannot arrive (waited {self.options.recv_timeout_s:g} s, recv_timeout_s); "
+                        "are work items submitted in (batch, layer, stage) order?"
+                    )
+                inbox.cond.wait(_SLICE_S)
+        return inbox
+
+    def _check_result(self, item: object, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The owner's compute must return (hidden [T, H] fp32, ids [T, k], weights [T, k])."""
+        shape = self.shape
+        ok = isinstance(result, tuple) and len(result) == 3 and all(isinstance(t, torch.Tensor) for t in result)
+        if ok:
+            hidden, ids, weights = result  # type: ignore[misc]
+            tokens = hidden.shape[0] if hidden.dim() == 2 else -1
+            ok = (
+                hidden.shape == (tokens, shape.hidden_size)
+                and hidden.dtype == torch.float32
+                and ids.shape == weights.shape == (tokens, shape.top_k)
+                and weights.dtype == torch.float32
+                and not ids.is_floating_point()
+                and 0 <= tokens <= self.capacity
+                and (ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < shape.num_experts))
+            )
+        if not ok:
+            raise TypeError(
+                f"attention compute for {item} must return None or (hidden [T, {shape.hidden_size}] float32, "
+                f"topk_ids [T, {shape.top_k}] integer, topk_weights [T, {shape.top_k}] float32) with "
+                f"T <= {self.capacity} (max_tokens) and ids in 0..{shape.num_experts - 1}; got {_describe(result)}"
+            )
+        return hidden.contiguous(), ids, weights.contiguous()
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {value.dtype}"
+    return type(value).__name__

@@ -1,0 +1,129 @@
+"""What both sides of torch_p2p share: options, the model shape, the simulated link.
+
+Options (``afd.connector_extra_config``), all optional:
+
+``recv_timeout_s`` (default 30)
+    Deadline of every receive phase: a peer that stays connected but sends nothing
+    for this long fails the waiting side with :class:`PeerTimeout`.
+``send_timeout_s`` (default: ``recv_timeout_s``)
+    Deadline of every send phase (gloo sends complete when the peer has posted
+    the matching receive).
+``sim_latency_us`` / ``sim_bandwidth_gbps``
+    Adds a simulated link.  The data still moves through torch.distributed (so
+    results stay checkable); on top, what a phase exchanges with each peer is
+    delivered only ``latency + bytes / bandwidth`` after it started moving, and
+    the phase's stream is held (a sleep, no CPU) until then, at both ends, like
+    a DMA engine per direction and peer.  "Started moving" is the moment the
+    first operation of the phase with that peer completed in gloo (for a
+    rendezvous send: the peer had posted its receive; for a receive: the first
+    bytes arrived), so gloo's own handshake overlaps the simulated latency
+    instead of adding to it.  Setting either option enables the link; bandwidth
+    0 (the default) means infinite.
+``max_tokens``
+    Per-stage token capacity of one attention rank (the buffer size); defaults
+    to the ``model`` resource's ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.p2p.link import PeerLink, Pending
+from afd_mrv2.hooks.p2p.wire import DispatchLayout
+from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
+from afd_mrv2.pipeline.work import Work
+
+OPTION_KEYS = ("recv_timeout_s", "send_timeout_s", "sim_latency_us", "sim_bandwidth_gbps", "max_tokens")
+
+
+@dataclass(frozen=True)
+class P2pShape:
+    """The model dimensions torch_p2p sizes its buffers and checks its messages with.
+
+    Provided by the owner as the ``model`` resource.  ``num_layers`` tells the
+    attention side which items have nothing to receive (layer 0) and which have
+    nothing to send (the epilogue item ``layer == num_layers`` that only combines
+    the last layer's FFN output).
+    """
+
+    hidden_size: int
+    top_k: int
+    num_experts: int
+    num_layers: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class P2pOptions:
+    recv_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    link: LinkModel | None = None
+    max_tokens: int | None = None
+
+
+def parse_options(extra: Mapping[str, Any], key: str = "afd.connector_extra_config") -> P2pOptions:
+    """Parse torch_p2p's ``connector_extra_config``; one :class:`ConfigError` per bad key."""
+    for name in extra:
+        if name not in OPTION_KEYS:
+            raise ConfigError(f"{key}.{name}", f"unknown torch_p2p option; accepted: {', '.join(OPTION_KEYS)}")
+
+    def number(name: str, default: float, *, positive: bool) -> float:
+        value = extra.get(name, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or value < 0 or (positive and value == 0) or value != value:
+            raise ConfigError(f"{key}.{name}", f"expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
+        return float(value)
+
+    recv = number("recv_timeout_s", 30.0, positive=True)
+    link = None
+    if "sim_latency_us" in extra or "sim_bandwidth_gbps" in extra:
+        latency = number("sim_latency_us", 0.0, positive=False) * 1e-6
+        link = LinkModel(latency, latency, number("sim_bandwidth_gbps", 0.0, positive=False) * 1e9)
+    max_tokens = extra.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ConfigError(f"{key}.max_tokens", f"expected an integer >= 1, got {max_tokens!r}")
+    return P2pOptions(
+        recv_timeout_s=recv,
+        send_timeout_s=number("send_timeout_s", recv, positive=True),
+        link=link,
+        max_tokens=max_tokens,
+    )
+
+
+class Side:
+    """What both roles' phase logic shares: the link, sizes, and deadline-bound waits."""
+
+    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
+        self.link = link
+        self.shape = shape
+        self.options = options
+        self.capacity = options.max_tokens or shape.max_tokens
+        self.layout = DispatchLayout(shape.hidden_size, shape.top_k)
+
+    def wait(self, pendings: Sequence[Pending], work: Work, phase: str, action: str) -> None:
+        """Wait for ``pendings`` under the deadline of ``phase`` (``recv`` or ``send``)."""
+        option = f"{phase}_timeout_s"
+        timeout = self.options.recv_timeout_s if phase == "recv" else self.options.send_timeout_s
+        self.link.wait(pendings, timeout_s=timeout, work=work, action=action, option=option)
+
+
+def charge_link(options: P2pOptions, work: Work, direction: str, pendings: Sequence[Pending]) -> None:
+    """Hold the calling stream until the simulated link delivered ``pendings`` (no-op without a link).
+
+    Per peer: delivery = first completion of that peer's operations + latency +
+    their bytes / bandwidth; the stream waits for the last delivery.
+    """
+    link = options.link
+    if link is None or not pendings:
+        return
+    started: dict[int, float] = {}
+    nbytes: dict[int, int] = {}
+    for p in pendings:
+        started[p.peer] = min(started.get(p.peer, p.done_at), p.done_at)
+        nbytes[p.peer] = nbytes.get(p.peer, 0) + p.nbytes
+    delivered = max(started[peer] + link.cost_s(direction, nbytes[peer]) for peer in started)
+    simulate_transfer(work, delivered - time.perf_counter())

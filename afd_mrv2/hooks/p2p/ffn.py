@@ -1,0 +1,175 @@
+"""The FFN side of torch_p2p.
+
+Work item ``(layer l, stage s)`` on FFN rank ``f``::
+
+    on_recv     post a header receive from every attention rank; validate each
+                header (kind, ends, layer, stage, seq, token count <= capacity);
+                then receive each non-empty payload, sized by its validated header,
+                and check its routing (ids in range, every row routed here)
+    on_compute  concatenate the tokens of all attention ranks, call
+                ``compute(item, hidden [N, H], topk_ids [N, k], topk_weights [N, k])``
+                -> this rank's partial output [N, H]; pack one combine message
+                per attention rank (header + its rows)
+    on_send     send every combine message and wait until each was accepted
+
+An attention rank that routed no token here still sends a header (tokens = 0) and
+gets one back, so an FFN rank with zero tokens takes part in every item without
+any special case on the wire; with N = 0 the owner's compute is not called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
+from afd_mrv2.hooks.p2p.errors import ProtocolError
+from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.pipeline.work import Work
+from afd_mrv2.topology import ATTENTION
+
+
+@dataclass
+class _Slot:
+    headers: torch.Tensor  # [A, 8] int64, received dispatch headers
+    staging: list[torch.Tensor]  # per attention rank, uint8 [max_tokens * row_bytes]
+    hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated
+    topk_ids: torch.Tensor  # [A * max_tokens, k] int64
+    topk_weights: torch.Tensor  # [A * max_tokens, k]
+    outgoing: list[torch.Tensor]  # per attention rank, uint8 [header + max_tokens * H * 4]
+    counts: list[int] = field(default_factory=list)
+
+
+class FfnSide(Side):
+    """Phase logic of an FFN rank; see the module docstring."""
+
+    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
+        super().__init__(link, shape, options)
+        topo = link.topology
+        self.attention_ranks = [topo.global_rank(ATTENTION, a) for a in range(topo.num_attention)]
+        local = topo.experts_of(link.index)
+        self.local_experts = (local.start, local.stop)
+
+    def _slot(self, work: Work) -> _Slot:
+        state = work.slot.state
+        if state is None:
+            n, cap, shape = len(self.attention_ranks), self.capacity, self.shape
+            state = work.slot.state = _Slot(
+                headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
+                staging=[torch.empty(self.layout.nbytes(cap), dtype=torch.uint8) for _ in range(n)],
+                hidden=torch.empty(n * cap, shape.hidden_size),
+                topk_ids=torch.empty(n * cap, shape.top_k, dtype=torch.int64),
+                topk_weights=torch.empty(n * cap, shape.top_k),
+                outgoing=[
+                    torch.empty(wire.combine_nbytes(shape.hidden_size, cap), dtype=torch.uint8) for _ in range(n)
+                ],
+            )
+        return state
+
+    # ------------------------------------------------------------------ phases
+
+    def on_recv(self, work: Work) -> None:
+        item, slot, link = work.item, self._slot(work), self.link
+        action = f"receiving {item}"
+        headers = [
+            link.irecv(slot.headers[a], peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
+            for a, peer in enumerate(self.attention_ranks)
+        ]
+        self.wait(headers, work, "recv", action)
+        slot.counts = []
+        for a, peer in enumerate(self.attention_ranks):
+            got = wire.Header.read(slot.headers[a])
+            expected = wire.Header(
+                kind=wire.KIND_DISPATCH,
+                src=peer,
+                dst=link.rank,
+                layer=item.layer_idx,
+                stage=item.stage_idx,
+                seq=item.seq,
+                tokens=0,
+            )
+            wire.validate(got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity)
+            slot.counts.append(got.tokens)
+        payloads = [
+            link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
+            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
+            if n
+        ]
+        self.wait(payloads, work, "recv", action)
+        for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True)):
+            if n:
+                self._check_routing(slot.staging[a], n, peer)
+        charge_link(self.options, work, "recv", headers + payloads)
+
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        item, slot, hidden_size = work.item, self._slot(work), self.shape.hidden_size
+        offsets, total = [], 0
+        for a, n in enumerate(slot.counts):
+            offsets.append(total)
+            if n:
+                rows, weights, ids = self.layout.views(slot.staging[a], n)
+                slot.hidden[total : total + n].copy_(rows)
+                slot.topk_weights[total : total + n].copy_(weights)
+                slot.topk_ids[total : total + n].copy_(ids)
+            total += n
+        output = None
+        if total:
+            output = compute(item, slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total])
+            if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
+                got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+                raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
+        for a, (peer, n, start) in enumerate(zip(self.attention_ranks, slot.counts, offsets, strict=True)):
+            message = slot.outgoing[a]
+            header = wire.Header(
+                kind=wire.KIND_COMBINE,
+                src=self.link.rank,
+                dst=peer,
+                layer=item.layer_idx,
+                stage=item.stage_idx,
+                seq=item.seq,
+                tokens=n,
+            )
+            header.write(wire.header_view(message))
+            if n:
+                wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])  # type: ignore[index]
+
+    def on_send(self, work: Work) -> None:
+        item, slot = work.item, self._slot(work)
+        sends = [
+            self.link.isend(
+                slot.outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
+                peer,
+                wire.TAG_COMBINE,
+                f"combine message ({item})",
+            )
+            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
+        ]
+        self.wait(sends, work, "send", f"sending the combine of {item}")
+        charge_link(self.options, work, "send", sends)
+
+    def on_cleanup(self, work: Work) -> None:
+        # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
+        if work.slot.state is not None:
+            work.slot.state.counts = []
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_routing(self, staging: torch.Tensor, tokens: int, peer: int) -> None:
+        """Every id in 0..E-1 and every row routed to at least one local expert: no silent mis-route."""
+        _, _, ids = self.layout.views(staging, tokens)
+        low, high = self.local_experts
+        problem = None
+        if int(ids.min()) < 0 or int(ids.max()) >= self.shape.num_experts:
+            problem = f"expert ids must be in 0..{self.shape.num_experts - 1}, got {int(ids.min())}..{int(ids.max())}"
+        elif not ((ids >= low) & (ids < high)).any(dim=1).all():
+            problem = f"a token routed to none of this rank's experts {low}..{high - 1} was dispatched here"
+        if problem:
+            raise ProtocolError(
+                f"malformed dispatch payload from {self.link.describe(peer)}: field 'topk_ids': {problem}",
+                peer=peer,
+                peer_name=self.link.describe(peer),
+                field="topk_ids",
+            )

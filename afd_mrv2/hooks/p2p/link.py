@@ -1,0 +1,256 @@
+"""PeerLink: point-to-point transfers on a torch.distributed group, waited on safely.
+
+Why not ``work.wait(timeout=...)`` or ``work.is_completed()``?  On gloo (torch
+2.13) a wait that times out closes the pairs of the whole process group, and
+``is_completed()`` of a send/recv work stays False until someone has called
+``wait()`` (probed: the data had arrived, the flag never flipped).  There is no
+``get_future()`` for gloo send/recv.  So every posted operation is handed to a
+*watcher* thread that calls the blocking ``wait()`` for it and then sets a
+``threading.Event``; the phase hooks wait on those events in short slices,
+which lets them honour ``work.cancelled``, their own deadline and failures of
+other peers.  One watcher per (peer, tag, direction): gloo completes the
+operations of one channel in posting order, so waiting on them in order costs
+nothing.  A watcher stuck on a peer that never answers is a daemon; the caller
+has long since failed with a deadline error.
+
+The control channel: at start every rank posts one receive from every peer on
+``TAG_CONTROL``.  A peer that fails sends ``ABORT`` with its reason; a peer that
+finishes sends ``BYE``.  A peer whose process dies closes its sockets, which
+fails that pending receive at once ("Connection closed by peer").  Every wait
+checks the control channel, so a dead peer is named by every surviving rank
+within one slice, even by ranks that exchange no data with it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
+from afd_mrv2.pipeline.work import Work
+from afd_mrv2.topology import Topology
+
+_SLICE_S = 0.05  # how often a wait re-checks cancellation, peers and its deadline
+
+
+class Pending:
+    """One posted isend/irecv; ``done`` is set by a watcher once ``wait()`` returned or raised.
+
+    Holds the tensor until then, so gloo never writes into freed memory even when
+    the hook that posted it has given up.
+    """
+
+    __slots__ = ("direction", "done", "done_at", "error", "nbytes", "peer", "tensor", "what", "work")
+
+    def __init__(self, work: Any, direction: str, tensor: torch.Tensor, peer: int, what: str) -> None:
+        self.work = work
+        self.direction = direction
+        self.tensor = tensor
+        self.peer = peer
+        self.what = what
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.done = threading.Event()
+        self.done_at = 0.0  # time.perf_counter() when wait() returned (the simulated link starts there)
+        self.error: BaseException | None = None
+
+
+class _Watcher:
+    """Waits on the operations of one channel, in posting order, on a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def add(self, pending: Pending) -> None:
+        self._queue.put(pending)
+
+    def _loop(self) -> None:
+        while True:
+            pending = self._queue.get()
+            try:
+                pending.work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting hook
+                pending.error = exc
+            pending.done_at = time.perf_counter()
+            pending.work = None
+            pending.done.set()
+
+
+class PeerLink:
+    """Transfers between this rank and its peers; see the module docstring.
+
+    :param topology: the AFD rank map.
+    :param rank: this process's global rank in ``group``.
+    :param group: the torch.distributed process group (None: the default group).
+    :param labels: optional extra description per global rank (``"pid 123 on host"``),
+        appended wherever a peer is named.
+    """
+
+    def __init__(
+        self, topology: Topology, rank: int, group: Any = None, *, labels: Mapping[int, str] | None = None
+    ) -> None:
+        self.topology = topology
+        self.rank = rank
+        self.group = group
+        self._pg = group if group is not None else dist.group.WORLD
+        self.labels = dict(labels or {})
+        self.role, self.index = topology.role_of(rank)
+        self._watchers: dict[tuple[int, int, str], _Watcher] = {}
+        self._lock = threading.Lock()
+        self._control: dict[int, Pending] = {}
+        for peer in range(topology.world_size):
+            if peer != rank:
+                buffer = torch.zeros(wire.CONTROL_BYTES, dtype=torch.uint8)
+                self._control[peer] = self._post("recv", buffer, peer, wire.TAG_CONTROL, "control message")
+
+    # ------------------------------------------------------------------ naming
+
+    def describe(self, peer: int) -> str:
+        label = self.labels.get(peer)
+        return f"{self.topology.describe(peer)}{', ' + label if label else ''}"
+
+    @property
+    def me(self) -> str:
+        return self.describe(self.rank)
+
+    # ------------------------------------------------------------------ posting
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
+        return self._post("send", tensor, peer, tag, what)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
+        return self._post("recv", tensor, peer, tag, what)
+
+    def _post(self, direction: str, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
+        # ProcessGroup.send/recv directly: dist.isend/irecv add ~20 us of Python checks per call.
+        op = self._pg.send if direction == "send" else self._pg.recv
+        try:
+            work = op([tensor], peer, tag)
+        except RuntimeError as exc:  # the pair is already closed
+            raise self._lost(peer, what, exc) from exc
+        pending = Pending(work, direction, tensor, peer, what)
+        key = (peer, tag, direction)
+        with self._lock:
+            watcher = self._watchers.get(key)
+            if watcher is None:
+                watcher = self._watchers[key] = _Watcher(f"afd-p2p-{direction}-{peer}-{tag:x}")
+        watcher.add(pending)
+        return pending
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(self, pendings: Sequence[Pending], *, timeout_s: float, work: Work | None, action: str, option: str) -> None:
+        """Wait until every operation completed; raise a :class:`PeerError` naming the peer otherwise.
+
+        :param timeout_s: the deadline for all of them together.
+        :param work: the work item whose cancellation aborts the wait (None: none).
+        :param action: what the caller is doing, for messages (``"receiving layer=1 ..."``).
+        :param option: the connector option holding ``timeout_s``, for messages.
+        """
+        deadline = time.monotonic() + timeout_s
+        for pending in pendings:
+            while not pending.done.wait(_SLICE_S):
+                if work is not None:
+                    work.raise_if_cancelled()
+                self.check_peers()
+                if time.monotonic() >= deadline:
+                    verb = "sent no" if pending.direction == "recv" else "did not accept the"
+                    raise PeerTimeout(
+                        f"{self.me}: {self.describe(pending.peer)} is connected but {verb} {pending.what} "
+                        f"within {timeout_s:g} s ({option}) while {action}: "
+                        "the peer is stalled, deadlocked, or running a different schedule",
+                        peer=pending.peer,
+                        peer_name=self.describe(pending.peer),
+                    )
+            if pending.error is not None:
+                self._raise_earlier_loss(pending.done_at)
+                raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
+
+    def check_peers(self) -> None:
+        """Raise if a peer died (the first to die) or aborted (then); peers that said BYE are fine."""
+        self._raise_earlier_loss(float("inf"))
+        aborted: tuple[int, str] | None = None
+        for peer, pending in self._control.items():
+            if not pending.done.is_set() or pending.error is not None:
+                continue
+            header = wire.Header.read(wire.header_view(pending.tensor))
+            if header.kind == wire.KIND_ABORT and aborted is None:
+                aborted = (peer, wire.decode_control_text(pending.tensor))
+        if aborted is not None:
+            peer, text = aborted
+            raise PeerAborted(
+                f"{self.me}: {self.describe(peer)} aborted the run: {text}", peer=peer, peer_name=self.describe(peer)
+            )
+
+    def _raise_earlier_loss(self, before: float) -> None:
+        """Raise PeerLost for the peer whose connection closed first, if that was before ``before``.
+
+        When one process dies, the ranks that then fail because of it close their
+        connections too; naming the earliest loss names the root cause.
+        """
+        lost = [(p.done_at, peer, p) for peer, p in self._control.items() if p.done.is_set() and p.error is not None]
+        if lost:
+            done_at, peer, pending = min(lost, key=lambda entry: entry[0])
+            if done_at <= before:
+                raise self._lost(peer, "its control channel", pending.error) from pending.error  # type: ignore[arg-type]
+
+    def _lost(self, peer: int, what: str, error: BaseException) -> PeerLost:
+        detail = str(error).split(". This is typically", 1)[0].strip()
+        return PeerLost(
+            f"{self.me}: lost {self.describe(peer)}: its connection closed (the process died or left the "
+            f"process group) during {what} [gloo: {detail}]",
+            peer=peer,
+            peer_name=self.describe(peer),
+        )
+
+    # ------------------------------------------------------------------ control channel
+
+    def abort(self, reason: str, timeout_s: float = 1.0) -> None:
+        """Tell every reachable peer that this rank failed, waiting at most ``timeout_s``."""
+        sends = []
+        for peer, pending in self._control.items():
+            if pending.done.is_set() and (pending.error is not None or self._kind(pending) == wire.KIND_BYE):
+                continue
+            buffer = torch.empty(wire.CONTROL_BYTES, dtype=torch.uint8)
+            wire.encode_control(buffer, self._header(wire.KIND_ABORT, peer), f"{self.me}: {reason}")
+            try:
+                sends.append(self.isend(buffer, peer, wire.TAG_CONTROL, "abort notice"))
+            except PeerError:
+                continue
+        deadline = time.monotonic() + timeout_s
+        for pending in sends:
+            pending.done.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Say BYE to every peer and wait for theirs: after this no message is in flight."""
+        sends = []
+        for peer in self._control:
+            buffer = torch.empty(wire.CONTROL_BYTES, dtype=torch.uint8)
+            wire.encode_control(buffer, self._header(wire.KIND_BYE, peer), "")
+            sends.append(self.isend(buffer, peer, wire.TAG_CONTROL, "goodbye"))
+        deadline = time.monotonic() + timeout_s
+        for peer, pending in self._control.items():
+            while not pending.done.wait(_SLICE_S):
+                self.check_peers()
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(
+                        f"{self.me}: {self.describe(peer)} did not say goodbye within {timeout_s:g} s",
+                        peer=peer,
+                        peer_name=self.describe(peer),
+                    )
+            self.check_peers()
+        self.wait(sends, timeout_s=max(0.1, deadline - time.monotonic()), work=None, action="closing", option="close")
+
+    def _header(self, kind: int, peer: int) -> wire.Header:
+        return wire.Header(kind=kind, src=self.rank, dst=peer, layer=-1, stage=-1, seq=-1, tokens=0)
+
+    @staticmethod
+    def _kind(pending: Pending) -> int:
+        return wire.Header.read(wire.header_view(pending.tensor)).kind

@@ -1,0 +1,162 @@
+"""The torch_p2p wire format: tags, the typed control header, payload layouts.
+
+gloo matches a receive to a send by (peer, tag) in posting order, and it needs
+both sides to agree on the exact byte count: a message larger than the posted
+receive aborts the receiving process (``gloo::EnforceNotMet`` ->
+``std::terminate``), a smaller one never completes.  The format is built around
+that: every receive is posted with a size derived from something already
+validated.
+
+Messages per work item and (attention rank, FFN rank) pair::
+
+    attention -> FFN   TAG_DISPATCH_HEADER   header (8 x int64)
+                       TAG_DISPATCH_PAYLOAD  n rows of [hidden fp32 x H | weights fp32 x k | ids int32 x k]
+                                             (only when n > 0; n comes from the validated header)
+    FFN -> attention   TAG_COMBINE           [header | n rows of fp32 x H] in one message
+                                             (n = what the attention rank dispatched, so it can
+                                             post this receive before the FFN rank even has the data)
+    any -> any         TAG_CONTROL           [header | UTF-8 text]: ABORT (with the reason) or BYE
+
+The header names the work item (layer, stage, seq), both ends (src, dst global
+ranks) and the token count.  :func:`validate` checks every field against what
+the receiver expects and raises :class:`ProtocolError` naming the peer and the
+first wrong field: a misrouted, reordered, duplicated or foreign message is an
+error, never silently used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd_mrv2.hooks.p2p.errors import ProtocolError
+
+MAGIC = 0x4146_4432_5032_0001  # "AFD2" "P2" version 1
+FIELDS = ("magic", "kind", "src", "dst", "layer", "stage", "seq", "tokens")
+HEADER_WORDS = len(FIELDS)
+HEADER_BYTES = HEADER_WORDS * 8
+
+KIND_DISPATCH = 1
+KIND_COMBINE = 2
+KIND_ABORT = 3
+KIND_BYE = 4
+KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_COMBINE: "combine", KIND_ABORT: "abort", KIND_BYE: "bye"}
+
+TAG_DISPATCH_HEADER = 0x0A01
+TAG_DISPATCH_PAYLOAD = 0x0A02
+TAG_COMBINE = 0x0A03
+TAG_CONTROL = 0x0A0F
+
+CONTROL_TEXT_BYTES = 448
+CONTROL_BYTES = HEADER_BYTES + CONTROL_TEXT_BYTES
+
+
+@dataclass(frozen=True)
+class Header:
+    """The decoded control header of one message."""
+
+    kind: int
+    src: int
+    dst: int
+    layer: int
+    stage: int
+    seq: int
+    tokens: int
+    magic: int = MAGIC
+
+    def write(self, out: torch.Tensor) -> None:
+        """Write into ``out``: an int64 tensor of :data:`HEADER_WORDS` elements."""
+        out.copy_(torch.tensor([getattr(self, f) for f in FIELDS], dtype=torch.int64))
+
+    @classmethod
+    def read(cls, words: torch.Tensor) -> Header:
+        values = [int(v) for v in words.tolist()]
+        return cls(**dict(zip(FIELDS, values, strict=True)))
+
+
+def header_view(buffer: torch.Tensor) -> torch.Tensor:
+    """The int64 header at the front of a uint8 message buffer."""
+    return buffer[:HEADER_BYTES].view(torch.int64)
+
+
+def validate(got: Header, expected: Header, *, peer_name: str, what: str, max_tokens: int | None = None) -> None:
+    """Raise :class:`ProtocolError` unless ``got`` matches ``expected`` field by field.
+
+    With ``max_tokens`` the token count is only range-checked (``0..max_tokens``),
+    for receivers that learn the count from the header.
+    """
+    for field in FIELDS:
+        value, want = getattr(got, field), getattr(expected, field)
+        if field == "tokens" and max_tokens is not None:
+            if not 0 <= value <= max_tokens:
+                raise _bad(expected.src, field, f"expected 0..{max_tokens} (the per-stage capacity), got {value}", peer_name, what)
+            continue
+        if value != want:
+            hint = " (not a torch_p2p v1 header: protocol mismatch or corrupted stream)" if field == "magic" else ""
+            detail = f"expected {_show(field, want)}, got {_show(field, value)}{hint}"
+            raise _bad(expected.src, field, detail, peer_name, what)
+
+
+def _show(field: str, value: int) -> str:
+    if field == "magic":
+        return hex(value)
+    if field == "kind":
+        return KIND_NAMES.get(value, str(value))
+    return str(value)
+
+
+def _bad(peer: int, field: str, detail: str, peer_name: str, what: str) -> ProtocolError:
+    return ProtocolError(f"malformed {what} header from {peer_name}: field {field!r} {detail}", peer=peer, peer_name=peer_name, field=field)
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """Byte layout of one dispatch payload row: hidden (fp32), weights (fp32), ids (int32).
+
+    One contiguous message per (item, peer) instead of three keeps gloo's
+    per-message cost (tens of microseconds) out of the hot path.
+    """
+
+    hidden_size: int
+    top_k: int
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * (self.hidden_size + 2 * self.top_k)
+
+    def nbytes(self, tokens: int) -> int:
+        return tokens * self.row_bytes
+
+    def views(self, buffer: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [n, H] fp32, weights [n, k] fp32, ids [n, k] int32) viewing ``buffer``."""
+        h, k = self.hidden_size, self.top_k
+        a, b = tokens * h * 4, tokens * (h + k) * 4
+        hidden = buffer[:a].view(torch.float32).view(tokens, h)
+        weights = buffer[a:b].view(torch.float32).view(tokens, k)
+        ids = buffer[b : self.nbytes(tokens)].view(torch.int32).view(tokens, k)
+        return hidden, weights, ids
+
+
+def combine_nbytes(hidden_size: int, tokens: int) -> int:
+    """Size of a combine message: header plus ``tokens`` fp32 rows."""
+    return HEADER_BYTES + tokens * hidden_size * 4
+
+
+def combine_rows(buffer: torch.Tensor, hidden_size: int, tokens: int) -> torch.Tensor:
+    """The [tokens, H] fp32 rows after the header of a combine message."""
+    return buffer[HEADER_BYTES : combine_nbytes(hidden_size, tokens)].view(torch.float32).view(tokens, hidden_size)
+
+
+def encode_control(buffer: torch.Tensor, header: Header, text: str) -> None:
+    header.write(header_view(buffer))
+    raw = text.encode("utf-8", "replace")[: CONTROL_TEXT_BYTES - 1]
+    body = buffer[HEADER_BYTES:]
+    body.zero_()
+    if raw:
+        body[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def decode_control_text(buffer: torch.Tensor) -> str:
+    body = bytes(buffer[HEADER_BYTES:].tolist())
+    return body.split(b"\0", 1)[0].decode("utf-8", "replace")

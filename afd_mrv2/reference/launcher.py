@@ -1,0 +1,192 @@
+"""The local launcher of ``afd-mrv2 run``: A + F worker processes on this machine.
+
+It does what torchrun does for one node, and no more: picks a free loopback
+port, starts one ``python -m afd_mrv2.cli run`` per rank with the torchrun
+environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``) plus the run config, supervises them, and prints rank 0's report.
+
+Process hygiene, because a stray worker holding a port or a core is the worst
+outcome of a demo:
+
+* each worker runs in its own session (a terminal's Ctrl-C reaches only the
+  launcher, which then stops the workers in order) and asks the kernel to
+  SIGKILL it if the launcher dies (``PR_SET_PDEATHSIG``);
+* when a worker fails, the others get ``grace_s`` to notice (they name the dead
+  peer and exit on their own, normally within a second), then are killed;
+* on SIGINT or SIGTERM the launcher sends SIGTERM to every worker's process
+  group, SIGKILL after 2 s, and exits 130;
+* ``workers.json`` in the output directory records each worker's pid, exit status
+  and exit time (``time.monotonic()``), for tests and post-mortems.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from afd_mrv2.reference.report import render
+from afd_mrv2.reference.runconfig import CONFIG_ENV, RunConfig
+from afd_mrv2.reference.worker import LAUNCHER_ENV, progress
+
+_POLL_S = 0.05
+_TERM_GRACE_S = 2.0
+
+
+@dataclass
+class _Worker:
+    rank: int
+    name: str
+    proc: subprocess.Popen[bytes]
+    returncode: int | None = None
+    exited_at: float | None = None
+    killed_by_launcher: bool = False
+
+    def describe_exit(self) -> str:
+        if self.returncode is None:
+            return "still running"
+        if self.returncode < 0:
+            how = f"killed by {signal.Signals(-self.returncode).name}"
+        else:
+            how = f"exit status {self.returncode}"
+        return how + (" (stopped by the launcher)" if self.killed_by_launcher else "")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
+    """Run ``cfg`` with one local process per rank; return the exit status."""
+    out = Path(cfg.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("result.json", "workers.json"):
+        (out / stale).unlink(missing_ok=True)
+    cfg = cfg.with_(out_dir=str(out))
+    topology = cfg.topology
+    port = free_port()
+    progress(f"starting {cfg.num_attention} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
+    workers: list[_Worker] = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = time.monotonic()
+    try:
+        for rank in range(topology.world_size):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(topology.world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(topology.world_size),
+                OMP_NUM_THREADS="1",
+                **{LAUNCHER_ENV: str(os.getpid()), CONFIG_ENV: cfg.to_json()},
+            )
+            proc = subprocess.Popen([sys.executable, "-m", "afd_mrv2.cli", "run"], env=env, start_new_session=True)
+            workers.append(_Worker(rank, topology.describe(rank), proc))
+        _write_status(out, workers)
+        _supervise(workers, grace_s)
+    except KeyboardInterrupt:
+        progress("interrupted: stopping the workers")
+        _terminate(workers)
+        _write_status(out, workers)
+        return 130
+    finally:
+        _terminate(workers)
+        signal.signal(signal.SIGTERM, previous)
+    _write_status(out, workers)
+    failed = [w for w in workers if w.returncode != 0]
+    if failed:
+        # Exits seen in the same poll are ordered cause first: a signal death before an exit status.
+        first = min(failed, key=lambda w: (w.exited_at or 0.0, (w.returncode or 0) >= 0))
+        lines = [f"failed after {time.monotonic() - started:.1f} s; first: {first.name} ({first.describe_exit()})"]
+        for w in sorted(workers, key=lambda w: w.rank):
+            delay = (w.exited_at or 0.0) - (first.exited_at or 0.0)
+            lines.append(f"  {w.name}, pid {w.proc.pid}: {w.describe_exit()}, {delay:+.2f} s")
+        progress("\n".join(lines))
+        return 1
+    result = out / "result.json"
+    if not result.is_file():
+        progress(f"every worker exited 0 but rank 0 wrote no {result}")
+        return 1
+    report = json.loads(result.read_text())
+    print(render(report, as_json=as_json), flush=True)
+    return 0 if report["ok"] else 1
+
+
+def _supervise(workers: list[_Worker], grace_s: float) -> None:
+    """Wait for every worker; once one failed, give the rest ``grace_s`` and kill them."""
+    first_failure: float | None = None
+    while True:
+        now = time.monotonic()
+        running = 0
+        for w in workers:
+            if w.returncode is not None:
+                continue
+            code = w.proc.poll()
+            if code is None:
+                running += 1
+                continue
+            w.returncode, w.exited_at = code, now
+            if code != 0 and first_failure is None:
+                first_failure = now
+        if not running:
+            return
+        if first_failure is not None and now - first_failure > grace_s:
+            return  # _terminate (in launch's finally) stops the stragglers
+        time.sleep(_POLL_S)
+
+
+def _terminate(workers: list[_Worker]) -> None:
+    """SIGTERM every live worker's process group, SIGKILL what is left after a grace period."""
+    live = [w for w in workers if w.returncode is None and w.proc.poll() is None]
+    for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+        for w in live:
+            w.killed_by_launcher = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        for w in live:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+        live = [w for w in live if w.proc.poll() is None]
+        if not live:
+            break
+    for w in workers:
+        if w.returncode is None and w.proc.poll() is not None:
+            w.returncode, w.exited_at = w.proc.returncode, time.monotonic()
+
+
+def _write_status(out: Path, workers: list[_Worker]) -> None:
+    status = [
+        {
+            "rank": w.rank,
+            "name": w.name,
+            "pid": w.proc.pid,
+            "returncode": w.returncode,
+            "exit": w.describe_exit(),
+            "exited_at_monotonic": w.exited_at,
+            "killed_by_launcher": w.killed_by_launcher,
+        }
+        for w in workers
+    ]
+    tmp = out / "workers.json.tmp"
+    tmp.write_text(json.dumps(status, indent=2))
+    tmp.replace(out / "workers.json")
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    del signum, frame
+    raise KeyboardInterrupt

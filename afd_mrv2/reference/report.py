@@ -1,0 +1,177 @@
+"""What ``afd-mrv2 run`` reports: the summary, the merged Chrome trace, the table.
+
+Definitions (all measured in the run itself, on the measured batches):
+
+* per-layer latency: wall time between the barriers around the measured batches
+  (rank 0's clock) / (batches x layers);
+* speedup: serialized per-layer latency / this mode's;
+* overlap efficiency: flow-shop lower bound / makespan of each FFN rank's trace
+  (:mod:`afd_mrv2.pipeline.metrics`), averaged over FFN ranks; the attention
+  ranks' value is reported next to it;
+* max |diff|: largest absolute difference between an attention rank's final
+  hidden states and the single-process reference forward, over every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from afd_mrv2.cli.table import format_table
+from afd_mrv2.devices.base import Span
+from afd_mrv2.pipeline.trace import Trace, write_chrome_trace
+from afd_mrv2.pipeline.work import WorkItem
+from afd_mrv2.reference.runconfig import RunConfig
+from afd_mrv2.topology import ATTENTION
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us: float | None) -> dict[str, Any]:
+    """Summarise the per-rank results gathered on rank 0."""
+    spec = cfg.routed_model
+    attention = [r for r in ranks if r["role"] == ATTENTION]
+    ffn = [r for r in ranks if r["role"] != ATTENTION]
+    modes = []
+    for i, head in enumerate(ranks[0]["modes"]):
+        per_layer_ms = head["wall_s"] * 1e3 / (cfg.batches * spec.num_layers)
+        diffs = [r["modes"][i]["max_abs_diff"] for r in attention]
+        modes.append(
+            {
+                "mode": head["label"],
+                "pipelined": head["pipelined"],
+                "depth": head["depth"],
+                "per_layer_ms": per_layer_ms,
+                "wall_ms": head["wall_s"] * 1e3,
+                "cpu_cores_busy": sum(r["modes"][i]["cpu_s"] for r in ranks) / head["wall_s"],
+                "machine_load_average": head["load_average"],
+                "cpu_ms_per_layer_by_rank": {
+                    r["name"]: r["modes"][i]["cpu_s"] * 1e3 / (cfg.batches * spec.num_layers) for r in ranks
+                },
+                "overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in ffn]),
+                "hidden_comm_fraction": _mean([r["modes"][i]["metrics"]["hidden_comm_fraction"] for r in ffn]),
+                "attention_overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in attention]),
+                "max_abs_diff": max(diffs),
+                "max_abs_diff_by_rank": {r["name"]: r["modes"][i]["max_abs_diff"] for r in attention},
+                "tokens_per_ffn_rank": [r["modes"][i]["ffn_tokens"] for r in ffn],
+            }
+        )
+    for mode in modes:
+        mode["speedup"] = modes[0]["per_layer_ms"] / mode["per_layer_ms"]
+    headline = modes[1] if len(modes) > 1 else modes[0]
+    expert_tokens = [sum(r["modes"][0]["expert_tokens"][e] for r in attention) for e in range(spec.num_experts)]
+    routed = sum(r["modes"][0]["routed_tokens"] for r in attention) or 1
+    hot = max(range(spec.num_experts), key=lambda e: expert_tokens[e])
+    max_diff = max(m["max_abs_diff"] for m in modes)
+    return {
+        "topology": f"{cfg.num_attention}A{cfg.num_ffn}F",
+        "num_attention_ranks": cfg.num_attention,
+        "num_ffn_ranks": cfg.num_ffn,
+        "layers": spec.num_layers,
+        "stages": cfg.batch.stages,
+        "requests_per_stage": cfg.batch.requests_per_stage,
+        "batches": cfg.batches,
+        "warmup_batches": cfg.warmup,
+        "routing": cfg.routing,
+        "link": {"kind": cfg.link, "sim_latency_us": sim_latency_us, "sim_bandwidth_gbps": cfg.sim_bandwidth_gbps}
+        if cfg.link == "sim"
+        else {"kind": "gloo"},
+        "model": {k: v for k, v in asdict(spec).items() if k not in ("rms_eps",)},
+        "modes": modes,
+        "speedup": headline["speedup"],
+        "overlap_efficiency": headline["overlap_efficiency"],
+        "hidden_comm_fraction": headline["hidden_comm_fraction"],
+        "max_abs_diff": max_diff,
+        "max_abs_diff_by_mode": {m["mode"]: m["max_abs_diff"] for m in modes},
+        "tolerance": cfg.tolerance,
+        "ok": max_diff <= cfg.tolerance,
+        "routing_stats": {
+            "tokens_per_layer": routed // spec.num_layers,
+            "expert_share": [t / routed for t in expert_tokens],
+            "hot_expert": hot,
+            "hot_expert_share": expert_tokens[hot] / routed,
+            "tokens_per_ffn_rank": modes[0]["tokens_per_ffn_rank"],
+        },
+        "trace": None,
+        "timeline": None,
+    }
+
+
+def rank_traces(ranks: list[dict[str, Any]]) -> list[Trace]:
+    """One Trace per (mode, rank), rebuilt from the gathered spans, mode by mode."""
+    traces = []
+    for i in range(len(ranks[0]["modes"])):
+        for r in sorted(ranks, key=lambda r: r["rank"]):
+            mode = r["modes"][i]
+            trace = Trace(rank=r["rank"], label=f"{mode['label']}: {r['role']} {r['index']}")
+            for name, stream, stream_id, layer, stage, seq, slot, start, end in mode["spans"]:
+                trace.add(Span(name, stream, stream_id, WorkItem(layer, stage, seq), slot, start, end))
+            traces.append(trace)
+    return traces
+
+
+def write_outputs(cfg: RunConfig, report: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write the merged trace, the timeline (if matplotlib is there) and result.json; return the report."""
+    from afd_mrv2.reference.timeline import draw_timeline
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    traces = rank_traces(ranks)
+    report["trace"] = str(write_chrome_trace(out / "trace.json", traces, distinct_pids=True).resolve())
+    try:
+        report["timeline"] = str(draw_timeline(out / "timeline.png", ranks, report).resolve())
+    except ImportError:
+        report["timeline_note"] = "matplotlib is not installed: pip install 'afd-mrv2[plot]' to get the timeline PNG"
+    (out / "result.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def render(report: dict[str, Any], *, as_json: bool) -> str:
+    """The report as one JSON object, or as a readable table."""
+    if as_json:
+        return json.dumps(report)
+    link = report["link"]
+    link_text = (
+        f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo" if link["kind"] == "sim" else "gloo, loopback"
+    )
+    lines = [
+        f"AFD run: {report['num_attention_ranks']} attention + {report['num_ffn_ranks']} FFN ranks ({link_text}), "
+        f"{report['layers']} layers, {report['stages']} stages x {report['requests_per_stage']} requests, "
+        f"{report['batches']} batches, routing {report['routing']}",
+        "",
+    ]
+    headers = ["mode", "per-layer ms", "speedup", "overlap eff", "hidden comm", "cores busy", "max |diff|"]
+    rows = [
+        [
+            m["mode"],
+            m["per_layer_ms"],
+            m["speedup"],
+            m["overlap_efficiency"],
+            m["hidden_comm_fraction"],
+            m["cpu_cores_busy"],
+            f"{m['max_abs_diff']:.2e}",
+        ]
+        for m in report["modes"]
+    ]
+    lines.append(format_table(headers, rows))
+    stats = report["routing_stats"]
+    verdict = "OK" if report["ok"] else "FAILED"
+    lines += [
+        "",
+        f"max |diff| vs single-process reference: {report['max_abs_diff']:.2e} "
+        f"(tolerance {report['tolerance']:g}) {verdict}",
+        f"routing: hottest expert {stats['hot_expert']} selected by {stats['hot_expert_share']:.0%} of tokens; "
+        f"tokens per FFN rank {stats['tokens_per_ffn_rank']}",
+        "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute;",
+        f"cores busy = CPU time of all ranks / wall time; this machine has {os.cpu_count()} cores and a 1-minute "
+        f"load average of {report['modes'][-1]['machine_load_average']:.1f} (when they are all busy, overlap cannot help)",
+        f"trace:    {report['trace']}  (open in https://ui.perfetto.dev)",
+        f"timeline: {report['timeline'] or report.get('timeline_note')}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""What one ``afd-mrv2 run`` does, identical on every rank.
+
+The local launcher hands it to its workers as JSON (``AFD_MRV2_RUN_CONFIG``); under
+torchrun every rank parses the same command line into the same value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
+from afd_mrv2.topology import Topology
+
+LINKS = ("gloo", "sim")
+CONFIG_ENV = "AFD_MRV2_RUN_CONFIG"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One embedded AFD run.
+
+    ``depths``: the multistream depths to run after the serialized baseline (the
+    first one is the headline mode).  ``link = "sim"`` adds the simulated link
+    (``sim_latency_us`` per transfer, None = balanced: the FFN compute time per
+    item, measured in a calibration pass).
+    """
+
+    num_attention: int = 2
+    num_ffn: int = 1
+    model: ModelSpec = field(default_factory=ModelSpec)
+    batch: BatchSpec = field(default_factory=BatchSpec)
+    routing: str = "balanced"
+    batches: int = 3
+    warmup: int = 1
+    depths: tuple[int, ...] = (3,)
+    link: str = "gloo"
+    sim_latency_us: float | None = None
+    sim_bandwidth_gbps: float = 0.0
+    recv_timeout_s: float = 30.0
+    tolerance: float = 1e-5
+    out_dir: str = "out/afd-run"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
+        if self.batches < 1 or self.warmup < 0:
+            raise ValueError("batches must be >= 1 and warmup >= 0")
+        if not self.depths or any(not 1 <= d <= 8 for d in self.depths):
+            raise ValueError(f"each depth must be in 1..8, got {list(self.depths)}")
+        if self.recv_timeout_s <= 0:
+            raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
+        with_routing(self.model, self.routing, self.topology)  # fail early on impossible scenarios
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.num_attention, self.num_ffn, self.model.num_experts)
+
+    @property
+    def routed_model(self) -> ModelSpec:
+        return with_routing(self.model, self.routing, self.topology)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        raw = json.loads(text)
+        model, batch = raw.pop("model"), raw.pop("batch")
+        model["blocked_experts"] = tuple(model["blocked_experts"])
+        raw["depths"] = tuple(raw["depths"])
+        return cls(**raw, model=ModelSpec(**model), batch=BatchSpec(**batch))
+
+    def with_(self, **changes: object) -> RunConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,302 @@
+"""One rank of ``afd-mrv2 run``: an attention or FFN process of the embedded AFD deployment.
+
+Started by the local launcher, by torchrun, or by hand: it reads the torchrun
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins a
+gloo process group, and runs the same prefill batches through the executor in
+each mode (serialized, then multistream at each depth) with the torch_p2p
+connector.  Attention ranks check their final hidden states against the
+single-process reference forward; rank 0 gathers every rank's timings, traces
+and diffs and writes the report, the merged Chrome trace and the timeline.
+
+Failure: any error is printed once, on one line naming this rank and the peer
+concerned, announced to the peers on the control channel, and the process exits
+with status 1 right away (``os._exit``: a thread blocked in gloo must not hold
+the exit up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import os
+import resource
+import signal
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.devices import make_backend
+from afd_mrv2.errors import AfdError
+from afd_mrv2.hooks.p2p import P2pShape, PeerError, PeerLink
+from afd_mrv2.pipeline.executor import Executor
+from afd_mrv2.pipeline.trace import Trace
+from afd_mrv2.plugins import load_plugins
+from afd_mrv2.reference.batches import concat, make_batch
+from afd_mrv2.reference.forward import reference_forward
+from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
+from afd_mrv2.reference.runconfig import RunConfig
+from afd_mrv2.reference.weights import build_weights
+from afd_mrv2.topology import ATTENTION
+
+LAUNCHER_ENV = "AFD_MRV2_LAUNCHER"  # the launcher's pid, set in the workers it starts
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr (stdout stays machine-readable).
+
+    One ``os.write`` per message: workers share the launcher's stderr, and
+    ``print`` writes the text and the newline separately, so lines of two
+    processes failing at the same moment would interleave.
+    """
+    sys.stderr.flush()
+    os.write(2, f"afd-mrv2 run: {message}\n".encode("utf-8", "replace"))
+
+
+def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
+    """Run this process's rank, as described by the torchrun environment variables.
+
+    Rank 0 prints the report (``as_json``: one JSON object) unless a local launcher
+    started it; the launcher prints it then.
+    """
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError) as exc:
+        raise AfdError(f"worker mode needs RANK and WORLD_SIZE (and MASTER_ADDR, MASTER_PORT): {exc}") from None
+    topology = cfg.topology
+    if world_size != topology.world_size:
+        raise AfdError(
+            f"WORLD_SIZE is {world_size} but --attention {cfg.num_attention} + --ffn {cfg.num_ffn} "
+            f"needs {topology.world_size} processes"
+        )
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher:
+        _die_with_parent(int(launcher))
+    torch.set_num_threads(1)
+    # This worker reports a failure itself, in one line; the executor's own warning would repeat it.
+    logging.getLogger("afd_mrv2.pipeline.executor").setLevel(logging.ERROR)
+    link: PeerLink | None = None
+    try:
+        timeout = datetime.timedelta(seconds=max(60.0, 3 * cfg.recv_timeout_s))
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+        labels: list[Any] = [None] * world_size
+        dist.all_gather_object(labels, f"pid {os.getpid()} on {socket.gethostname()}")
+        link = PeerLink(topology, rank, labels=dict(enumerate(labels)))
+        code = _Session(cfg, link, as_json=as_json).run()
+        link.close(timeout_s=cfg.recv_timeout_s)
+        dist.destroy_process_group()
+        return code
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the process the same way
+        _fail(exc, link, topology.describe(rank))
+        raise AssertionError("unreachable") from None
+
+
+class _Session:
+    """The modes of one rank, run back to back on one PeerLink."""
+
+    def __init__(self, cfg: RunConfig, link: PeerLink, *, as_json: bool) -> None:
+        self.cfg, self.link, self.as_json = cfg, link, as_json
+        self.rank, self.role = link.rank, link.role
+        self.spec = cfg.routed_model
+        self.weights = build_weights(self.spec)
+        self.schedule = Schedule(self.spec.num_layers, cfg.batch.stages)
+        self.shape = P2pShape(
+            hidden_size=self.spec.hidden_size,
+            top_k=self.spec.top_k,
+            num_experts=self.spec.num_experts,
+            num_layers=self.spec.num_layers,
+            max_tokens=cfg.batch.max_tokens,
+        )
+        all_batches = range(cfg.warmup + cfg.batches)
+        self.owner: AttentionOwner | FfnOwner
+        if self.role == ATTENTION:
+            batches = {b: make_batch(cfg.batch, self.spec.vocab_size, link.index, b) for b in all_batches}
+            self.owner = AttentionOwner(self.spec, self.weights, self.schedule, batches)
+        else:
+            self.owner = FfnOwner(self.spec, self.weights, cfg.topology, link.index)
+        self.references: dict[int, torch.Tensor] = {}  # batch -> reference output, computed on first use
+
+    def _reference(self, batch: int) -> torch.Tensor:
+        assert isinstance(self.owner, AttentionOwner)
+        whole = concat(self.owner.batches[batch])
+        return reference_forward(self.weights, self.spec, whole.tokens, whole.lengths)
+
+    def say(self, message: str) -> None:
+        if self.rank == 0:
+            progress(message)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        extra: dict[str, Any] = {"recv_timeout_s": cfg.recv_timeout_s}
+        sim_latency_us = None
+        if cfg.link == "sim":
+            sim_latency_us = cfg.sim_latency_us if cfg.sim_latency_us is not None else self._calibrate(extra)
+            extra.update(sim_latency_us=sim_latency_us, sim_bandwidth_gbps=cfg.sim_bandwidth_gbps)
+        modes = [("serialized", False, 1)] + [(f"multistream d={d}", True, d) for d in cfg.depths]
+        results = []
+        for i, (label, pipelined, depth) in enumerate(modes, 1):
+            self.say(f"[{i}/{len(modes)}] {label}: {cfg.warmup} warm-up + {cfg.batches} measured batches ...")
+            result = self._run_mode(label, pipelined, depth, extra)
+            results.append(result)
+            self.say(f"[{i}/{len(modes)}] {label}: {result['wall_s'] * 1e3 / (cfg.batches * self.spec.num_layers):.2f} ms per layer")
+        mine = {
+            "rank": self.rank,
+            "role": self.role,
+            "index": self.link.index,
+            "name": self.link.me,
+            "modes": results,
+        }
+        gathered: list[Any] | None = [None] * self.link.topology.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return 0
+        from afd_mrv2.reference.report import build_report, render, write_outputs
+
+        report = write_outputs(cfg, build_report(cfg, gathered or [], sim_latency_us=sim_latency_us), gathered or [])
+        if not os.environ.get(LAUNCHER_ENV):
+            print(render(report, as_json=self.as_json), flush=True)
+        return 0 if report["ok"] else 1
+
+    def _executor(self, label: str, pipelined: bool, depth: int, extra: dict[str, Any]) -> tuple[Executor, Trace]:
+        cfg = self.cfg
+        config = parse_afd_config(
+            {
+                "connector": "torch_p2p",
+                "role": self.role,
+                "num_attention_ranks": cfg.num_attention,
+                "num_ffn_ranks": cfg.num_ffn,
+                "connector_extra_config": extra,
+                "multistream": {
+                    "enabled": pipelined,
+                    "depth": depth,
+                    "roles": ["attention", "ffn"],
+                    "backend": "host",
+                    "trace": True,
+                },
+            }
+        )
+        plugins = load_plugins(config, resources={"p2p_link": self.link, "model": self.shape})
+        trace = Trace(rank=self.rank, role=self.role, label=label)
+        executor = Executor(
+            plugins, make_backend("host"), config.multistream, compute=self.owner.compute, role=self.role, trace=trace
+        )
+        return executor, trace
+
+    def _run_mode(self, label: str, pipelined: bool, depth: int, extra: dict[str, Any]) -> dict[str, Any]:
+        cfg, role = self.cfg, self.role
+        warm = range(cfg.warmup)
+        measured = range(cfg.warmup, cfg.warmup + cfg.batches)
+        executor, trace = self._executor(label, pipelined, depth, extra)
+        with executor:
+            executor.run(self.schedule.items(role, warm))
+            trace.spans.clear()
+            self._reset_owner_stats()
+            dist.barrier()
+            start, cpu = time.perf_counter(), _cpu_s()
+            executor.run(self.schedule.items(role, measured))
+            dist.barrier()
+            wall, cpu = time.perf_counter() - start, _cpu_s() - cpu
+        closed = executor.close()
+        diff = None
+        if isinstance(self.owner, AttentionOwner):
+            diff = max(self._diff(b) for b in range(cfg.warmup + cfg.batches))
+            self.owner.outputs.clear()
+        spans = [
+            (s.name, s.stream_name, s.stream_id, s.item.layer_idx, s.item.stage_idx, s.item.seq, s.slot, s.start_ns, s.end_ns)
+            for s in trace.spans
+            if s.item is not None
+        ]
+        return {
+            "label": label,
+            "pipelined": pipelined,
+            "depth": depth,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "load_average": os.getloadavg()[0],
+            "metrics": trace.metrics().as_dict(),
+            "max_abs_diff": diff,
+            "spans": spans,
+            "closed": closed.describe(),
+            **self._owner_stats(),
+        }
+
+    def _diff(self, batch: int) -> float:
+        assert isinstance(self.owner, AttentionOwner)
+        got = torch.cat([self.owner.outputs[(batch, s)] for s in range(self.cfg.batch.stages)])
+        if batch not in self.references:
+            self.references[batch] = self._reference(batch)
+        return float((got - self.references[batch]).abs().max())
+
+    def _calibrate(self, extra: dict[str, Any]) -> float:
+        """Balanced simulated link: latency = the FFN compute time per item, measured on gloo."""
+        self.say("calibrating the simulated link (one serialized batch on gloo) ...")
+        executor, trace = self._executor("calibration", False, 1, extra)
+        with executor:
+            executor.run(self.schedule.items(self.role, range(1)))
+        executor.close()
+        if isinstance(self.owner, AttentionOwner):
+            self.owner.outputs.clear()
+        computes = [s.duration_ns / 1e3 for s in trace.spans if s.name == "compute"]
+        mine = statistics.median(computes) if computes and self.role != ATTENTION else 0.0
+        value = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        latency = round(float(value[0]), 1)
+        self.say(f"simulated link: {latency:.0f} us per transfer (= median FFN compute per item)")
+        return latency
+
+    def _owner_stats(self) -> dict[str, Any]:
+        owner = self.owner
+        if isinstance(owner, AttentionOwner):
+            return {"expert_tokens": owner.expert_tokens.tolist(), "routed_tokens": owner.routed_tokens}
+        return {"ffn_tokens": owner.tokens, "ffn_calls": owner.calls}
+
+    def _reset_owner_stats(self) -> None:
+        owner = self.owner
+        if isinstance(owner, AttentionOwner):
+            owner.expert_tokens.zero_()
+            owner.routed_tokens = 0
+        else:
+            owner.tokens = owner.calls = 0
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _fail(exc: BaseException, link: PeerLink | None, me: str) -> None:
+    """Report ``exc`` once, tell the peers, and leave now."""
+    if isinstance(exc, KeyboardInterrupt):
+        message, code = "interrupted", 130
+    else:
+        code = 1
+        message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, AfdError) else str(exc)
+        if link is not None and not isinstance(exc, AfdError):
+            try:
+                link.check_peers()  # a collective that failed because a peer died: name the peer
+            except PeerError as named:
+                message = f"{named} (seen as: {message.splitlines()[0]})"
+        if not isinstance(exc, (AfdError, RuntimeError)):
+            traceback.print_exception(exc, file=sys.stderr)
+    progress(f"{link.me if link else me} failed: {message}")
+    if link is not None:
+        link.abort(message)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the launcher dies, so no worker outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the launcher is already gone

@@ -1,0 +1,105 @@
+"""The AFD rank map: which global rank plays which role, and where each expert lives.
+
+Layout of the ``A + F`` global ranks of one AFD process group::
+
+    global rank 0 .. A-1        attention ranks 0 .. A-1
+    global rank A .. A+F-1      FFN ranks 0 .. F-1
+
+Experts are sharded across the FFN ranks in contiguous blocks: FFN rank ``f``
+owns the routed experts ``[f * E/F, (f+1) * E/F)`` (so ``E % F == 0``).  Every
+attention rank exchanges one message pair with every FFN rank per work item:
+it dispatches to FFN rank ``f`` exactly the tokens that have at least one of
+their top-k experts on ``f`` (possibly none: then only a control header travels)
+and gets back ``f``'s partial output for them.  An FFN rank therefore serves all
+``A`` attention ranks and batches their tokens into one expert computation, as
+in MegaScale-Infer's M:N disaggregated expert parallelism.
+
+The shared expert is replicated on every FFN rank and computed, for each token,
+by the FFN rank that owns the token's top-1 expert.  The token travels there
+anyway, so the shared expert costs no extra transfer, and an FFN rank none of
+whose experts is selected receives no token at all (the case "an FFN rank
+receives zero tokens" is real, not a formality).
+
+``A % F == 0`` is required by the ``afd`` config (it is the upstream plugin's
+convention, where each FFN rank serves ``A/F`` attention ranks); with experts
+sharded every FFN rank serves all attention ranks, and :meth:`Topology.home`
+still names the contiguous group ``a // (A/F)`` for tools that want one FFN
+rank per attention rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION = "attention"
+FFN = "ffn"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``num_attention`` x ``num_ffn`` ranks sharing ``num_experts`` routed experts."""
+
+    num_attention: int
+    num_ffn: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if self.num_attention < 1 or self.num_ffn < 1:
+            raise ValueError(f"need at least one attention and one FFN rank, got {self.num_attention}A{self.num_ffn}F")
+        if self.num_attention < self.num_ffn or self.num_attention % self.num_ffn:
+            raise ValueError(
+                f"num_ffn ({self.num_ffn}) must divide num_attention ({self.num_attention}) and be <= it"
+            )
+        if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
+            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of num_ffn ({self.num_ffn})")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention + self.num_ffn
+
+    @property
+    def experts_per_ffn(self) -> int:
+        return self.num_experts // self.num_ffn
+
+    def role_of(self, global_rank: int) -> tuple[str, int]:
+        """``(role, index within the role)`` of a global rank."""
+        if not 0 <= global_rank < self.world_size:
+            raise ValueError(f"global rank {global_rank} outside 0..{self.world_size - 1}")
+        if global_rank < self.num_attention:
+            return ATTENTION, global_rank
+        return FFN, global_rank - self.num_attention
+
+    def global_rank(self, role: str, index: int) -> int:
+        if role == ATTENTION and 0 <= index < self.num_attention:
+            return index
+        if role == FFN and 0 <= index < self.num_ffn:
+            return self.num_attention + index
+        raise ValueError(f"no {role} rank {index} in a {self.num_attention}A{self.num_ffn}F topology")
+
+    def peers_of(self, global_rank: int) -> list[int]:
+        """Global ranks a rank exchanges data with: every rank of the other role."""
+        role, _ = self.role_of(global_rank)
+        if role == ATTENTION:
+            return [self.global_rank(FFN, f) for f in range(self.num_ffn)]
+        return [self.global_rank(ATTENTION, a) for a in range(self.num_attention)]
+
+    def experts_of(self, ffn_index: int) -> range:
+        """The routed experts FFN rank ``ffn_index`` owns."""
+        per = self.experts_per_ffn
+        return range(ffn_index * per, (ffn_index + 1) * per)
+
+    def owner_of(self, expert: int) -> int:
+        """The FFN rank owning routed expert ``expert``."""
+        return expert // self.experts_per_ffn
+
+    def home(self, attention_index: int) -> int:
+        """The FFN rank of attention rank ``a``'s contiguous group (``a // (A/F)``)."""
+        return attention_index // (self.num_attention // self.num_ffn)
+
+    def describe(self, global_rank: int) -> str:
+        """``"FFN rank 1 (global rank 3)"``: how errors and reports name a rank."""
+        role, index = self.role_of(global_rank)
+        return f"{'attention' if role == ATTENTION else 'FFN'} rank {index} (global rank {global_rank})"
+
+    def __str__(self) -> str:
+        return f"{self.num_attention}A{self.num_ffn}F, {self.num_experts} experts"

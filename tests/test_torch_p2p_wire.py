@@ -1,0 +1,104 @@
+"""torch_p2p's wire format and options: headers validated field by field, layouts that round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.p2p import ProtocolError, parse_options, wire
+
+EXPECTED = wire.Header(kind=wire.KIND_DISPATCH, src=1, dst=4, layer=2, stage=1, seq=17, tokens=5)
+
+
+def roundtrip(header: wire.Header) -> wire.Header:
+    words = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    header.write(words)
+    return wire.Header.read(words)
+
+
+def test_header_roundtrip() -> None:
+    assert roundtrip(EXPECTED) == EXPECTED
+    wire.validate(roundtrip(EXPECTED), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("magic", 0x1234, "expected 0x41464432"),
+        ("kind", wire.KIND_COMBINE, "expected dispatch, got combine"),
+        ("src", 0, "expected 1, got 0"),
+        ("dst", 3, "expected 4, got 3"),
+        ("layer", 7, "expected 2, got 7"),
+        ("stage", 0, "expected 1, got 0"),
+        ("seq", 18, "expected 17, got 18"),
+        ("tokens", 6, "expected 5, got 6"),
+    ],
+)
+def test_each_bad_field_is_named(field: str, value: int, needle: str) -> None:
+    bad = dataclasses.replace(EXPECTED, **{field: value})
+    with pytest.raises(ProtocolError) as info:
+        wire.validate(roundtrip(bad), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
+    err = info.value
+    assert err.field == field and err.peer == 1
+    assert f"field {field!r}" in str(err) and needle in str(err)
+    assert "malformed dispatch header from attention rank 1 (global rank 1)" in str(err)
+
+
+def test_token_count_is_range_checked_when_learned_from_the_header() -> None:
+    ok = dataclasses.replace(EXPECTED, tokens=64)
+    wire.validate(ok, EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+    with pytest.raises(ProtocolError, match=r"expected 0\.\.64 \(the per-stage capacity\), got 65"):
+        wire.validate(dataclasses.replace(EXPECTED, tokens=65), EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+    with pytest.raises(ProtocolError, match="got -1"):
+        wire.validate(dataclasses.replace(EXPECTED, tokens=-1), EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+
+
+def test_dispatch_layout_round_trips_rows() -> None:
+    layout = wire.DispatchLayout(hidden_size=6, top_k=2)
+    buffer = torch.empty(layout.nbytes(8), dtype=torch.uint8)
+    hidden, weights, ids = layout.views(buffer, 3)
+    hidden.copy_(torch.arange(18.0).view(3, 6))
+    weights.copy_(torch.tensor([[0.5, 0.25], [0.1, 0.2], [1.0, 0.0]]))
+    ids.copy_(torch.tensor([[0, 3], [2, 1], [7, 5]]))
+    again = layout.views(buffer.clone(), 3)
+    assert torch.equal(again[0], hidden) and torch.equal(again[1], weights) and torch.equal(again[2], ids)
+    assert layout.row_bytes == 4 * (6 + 4)
+
+
+def test_combine_message_and_control_text() -> None:
+    message = torch.zeros(wire.combine_nbytes(4, 2), dtype=torch.uint8)
+    wire.combine_rows(message, 4, 2).copy_(torch.ones(2, 4))
+    assert wire.combine_rows(message, 4, 2).sum() == 8
+    control = torch.zeros(wire.CONTROL_BYTES, dtype=torch.uint8)
+    wire.encode_control(control, dataclasses.replace(EXPECTED, kind=wire.KIND_ABORT), "FFN rank 0 died: ü" + "x" * 1000)
+    text = wire.decode_control_text(control)
+    assert text.startswith("FFN rank 0 died: ü") and len(text.encode()) < wire.CONTROL_TEXT_BYTES
+    assert wire.Header.read(wire.header_view(control)).kind == wire.KIND_ABORT
+
+
+def test_options() -> None:
+    opts = parse_options({})
+    assert opts.recv_timeout_s == 30 and opts.send_timeout_s == 30 and opts.link is None
+    opts = parse_options({"recv_timeout_s": 2, "sim_latency_us": 500, "sim_bandwidth_gbps": 1})
+    assert opts.send_timeout_s == 2 and opts.link is not None
+    assert opts.link.cost_s("send", 1000) == pytest.approx(500e-6 + 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"recv_timeout": 1}, "recv_timeout"),
+        ({"recv_timeout_s": 0}, "recv_timeout_s"),
+        ({"send_timeout_s": "fast"}, "send_timeout_s"),
+        ({"sim_latency_us": -1}, "sim_latency_us"),
+        ({"sim_bandwidth_gbps": True}, "sim_bandwidth_gbps"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_options_name_the_key(extra: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_options(extra)
+    assert info.value.key == f"afd.connector_extra_config.{key}"
