@@ -29,6 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
     parser.add_argument("--chart", default="out/bench.png", help="PNG chart path (default out/bench.png)")
     parser.add_argument("--no-chart", action="store_true", help="do not write the chart")
+    parser.add_argument(
+        "--link",
+        choices=["sim", "gloo"],
+        default="sim",
+        help="sim: the scenario grid on the simulated link (default); gloo: the depth sweep on the embedded deployment",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(handler=run)
 
@@ -40,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.items < 2 or args.repeats < 1 or any(not 1 <= d <= 8 for d in args.depths):
         raise SystemExit("afd-mrv2 bench: --items >= 2, --repeats >= 1, each --depth in 1..8")
+    if args.link == "gloo":
+        return run_gloo_sweep(args)
     torch.set_num_threads(1)
     scenarios = tuple(s for s in SCENARIOS if not args.scenario or s.name in args.scenario)
 
@@ -96,3 +104,18 @@ def summarize(cells) -> dict[str, object]:  # type: ignore[no-untyped-def]
             "auto_vs_best": auto.makespan_ms / best.makespan_ms,
         }
     return {"median_model_error": statistics.median(c.model_error for c in cells), "scenarios": scenarios}
+
+
+def run_gloo_sweep(args: argparse.Namespace) -> int:
+    from afd_mrv2.bench.gloo import run_gloo
+
+    rows = run_gloo(tuple(d for d in args.depths if d > 1) or (2,))
+    if args.json:
+        print(json.dumps({"link": "gloo", "modes": rows}))
+        return 0
+    keys = ["mode", "depth", "per_layer_ms", "efficiency", "hidden_comm_fraction", "speedup", "cores_busy", "max_abs_diff"]
+    headers = ["mode", "depth", "per-layer ms", "efficiency", "hidden comm", "speedup", "cores busy", "max |diff|"]
+    print("embedded deployment on gloo (afd-mrv2 run: 2 attention + 1 FFN processes, loopback)")
+    print(format_table(headers, [[row[k] for k in keys] for row in rows]))
+    print("efficiency and hidden comm are the FFN ranks'; cores busy = CPU time of all ranks / wall time")
+    return 0
