@@ -150,7 +150,7 @@ def parse_multistream(raw: object, *, key: str = "afd.multistream") -> Multistre
     """Parse the ``multistream`` section (a mapping, or None for the defaults)."""
     if raw is None:
         return MultistreamConfig()
-    section = _Section(raw, key, _MULTISTREAM_KEYS)
+    section = Section(raw, key, _MULTISTREAM_KEYS)
     return MultistreamConfig(
         enabled=section.boolean("enabled", False),
         depth=section.depth("depth", 2),
@@ -167,7 +167,7 @@ def parse_async_moe(raw: object, *, key: str = "afd.async_moe") -> AsyncMoeConfi
     """Parse the ``async_moe`` section (a mapping, or None for the defaults)."""
     if raw is None:
         return AsyncMoeConfig()
-    section = _Section(raw, key, _ASYNC_MOE_KEYS)
+    section = Section(raw, key, _ASYNC_MOE_KEYS)
     stages = section.get("num_stages", ASYNC_MOE_STAGES)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages != ASYNC_MOE_STAGES:
         raise ConfigError(
@@ -183,7 +183,7 @@ def parse_async_moe(raw: object, *, key: str = "afd.async_moe") -> AsyncMoeConfi
 
 def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     """Parse the ``afd`` section of ``additional_config``."""
-    section = _Section(raw, key, _AFD_KEYS)
+    section = Section(raw, key, _AFD_KEYS)
     attention = section.integer("num_attention_ranks", 1, low=1, high=1 << 16)
     ffn = section.integer("num_ffn_ranks", 1, low=1, high=1 << 16)
     if attention < ffn or attention % ffn:
@@ -236,8 +236,12 @@ _AFD_KEYS = (
 )
 
 
-class _Section:
-    """One mapping being parsed: rejects unknown keys, reads typed values."""
+class Section:
+    """One mapping being parsed: rejects unknown keys, reads typed values.
+
+    Public so that connectors parse their ``connector_extra_config`` with the same
+    one-line errors as the ``afd`` section itself.
+    """
 
     def __init__(self, raw: object, key: str, accepted: tuple[str, ...]) -> None:
         if not isinstance(raw, Mapping):

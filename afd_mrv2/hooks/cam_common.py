@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from afd_mrv2.config import AfdConfig, _Section
+from afd_mrv2.config import AfdConfig, Section
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam_ops import OpSet
+from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
 from afd_mrv2.pipeline.work import Work, WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.probe.evidence import StreamBehaviour
 from afd_mrv2.support import check_deployment
 
 #: Resource name of the explicit test switch: an :class:`OpSet` built by
@@ -43,7 +44,7 @@ class CamModelSpec:
     dtype: torch.dtype = torch.bfloat16
 
 
-class Options(_Section):
+class Options(Section):
     """``connector_extra_config`` parsed with the config module's error style."""
 
     def optional_int(self, name: str, *, low: int, high: int) -> int | None:
@@ -110,15 +111,22 @@ class CamConnectorBase:
     def _ops(
         self,
         context: ConnectorContext,
-        build_real: Callable[[], OpSet],
         *,
+        namespace: str,
+        known: Mapping[str, tuple[StreamBehaviour, str]],
+        install_hint: str,
         recv: tuple[str, ...],
         send: tuple[str, ...],
     ) -> OpSet:
-        """The test doubles when the test switch is set, else the real operators; then check them."""
+        """The test doubles when the test switch is set, else the real operators of
+        ``torch.ops.<namespace>`` (with any stream evidence from the options); then
+        the start-up capability check."""
         ops = context.resources.get(TEST_OPS_RESOURCE)
         if ops is None:
-            ops = build_real()
+            evidence = load_evidence(context.config.extra, "afd.connector_extra_config.stream_evidence")
+            ops = torch_opset(
+                namespace, known, evidence=evidence, environment=installed_versions(), install_hint=install_hint
+            )
         elif not isinstance(ops, OpSet):
             raise PluginError(f"resource {TEST_OPS_RESOURCE!r} must be an OpSet from afd_mrv2.testing.cam_doubles")
         ops.check_start_up(recv, send, connector=self.name, pipelined=self.pipelined)

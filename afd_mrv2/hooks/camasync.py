@@ -58,7 +58,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options, wait_until_idle
-from afd_mrv2.hooks.cam_ops import OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hooks.cam_ops import OpSet
 from afd_mrv2.hooks.camasync_state import (
     OPS,
     AFDAsyncTransferState,
@@ -121,16 +121,11 @@ class CamAsyncConnector(CamConnectorBase):
         self.device = torch.device(context.resources.get("device", "cpu"))
         self.comm_args = torch.empty((1,), dtype=torch.float16, device=self.device)
         self._recv_placeholder = torch.empty((1,), dtype=self.model.dtype, device=self.device)
-        evidence = load_evidence(config.extra, "afd.connector_extra_config.stream_evidence")
         self.ops: OpSet = self._ops(
             context,
-            lambda: torch_opset(
-                NAMESPACE,
-                KNOWN,
-                evidence=evidence,
-                environment=installed_versions(),
-                install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
-            ),
+            namespace=NAMESPACE,
+            known=KNOWN,
+            install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
             recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),
             send=("async_combine_send",) if self.role == "ffn" else ("async_dispatch_send",),
         )

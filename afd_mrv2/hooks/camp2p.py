@@ -47,7 +47,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam_common import CamConnectorBase, options
-from afd_mrv2.hooks.cam_ops import BoundOp, OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hooks.cam_ops import BoundOp, OpSet
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.pipeline.work import Work, WorkItem
 from afd_mrv2.plugins import ConnectorContext
@@ -155,16 +155,11 @@ class CamP2PConnector(CamConnectorBase):
         self.ep_group: str | None = context.resources.get("ffn_ep_group")
         if self.role == "ffn":
             self.token_counts: Callable[[WorkItem], Sequence[int]] = context.resource("stage_token_counts")
-        evidence = load_evidence(config.extra, "afd.connector_extra_config.stream_evidence")
         self.ops: OpSet = self._ops(
             context,
-            lambda: torch_opset(
-                NAMESPACE,
-                KNOWN,
-                evidence=evidence,
-                environment=installed_versions(),
-                install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
-            ),
+            namespace=NAMESPACE,
+            known=KNOWN,
+            install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
             recv=("a2e",) if self.role == "ffn" else ("e2a",),
             send=("e2a",) if self.role == "ffn" else ("a2e",),
         )
