@@ -114,3 +114,72 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path: Path) -> None:
         assert proc.wait(60) == 2
     assert "num_ffn (2) must divide num_attention (3)" in proc.stderr
     assert not (tmp_path / "workers.json").exists()
+
+
+# ------------------------------------------------------------------ --async-moe-split
+
+
+def check_split(report: dict, policy: str) -> list[dict]:
+    """Both modes within 1e-5 of the unsplit reference; every batch really ran as the planner's two stages."""
+    assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream d=2"]
+    for mode, diff in report["max_abs_diff_by_mode"].items():
+        assert diff <= 1e-5, f"{mode}: max |diff| {diff}"
+    assert report["ok"] is True and report["stages"] == 2 and report["async_moe_split"] == policy
+    split = report["split"]
+    assert split["policy"] == policy and split["batches"] == 2 * 3  # 2 attention ranks x (1 warm-up + 2 measured)
+    for plan in split["plans"]:
+        assert sum(plan["stage_tokens"]) == sum(plan["lengths"]) and min(plan["stage_tokens"]) > 0
+    return split["plans"]
+
+
+@pytest.mark.parametrize("policy", ["token", "request"])
+def test_async_moe_split_matches_the_unsplit_reference(tmp_path: Path, policy: str) -> None:
+    report = run_json(tmp_path, "--async-moe-split", policy, "--requests", "4", "--depth", "2")
+    plans = check_split(report, policy)
+    for plan in plans:
+        if policy == "token":  # these shapes make the token split cut a request in every batch
+            assert len(plan["continued"]) == 1 and plan["stage_tokens"][0] - plan["stage_tokens"][1] in (0, 1)
+            (c,) = plan["continued"]
+            assert 0 < c["context"] < c["seq_len"] == plan["lengths"][c["request"]]
+        else:
+            assert plan["continued"] == [] and plan["stage_requests"][0][1] + 1 == plan["stage_requests"][1][0]
+
+
+def test_async_moe_token_split_of_one_long_prefill_mid_request(tmp_path: Path) -> None:
+    """The upstream open question: ONE long prefill, cut in the middle, stage 2 a chunked prefill over stage 1."""
+    report = run_json(
+        tmp_path, "--async-moe-split", "token", "--requests", "1", "--min-len", "96", "--max-len", "96", "--depth", "2"
+    )
+    for plan in check_split(report, "token"):
+        assert plan["stage_tokens"] == [48, 48] and plan["stage_requests"] == [[0, 0], [0, 0]]
+        assert plan["continued"] == [{"request": 0, "context": 48, "query": 48, "seq_len": 96}]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--async-moe-split", "request", "--requests", "1"], "needs at least 2 requests per batch"),
+        (["--async-moe-split", "token", "--requests", "1", "--min-len", "1"], "needs at least 2 tokens per batch"),
+        (["--async-moe-split", "token", "--stages", "2"], "give the batch size with --requests N"),
+        (["--requests", "3"], "--requests only applies with --async-moe-split"),
+    ],
+)
+def test_bad_split_combinations_are_refused_before_starting(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_mrv2.cli import main
+
+    assert main(["run", "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "workers.json").exists()
+
+
+def test_run_config_keeps_the_split_through_json() -> None:
+    from afd_mrv2.reference.runconfig import RunConfig
+    from afd_mrv2.reference.spec import BatchSpec
+
+    cfg = RunConfig(async_moe_split="token", batch=BatchSpec(stages=1, requests_per_stage=3))
+    again = RunConfig.from_json(cfg.to_json())
+    assert again == cfg and again.num_stages == 2 and again.requests_per_batch == 3
+    with pytest.raises(ValueError, match="async_moe_split must be one of"):
+        RunConfig(async_moe_split="tokens")

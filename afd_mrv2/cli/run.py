@@ -20,6 +20,9 @@ import os
 from afd_mrv2.errors import AfdError
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
+from afd_mrv2.ubatch import SPLITS
+
+DEFAULT_SPLIT_REQUESTS = 4
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,8 +41,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--attention", type=int, default=2, metavar="A", help="attention ranks (default 2)")
     topo.add_argument("--ffn", type=int, default=1, metavar="F", help="FFN ranks; must divide A (default 1)")
     topo.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    topo.add_argument("--stages", type=int, default=4, help="micro-batches (stages) per prefill batch (default 4)")
-    topo.add_argument("--requests-per-stage", type=int, default=2, help="requests per stage (default 2)")
+    topo.add_argument(
+        "--stages", type=int, default=None, help="micro-batches (stages) of whole requests per prefill batch (default 4)"
+    )
+    topo.add_argument("--requests-per-stage", type=int, default=None, help="requests per stage (default 2)")
+    topo.add_argument(
+        "--async-moe-split",
+        choices=SPLITS,
+        default=None,
+        help="plan each batch into the async-MoE planner's two stages instead of the micro-batches: token (cut the "
+        "flattened tokens in half; a request crossing the cut continues in stage 2 as a chunked prefill) or request "
+        "(cut at the most balanced request boundary)",
+    )
+    topo.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"with --async-moe-split: requests per batch (default {DEFAULT_SPLIT_REQUESTS}); "
+        "--requests 1 --min-len 96 --max-len 96 is one long prefill, which the token split cuts mid-request",
+    )
     topo.add_argument("--min-len", type=int, default=16, help="shortest request, tokens (default 16)")
     topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
     topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
@@ -67,7 +87,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def _batch_layout(args: argparse.Namespace) -> tuple[int, int]:
+    """(stages, requests per stage) of the BatchSpec; under a split one group of ``--requests`` requests."""
+    if args.async_moe_split is None:
+        if args.requests is not None:
+            raise AfdError("--requests only applies with --async-moe-split (without it use --stages and --requests-per-stage)")
+        return (4 if args.stages is None else args.stages, 2 if args.requests_per_stage is None else args.requests_per_stage)
+    if args.stages is not None or args.requests_per_stage is not None:
+        raise AfdError(
+            "--async-moe-split plans each batch into the planner's two stages: give the batch size with --requests N, "
+            "not --stages / --requests-per-stage"
+        )
+    return 1, DEFAULT_SPLIT_REQUESTS if args.requests is None else args.requests
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    stages, requests_per_stage = _batch_layout(args)
     try:
         return RunConfig(
             num_attention=args.attention,
@@ -81,9 +116,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                 shared_size=args.expert_size,
                 seed=args.seed,
             ),
+            async_moe_split=args.async_moe_split,
             batch=BatchSpec(
-                stages=args.stages,
-                requests_per_stage=args.requests_per_stage,
+                stages=stages,
+                requests_per_stage=requests_per_stage,
                 min_len=args.min_len,
                 max_len=args.max_len,
                 seed=args.seed + 1,

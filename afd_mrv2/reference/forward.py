@@ -27,9 +27,17 @@ def attention_step(
     """Layer ``layer``'s attention half: returns (residual, MoE input, topk_ids, topk_weights)."""
     w = weights.layers[layer]
     h = h + self_attention(rms_norm(h, w.attn_norm, spec.rms_eps), w, spec.num_heads, lengths)
+    return (h, *moe_input(weights, spec, layer, h))
+
+
+def moe_input(
+    weights: Weights, spec: ModelSpec, layer: int, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After attention: the MoE input (normed residual) and its routing (x, topk_ids, topk_weights)."""
+    w = weights.layers[layer]
     x = rms_norm(h, w.ffn_norm, spec.rms_eps)
     ids, topk_weights = route(x, w, spec)
-    return h, x, ids, topk_weights
+    return x, ids, topk_weights
 
 
 def final_norm(weights: Weights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:

@@ -20,21 +20,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def project_qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value projections of ``x`` [T, H] (no rotary embedding in this model)."""
+    return x @ w.wq.T, x @ w.wk.T, x @ w.wv.T
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, context: int = 0) -> torch.Tensor:
+    """Causal attention of ONE request: query rows ``q`` [Q, H] over its keys/values ``k``, ``v`` [context + Q, H].
+
+    Query row ``i`` sits at position ``context + i`` and sees keys ``0..context + i``.
+    ``context == 0`` is the whole-request case (``is_causal``); ``context > 0`` is a
+    chunked-prefill continuation whose first ``context`` keys come from the KV cache.
+    """
+    queries, hidden = q.shape
+    if k.shape[0] != context + queries or v.shape[0] != k.shape[0]:
+        raise ValueError(f"attend: expected {context + queries} keys/values (context {context} + {queries} queries), got {k.shape[0]}/{v.shape[0]}")
+    head = hidden // num_heads
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], num_heads, head).transpose(0, 1)
+
+    if context == 0:
+        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    else:
+        mask = torch.arange(context + queries)[None, :] <= (context + torch.arange(queries))[:, None]
+        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask)
+    return o.transpose(0, 1).reshape(queries, hidden)
+
+
 def self_attention(x: torch.Tensor, w: LayerWeights, num_heads: int, lengths: Sequence[int]) -> torch.Tensor:
     """Causal multi-head attention over each request of ``x`` ([T, H], requests back to back)."""
-    tokens, hidden = x.shape
-    head = hidden // num_heads
-    q, k, v = (x @ w.wq.T, x @ w.wk.T, x @ w.wv.T)
+    tokens = x.shape[0]
+    q, k, v = project_qkv(x, w)
     out = torch.empty_like(x)
     start = 0
     for length in lengths:
         end = start + length
-
-        def heads(t: torch.Tensor, a: int = start, b: int = end) -> torch.Tensor:
-            return t[a:b].view(b - a, num_heads, head).transpose(0, 1)
-
-        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        out[start:end] = o.transpose(0, 1).reshape(length, hidden)
+        out[start:end] = attend(q[start:end], k[start:end], v[start:end], num_heads)
         start = end
     if start != tokens:
         raise ValueError(f"request lengths sum to {start}, but the stage has {tokens} tokens")

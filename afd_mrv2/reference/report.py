@@ -74,8 +74,11 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
         "num_attention_ranks": cfg.num_attention,
         "num_ffn_ranks": cfg.num_ffn,
         "layers": spec.num_layers,
-        "stages": cfg.batch.stages,
+        "stages": cfg.num_stages,
         "requests_per_stage": cfg.batch.requests_per_stage,
+        "requests_per_batch": cfg.requests_per_batch,
+        "async_moe_split": cfg.async_moe_split,
+        "split": _split_summary(cfg, attention),
         "batches": cfg.batches,
         "warmup_batches": cfg.warmup,
         "routing": cfg.routing,
@@ -100,6 +103,23 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
         },
         "trace": None,
         "timeline": None,
+    }
+
+
+def _split_summary(cfg: RunConfig, attention: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How each attention rank's batches were split (None without ``--async-moe-split``)."""
+    if not cfg.async_moe_split:
+        return None
+    plans = [
+        {"rank": f"attention {r['index']}", "batch": b, **summary}
+        for r in sorted(attention, key=lambda r: r["rank"])
+        for b, summary in sorted(r["split"].items())
+    ]
+    return {
+        "policy": cfg.async_moe_split,
+        "batches": len(plans),
+        "batches_with_a_continued_request": sum(bool(p["continued"]) for p in plans),
+        "plans": plans,
     }
 
 
@@ -132,6 +152,22 @@ def write_outputs(cfg: RunConfig, report: dict[str, Any], ranks: list[dict[str, 
     return report
 
 
+def _split_lines(split: dict[str, Any], *, warmup: int, limit: int = 8) -> list[str]:
+    from afd_mrv2.reference.staged import describe_summary
+
+    plans = split["plans"]
+    lines = [
+        f"{p['rank']}, batch {p['batch']}{' (warm-up)' if p['batch'] < warmup else ''}: {describe_summary(p)}"
+        for p in plans[:limit]
+    ]
+    if len(plans) > limit:
+        lines.append(f"... {len(plans) - limit} more batches in result.json")
+    lines.append(
+        f"{split['batches_with_a_continued_request']} of {split['batches']} batches have a request continued across the stages"
+    )
+    return lines
+
+
 def render(report: dict[str, Any], *, as_json: bool) -> str:
     """The report as one JSON object, or as a readable table."""
     if as_json:
@@ -140,12 +176,20 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
     link_text = (
         f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo" if link["kind"] == "sim" else "gloo, loopback"
     )
+    split = report.get("split")
+    batching = (
+        f"{split['policy']} split of {report['requests_per_batch']} request{'s' if report['requests_per_batch'] != 1 else ''} "
+        "per batch into 2 stages"
+        if split
+        else f"{report['stages']} stages x {report['requests_per_stage']} requests"
+    )
     lines = [
         f"AFD run: {report['num_attention_ranks']} attention + {report['num_ffn_ranks']} FFN ranks ({link_text}), "
-        f"{report['layers']} layers, {report['stages']} stages x {report['requests_per_stage']} requests, "
-        f"{report['batches']} batches, routing {report['routing']}",
+        f"{report['layers']} layers, {batching}, {report['batches']} batches, routing {report['routing']}",
         "",
     ]
+    if split:
+        lines += [*_split_lines(split, warmup=report["warmup_batches"]), ""]
     headers = ["mode", "per-layer ms", "speedup", "overlap eff", "hidden comm", "cores busy", "max |diff|"]
     rows = [
         [

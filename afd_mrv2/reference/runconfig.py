@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
 from afd_mrv2.topology import Topology
+from afd_mrv2.ubatch import NUM_STAGES, SPLITS
 
 LINKS = ("gloo", "sim")
 CONFIG_ENV = "AFD_MRV2_RUN_CONFIG"
@@ -24,6 +25,12 @@ class RunConfig:
     first one is the headline mode).  ``link = "sim"`` adds the simulated link
     (``sim_latency_us`` per transfer, None = balanced: the FFN compute time per
     item, measured in a calibration pass).
+
+    ``async_moe_split`` (``"token"`` or ``"request"``; None = off): each attention
+    rank concatenates a batch's requests (all ``batch.stages x
+    batch.requests_per_stage`` of them) and runs the async-MoE planner's two
+    stages instead of the BatchSpec micro-batches; see
+    :class:`~afd_mrv2.reference.owners.SplitAttentionOwner`.
     """
 
     num_attention: int = 2
@@ -40,6 +47,7 @@ class RunConfig:
     recv_timeout_s: float = 30.0
     tolerance: float = 1e-5
     out_dir: str = "out/afd-run"
+    async_moe_split: str | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -53,6 +61,36 @@ class RunConfig:
         if self.recv_timeout_s <= 0:
             raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
         with_routing(self.model, self.routing, self.topology)  # fail early on impossible scenarios
+        self._check_split()
+
+    def _check_split(self) -> None:
+        """Refuse a split the planner could not apply to every batch (it would return no plan)."""
+        split = self.async_moe_split
+        if split is None:
+            return
+        if split not in SPLITS:
+            raise ValueError(f"async_moe_split must be one of {', '.join(SPLITS)}, got {split!r}")
+        requests = self.requests_per_batch
+        if split == "request" and requests < NUM_STAGES:
+            raise ValueError(
+                f"--async-moe-split request needs at least {NUM_STAGES} requests per batch, got {requests}: "
+                "the request split never cuts a request, so the planner has no plan for a single one "
+                "(use --async-moe-split token to split it mid-prefill)"
+            )
+        if split == "token" and requests * self.batch.min_len < NUM_STAGES:
+            raise ValueError(
+                f"--async-moe-split token needs at least {NUM_STAGES} tokens per batch, but {requests} request(s) "
+                f"of --min-len {self.batch.min_len} can have fewer: the planner would have no plan"
+            )
+
+    @property
+    def requests_per_batch(self) -> int:
+        return self.batch.stages * self.batch.requests_per_stage
+
+    @property
+    def num_stages(self) -> int:
+        """Stages (work items per layer) of a batch: the planner's two under a split, else the micro-batches."""
+        return NUM_STAGES if self.async_moe_split else self.batch.stages
 
     @property
     def topology(self) -> Topology:

@@ -42,7 +42,7 @@ from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.forward import reference_forward
-from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
+from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule, SplitAttentionOwner
 from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.reference.weights import build_weights
 from afd_mrv2.topology import ATTENTION
@@ -107,7 +107,7 @@ class _Session:
         self.rank, self.role = link.rank, link.role
         self.spec = cfg.routed_model
         self.weights = build_weights(self.spec)
-        self.schedule = Schedule(self.spec.num_layers, cfg.batch.stages)
+        self.schedule = Schedule(self.spec.num_layers, cfg.num_stages)
         self.shape = P2pShape(
             hidden_size=self.spec.hidden_size,
             top_k=self.spec.top_k,
@@ -119,7 +119,12 @@ class _Session:
         self.owner: AttentionOwner | FfnOwner
         if self.role == ATTENTION:
             batches = {b: make_batch(cfg.batch, self.spec.vocab_size, link.index, b) for b in all_batches}
-            self.owner = AttentionOwner(self.spec, self.weights, self.schedule, batches)
+            if cfg.async_moe_split:
+                self.owner = SplitAttentionOwner(
+                    self.spec, self.weights, self.schedule, batches, split=cfg.async_moe_split
+                )
+            else:
+                self.owner = AttentionOwner(self.spec, self.weights, self.schedule, batches)
         else:
             self.owner = FfnOwner(self.spec, self.weights, cfg.topology, link.index)
         self.references: dict[int, torch.Tensor] = {}  # batch -> reference output, computed on first use
@@ -154,6 +159,8 @@ class _Session:
             "name": self.link.me,
             "modes": results,
         }
+        if isinstance(self.owner, SplitAttentionOwner):
+            mine["split"] = {b: plan.summary() for b, plan in sorted(self.owner.plans.items())}
         gathered: list[Any] | None = [None] * self.link.topology.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
@@ -230,7 +237,7 @@ class _Session:
 
     def _diff(self, batch: int) -> float:
         assert isinstance(self.owner, AttentionOwner)
-        got = torch.cat([self.owner.outputs[(batch, s)] for s in range(self.cfg.batch.stages)])
+        got = self.owner.output(batch)
         if batch not in self.references:
             self.references[batch] = self._reference(batch)
         return float((got - self.references[batch]).abs().max())

@@ -1,0 +1,168 @@
+"""The reference model run in the async-MoE planner's two stages, for split-vs-unsplit proofs.
+
+:func:`plan_batch` cuts one prefill batch with :func:`afd_mrv2.ubatch.plan_stages`
+(``"token"`` or ``"request"``) and rebuilds each stage's attention metadata with
+:func:`afd_mrv2.ubatch.build_stage_metadata` over a paged KV layout.
+:func:`staged_attention_step` is :func:`~afd_mrv2.reference.forward.attention_step`
+for one stage, its attention reading earlier stages' K/V from the cache
+(:func:`~afd_mrv2.reference.kvcache.chunked_self_attention`).
+:func:`staged_forward` runs the whole model in the async-MoE order (layer-major:
+stage 1 of layer l, stage 2 of layer l, then layer l+1; MoE per stage) and
+merges the stages with :func:`afd_mrv2.ubatch.merge_tokens`; its output must
+match :func:`~afd_mrv2.reference.forward.reference_forward`, which stays the
+ground truth.  The attention ranks of ``afd-mrv2 run --async-moe-split`` execute
+the same :func:`staged_attention_step` (:class:`~afd_mrv2.reference.owners.SplitAttentionOwner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from afd_mrv2.reference.forward import embed, final_norm, moe_input
+from afd_mrv2.reference.kvcache import BLOCK_SIZE, KvCache, KvLayout, chunked_self_attention
+from afd_mrv2.reference.layers import moe_partial, rms_norm
+from afd_mrv2.reference.spec import ModelSpec
+from afd_mrv2.reference.weights import Weights
+from afd_mrv2.ubatch import Stage, StageMetadata, build_stage_metadata, merge_tokens, plan_stages, split_tokens
+
+
+@dataclass(frozen=True)
+class SplitBatch:
+    """One prefill batch planned into two stages, with each stage's attention metadata."""
+
+    split: str
+    lengths: tuple[int, ...]
+    stages: tuple[Stage, Stage]
+    metadata: tuple[StageMetadata, StageMetadata]
+    layout: KvLayout
+
+    def block_tables(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """Block-table rows of the stage's requests (vLLM slices them by request_slice)."""
+        return self.layout.block_tables[self.stages[stage].request_slice]
+
+    @property
+    def continued(self) -> list[int]:
+        """Parent indices of requests cut by the split (in both stages: only under ``token``)."""
+        first, second = (s.request_slice for s in self.stages)
+        return list(range(second.start, min(first.stop, second.stop)))
+
+    def summary(self) -> dict[str, Any]:
+        """The split as data (for reports): tokens and requests per stage, the continued request(s)."""
+        second = self.metadata[1]
+        offset = self.stages[1].request_slice.start
+        return {
+            "split": self.split,
+            "lengths": list(self.lengths),
+            "stage_tokens": [s.num_tokens for s in self.stages],
+            "stage_requests": [[s.request_slice.start, s.request_slice.stop - 1] for s in self.stages],
+            "continued": [
+                {
+                    "request": r,
+                    "context": int(second.context_lens[r - offset]),
+                    "query": int(second.query_lens[r - offset]),
+                    "seq_len": int(second.seq_lens[r - offset]),
+                }
+                for r in self.continued
+            ],
+        }
+
+    def describe(self) -> str:
+        """E.g. ``token split: stage 1 = 37 tokens (requests 0-2), stage 2 = 36 tokens (requests 2-4), request 2 continued (...)``."""
+        return describe_summary(self.summary())
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    parts = []
+    for index, (tokens, (r0, r1)) in enumerate(zip(summary["stage_tokens"], summary["stage_requests"], strict=True), 1):
+        requests = f"request {r0}" if r0 == r1 else f"requests {r0}-{r1}"
+        parts.append(f"stage {index} = {_tokens(tokens)} ({requests})")
+    text = f"{summary['split']} split: " + ", ".join(parts)
+    for c in summary["continued"]:
+        text += (
+            f", request {c['request']} continued (stage 2 prefills its positions {c['context']}..{c['seq_len'] - 1} "
+            f"over {_tokens(c['context'])} of KV context)"
+        )
+    if not summary["continued"]:
+        text += ", no request cut"
+    return text
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+def plan_batch(
+    lengths: Sequence[int],
+    *,
+    split: str,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+) -> SplitBatch | None:
+    """Plan a batch of fresh prefills (request ``r`` has ``lengths[r]`` tokens, no cached context).
+
+    None when the planner cannot form two stages (``request`` with one request,
+    ``token`` with fewer than two tokens).
+    """
+    lengths = tuple(int(n) for n in lengths)
+    stages = plan_stages(lengths, split=split, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    if stages is None:
+        return None
+    layout = KvLayout.allocate(lengths, block_size=block_size, seed=seed)
+    positions = [torch.arange(n) for n in lengths]
+    parent = {
+        "query_start_loc": list(accumulate(lengths, initial=0)),
+        "seq_lens": list(lengths),
+        "positions": torch.cat(positions),
+        "slot_mapping": layout.slot_mapping(positions),
+    }
+    metadata = tuple(build_stage_metadata(stage, **parent) for stage in stages)
+    return SplitBatch(split, lengths, stages, metadata, layout)  # type: ignore[arg-type]
+
+
+def new_cache(spec: ModelSpec, batch: SplitBatch) -> KvCache:
+    return KvCache(spec.num_layers, batch.layout.num_slots, spec.hidden_size)
+
+
+def stage_embeddings(weights: Weights, tokens: torch.Tensor, batch: SplitBatch) -> list[torch.Tensor]:
+    """Each stage's physical input rows (real tokens' embeddings, then zero padding)."""
+    return split_tokens(embed(weights, tokens), batch.stages)
+
+
+def staged_attention_step(
+    weights: Weights, spec: ModelSpec, layer: int, h: torch.Tensor, batch: SplitBatch, stage: int, cache: KvCache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s attention half for one stage: (residual, MoE input, topk_ids, topk_weights)."""
+    w = weights.layers[layer]
+    attn = chunked_self_attention(
+        rms_norm(h, w.attn_norm, spec.rms_eps),
+        w,
+        spec.num_heads,
+        batch.metadata[stage],
+        batch.block_tables(stage),
+        batch.layout,
+        cache,
+        layer,
+    )
+    h = h + attn
+    return (h, *moe_input(weights, spec, layer, h))
+
+
+def staged_forward(weights: Weights, spec: ModelSpec, tokens: torch.Tensor, batch: SplitBatch) -> torch.Tensor:
+    """Final hidden states [T, H] of the batch run stage by stage, layer-major; compare with reference_forward."""
+    if tokens.numel() != sum(batch.lengths):
+        raise ValueError(f"expected {sum(batch.lengths)} tokens for requests {batch.lengths}, got {tokens.numel()}")
+    everything = range(spec.num_experts)
+    cache = new_cache(spec, batch)
+    hs = stage_embeddings(weights, tokens, batch)
+    for layer in range(spec.num_layers):
+        for s in range(len(batch.stages)):
+            h, x, ids, topk_weights = staged_attention_step(weights, spec, layer, hs[s], batch, s, cache)
+            hs[s] = h + moe_partial(x, ids, topk_weights, weights.layers[layer], everything, None)
+    return merge_tokens([final_norm(weights, spec, h) for h in hs], batch.stages)
