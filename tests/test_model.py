@@ -49,6 +49,15 @@ def test_choose_depth() -> None:
     assert choose_depth(PhaseTimes(1, 1, 1), max_depth=2) == 2
 
 
+def test_choose_depth_counts_the_variance_of_measured_samples() -> None:
+    """Medians say depth 2 suffices; one compute spike in four stalls a 2-slot cycle."""
+    samples = [PhaseTimes(6, 3, 1.5)] * 3 + [PhaseTimes(6, 6, 1.5)]
+    assert choose_depth(median_phase_times([t.as_tuple() for t in samples])) == 2
+    assert choose_depth(samples) == 3
+    with pytest.raises(ValueError, match="no phase-time samples"):
+        choose_depth([])
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="items and depth must be >= 1"):
         predict_makespan(PhaseTimes(1, 1, 1), 0, 1)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from afd_mrv2.bench.overlap import ModeResult, calibrated_compute, run_mode
 from afd_mrv2.pipeline.metrics import stage_times
-from afd_mrv2.pipeline.model import SERIALIZED, PhaseTimes, choose_depth, median_phase_times, predict_makespan
+from afd_mrv2.pipeline.model import SERIALIZED, PhaseTimes, choose_depth, predict_makespan
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,6 @@ def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: floa
     # "auto" runs its window at a larger depth, then the chosen one: never slower
     # than the chosen depth throughout, which is what the model predicts for it.
     predicted = predict_makespan(per_item, items, depth, streams=SERIALIZED if mode == "serialized" else None)
-    times = median_phase_times([t.as_tuple() for t in per_item])
     measured = metrics.makespan_ns / 1e6
     return Cell(
         scenario=scenario.name,
@@ -77,7 +76,7 @@ def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: floa
         speedup=serialized_ms / measured,
         predicted_ms=predicted,
         model_error=abs(predicted - measured) / measured,
-        model_depth=choose_depth(times),
+        model_depth=choose_depth(per_item),
         decided=mode != "auto" or result.window > 0,
     )
 

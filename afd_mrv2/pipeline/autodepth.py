@@ -2,9 +2,10 @@
 
 The executor runs the first ``window`` items at the largest depth, with every
 phase timed (host: on the stream thread; accelerator: timing events).  Once they
-completed (checked without blocking), it takes the per-phase medians, asks the analytic model for the smallest
-depth within 5 % of unbounded depth, logs the choice and its inputs once, and
-keeps that depth for the rest of its life: no re-tuning, so no oscillation.
+completed (checked without blocking), it replays the measured samples through
+the analytic model, takes the smallest depth within 5 % of unbounded depth, logs
+the choice and its inputs (per-phase medians) once, and keeps that depth for the
+rest of its life: no re-tuning, so no oscillation.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class DepthTuner:
 
     def decide(self) -> DepthChoice:
         window = sorted(self.spans, key=lambda s: s.item.seq if s.item else -1)
-        samples = [tuple(ns / 1e6 for ns in t) for t in stage_times(window)][: self.window]
-        times = median_phase_times(samples)
-        self.choice = DepthChoice(choose_depth(times, max_depth=self.max_depth), times, len(samples))
+        samples = [PhaseTimes(*(ns / 1e6 for ns in t)) for t in stage_times(window)][: self.window]
+        times = median_phase_times([t.as_tuple() for t in samples])
+        self.choice = DepthChoice(choose_depth(samples, max_depth=self.max_depth), times, len(samples))
         self.spans = []
         log.info("afd-mrv2 executor: %s", self.choice.describe())
         return self.choice

@@ -74,22 +74,36 @@ def predict_makespan(
     return max(send_end)
 
 
-def unbounded_makespan(times: PhaseTimes, items: int) -> float:
+def unbounded_makespan(times: PhaseTimes | Sequence[PhaseTimes], items: int) -> float:
     """Makespan with as many slots as items (no slot-reuse constraint)."""
-    return predict_makespan(times, items, items)
+    return predict_makespan(_horizon(times, items), items, items)
 
 
-def choose_depth(times: PhaseTimes, items: int = 64, *, tolerance: float = 0.05, max_depth: int = MAX_DEPTH) -> int:
+def choose_depth(
+    times: PhaseTimes | Sequence[PhaseTimes], items: int = 64, *, tolerance: float = 0.05, max_depth: int = MAX_DEPTH
+) -> int:
     """Smallest depth whose predicted makespan is within ``tolerance`` of unbounded.
 
+    ``times`` is one item's phase times, or measured samples: samples are repeated
+    over the horizon in order, so their variance counts (a slot's recv -> compute
+    -> send cycle has less slack at small depths, and one slow phase stalls it).
     ``items`` is the horizon the choice is made for (64: long enough that fill and
     drain do not dominate).
     """
-    target = unbounded_makespan(times, items) * (1 + tolerance)
+    per_item = _horizon(times, items)
+    target = predict_makespan(per_item, items, items) * (1 + tolerance)
     for depth in range(1, max_depth + 1):
-        if predict_makespan(times, items, depth) <= target:
+        if predict_makespan(per_item, items, depth) <= target:
             return depth
     return max_depth
+
+
+def _horizon(times: PhaseTimes | Sequence[PhaseTimes], items: int) -> list[PhaseTimes]:
+    if isinstance(times, PhaseTimes):
+        return [times] * items
+    if not times:
+        raise ValueError("no phase-time samples")
+    return [times[i % len(times)] for i in range(items)]
 
 
 def median_phase_times(samples: Sequence[Sequence[float]]) -> PhaseTimes:
