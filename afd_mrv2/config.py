@@ -212,7 +212,9 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
         compute_gate_on_attention=gate_on_attention,
         async_mode=section.boolean("async", False),
         observers=section.names("observers"),
-        connector_extra_config=tuple(sorted((k, _freeze(v, _join_key(f"{key}.connector_extra_config", k))) for k, v in extra.items())),
+        connector_extra_config=tuple(
+            sorted((k, _freeze(v, _join_key(f"{key}.connector_extra_config", k))) for k, v in extra.items())
+        ),
         multistream=parse_multistream(section.get("multistream", None), key=f"{key}.multistream"),
         async_moe=async_moe,
     )

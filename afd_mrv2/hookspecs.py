@@ -68,7 +68,9 @@ ComputeFn = Callable[..., Any]
 
 
 @hookspec(firstresult=True)
-def create_streams(backend: DeviceBackend, roles: tuple[str, ...], config: MultistreamConfig) -> dict[str, Stream] | None:
+def create_streams(
+    backend: DeviceBackend, roles: tuple[str, ...], config: MultistreamConfig
+) -> dict[str, Stream] | None:
     """Create the streams for ``roles`` and return them as ``{role: stream}``.
 
     Called once, on the thread that builds the executor (or the vLLM runner

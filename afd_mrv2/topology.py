@@ -47,9 +47,7 @@ class Topology:
         if self.num_attention < 1 or self.num_ffn < 1:
             raise ValueError(f"need at least one attention and one FFN rank, got {self.num_attention}A{self.num_ffn}F")
         if self.num_attention < self.num_ffn or self.num_attention % self.num_ffn:
-            raise ValueError(
-                f"num_ffn ({self.num_ffn}) must divide num_attention ({self.num_attention}) and be <= it"
-            )
+            raise ValueError(f"num_ffn ({self.num_ffn}) must divide num_attention ({self.num_attention}) and be <= it")
         if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
             raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of num_ffn ({self.num_ffn})")
 

@@ -142,7 +142,9 @@ def stay_until_real_side_aborts(real: int) -> None:
 def concurrent(link: PeerLink, rank: int, messages: int = 300) -> int:
     """Both directions at once, from two threads, on distinct tags; every message checked in order."""
     peer = 1 - rank
-    send_tag, recv_tag = (wire.TAG_DISPATCH_PAYLOAD, wire.TAG_COMBINE) if rank == 0 else (wire.TAG_COMBINE, wire.TAG_DISPATCH_PAYLOAD)
+    send_tag, recv_tag = (
+        (wire.TAG_DISPATCH_PAYLOAD, wire.TAG_COMBINE) if rank == 0 else (wire.TAG_COMBINE, wire.TAG_DISPATCH_PAYLOAD)
+    )
     errors: list[str] = []
 
     def sender() -> None:

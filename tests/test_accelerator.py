@@ -25,7 +25,9 @@ ROWS, WIDTH = 2048, 2048
 class CopyLink:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.host_in = {i: torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(i)).pin_memory() for i in range(8)}
+        self.host_in = {
+            i: torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(i)).pin_memory() for i in range(8)
+        }
         self.results: dict[WorkItem, torch.Tensor] = {}
 
     @hookimpl

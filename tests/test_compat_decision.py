@@ -105,7 +105,9 @@ def test_override_must_name_the_pair_and_warns(tmp_path, monkeypatch, caplog) ->
 
 
 def test_override_grants_the_refused_rows_declared_capabilities(tmp_path, monkeypatch) -> None:
-    monkeypatch.syspath_prepend(str(make_site(tmp_path, {"vllm": "0.24.0", "vllm-ascend": "0.24.0rc1", "torch": "2.10.0"})))
+    monkeypatch.syspath_prepend(
+        str(make_site(tmp_path, {"vllm": "0.24.0", "vllm-ascend": "0.24.0rc1", "torch": "2.10.0"}))
+    )
     runtime = detect_runtime(python="3.11.9", cann_files=[])
     forced = decide(runtime, env={OVERRIDE_ENV: "vllm==0.24.0,vllm-ascend==0.24.0rc1"})
     assert forced.status == "overridden" and forced.capabilities == {"mrv2"}
@@ -142,9 +144,17 @@ def test_cann_versions_and_install_info(tmp_path) -> None:
 def test_an_accepted_ascend_row_checks_cann_and_torch_npu(tmp_path, monkeypatch) -> None:
     """No shipped Ascend row is accepted, so a synthetic table exercises the Ascend stack checks."""
     row = RuntimePair(
-        name="ascend-test", vllm="==0.40.0", vllm_ascend="==0.40.0rc1", torch="==2.14.0", torch_npu="==2.14.0",
-        cann=CannRange("9.0.0", "10.0.0"), python=">=3.10", status=Status.ACCEPTED_UNVALIDATED,
-        reason="test", evidence="test", capabilities=frozenset({"mrv2", "camp2p"}),
+        name="ascend-test",
+        vllm="==0.40.0",
+        vllm_ascend="==0.40.0rc1",
+        torch="==2.14.0",
+        torch_npu="==2.14.0",
+        cann=CannRange("9.0.0", "10.0.0"),
+        python=">=3.10",
+        status=Status.ACCEPTED_UNVALIDATED,
+        reason="test",
+        evidence="test",
+        capabilities=frozenset({"mrv2", "camp2p"}),
     )
     site = {"vllm": "0.40.0", "vllm-ascend": "0.40.0rc1", "torch": "2.14.0", "torch-npu": "2.14.0"}
     monkeypatch.syspath_prepend(str(make_site(tmp_path / "site", site)))

@@ -19,7 +19,14 @@ def test_defaults_are_the_serialized_fallback() -> None:
 
 def test_valid_section_round_trips_and_is_hashable() -> None:
     config = parse_multistream(
-        {"enabled": True, "depth": 4, "roles": ["attention", "ffn"], "phases": ["send"], "backend": "host", "trace": True}
+        {
+            "enabled": True,
+            "depth": 4,
+            "roles": ["attention", "ffn"],
+            "phases": ["send"],
+            "backend": "host",
+            "trace": True,
+        }
     )
     assert config.depth == 4 and config.phases == ("send",) and config.roles == ("attention", "ffn")
     assert config.active_for("attention") and config.active_for("ffn")
@@ -90,7 +97,9 @@ def test_malformed_multistream_gives_one_line_naming_the_key(section: dict, key:
 
 
 def test_unknown_key_lists_the_accepted_ones() -> None:
-    with pytest.raises(ConfigError, match="accepted keys: auto_window, backend, close_timeout_s, depth, enabled, phases, roles, trace"):
+    with pytest.raises(
+        ConfigError, match="accepted keys: auto_window, backend, close_timeout_s, depth, enabled, phases, roles, trace"
+    ):
         parse_multistream({"depht": 3})
 
 
@@ -123,8 +132,12 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-multistream_keys = st.sampled_from(["enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace", "x"])
-values = json_values | st.sampled_from(["ffn", "attention", "recv", "send", "host", "auto", ["ffn"], ["recv", "send"], 3])
+multistream_keys = st.sampled_from(
+    ["enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace", "x"]
+)
+values = json_values | st.sampled_from(
+    ["ffn", "attention", "recv", "send", "host", "auto", ["ffn"], ["recv", "send"], 3]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -139,7 +152,9 @@ def test_fuzzed_multistream_only_raises_config_error(raw: object) -> None:
         hash(config)
 
 
-afd_keys = st.sampled_from(["connector", "role", "num_attention_ranks", "num_ffn_ranks", "port", "observers", "async", "multistream", "zz"])
+afd_keys = st.sampled_from(
+    ["connector", "role", "num_attention_ranks", "num_ffn_ranks", "port", "observers", "async", "multistream", "zz"]
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -79,7 +79,9 @@ def _rename_in_method(text: str, cls: str, method: str, old: str, new: str) -> s
 
 def test_renamed_parameter_in_a_copy_of_ubatch_runner_fails_naming_symbol_and_parameter(wheel_0_33, tmp_path) -> None:
     root = _copy_module(
-        wheel_0_33, tmp_path, UBATCH_PATH,
+        wheel_0_33,
+        tmp_path,
+        UBATCH_PATH,
         lambda t: _rename_in_method(t, "UBatchRunner", "__init__", "max_num_reqs", "max_requests"),
     )
     report = check_contracts(DirectorySource(root))
@@ -92,25 +94,45 @@ def test_renamed_parameter_in_a_copy_of_ubatch_runner_fails_naming_symbol_and_pa
     assert "added the required parameter 'max_requests'" in str(broken[1])
     # the CLI says the same and exits 1
     cli = subprocess.run(
-        [sys.executable, "-c", "import sys; from afd_mrv2.cli import main; sys.exit(main())",
-         "compat", "contracts", "--dist", str(root)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from afd_mrv2.cli import main; sys.exit(main())",
+            "compat",
+            "contracts",
+            "--dist",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert cli.returncode == 1
-    assert "VIOLATION vllm.v1.worker.gpu.ubatch_utils.UBatchRunner.__init__: parameter 'max_num_reqs' is missing" in cli.stdout
+    assert (
+        "VIOLATION vllm.v1.worker.gpu.ubatch_utils.UBatchRunner.__init__: parameter 'max_num_reqs' is missing"
+        in cli.stdout
+    )
 
 
 def test_other_drifts_are_named(wheel_0_33, tmp_path) -> None:
     def edit(text: str) -> str:
         text = _rename_in_method(text, "UBatchRunner", "__init__", "self.comm_stream =", "self.comm_streams =")
-        text = text.replace("        for_capture: bool = False,\n    ) -> Callable", "        for_capture: bool,\n        lane: int,\n    ) -> Callable")
-        return text.replace("def run(\n        self,\n        model: Any,\n        model_inputs", "def run(\n        self,\n        model_inputs: dict,\n        model")
+        text = text.replace(
+            "        for_capture: bool = False,\n    ) -> Callable",
+            "        for_capture: bool,\n        lane: int,\n    ) -> Callable",
+        )
+        return text.replace(
+            "def run(\n        self,\n        model: Any,\n        model_inputs",
+            "def run(\n        self,\n        model_inputs: dict,\n        model",
+        )
 
     report = check_contracts(DirectorySource(_copy_module(wheel_0_33, tmp_path, UBATCH_PATH, edit)))
     messages = sorted(str(v) for v in report.violations if "ubatch_utils.UBatchRunner" in v.seam.symbol)
     assert any(m.endswith("UBatchRunner.__init__: no longer assigns self.comm_stream") for m in messages), messages
     assert any("begin_capturable_run: upstream added the required parameter 'lane'" in m for m in messages), messages
-    assert any("UBatchRunner.run: positional parameters model, model_inputs, ubatch_state changed order" in m for m in messages), messages
+    assert any(
+        "UBatchRunner.run: positional parameters model, model_inputs, ubatch_state changed order" in m for m in messages
+    ), messages
 
 
 def test_table_claims_are_checked_against_the_release(tmp_path) -> None:

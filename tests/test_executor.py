@@ -22,7 +22,9 @@ def stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("afd-stream-")]
 
 
-def make(connector: object, *, enabled: bool, depth: int = 2, backend=None, observers=None, trace=None, **extra) -> Executor:
+def make(
+    connector: object, *, enabled: bool, depth: int = 2, backend=None, observers=None, trace=None, **extra
+) -> Executor:
     config = MultistreamConfig(enabled=enabled, depth=depth, close_timeout_s=2.0, **extra)
     return Executor(
         plugins_for(connector, observers=observers),
@@ -52,7 +54,11 @@ def test_serialized_and_pipelined_make_identical_calls_and_outputs() -> None:
         runs[enabled] = connector
     serial, piped = runs[False], runs[True]
     for item in items:
-        assert serial.sequence(item) == piped.sequence(item) == [("recv", item.seq % 3), ("compute", item.seq % 3), ("send", item.seq % 3)]
+        assert (
+            serial.sequence(item)
+            == piped.sequence(item)
+            == [("recv", item.seq % 3), ("compute", item.seq % 3), ("send", item.seq % 3)]
+        )
     for phase in ("recv", "compute", "send"):
         assert serial.order(phase) == piped.order(phase) == items
     assert serial.outputs.keys() == piped.outputs.keys() == set(items)

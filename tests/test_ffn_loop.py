@@ -16,11 +16,14 @@ from afd_mrv2.plugins import load_plugins
 
 
 def _loop(backend: str, latency_us: float, *, layers=3, stages=2):
-    config = parse_afd_config({
-        "connector": "simlink", "role": "ffn",
-        "connector_extra_config": {"latency_us": latency_us, "bandwidth_gbps": 0},
-        "multistream": {"enabled": True, "depth": 2, "backend": backend},
-    })
+    config = parse_afd_config(
+        {
+            "connector": "simlink",
+            "role": "ffn",
+            "connector_extra_config": {"latency_us": latency_us, "bandwidth_gbps": 0},
+            "multistream": {"enabled": True, "depth": 2, "backend": backend},
+        }
+    )
     outputs = {}
     resources = {
         "source": lambda item: torch.full((4,), float(item.seq)),

@@ -89,13 +89,25 @@ def test_checker_rules_on_hand_written_logs() -> None:
     log = [_submit("r", "recv", 0), _submit("c", "compute", 0), _submit("c", "send", 0)]
     assert {v.rule for v in find_violations(log)} == {"recv->compute"}
     # the same with an event edge is proven
-    log = [_submit("r", "recv", 0), Op("record", "r", 1), Op("wait", "c", 1, bound=1), _submit("c", "compute", 0), _submit("c", "send", 0)]
+    log = [
+        _submit("r", "recv", 0),
+        Op("record", "r", 1),
+        Op("wait", "c", 1, bound=1),
+        _submit("c", "compute", 0),
+        _submit("c", "send", 0),
+    ]
     assert find_violations(log) == []
     # a wait bound to no record (the event was never recorded) proves nothing
     log = [_submit("r", "recv", 0), Op("wait", "c", 1, bound=None), _submit("c", "compute", 0), _submit("c", "send", 0)]
     assert {v.rule for v in find_violations(log)} == {"recv->compute"}
     # a host sync on the record orders everything the host issues afterwards
-    log = [_submit("r", "recv", 0), Op("record", "r", 1), Op("sync", None, 1, bound=1), _submit("c", "compute", 0), _submit("c", "send", 0)]
+    log = [
+        _submit("r", "recv", 0),
+        Op("record", "r", 1),
+        Op("sync", None, 1, bound=1),
+        _submit("c", "compute", 0),
+        _submit("c", "send", 0),
+    ]
     assert find_violations(log) == []
     assert {v.rule for v in find_violations(log, host_edges=False)} == {"recv->compute"}
     # phase order: two computes of consecutive items on unrelated streams

@@ -86,7 +86,13 @@ def test_model_predicts_a_host_backend_run() -> None:
     """Sleep-only phases (robust on a loaded machine): prediction within 25 %."""
     connector = RecordingConnector(sleep_s={"recv": 0.012, "compute": 0.004, "send": 0.012})
     trace = Trace()
-    with Executor(plugins_for(connector), HostBackend(), MultistreamConfig(enabled=True, depth=2), compute=lambda i, x: x, trace=trace) as ex:
+    with Executor(
+        plugins_for(connector),
+        HostBackend(),
+        MultistreamConfig(enabled=True, depth=2),
+        compute=lambda i, x: x,
+        trace=trace,
+    ) as ex:
         ex.run(grid(1, 1, 12))
     measured = trace.metrics().makespan_ns / 1e9
     predicted = predict_makespan(PhaseTimes(0.012, 0.004, 0.012), 12, 2)
@@ -105,7 +111,9 @@ def test_auto_depth_decides_once_and_keeps_the_schedule_proven(caplog: pytest.Lo
     assert choice is not None and choice.depth == 3 and choice.window == 5
     assert executor.depth == 3
     messages = [r.getMessage() for r in caplog.records if "depth auto" in r.getMessage()]
-    assert messages == ["afd-mrv2 executor: depth auto -> 3 (median over 5 items: recv 0.001 ms, compute 0.001 ms, send 0.001 ms)"]
+    assert messages == [
+        "afd-mrv2 executor: depth auto -> 3 (median over 5 items: recv 0.001 ms, compute 0.001 ms, send 0.001 ms)"
+    ]
     assert len(connector.outputs) == 36
     slots_after = {c.slot for c in connector.calls if c.item.seq >= 10}
     assert slots_after <= {0, 1, 2}
@@ -127,7 +135,21 @@ def test_auto_depth_on_threads_picks_the_model_depth() -> None:
 
 def test_bench_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     chart = tmp_path / "bench.png"
-    args = ["bench", "--scenario", "balanced", "--items", "8", "--repeats", "1", "--depths", "1", "3", "--json", "--chart", str(chart)]
+    args = [
+        "bench",
+        "--scenario",
+        "balanced",
+        "--items",
+        "8",
+        "--repeats",
+        "1",
+        "--depths",
+        "1",
+        "3",
+        "--json",
+        "--chart",
+        str(chart),
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     modes = [(c["mode"], c["depth"]) for c in result["cells"]]

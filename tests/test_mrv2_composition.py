@@ -77,7 +77,8 @@ def test_wrapped_runner_streams_come_from_create_streams() -> None:
 def test_a_create_streams_plugin_decides_the_ubatch_streams(tmp_path: Path, monkeypatch) -> None:
     """A third-party create_streams implementation (entry point in a fake dist) supplies the comm/capture streams."""
     site = make_site(tmp_path, {"afd-stream-spy": "1.0"})
-    (site / "afd_stream_spy.py").write_text(textwrap.dedent('''
+    (site / "afd_stream_spy.py").write_text(
+        textwrap.dedent("""
         from afd_mrv2 import hookimpl
 
         class StreamSpy:
@@ -92,8 +93,11 @@ def test_a_create_streams_plugin_decides_the_ubatch_streams(tmp_path: Path, monk
                 if roles != ("comm", "capture"):
                     return None
                 return {"comm": backend.new_stream("spy-comm"), "capture": backend.new_stream("spy-capture")}
-    '''))
-    (site / "afd_stream_spy-1.0.dist-info" / "entry_points.txt").write_text("[afd_mrv2]\nstream_spy = afd_stream_spy:StreamSpy\n")
+    """)
+    )
+    (site / "afd_stream_spy-1.0.dist-info" / "entry_points.txt").write_text(
+        "[afd_mrv2]\nstream_spy = afd_stream_spy:StreamSpy\n"
+    )
     monkeypatch.syspath_prepend(str(site))
     runner = _build(afd_section(observers=["stream_spy"]))
     spy = sys.modules["afd_stream_spy"].StreamSpy
@@ -117,7 +121,9 @@ def test_per_ubatch_communication_phases_run_through_the_executor() -> None:
     for k, item in enumerate(runner.afd.exchange.items):
         ops = submits[3 * k : 3 * k + 3]
         assert [(op.name, op.stream, op.item) for op in ops] == [
-            ("recv", "recv", item), ("compute", "compute", item), ("send", "send", item)
+            ("recv", "recv", item),
+            ("compute", "compute", item),
+            ("send", "send", item),
         ]
     check_happens_before(log)
     check_happens_before(log, host_edges=False)
@@ -159,7 +165,11 @@ def test_no_afd_section_leaves_upstream_untouched() -> None:
     ("afd", "error", "fragment"),
     [
         ({"connector": "simlink", "role": "decoder"}, ConfigError, "afd.role: expected one of attention, ffn"),
-        ({"connector": "simlink", "role": "attention", "multistream": {"depth": 0}}, ConfigError, "afd.multistream.depth"),
+        (
+            {"connector": "simlink", "role": "attention", "multistream": {"depth": 0}},
+            ConfigError,
+            "afd.multistream.depth",
+        ),
         ({"connector": "nccl_magic", "role": "attention"}, PluginError, r"installed connectors: .*simlink"),
         ({"connector": "simlink", "role": "ffn"}, ConfigError, "afd.role: the Attention runner serves role attention"),
     ],
@@ -219,9 +229,19 @@ def test_composition_source_assigns_only_to_self() -> None:
     for path in files:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("setattr", "delattr")
+            ):
                 offences.append(f"{path.name}:{node.lineno} {node.func.id}")
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             for target in targets:
                 for t in ast.walk(target):
                     if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id == "self"):

@@ -73,7 +73,13 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         THIRD_PARTY_MODULE,
         {"tp_link": "afd_thirdparty_demo:EchoLink", "tp_watch": "afd_thirdparty_demo:CountingObserver"},
     )
-    make_distribution(tmp_path, "afd-broken-demo", "afd_broken_demo", "raise ImportError('no such op')\n", {"tp_broken": "afd_broken_demo:X"})
+    make_distribution(
+        tmp_path,
+        "afd-broken-demo",
+        "afd_broken_demo",
+        "raise ImportError('no such op')\n",
+        {"tp_broken": "afd_broken_demo:X"},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     return tmp_path

@@ -33,7 +33,9 @@ def test_weights_and_batches_are_deterministic() -> None:
     assert all(torch.equal(x.tokens, y.tokens) and x.lengths == y.lengths for x, y in zip(s1, s2, strict=True))
     assert not torch.equal(concat(s1).tokens, concat(make_batch(BATCH, 512, 0, 3)).tokens)
     for stage in s1:
-        assert all(4 <= n <= 9 for n in stage.lengths) and stage.tokens.numel() == sum(stage.lengths) <= BATCH.max_tokens
+        assert (
+            all(4 <= n <= 9 for n in stage.lengths) and stage.tokens.numel() == sum(stage.lengths) <= BATCH.max_tokens
+        )
 
 
 def test_reference_forward_is_finite_and_order_one() -> None:
@@ -88,9 +90,7 @@ def test_afd_dataflow_in_process_matches_the_reference(num_ffn: int, routing: st
     spec = with_routing(SMALL, routing, topo)
     w = build_weights(spec)
     schedule = Schedule(spec.num_layers, BATCH.stages)
-    attention = [
-        AttentionOwner(spec, w, schedule, {0: make_batch(BATCH, spec.vocab_size, a, 0)}) for a in range(2)
-    ]
+    attention = [AttentionOwner(spec, w, schedule, {0: make_batch(BATCH, spec.vocab_size, a, 0)}) for a in range(2)]
     ffn = [FfnOwner(spec, w, topo, f) for f in range(num_ffn)]
     combined: dict[tuple[int, int], torch.Tensor] = {}
     for item in schedule.items(ATTENTION, [0]):
@@ -102,7 +102,9 @@ def test_afd_dataflow_in_process_matches_the_reference(num_ffn: int, routing: st
             continue
         for f, owner in enumerate(ffn):  # the FFN rank batches the tokens of every attention rank
             experts = topo.experts_of(f)
-            picks = [((ids >= experts.start) & (ids < experts.stop)).any(1).nonzero().squeeze(1) for _, ids, _ in routed]
+            picks = [
+                ((ids >= experts.start) & (ids < experts.stop)).any(1).nonzero().squeeze(1) for _, ids, _ in routed
+            ]
             if sum(p.numel() for p in picks) == 0:
                 continue
             y = owner.compute(

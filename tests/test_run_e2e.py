@@ -62,7 +62,9 @@ def test_2a2f_with_an_idle_ffn_rank_under_torchrun(tmp_path: Path) -> None:
     """The rank-per-process mode torchrun drives (also across machines); FFN rank 1 gets no token."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     command = ["--no-python", sys.executable, "-m", "afd_mrv2.cli", "run", "--json", "--out", str(tmp_path)]
-    proc = Proc([*torchrun, *command, *SMALL, "--attention", "2", "--ffn", "2", "--routing", "idle-rank"], env=child_env())
+    proc = Proc(
+        [*torchrun, *command, *SMALL, "--attention", "2", "--ffn", "2", "--routing", "idle-rank"], env=child_env()
+    )
     with running(proc):
         code = proc.wait(150)
     assert code == 0, proc.stderr[-3000:]
@@ -85,7 +87,11 @@ def _overlapping_triple(spans: list[dict]) -> tuple[dict, dict, dict] | None:
                 continue
             for r in by_phase["recv"]:
                 seqs = {r["args"]["seq"], c["args"]["seq"], s["args"]["seq"]}
-                if len(seqs) == 3 and r["tid"] not in (c["tid"], s["tid"]) and max(s0, r["ts"]) < min(s1, r["ts"] + r["dur"]):
+                if (
+                    len(seqs) == 3
+                    and r["tid"] not in (c["tid"], s["tid"])
+                    and max(s0, r["ts"]) < min(s1, r["ts"] + r["dur"])
+                ):
                     return r, c, s
     return None
 
@@ -94,9 +100,13 @@ def test_trace_shows_recv_compute_send_of_different_items_overlapping_on_an_ffn_
     report = run_json(tmp_path, "--link", "sim", "--sim-latency-us", "3000")
     check_correct(report)
     trace = json.loads(Path(report["trace"]).read_text())
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"
+    }
     lanes = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert len(lanes) == 3 * 1 + 3 * 3, "one lane per stream per rank: 1 serial lane, then 3 multistream lanes, x 3 ranks"
+    assert len(lanes) == 3 * 1 + 3 * 3, (
+        "one lane per stream per rank: 1 serial lane, then 3 multistream lanes, x 3 ranks"
+    )
     ffn_pid = next(pid for pid, name in names.items() if "multistream" in name and "ffn 0" in name)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == ffn_pid]
     triple = _overlapping_triple(spans)

@@ -83,8 +83,10 @@ def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path) -> 
         assert "FFN rank 0 (global rank 2" in line and "within 2 s (" in line, line
         after = proc.err_times[index] - stopped_at
         assert 1.5 <= after <= 5.0, f"failed {after:.2f} s after the stall, deadline 2 s: {line}"
-        print(f"\n{w['name']}: failed {after:.2f} s after the stall (deadline 2 s), exited "
-              f"{w['exited_at_monotonic'] - stopped_at:.2f} s after it")
+        print(
+            f"\n{w['name']}: failed {after:.2f} s after the stall (deadline 2 s), exited "
+            f"{w['exited_at_monotonic'] - stopped_at:.2f} s after it"
+        )
 
 
 def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:

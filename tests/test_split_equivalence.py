@@ -82,7 +82,10 @@ def test_staged_forward_matches_the_unsplit_reference(
     else:
         # stage 2 keeps the full length of the continued request; its context is the stage-1 part
         ctx = batch.summary()["continued"][0]
-        assert ctx["seq_len"] == lengths[continued] and ctx["context"] + ctx["query"] == ctx["seq_len"] > ctx["context"] > 0
+        assert (
+            ctx["seq_len"] == lengths[continued]
+            and ctx["context"] + ctx["query"] == ctx["seq_len"] > ctx["context"] > 0
+        )
 
 
 def test_the_single_long_prefill_is_split_mid_request() -> None:
@@ -100,7 +103,10 @@ def test_sequence_parallel_padding_rows_do_not_change_the_real_tokens(split: str
     diff, batch = split_diff((20, 17, 30, 9), split, tp_size=4, sequence_parallel=True)
     assert diff <= TOL
     assert any(s.num_padding for s in batch.stages)
-    assert all(int(m.slot_mapping[s.num_tokens :].eq(PAD_SLOT_ID).all()) for m, s in zip(batch.metadata, batch.stages, strict=True))
+    assert all(
+        int(m.slot_mapping[s.num_tokens :].eq(PAD_SLOT_ID).all())
+        for m, s in zip(batch.metadata, batch.stages, strict=True)
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,7 +123,9 @@ def test_property_split_equals_unsplit_for_random_request_lengths(lengths: list[
     spec = dataclasses.replace(SPEC, num_layers=2)
     weights = build_weights(spec)
     tokens = tokens_for(tuple(lengths), seed, spec)
-    diff = float((staged_forward(weights, spec, tokens, batch) - reference_forward(weights, spec, tokens, lengths)).abs().max())
+    diff = float(
+        (staged_forward(weights, spec, tokens, batch) - reference_forward(weights, spec, tokens, lengths)).abs().max()
+    )
     assert diff <= TOL, f"{batch.describe()}: {diff:.2e}"
 
 
@@ -180,7 +188,9 @@ def test_kv_layout_slots_are_distinct_paged_and_not_token_indices() -> None:
     slots = layout.slot_mapping([torch.arange(n) for n in (20, 17, 30, 9)])
     assert slots.unique().numel() == 76 and int(slots.max()) < layout.num_slots
     assert not torch.equal(slots, torch.arange(76))
-    assert torch.equal(layout.slots(layout.block_tables[2], torch.tensor([9])), torch.tensor([layout.block_tables[2][1] * 8 + 1]))
+    assert torch.equal(
+        layout.slots(layout.block_tables[2], torch.tensor([9])), torch.tensor([layout.block_tables[2][1] * 8 + 1])
+    )
     with pytest.raises(ValueError, match="past the request's"):
         layout.slots(layout.block_tables[3], torch.tensor([16]))
 
@@ -234,7 +244,9 @@ def test_split_attention_owner_in_the_afd_dataflow_matches_the_reference(
 
     def run() -> list[float]:
         owners = [
-            SplitAttentionOwner(SPEC, WEIGHTS, schedule, {0: make_batch(batch_spec, SPEC.vocab_size, a, 0)}, split=split)
+            SplitAttentionOwner(
+                SPEC, WEIGHTS, schedule, {0: make_batch(batch_spec, SPEC.vocab_size, a, 0)}, split=split
+            )
             for a in range(2)
         ]
         afd_in_process(owners, [FfnOwner(SPEC, WEIGHTS, topo, f) for f in range(2)], topo, schedule)
@@ -243,7 +255,9 @@ def test_split_attention_owner_in_the_afd_dataflow_matches_the_reference(
             whole = concat(owner.batches[0])
             assert (split == "token") == bool(owner.plans[0].continued), owner.plans[0].describe()
             assert not owner._caches, "the KV cache of a finished batch is dropped"
-            diffs.append(float((owner.output(0) - reference_forward(WEIGHTS, SPEC, whole.tokens, whole.lengths)).abs().max()))
+            diffs.append(
+                float((owner.output(0) - reference_forward(WEIGHTS, SPEC, whole.tokens, whole.lengths)).abs().max())
+            )
         return diffs
 
     assert max(run()) <= TOL

@@ -11,7 +11,12 @@ def test_layout_roles_and_shards() -> None:
     topo = Topology(4, 2, 8)
     assert topo.world_size == 6
     assert [topo.role_of(r) for r in range(6)] == [
-        (ATTENTION, 0), (ATTENTION, 1), (ATTENTION, 2), (ATTENTION, 3), (FFN, 0), (FFN, 1)
+        (ATTENTION, 0),
+        (ATTENTION, 1),
+        (ATTENTION, 2),
+        (ATTENTION, 3),
+        (FFN, 0),
+        (FFN, 1),
     ]
     assert topo.global_rank(FFN, 1) == 5
     assert list(topo.experts_of(0)) == [0, 1, 2, 3] and list(topo.experts_of(1)) == [4, 5, 6, 7]

@@ -42,14 +42,17 @@ def test_malformed_dispatch_header_is_a_clear_error(field: str, needle: str) -> 
 def test_malformed_combine_header_is_a_clear_error() -> None:
     outcome, _ = scenario("bad-combine-seq", real_rank=0)
     assert outcome["cause_type"] == "ProtocolError" and outcome["field"] == "seq" and outcome["peer"] == 1
-    assert "malformed combine header from FFN rank 0 (global rank 1): field 'seq' expected 0, got 99" in outcome["error"]
+    assert (
+        "malformed combine header from FFN rank 0 (global rank 1): field 'seq' expected 0, got 99" in outcome["error"]
+    )
 
 
 def test_silent_peer_fails_at_the_configured_deadline() -> None:
     outcome, _ = scenario("silent-attention", real_rank=1)
     assert outcome["cause_type"] == "PeerTimeout" and outcome["peer"] == 0
-    assert "attention rank 0 (global rank 0) is connected but sent no dispatch header within 1 s (recv_timeout_s)" in (
-        outcome["error"]
+    assert (
+        "attention rank 0 (global rank 0) is connected but sent no dispatch header within 1 s (recv_timeout_s)"
+        in (outcome["error"])
     )
     assert 0.9 <= outcome["elapsed_s"] <= 3.0
 

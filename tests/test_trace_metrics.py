@@ -63,7 +63,13 @@ def test_chrome_trace_has_one_lane_per_stream_and_the_work_identity() -> None:
 def test_pipelined_trace_shows_overlap_on_distinct_streams(tmp_path: Path) -> None:
     trace = Trace(role="ffn")
     connector = RecordingConnector(sleep_s={"recv": 0.01, "compute": 0.01, "send": 0.01})
-    with Executor(plugins_for(connector), HostBackend(), MultistreamConfig(enabled=True, depth=3), compute=lambda i, x: x, trace=trace) as ex:
+    with Executor(
+        plugins_for(connector),
+        HostBackend(),
+        MultistreamConfig(enabled=True, depth=3),
+        compute=lambda i, x: x,
+        trace=trace,
+    ) as ex:
         ex.run(grid(2, 2, 2))
     path = write_chrome_trace(tmp_path / "t.json", [trace])
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -72,8 +78,10 @@ def test_pipelined_trace_shows_overlap_on_distinct_streams(tmp_path: Path) -> No
         (a["name"], b["name"])
         for a in events
         for b in events
-        if a["tid"] != b["tid"] and a["args"]["seq"] != b["args"]["seq"]
-        and a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+        if a["tid"] != b["tid"]
+        and a["args"]["seq"] != b["args"]["seq"]
+        and a["ts"] < b["ts"] + b["dur"]
+        and b["ts"] < a["ts"] + a["dur"]
     }
     assert {("recv", "compute"), ("compute", "send"), ("recv", "send")} <= overlapping
     metrics = trace.metrics()

@@ -27,7 +27,9 @@ def run_gloo(depths: tuple[int, ...], *, out_dir: str = "out/bench-gloo", batche
         status = launch(cfg, as_json=True)
     result_path = Path(out_dir).resolve() / "result.json"
     if status != 0 or not result_path.is_file():
-        raise AfdError(f"the embedded gloo run failed (exit {status}); see the messages above and {out_dir}/workers.json")
+        raise AfdError(
+            f"the embedded gloo run failed (exit {status}); see the messages above and {out_dir}/workers.json"
+        )
     result = json.loads(result_path.read_text())
     rows = []
     for mode in result["modes"]:

@@ -119,6 +119,7 @@ def compare(
     compute = calibrated_compute(phase_s)
     serial = run_mode(items=items, depth=1, pipelined=False, phase_s=phase_s, compute=compute, backend=backend)
     results = [serial] + [
-        run_mode(items=items, depth=d, pipelined=True, phase_s=phase_s, compute=compute, backend=backend) for d in depths
+        run_mode(items=items, depth=d, pipelined=True, phase_s=phase_s, compute=compute, backend=backend)
+        for d in depths
     ]
     return [r.row(serial.wall_s, serial.outputs) for r in results], results

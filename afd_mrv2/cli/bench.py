@@ -56,16 +56,40 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"\r\033[K[bench] {message}", end="", file=sys.stderr, flush=True)
 
-    cells = run_grid(scenarios=scenarios, depths=tuple(args.depths), items=args.items, repeats=args.repeats, progress=progress)
+    cells = run_grid(
+        scenarios=scenarios, depths=tuple(args.depths), items=args.items, repeats=args.repeats, progress=progress
+    )
     print("\r\033[K", end="", file=sys.stderr, flush=True)
     chart = None if args.no_chart else str(write_chart_path(cells, args.chart))
     summary = summarize(cells)
     if args.json:
         print(json.dumps({"cells": [c.as_dict() for c in cells], "summary": summary, "chart": chart}))
         return 0
-    headers = ["scenario", "mode", "depth", "makespan ms", "bound ms", "efficiency", "hidden comm", "speedup", "model ms", "model err"]
+    headers = [
+        "scenario",
+        "mode",
+        "depth",
+        "makespan ms",
+        "bound ms",
+        "efficiency",
+        "hidden comm",
+        "speedup",
+        "model ms",
+        "model err",
+    ]
     rows = [
-        [c.scenario, c.mode, c.depth, c.makespan_ms, c.lower_bound_ms, c.efficiency, c.hidden_comm_fraction, c.speedup, c.predicted_ms, c.model_error]
+        [
+            c.scenario,
+            c.mode,
+            c.depth,
+            c.makespan_ms,
+            c.lower_bound_ms,
+            c.efficiency,
+            c.hidden_comm_fraction,
+            c.speedup,
+            c.predicted_ms,
+            c.model_error,
+        ]
         for c in cells
     ]
     print(format_table(headers, rows))
@@ -120,7 +144,16 @@ def run_gloo_sweep(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"link": "gloo", "modes": rows}))
         return 0
-    keys = ["mode", "depth", "per_layer_ms", "efficiency", "hidden_comm_fraction", "speedup", "cores_busy", "max_abs_diff"]
+    keys = [
+        "mode",
+        "depth",
+        "per_layer_ms",
+        "efficiency",
+        "hidden_comm_fraction",
+        "speedup",
+        "cores_busy",
+        "max_abs_diff",
+    ]
     headers = ["mode", "depth", "per-layer ms", "efficiency", "hidden comm", "speedup", "cores busy", "max |diff|"]
     print("embedded deployment on gloo (afd-mrv2 run: 2 attention + 1 FFN processes, loopback)")
     print(format_table(headers, [[row[k] for k in keys] for row in rows]))

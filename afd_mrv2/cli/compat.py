@@ -1,8 +1,8 @@
 """``afd-mrv2 compat``: the runtime gate and the upstream-seam contracts, as CI steps.
 
-    afd-mrv2 compat check [--json] [--require CAP ...]     exit 0 accepted, 1 refused
-    afd-mrv2 compat contracts [--dist PATH_OR_WHEEL] [--json]   exit 0 pass, 1 violations
-    afd-mrv2 compat table [--json]                          the runtime-pair table
+afd-mrv2 compat check [--json] [--require CAP ...]     exit 0 accepted, 1 refused
+afd-mrv2 compat contracts [--dist PATH_OR_WHEEL] [--json]   exit 0 pass, 1 violations
+afd-mrv2 compat table [--json]                          the runtime-pair table
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="check afd-mrv2's upstream seams against a wheel or an installed distribution (ast, no import)",
     )
     contracts.add_argument(
-        "--dist", metavar="PATH_OR_WHEEL",
+        "--dist",
+        metavar="PATH_OR_WHEEL",
         help="a wheel, a site-packages directory or a source checkout (default: where vllm is installed)",
     )
     contracts.add_argument("--json", action="store_true", help="print one JSON object")
@@ -62,7 +63,9 @@ def _default_dist() -> Path:
         spec = importlib.util.find_spec(top)  # a top-level spec lookup runs no package code
         if spec is not None and spec.submodule_search_locations:
             return Path(next(iter(spec.submodule_search_locations))).parent
-    raise AfdError("vllm is not installed here; pass --dist PATH_OR_WHEEL (e.g. a wheel from `pip download --no-deps vllm==0.33.0`)")
+    raise AfdError(
+        "vllm is not installed here; pass --dist PATH_OR_WHEEL (e.g. a wheel from `pip download --no-deps vllm==0.33.0`)"
+    )
 
 
 def run_contracts(args: argparse.Namespace) -> int:
@@ -99,6 +102,9 @@ def run_table(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([p.as_dict() for p in PAIRS], indent=2))
         return 0
-    rows = [[p.name, p.vllm, p.vllm_ascend or "-", p.torch or "?", p.status.value, ",".join(sorted(p.capabilities)) or "-"] for p in PAIRS]
+    rows = [
+        [p.name, p.vllm, p.vllm_ascend or "-", p.torch or "?", p.status.value, ",".join(sorted(p.capabilities)) or "-"]
+        for p in PAIRS
+    ]
     print(format_table(["pair", "vllm", "vllm-ascend", "torch", "status", "capabilities"], rows))
     return 0

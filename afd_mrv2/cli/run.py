@@ -42,7 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--ffn", type=int, default=1, metavar="F", help="FFN ranks; must divide A (default 1)")
     topo.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     topo.add_argument(
-        "--stages", type=int, default=None, help="micro-batches (stages) of whole requests per prefill batch (default 4)"
+        "--stages",
+        type=int,
+        default=None,
+        help="micro-batches (stages) of whole requests per prefill batch (default 4)",
     )
     topo.add_argument("--requests-per-stage", type=int, default=None, help="requests per stage (default 2)")
     topo.add_argument(
@@ -70,9 +73,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=int, default=ModelSpec.hidden_size, help="hidden size (default %(default)s)")
-    model.add_argument("--experts", type=int, default=ModelSpec.num_experts, help="routed experts, a multiple of F (default %(default)s)")
+    model.add_argument(
+        "--experts",
+        type=int,
+        default=ModelSpec.num_experts,
+        help="routed experts, a multiple of F (default %(default)s)",
+    )
     model.add_argument("--top-k", type=int, default=ModelSpec.top_k, help="experts per token (default %(default)s)")
-    model.add_argument("--expert-size", type=int, default=ModelSpec.expert_size, help="routed and shared expert width (default %(default)s)")
+    model.add_argument(
+        "--expert-size",
+        type=int,
+        default=ModelSpec.expert_size,
+        help="routed and shared expert width (default %(default)s)",
+    )
     model.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default %(default)s)")
     link = parser.add_argument_group("link and faults")
     link.add_argument("--link", choices=LINKS, default="gloo", help="gloo, or gloo plus a simulated link cost")
@@ -81,7 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     link.add_argument("--sim-bandwidth-gbps", type=float, default=0.0, help="simulated bandwidth (0 = infinite)")
     link.add_argument("--recv-timeout-s", type=float, default=30.0, help="deadline for a silent peer (default 30)")
-    link.add_argument("--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)")
+    link.add_argument(
+        "--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)"
+    )
     parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.set_defaults(handler=run)
@@ -91,8 +106,13 @@ def _batch_layout(args: argparse.Namespace) -> tuple[int, int]:
     """(stages, requests per stage) of the BatchSpec; under a split one group of ``--requests`` requests."""
     if args.async_moe_split is None:
         if args.requests is not None:
-            raise AfdError("--requests only applies with --async-moe-split (without it use --stages and --requests-per-stage)")
-        return (4 if args.stages is None else args.stages, 2 if args.requests_per_stage is None else args.requests_per_stage)
+            raise AfdError(
+                "--requests only applies with --async-moe-split (without it use --stages and --requests-per-stage)"
+            )
+        return (
+            4 if args.stages is None else args.stages,
+            2 if args.requests_per_stage is None else args.requests_per_stage,
+        )
     if args.stages is not None or args.requests_per_stage is not None:
         raise AfdError(
             "--async-moe-split plans each batch into the planner's two stages: give the batch size with --requests N, "

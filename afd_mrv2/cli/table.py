@@ -17,6 +17,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=False)))
+        return "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths, strict=False))
+        )
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in text)])

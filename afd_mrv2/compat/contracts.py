@@ -117,7 +117,9 @@ class ContractReport:
             "checked": self.checked,
             "absent": self.absent,
             "versions": self.versions,
-            "violations": [{"symbol": v.seam.symbol, "parameter": v.parameter, "message": v.message} for v in self.violations],
+            "violations": [
+                {"symbol": v.seam.symbol, "parameter": v.parameter, "message": v.message} for v in self.violations
+            ],
             "capabilities_missing": self.capabilities_missing,
         }
 
@@ -183,7 +185,9 @@ def _check_params(seam: Seam, fn: ast.FunctionDef | ast.AsyncFunctionDef, bound:
             out.append(Violation(seam, f"parameter {name!r} is missing (upstream has: {shown})", name))
     order = [positional.index(n) for n in seam.params if n in positional]
     if order != sorted(order):
-        out.append(Violation(seam, f"positional parameters {', '.join(seam.params)} changed order (upstream has: {shown})"))
+        out.append(
+            Violation(seam, f"positional parameters {', '.join(seam.params)} changed order (upstream has: {shown})")
+        )
     for name in available:
         if name not in seam.params and (name in pos_required or name in kw_required):
             out.append(Violation(seam, f"upstream added the required parameter {name!r} (upstream has: {shown})", name))
@@ -242,7 +246,11 @@ def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
     if seam.constant is not None:
         name, expected = seam.constant
         actual = _module_constant(tree, name)
-        return [] if actual == expected else [Violation(seam, f"module constant {name} is {actual!r}, expected {expected!r}")]
+        return (
+            []
+            if actual == expected
+            else [Violation(seam, f"module constant {name} is {actual!r}, expected {expected!r}")]
+        )
     node, bound = _find(tree, seam.qualname)
     if node is None:
         return [Violation(seam, f"{seam.qualname} is not defined in {seam.module}")]

@@ -75,7 +75,9 @@ class Decision:
         lines.append("accepted pairs:")
         lines += [f"  - {p.describe()} [{p.status.value}]" for p in accepted_pairs()]
         if self.runtime.vllm is None:
-            lines.append("install one of the accepted pairs (afd-mrv2 runs inside vLLM); nothing can override a missing vLLM")
+            lines.append(
+                "install one of the accepted pairs (afd-mrv2 runs inside vLLM); nothing can override a missing vLLM"
+            )
         else:
             lines.append(
                 f"to run anyway at your own risk, set {OVERRIDE_ENV}={self.runtime.key()!r} "
@@ -158,7 +160,9 @@ def decide(
         if forced == runtime.key():
             log.warning(
                 "afd-mrv2: runtime pair %s is REFUSED (%s) but %s forces it; you are running an unsupported stack",
-                runtime.key(), "; ".join(reasons), OVERRIDE_ENV,
+                runtime.key(),
+                "; ".join(reasons),
+                OVERRIDE_ENV,
             )
             status = "overridden"
         else:

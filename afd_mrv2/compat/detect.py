@@ -55,7 +55,9 @@ class Runtime:
         fields = [("vllm", self.vllm), ("vllm-ascend", self.vllm_ascend), ("torch", self.torch)]
         fields += [("torch_npu", self.torch_npu), ("CANN", self.cann), ("python", self.python)]
         missing = {"CANN": "(no install-info file found)"}
-        return ", ".join(f"{name} {value if value is not None else missing.get(name, '(not installed)')}" for name, value in fields)
+        return ", ".join(
+            f"{name} {value if value is not None else missing.get(name, '(not installed)')}" for name, value in fields
+        )
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

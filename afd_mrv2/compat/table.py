@@ -110,12 +110,13 @@ _NO_UBATCH = (
     "runs only through ModelRunner V1 (the afd-plugin path), which afd-mrv2 does not serve"
 )
 _ASCEND_EVIDENCE = (
-    "vllm-ascend docs/source/community/versioning_policy.md (repository snapshot of 2026-08-22) "
-    "and shared/FACTS.md"
+    "vllm-ascend docs/source/community/versioning_policy.md (repository snapshot of 2026-08-22) and shared/FACTS.md"
 )
 
 
-def _ascend_row(va: str, vllm: str, torch: str, npu: str, cann: str, python: str, *, caps: frozenset[str] = frozenset()) -> RuntimePair:
+def _ascend_row(
+    va: str, vllm: str, torch: str, npu: str, cann: str, python: str, *, caps: frozenset[str] = frozenset()
+) -> RuntimePair:
     return RuntimePair(
         name=f"ascend-{va}",
         vllm=f"=={vllm}",

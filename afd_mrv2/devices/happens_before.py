@@ -70,7 +70,7 @@ class _Clocks:
             if op.kind == "wait" and op.bound is not None:
                 clock = _join(clock, self.clocks[op.bound])
             i = self.index[op.stream]
-            clock = (*clock[:i], clock[i] + 1, *clock[i + 1:])
+            clock = (*clock[:i], clock[i] + 1, *clock[i + 1 :])
             last[op.stream] = clock
             self.clocks.append(clock)
 
@@ -108,8 +108,12 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
     for key in issue_order:
         item, _slot = key
         p = phases[key]
-        require("recv->compute", p.get("recv"), p.get("compute"), f"compute of ({item}) may start before its recv completed")
-        require("compute->send", p.get("compute"), p.get("send"), f"send of ({item}) may start before its compute completed")
+        require(
+            "recv->compute", p.get("recv"), p.get("compute"), f"compute of ({item}) may start before its recv completed"
+        )
+        require(
+            "compute->send", p.get("compute"), p.get("send"), f"send of ({item}) may start before its compute completed"
+        )
 
     last_on_slot: dict[int | None, tuple] = {}
     for key in issue_order:

@@ -67,7 +67,9 @@ class AttentionSide:
         streams = plugins.hook.create_streams(backend=backend, roles=UBATCH_ROLES, config=stream_config)
         if not isinstance(streams, dict) or set(streams) != set(UBATCH_ROLES):
             executor.close(0.0)
-            raise PipelineError(f"create_streams returned {streams!r}; expected exactly the keys {', '.join(UBATCH_ROLES)}")
+            raise PipelineError(
+                f"create_streams returned {streams!r}; expected exactly the keys {', '.join(UBATCH_ROLES)}"
+            )
         return cls(config, plugins, backend, executor, exchange, streams)
 
     def close(self, deadline_s: float | None = None) -> CloseReport:

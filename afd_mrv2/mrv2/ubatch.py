@@ -40,7 +40,9 @@ class AfdStreamsMixin:
 
     def __init__(self, *args: Any, afd_streams: Mapping[str, Stream], **kwargs: Any) -> None:
         if set(afd_streams) != set(UBATCH_ROLES):
-            raise ValueError(f"afd_streams needs exactly the roles {', '.join(UBATCH_ROLES)}, got {sorted(afd_streams)}")
+            raise ValueError(
+                f"afd_streams needs exactly the roles {', '.join(UBATCH_ROLES)}, got {sorted(afd_streams)}"
+            )
         self._afd_streams = dict(afd_streams)
         self._afd_upstream_streams: dict[str, Any] = {}
         super().__init__(*args, **kwargs)

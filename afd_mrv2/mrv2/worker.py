@@ -32,7 +32,9 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
             return runner_cls(self.vllm_config, self.device)
         return super(cls, self)._make_model_runner()
 
-    cls = type(f"Afd{base_worker.__name__}", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner})
+    cls = type(
+        f"Afd{base_worker.__name__}", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner}
+    )
     return cls
 
 

@@ -19,7 +19,9 @@ class EventPool:
 
     def take(self) -> Event:
         if not self._free:
-            raise RuntimeError(f"event pool exhausted (size {self.size}): the executor allocates no events after start-up")
+            raise RuntimeError(
+                f"event pool exhausted (size {self.size}): the executor allocates no events after start-up"
+            )
         return self._free.pop()
 
     @property

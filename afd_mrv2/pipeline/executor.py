@@ -352,7 +352,9 @@ class Executor:
         streams = self.backend.close(deadline)
         # Only now, with the streams stopped (or abandoned), is "in flight" final: a
         # send that was running when we aborted may have completed meanwhile.
-        abandoned = [w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent]
+        abandoned = [
+            w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent
+        ]
         reason = error if error is not None else PipelineAborted("abandoned at close")
         for work in abandoned:
             try:

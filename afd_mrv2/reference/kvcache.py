@@ -134,7 +134,9 @@ def chunked_self_attention(
     out = torch.zeros_like(x)
     bounds = meta.query_start_loc.tolist()
     if len(block_tables) != len(bounds) - 1:
-        raise ValueError(f"expected {len(bounds) - 1} block tables (one per request of the stage), got {len(block_tables)}")
+        raise ValueError(
+            f"expected {len(bounds) - 1} block tables (one per request of the stage), got {len(block_tables)}"
+        )
     for i, table in enumerate(block_tables):
         a, b = bounds[i], bounds[i + 1]
         context, seq_len = int(meta.context_lens[i]), int(meta.seq_lens[i])

@@ -34,7 +34,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, co
     """
     queries, hidden = q.shape
     if k.shape[0] != context + queries or v.shape[0] != k.shape[0]:
-        raise ValueError(f"attend: expected {context + queries} keys/values (context {context} + {queries} queries), got {k.shape[0]}/{v.shape[0]}")
+        raise ValueError(
+            f"attend: expected {context + queries} keys/values (context {context} + {queries} queries), got {k.shape[0]}/{v.shape[0]}"
+        )
     head = hidden // num_heads
 
     def heads(t: torch.Tensor) -> torch.Tensor:

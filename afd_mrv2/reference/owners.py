@@ -128,7 +128,9 @@ class SplitAttentionOwner(AttentionOwner):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.schedule.stages != NUM_STAGES:
-            raise ValueError(f"the async-MoE split runs {NUM_STAGES} stages per batch, the schedule has {self.schedule.stages}")
+            raise ValueError(
+                f"the async-MoE split runs {NUM_STAGES} stages per batch, the schedule has {self.schedule.stages}"
+            )
         self.plans, self.tokens = {}, {}
         for batch, stages in self.batches.items():
             whole = concat(stages)

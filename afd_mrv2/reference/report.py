@@ -174,7 +174,9 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         return json.dumps(report)
     link = report["link"]
     link_text = (
-        f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo" if link["kind"] == "sim" else "gloo, loopback"
+        f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo"
+        if link["kind"] == "sim"
+        else "gloo, loopback"
     )
     split = report.get("split")
     batching = (

@@ -44,12 +44,23 @@ class ModelSpec:
     rms_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k", "expert_size", "shared_size")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_experts",
+            "top_k",
+            "expert_size",
+            "shared_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
         if any(not 0 <= e < self.num_experts for e in self.blocked_experts):
             raise ValueError(f"model.blocked_experts must be in 0..{self.num_experts - 1}, got {self.blocked_experts}")
         if self.num_experts - len(set(self.blocked_experts)) < self.top_k:

@@ -151,7 +151,9 @@ class _Session:
             self.say(f"[{i}/{len(modes)}] {label}: {cfg.warmup} warm-up + {cfg.batches} measured batches ...")
             result = self._run_mode(label, pipelined, depth, extra)
             results.append(result)
-            self.say(f"[{i}/{len(modes)}] {label}: {result['wall_s'] * 1e3 / (cfg.batches * self.spec.num_layers):.2f} ms per layer")
+            self.say(
+                f"[{i}/{len(modes)}] {label}: {result['wall_s'] * 1e3 / (cfg.batches * self.spec.num_layers):.2f} ms per layer"
+            )
         mine = {
             "rank": self.rank,
             "role": self.role,
@@ -217,7 +219,17 @@ class _Session:
             diff = max(self._diff(b) for b in range(cfg.warmup + cfg.batches))
             self.owner.outputs.clear()
         spans = [
-            (s.name, s.stream_name, s.stream_id, s.item.layer_idx, s.item.stage_idx, s.item.seq, s.slot, s.start_ns, s.end_ns)
+            (
+                s.name,
+                s.stream_name,
+                s.stream_id,
+                s.item.layer_idx,
+                s.item.stage_idx,
+                s.item.seq,
+                s.slot,
+                s.start_ns,
+                s.end_ns,
+            )
             for s in trace.spans
             if s.item is not None
         ]

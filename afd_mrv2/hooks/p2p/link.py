@@ -146,7 +146,9 @@ class PeerLink:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait(self, pendings: Sequence[Pending], *, timeout_s: float, work: Work | None, action: str, option: str) -> None:
+    def wait(
+        self, pendings: Sequence[Pending], *, timeout_s: float, work: Work | None, action: str, option: str
+    ) -> None:
         """Wait until every operation completed; raise a :class:`PeerError` naming the peer otherwise.
 
         :param timeout_s: the deadline for all of them together.

@@ -90,7 +90,13 @@ def validate(got: Header, expected: Header, *, peer_name: str, what: str, max_to
         value, want = getattr(got, field), getattr(expected, field)
         if field == "tokens" and max_tokens is not None:
             if not 0 <= value <= max_tokens:
-                raise _bad(expected.src, field, f"expected 0..{max_tokens} (the per-stage capacity), got {value}", peer_name, what)
+                raise _bad(
+                    expected.src,
+                    field,
+                    f"expected 0..{max_tokens} (the per-stage capacity), got {value}",
+                    peer_name,
+                    what,
+                )
             continue
         if value != want:
             hint = " (not a torch_p2p v1 header: protocol mismatch or corrupted stream)" if field == "magic" else ""
@@ -107,7 +113,12 @@ def _show(field: str, value: int) -> str:
 
 
 def _bad(peer: int, field: str, detail: str, peer_name: str, what: str) -> ProtocolError:
-    return ProtocolError(f"malformed {what} header from {peer_name}: field {field!r} {detail}", peer=peer, peer_name=peer_name, field=field)
+    return ProtocolError(
+        f"malformed {what} header from {peer_name}: field {field!r} {detail}",
+        peer=peer,
+        peer_name=peer_name,
+        field=field,
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ _CONTEXT_OF_THREAD: dict[int, UBatchContext] = {}
 
 
 class UBatchContext:
-    def __init__(self, id, comm_stream, compute_stream, forward_context, ready_barrier, cpu_wait_event, cpu_signal_event):
+    def __init__(
+        self, id, comm_stream, compute_stream, forward_context, ready_barrier, cpu_wait_event, cpu_signal_event
+    ):
         self.id = id
         self.comm_stream = comm_stream
         self.compute_stream = compute_stream
@@ -50,8 +52,15 @@ def make_ubatch_contexts(
 ):
     events = [threading.Event() for _ in range(num_micro_batches)]
     return [
-        UBatchContext(i, comm_stream, compute_stream, forward_contexts[i], ready_barrier, events[i],
-                      events[(i + 1) % num_micro_batches])
+        UBatchContext(
+            i,
+            comm_stream,
+            compute_stream,
+            forward_contexts[i],
+            ready_barrier,
+            events[i],
+            events[(i + 1) % num_micro_batches],
+        )
         for i in range(num_micro_batches)
     ]
 

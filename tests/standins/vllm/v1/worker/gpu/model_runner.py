@@ -30,7 +30,9 @@ class GPUModelRunner:
         self.model_state = ("model-state", id(self))
         self.model = kwargs.get("model")
 
-    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, kv_cache_allocation_context=None) -> None:
+    def initialize_kv_cache(
+        self, kv_cache_config, is_profiling: bool = False, kv_cache_allocation_context=None
+    ) -> None:
         EVENTS.append("GPUModelRunner.initialize_kv_cache")
         self.kv_cache_config = kv_cache_config
         (self.attn_groups, _support) = ([["attn-group"]], None)
