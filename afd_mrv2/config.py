@@ -44,7 +44,7 @@ class MultistreamConfig:
         work item ``k``; a slot is reused only after its previous send completed,
         so three balanced phases need depth 3 to all overlap.  ``"auto"`` runs the
         first ``auto_window`` items at depth 8, measures their phase times, picks
-        the smallest depth the analytic model (:mod:`afd_mrv2.pipeline.model`)
+        the smallest depth the analytic model (:mod:`afd_mrv2.pipeline.schedule_model`)
         puts within 5 % of unbounded depth, logs the choice once, and keeps it.
     auto_window
         Work items measured before ``depth: "auto"`` decides (1..1024, default 8).

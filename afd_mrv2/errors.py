@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from afd_mrv2.pipeline.work import WorkItem
+    from afd_mrv2.items import WorkItem
 
 
 class AfdError(Exception):

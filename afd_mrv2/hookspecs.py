@@ -53,7 +53,7 @@ import pluggy
 if TYPE_CHECKING:
     from afd_mrv2.config import MultistreamConfig
     from afd_mrv2.devices.base import DeviceBackend, Stream
-    from afd_mrv2.pipeline.work import Work
+    from afd_mrv2.work import Work
 
 PROJECT_NAME = "afd_mrv2"
 

@@ -30,9 +30,10 @@ from typing import Any
 import pluggy
 
 from afd_mrv2 import hookspecs
-from afd_mrv2.config import AfdConfig
+from afd_mrv2.config import AfdConfig, MultistreamConfig
+from afd_mrv2.default_streams import DefaultStreams
+from afd_mrv2.devices.base import DeviceBackend, Stream
 from afd_mrv2.errors import PluginError
-from afd_mrv2.pipeline.streams import DefaultStreams
 
 ENTRY_POINT_GROUP = "afd_mrv2"
 PHASE_HOOKS = ("on_recv", "on_compute", "on_send")
@@ -77,6 +78,17 @@ class Plugins:
     @property
     def hook(self) -> Any:
         return self.manager.hook
+
+    def create_streams(
+        self, backend: DeviceBackend, roles: tuple[str, ...], config: MultistreamConfig
+    ) -> dict[str, Stream]:
+        """Call the ``create_streams`` hook and check it returned exactly ``roles``."""
+        streams = self.manager.hook.create_streams(backend=backend, roles=roles, config=config)
+        if not isinstance(streams, dict) or set(streams) != set(roles):
+            raise PluginError(
+                f"create_streams returned {streams!r}; expected a dict with exactly the keys {', '.join(roles)}"
+            )
+        return streams
 
 
 def new_manager() -> pluggy.PluginManager:
@@ -161,13 +173,18 @@ def plugins_for(connector: object, *, observers: Mapping[str, object] | None = N
     return Plugins(manager, name, connector, dict(observers or {}))
 
 
-def _factory(points: dict[str, importlib.metadata.EntryPoint], name: str, kind: str) -> Any:
+def require_installed(points: Mapping[str, importlib.metadata.EntryPoint], name: str, kind: str, *, key: str) -> None:
+    """Raise :class:`PluginError` naming ``key`` and the installed plugins of ``kind`` unless ``name`` is installed."""
     if name not in points:
         available = [n for n, k in installed().items() if k == kind]
         raise PluginError(
-            f"{kind} {name!r} is not installed (entry-point group {ENTRY_POINT_GROUP!r}); "
+            f"{key}: {kind} {name!r} is not installed (entry-point group {ENTRY_POINT_GROUP!r}); "
             f"installed {kind}s: {', '.join(available) or 'none'}"
         )
+
+
+def _factory(points: dict[str, importlib.metadata.EntryPoint], name: str, kind: str) -> Any:
+    require_installed(points, name, kind, key="afd.connector" if kind == "connector" else "afd.observers")
     try:
         factory = points[name].load()
     except Exception as exc:

@@ -28,8 +28,7 @@ from collections.abc import Callable, Mapping
 
 from afd_mrv2.compat import CompatRefused, Decision, check_runtime
 from afd_mrv2.config import AfdConfig, parse_afd_config
-from afd_mrv2.errors import PluginError
-from afd_mrv2.plugins import ENTRY_POINT_GROUP, entry_points, installed
+from afd_mrv2.plugins import entry_points, require_installed
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +61,7 @@ def validate(additional_config: object, *, gate: Gate | None = None) -> AfdConfi
     if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
         return None
     config = parse_afd_config(additional_config["afd"])
-    if config.connector not in entry_points():
-        connectors = [name for name, kind in installed().items() if kind == "connector"]
-        raise PluginError(
-            f"afd.connector: {config.connector!r} is not installed (entry-point group {ENTRY_POINT_GROUP!r}); "
-            f"installed connectors: {', '.join(connectors) or 'none'}"
-        )
+    require_installed(entry_points(), config.connector, "connector", key="afd.connector")
     decision = (gate or check_runtime)(required_capabilities(config))
     if not decision.accepted:
         raise CompatRefused(decision)

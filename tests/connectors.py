@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_mrv2 import hookimpl
-from afd_mrv2.pipeline import Work, WorkItem
+from afd_mrv2.items import WorkItem
+from afd_mrv2.work import Work
 
 
 def item_inputs(item: WorkItem, rows: int = 8, width: int = 32) -> torch.Tensor:

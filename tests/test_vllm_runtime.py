@@ -25,7 +25,7 @@ def test_contracts_pass_against_the_installed_vllm() -> None:
 def test_attention_runner_composes_over_the_real_platform_runner() -> None:
     from afd_mrv2.compat import check_runtime
     from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, attention_runner_class
-    from afd_mrv2.mrv2.ubatch import afd_ubatch_runner_class
+    from afd_mrv2.mrv2.ubatch_runner import afd_ubatch_runner_class
     from afd_mrv2.mrv2.upstream import load_upstream
 
     decision = check_runtime(("mrv2", "ubatch_runner"))

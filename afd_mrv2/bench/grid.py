@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from afd_mrv2.bench.overlap import ModeResult, calibrated_compute, run_mode
 from afd_mrv2.pipeline.metrics import stage_times
-from afd_mrv2.pipeline.model import SERIALIZED, PhaseTimes, choose_depth, predict_makespan
+from afd_mrv2.pipeline.schedule_model import SERIALIZED, PhaseTimes, choose_depth, predict_makespan
 
 
 @dataclass(frozen=True)

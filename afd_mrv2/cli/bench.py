@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 
-from afd_mrv2.cli.table import format_table
+from afd_mrv2.table import format_table
 
 BEST_NOISE = 0.02
 

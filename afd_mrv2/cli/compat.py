@@ -12,8 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from afd_mrv2.cli.table import format_table
 from afd_mrv2.errors import AfdError
+from afd_mrv2.table import format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from afd_mrv2.cli.table import format_table
+from afd_mrv2.table import format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_npu(args: argparse.Namespace) -> int:
-    from afd_mrv2.probe.evidence import Evidence
+    from afd_mrv2.hooks.cam.evidence import Evidence
     from afd_mrv2.probe.npu import NoNpu, run_probe
 
     if args.window_ms <= 0 or not 1 <= args.port <= 65535:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from afd_mrv2.pipeline.work import WorkItem
+    from afd_mrv2.items import WorkItem
 
 
 @dataclass(eq=False)

@@ -33,8 +33,9 @@ import torch
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
-from afd_mrv2.pipeline.work import Work, WorkItem
+from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.work import Work
 
 _SLEEP_CHUNK_S = 0.05  # re-check cancellation at least this often
 

@@ -2,7 +2,7 @@
 
 * :mod:`~afd_mrv2.mrv2.upstream`: the typed adapter holding the upstream classes used
   (resolved once, from the compat decision's platform);
-* :mod:`~afd_mrv2.mrv2.ubatch`: the UBatchRunner subclass whose comm/capture streams
+* :mod:`~afd_mrv2.mrv2.ubatch_runner`: the UBatchRunner subclass whose comm/capture streams
   come from the ``create_streams`` hook;
 * :mod:`~afd_mrv2.mrv2.exchange`: per-microbatch AFD transfers as executor work items;
 * :mod:`~afd_mrv2.mrv2.runner`: the Attention-side runner class factory;

@@ -2,7 +2,7 @@
 
 On the Attention side a model layer hands its hidden states to
 :meth:`UBatchExchange.exchange` at each AFD point; the exchange turns the call into
-one :class:`~afd_mrv2.pipeline.work.WorkItem` ``(layer, microbatch, seq)`` and runs it
+one :class:`~afd_mrv2.work.WorkItem` ``(layer, microbatch, seq)`` and runs it
 through the executor, whose connector hooks (``on_recv`` -> ``on_compute`` ->
 ``on_send``) do the transfer on the executor's streams.  The connector reaches the
 data through two resources (the contract ``simlink`` documents):
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from afd_mrv2.pipeline.work import WorkItem
+from afd_mrv2.items import WorkItem
 
 
 class UBatchExchange:

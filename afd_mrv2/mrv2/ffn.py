@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 
+from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.pipeline.work import WorkItem
 
 
 class FfnLoop:

@@ -34,18 +34,18 @@ from typing import Any
 
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.devices import DeviceBackend, Stream, make_backend
-from afd_mrv2.errors import ConfigError, PipelineError
+from afd_mrv2.errors import ConfigError, PipelineError, PluginError
+from afd_mrv2.items import WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
-from afd_mrv2.mrv2.ubatch import UBATCH_ROLES, afd_ubatch_runner_class
+from afd_mrv2.mrv2.ubatch_runner import UBATCH_ROLES, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.pipeline.work import WorkItem
 from afd_mrv2.plugins import Plugins, load_plugins
 from afd_mrv2.vllm_plugin import Gate, validate
 
 
 @dataclass
-class AttentionSide:
+class AttentionAfd:
     """What the Attention runner owns for AFD once its KV cache exists."""
 
     config: AfdConfig
@@ -56,7 +56,7 @@ class AttentionSide:
     ubatch_streams: dict[str, Stream]
 
     @classmethod
-    def build(cls, config: AfdConfig, upstream: Upstream, compute: Callable[[WorkItem, Any], Any]) -> AttentionSide:
+    def build(cls, config: AfdConfig, upstream: Upstream, compute: Callable[[WorkItem, Any], Any]) -> AttentionAfd:
         exchange = UBatchExchange(upstream.current_ubatch_id)
         plugins = load_plugins(config, resources=exchange.resources())
         backend = make_backend(config.multistream.backend)
@@ -64,12 +64,11 @@ class AttentionSide:
         exchange.bind(executor)
         ms = config.multistream
         stream_config = ms if ms.active_for("attention") else replace(ms, enabled=False)
-        streams = plugins.hook.create_streams(backend=backend, roles=UBATCH_ROLES, config=stream_config)
-        if not isinstance(streams, dict) or set(streams) != set(UBATCH_ROLES):
+        try:
+            streams = plugins.create_streams(backend, UBATCH_ROLES, stream_config)
+        except PluginError as exc:
             executor.close(0.0)
-            raise PipelineError(
-                f"create_streams returned {streams!r}; expected exactly the keys {', '.join(UBATCH_ROLES)}"
-            )
+            raise PipelineError(str(exc)) from None
         return cls(config, plugins, backend, executor, exchange, streams)
 
     def close(self, deadline_s: float | None = None) -> CloseReport:
@@ -87,7 +86,7 @@ class AfdAttentionRunnerMixin:
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
         self.afd_config: AfdConfig | None = config
-        self.afd: AttentionSide | None = None
+        self.afd: AttentionAfd | None = None
         super().__init__(vllm_config, device, *args, **kwargs)
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
@@ -97,7 +96,7 @@ class AfdAttentionRunnerMixin:
         if self.afd is not None:  # re-initialisation: the old executor's streams go with it
             self.afd.close()
         upstream = type(self)._afd_upstream
-        self.afd = AttentionSide.build(self.afd_config, upstream, self.afd_compute)
+        self.afd = AttentionAfd.build(self.afd_config, upstream, self.afd_compute)
         built = self.ubatch_runner  # type: ignore[has-type]
         if built is not None:
             cls = afd_ubatch_runner_class(upstream.ubatch_runner)

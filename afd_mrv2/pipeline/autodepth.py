@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from afd_mrv2.devices.base import Span
 from afd_mrv2.pipeline.metrics import stage_times
-from afd_mrv2.pipeline.model import PhaseTimes, choose_depth, median_phase_times
+from afd_mrv2.pipeline.schedule_model import PhaseTimes, choose_depth, median_phase_times
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,14 @@ from dataclasses import dataclass, field, replace
 
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices.base import DeviceBackend, Event, Span, Stream
-from afd_mrv2.errors import PipelineAborted, PipelineError
+from afd_mrv2.errors import PipelineAborted, PipelineError, PluginError
 from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
 from afd_mrv2.pipeline.events import EventPool
-from afd_mrv2.pipeline.streams import EXECUTOR_ROLES
 from afd_mrv2.pipeline.trace import Trace
-from afd_mrv2.pipeline.work import Slot, SlotEvents, Work, WorkItem
 from afd_mrv2.plugins import Plugins
+from afd_mrv2.work import Slot, SlotEvents, Work
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Executor:
         self.backend = backend
         self.trace = trace
         self._compute = compute
+        self._plugins = plugins
         hook = plugins.hook
         self._hook = hook
         self._phase_hooks: dict[str, Callable[..., object]] = {
@@ -138,12 +139,10 @@ class Executor:
     # ------------------------------------------------------------------ set-up
 
     def _create_streams(self, config: MultistreamConfig) -> dict[str, Stream]:
-        streams = self._hook.create_streams(backend=self.backend, roles=EXECUTOR_ROLES, config=config)
-        if not isinstance(streams, dict) or set(streams) != set(EXECUTOR_ROLES):
-            raise PipelineError(
-                f"create_streams returned {streams!r}; expected a dict with exactly the keys {', '.join(EXECUTOR_ROLES)}"
-            )
-        return streams
+        try:
+            return self._plugins.create_streams(self.backend, PHASES, config)
+        except PluginError as exc:
+            raise PipelineError(str(exc)) from None
 
     # ------------------------------------------------------------------ public API
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from afd_mrv2.devices.base import Span
-from afd_mrv2.pipeline.work import PHASES
+from afd_mrv2.items import PHASES
 
 COMM_PHASES = ("recv", "send")
 

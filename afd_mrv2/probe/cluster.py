@@ -19,8 +19,8 @@ import torch
 
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import DeviceBackend, make_backend
-from afd_mrv2.hooks.cam_common import TEST_OPS_RESOURCE
-from afd_mrv2.hooks.cam_ops import OpSet
+from afd_mrv2.hooks.cam.common import TEST_OPS_RESOURCE
+from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.toy import ToyAttention, ToyMoE, camasync_ffn, camp2p_ffn

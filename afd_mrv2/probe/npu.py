@@ -19,7 +19,7 @@ serialized and multistream (with the stream behaviour just found), and the
 outputs are compared.  Rank 0 writes the evidence file that
 ``connector_extra_config.stream_evidence`` accepts.
 
-Status: written against the operator contracts of ``afd_mrv2.hooks.camp2p`` and
+Status: written against the operator contracts of ``afd_mrv2.hooks.cam.camp2p`` and
 ``camasync``; it has not run on an NPU in this repository (no hardware).  The
 CPU tests cover the connectors, the comparison harness and the evidence format.
 """
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from afd_mrv2.probe.evidence import Evidence, OpEvidence, StreamBehaviour
+from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 
 H, K, T = 128, 2, 16
 OPTIONAL_LIBRARIES = ("umdk_cam_op_lib",)
@@ -297,8 +297,8 @@ def _compare(me: _Rank, connector: str, evidence_path: str) -> dict[str, Any]:
 
 def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
     """One probe process; :func:`run_probe` spawns two."""
-    from afd_mrv2.hooks import camasync, camp2p
-    from afd_mrv2.hooks.cam_ops import installed_versions, resolve_torch_ops
+    from afd_mrv2.hooks.cam import camasync, camp2p
+    from afd_mrv2.hooks.cam.ops import installed_versions, resolve_torch_ops
 
     for library in OPTIONAL_LIBRARIES:
         if importlib.util.find_spec(library) is not None:

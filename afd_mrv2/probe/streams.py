@@ -4,7 +4,7 @@ The question: when the caller's stream has passed an operator call, is the
 operator's effect (outputs written, data handed to the peer) complete?  If the
 operator enqueues on the caller's current stream, yes: stream order covers it.
 If not, it ran (or still runs) elsewhere and needs the fence of
-:mod:`afd_mrv2.hooks.cam_ops`.
+:mod:`afd_mrv2.hooks.cam.ops`.
 
 :func:`classify_late` is the check for backends whose streams run host code (the
 host backend, the CPU doubles): call the operator on a probe stream, record an
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from afd_mrv2.devices.base import DeviceBackend
-from afd_mrv2.probe.evidence import StreamBehaviour
+from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 
 Check = Callable[[], bool]
 

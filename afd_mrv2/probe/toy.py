@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_mrv2.hooks.cam_common import CamModelSpec
-from afd_mrv2.hooks.camasync_state import CamAsyncDispatch, CamAsyncFfnBatch, CamAsyncFfnOutput
-from afd_mrv2.pipeline.work import WorkItem
+from afd_mrv2.hooks.cam.camasync_state import CamAsyncDispatch, CamAsyncFfnBatch, CamAsyncFfnOutput
+from afd_mrv2.hooks.cam.common import CamModelSpec
+from afd_mrv2.items import WorkItem
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd_mrv2.pipeline.work import WorkItem
-from afd_mrv2.reference.batches import Stage, concat
+from afd_mrv2.items import WorkItem
+from afd_mrv2.reference.batches import StageBatch, concat
 from afd_mrv2.reference.forward import attention_step, embed, final_norm
 from afd_mrv2.reference.kvcache import KvCache
 from afd_mrv2.reference.layers import moe_partial
@@ -60,7 +60,7 @@ class AttentionOwner:
     spec: ModelSpec
     weights: Weights
     schedule: Schedule
-    batches: dict[int, list[Stage]]
+    batches: dict[int, list[StageBatch]]
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     expert_tokens: torch.Tensor = field(init=False)  # [E]: tokens that selected each expert
     routed_tokens: int = 0

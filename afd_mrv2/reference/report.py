@@ -21,11 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from afd_mrv2.cli.table import format_table
 from afd_mrv2.devices.base import Span
+from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.trace import Trace, write_chrome_trace
-from afd_mrv2.pipeline.work import WorkItem
 from afd_mrv2.reference.runconfig import RunConfig
+from afd_mrv2.table import format_table
 from afd_mrv2.topology import ATTENTION
 
 

@@ -1,9 +1,9 @@
 """Test doubles of the Ascend CAM operators (pure torch, CPU).  Test code only.
 
 Nothing in afd-mrv2 selects these by default: a connector uses them only when
-the embedding code passes an :class:`~afd_mrv2.hooks.cam_ops.OpSet` built here
+the embedding code passes an :class:`~afd_mrv2.hooks.cam.ops.OpSet` built here
 as the runtime resource ``cam_test_ops`` (the explicit test switch, see
-:mod:`afd_mrv2.hooks.cam_common`).  Resources come from code, never from the
+:mod:`afd_mrv2.hooks.cam.common`).  Resources come from code, never from the
 ``afd`` configuration, so a deployment cannot pick a double by mistake.
 
 * :mod:`cam_fabric`: the transport underneath (in-process mailboxes between the

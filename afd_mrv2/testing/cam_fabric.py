@@ -13,7 +13,7 @@ layer), so doubles reorder only what the real operators may reorder.
 its work: a thread that runs each effect after ``lag_s``.  The call returns at
 once, so the effect completes *after* the caller's stream has moved on, which is
 what an operator on another device stream looks like to the executor.  It is
-also that operator's :class:`~afd_mrv2.hooks.cam_ops.HomeStream`: the fence's
+also that operator's :class:`~afd_mrv2.hooks.cam.ops.HomeStream`: the fence's
 "after" step drains it.
 """
 

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from afd_mrv2.hooks.cam_ops import BoundOp, OpCapability, OpSet
-from afd_mrv2.probe.evidence import Evidence, StreamBehaviour
+from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
+from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, OpSet
 from afd_mrv2.testing.cam_fabric import Fabric, ForeignWorker
 
 

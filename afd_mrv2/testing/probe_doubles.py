@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from afd_mrv2.devices import HostBackend
-from afd_mrv2.probe.evidence import Evidence, OpEvidence, StreamBehaviour
+from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 from afd_mrv2.probe.streams import Check, classify_late
 from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
 from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.pipeline.work import WorkItem
+from afd_mrv2.items import WorkItem
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ import torch
 
 from afd_mrv2.cli import main
 from afd_mrv2.cli.probe import EXIT_NO_NPU
+from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
 from afd_mrv2.probe import npu as probe_npu
-from afd_mrv2.probe.evidence import Evidence, StreamBehaviour
 
 
 def test_console_script_without_npu(tmp_path) -> None:

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from afd_mrv2.devices import HostBackend, RecordingBackend
-from afd_mrv2.hooks import cam_common, cam_ops, camasync, camp2p
+from afd_mrv2.hooks.cam import camasync, camp2p
+from afd_mrv2.hooks.cam import common as cam_common
+from afd_mrv2.hooks.cam import ops as cam_ops
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
-
-from .harness import assert_matches_reference, run
+from tests.hooks.cam.harness import assert_matches_reference, run
 
 
 class Counting:

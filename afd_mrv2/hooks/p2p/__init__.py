@@ -1,4 +1,4 @@
-"""Building blocks of the ``torch_p2p`` connector (:mod:`afd_mrv2.hooks.torch_p2p`).
+"""Building blocks of the ``torch_p2p`` connector (:mod:`afd_mrv2.hooks.p2p.torch_p2p`).
 
 * :mod:`~afd_mrv2.hooks.p2p.wire`: tags, the typed control header, payload layouts;
 * :mod:`~afd_mrv2.hooks.p2p.link`: ``PeerLink``, posted operations waited on with

@@ -40,8 +40,8 @@ from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
-from afd_mrv2.pipeline.work import Work
 from afd_mrv2.topology import FFN
+from afd_mrv2.work import Work
 
 _SLICE_S = 0.05
 

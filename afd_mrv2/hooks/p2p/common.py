@@ -35,7 +35,7 @@ from afd_mrv2.errors import ConfigError
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
-from afd_mrv2.pipeline.work import Work
+from afd_mrv2.work import Work
 
 OPTION_KEYS = ("recv_timeout_s", "send_timeout_s", "sim_latency_us", "sim_bandwidth_gbps", "max_tokens")
 

@@ -28,8 +28,8 @@ from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hookspecs import ComputeFn
-from afd_mrv2.pipeline.work import Work
 from afd_mrv2.topology import ATTENTION
+from afd_mrv2.work import Work
 
 
 @dataclass

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
-from afd_mrv2.pipeline.work import Work
 from afd_mrv2.topology import Topology
+from afd_mrv2.work import Work
 
 _SLICE_S = 0.05  # how often a wait re-checks cancellation, peers and its deadline
 

@@ -1,0 +1,29 @@
+"""The default ``create_streams`` implementation, registered by afd-mrv2 itself."""
+
+from __future__ import annotations
+
+from afd_mrv2.config import MultistreamConfig
+from afd_mrv2.devices.base import DeviceBackend, Stream
+from afd_mrv2.hookspecs import hookimpl
+
+
+class DefaultStreams:
+    """Registered by afd-mrv2 itself; runs after every other ``create_streams``."""
+
+    @hookimpl(trylast=True)
+    def create_streams(
+        self, backend: DeviceBackend, roles: tuple[str, ...], config: MultistreamConfig
+    ) -> dict[str, Stream]:
+        if not config.enabled:
+            serial = backend.current_stream("serial")
+            return {role: serial for role in roles}
+        streams: dict[str, Stream] = {}
+        compute: Stream | None = None
+        if "compute" in roles or any(r in roles and r not in config.phases for r in ("recv", "send")):
+            compute = backend.current_stream("compute")
+        for role in roles:
+            if role == "compute" or (role in ("recv", "send") and role not in config.phases):
+                streams[role] = compute  # type: ignore[assignment]
+            else:
+                streams[role] = backend.new_stream(role)
+        return streams

@@ -1,0 +1,330 @@
+"""``camasync``: the Ascend CAM async connector (``torch.ops.umdk_cam_op_lib``) as hooks.
+
+Only operator invocation and transfer state are CAMAsync-specific; streams,
+events, slots, ordering and cleanup are the shared executor's.
+
+Operator contract (argument order as afd-plugin calls them)::
+
+    async_dispatch_send(x, topk_ids, comm_args, comm_id, max_seq_len, batch_size,
+        hidden_size, topk, ffn_size, attn_size, expert_per_rank, rank, world_size,
+        layer_idx, tp_size, dynamic_quant, group_name)
+    async_dispatch_recv(placeholder, comm_args, comm_id, batch_size, hidden_size, topk,
+        ffn_size, attn_size, expert_per_rank, rank, world_size, tp_size,
+        dynamic_quant, group_name) -> (expand_x, expand_x_shared, dynamic_scales,
+        dynamic_scales_shared, token_nums_rankid_layeridx, expert_token_nums,
+        expert_token_nums_shared)
+    async_combine_send(routed_out, shared_out, comm_args, token_nums_rankid_layeridx,
+        comm_id, batch_size, hidden_size, topk, ffn_size, attn_size, expert_per_rank,
+        rank, world_size, tp_size, group_name)
+    async_combine_recv(placeholder, topk_ids, topk_weights, comm_args, comm_id,
+        batch_size, hidden_size, topk, ffn_size, attn_size, expert_per_rank, rank,
+        world_size, group_name) -> combined (batch_size, hidden_size)
+
+World ranks are attention first (``0..A-1``), then FFN (``A..A+F-1``).  The
+dispatch payload carries its own metadata: ``token_nums_rankid_layeridx`` =
+(source tokens, source rank, layer); ``expert_token_nums`` = rows per local
+expert; ``expert_token_nums_shared[0]`` = shared-expert rows.  Outputs are sized
+to capacity and sliced to those counts, which needs them on the host: the one
+host read of this connector (a D2H copy on the recv stream, not a device-wide
+synchronize).  With ``dynamicQuant = 1`` routed and shared activations arrive as
+int8 with per-row scales; compute gets them dequantized.
+
+Hooks per role (work item ``(L, s)``):
+
+* FFN: recv = async_dispatch_recv until the payload of (L, s) arrived (earlier
+  arrivals of other (layer, stage) wait in a pending FIFO keyed by (layer, stage);
+  a payload's stage is its ordinal among the (source, layer) arrivals), compute =
+  ``compute(item, CamAsyncFfnBatch) -> CamAsyncFfnOutput``, send =
+  async_combine_send.  A rank that received no routed tokens sends a one-row
+  zero placeholder: CAM combine-send cannot take an empty (or int8) routed output.
+* attention: recv = async_combine_recv of (L-1, s) with that dispatch's top-k ids
+  and weights from the pending FIFO (layer 0: resource ``source``), compute =
+  ``compute(item, hidden) -> CamAsyncDispatch`` (the last item returns a
+  tensor for ``sink``), send = async_dispatch_send of (L, s).
+
+Resources: ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` /
+``sink`` (attention), ``device`` (optional).  Options: ``dynamicQuant`` (0|1),
+``attn_ranks_per_dp`` (CAM's TP width), ``comm_id``, ``max_seq_len``,
+``stream_evidence``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from afd_mrv2.devices.base import Stream
+from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.hooks.cam.camasync_state import (
+    OPS,
+    AFDAsyncTransferState,
+    CamAsyncDispatch,
+    CamAsyncFfnBatch,
+    CamAsyncFfnOutput,
+    CamAsyncOps,
+    dequantize,
+)
+from afd_mrv2.hooks.cam.common import CamConnectorBase, options, wait_until_idle
+from afd_mrv2.hooks.cam.evidence import StreamBehaviour
+from afd_mrv2.hooks.cam.ops import OpSet
+from afd_mrv2.hookspecs import ComputeFn, hookimpl
+from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
+from afd_mrv2.work import Work
+
+NAME = "camasync"
+NAMESPACE = "umdk_cam_op_lib"
+KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
+_MOVED = {k: "afd.async_moe" for k in ("async_moe_ubatching", "async_moe_num_ubatches", "async_moe_split")}
+
+
+@dataclass
+class _Slot:
+    transfer: AFDAsyncTransferState | None = None
+    inputs: object = None
+    outputs: object = None
+    placeholder: torch.Tensor | None = None
+
+
+class CamAsyncConnector(CamConnectorBase):
+    """See the module docstring."""
+
+    name = NAME
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        config = self.config
+        opts = options(config, ("dynamicQuant", "attn_ranks_per_dp", "comm_id", "max_seq_len"), _MOVED)
+        self.dynamic_quant = opts.integer("dynamicQuant", 0, low=0, high=1)
+        self.tp_size = opts.integer("attn_ranks_per_dp", 1, low=1, high=1 << 10)
+        self.comm_id = opts.integer("comm_id", 0, low=0, high=1 << 16)
+        self.max_seq_len = opts.integer("max_seq_len", 8192, low=1, high=1 << 24)
+        if not config.async_mode:
+            raise ConfigError(
+                "afd.async", "CAMAsync carries its metadata in the CAM payload and needs async DP; expected true"
+            )
+        if not config.compute_gate_on_attention:
+            raise ConfigError(
+                "afd.compute_gate_on_attention", "CAMAsync dispatches routed tokens from attention; expected true"
+            )
+        self.stages = config.async_moe.stages
+        self._check_stages(self.stages, "afd.async_moe.num_stages")
+        if self.role == "attention":
+            check_attention_depth(config.multistream.depth, self.stages, pipelined=self.pipelined)
+        self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
+        self.world_size = self.num_attention + self.num_ffn
+        self.world_rank = self.role_rank if self.role == "attention" else self.num_attention + self.role_rank
+        self.expert_per_rank = -(-self.model.num_experts // self.num_ffn)
+        self.group_name = context.resource("cam_group")
+        self.device = torch.device(context.resources.get("device", "cpu"))
+        self.comm_args = torch.empty((1,), dtype=torch.float16, device=self.device)
+        self._recv_placeholder = torch.empty((1,), dtype=self.model.dtype, device=self.device)
+        self.ops: OpSet = self._ops(
+            context,
+            namespace=NAMESPACE,
+            known=KNOWN,
+            install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
+            recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),
+            send=("async_combine_send",) if self.role == "ffn" else ("async_dispatch_send",),
+        )
+        self.cam = CamAsyncOps.of(self.ops)
+        limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
+        self._dispatched: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+            "camasync dispatches awaiting combine", limit=limit
+        )
+        self._arrived: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+            "camasync arrivals ahead of the schedule", limit=limit
+        )
+        self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
+        #: observability: arrivals parked ahead of the schedule, placeholder rows sent
+        self.stats = {"parked": 0, "placeholders": 0}
+
+    def _common(self) -> tuple[int, int, int, int, int]:
+        return self.num_ffn, self.num_attention, self.expert_per_rank, self.world_rank, self.world_size
+
+    # ------------------------------------------------------------------ FFN side
+
+    def _receive(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
+        m = self.model
+        out = self.cam.dispatch_recv(
+            stream,
+            self._recv_placeholder,
+            self.comm_args,
+            self.comm_id,
+            self.max_seq_len,
+            m.hidden_size,
+            m.topk,
+            *self._common(),
+            self.tp_size,
+            self.dynamic_quant,
+            self.group_name,
+        )
+        expand_x, shared, scales, scales_shared, header, expert_counts, shared_counts = out
+        wait_until_idle(stream, work)
+        batch, src, layer = (int(v) for v in header[:3].tolist())  # the connector's one host read
+        routed, num_shared = int(expert_counts.sum().item()), int(shared_counts[0].item())
+        if src < 0 or not 0 <= routed <= expand_x.shape[0] or not 0 <= num_shared <= shared.shape[0]:
+            raise PluginError(
+                f"camasync: dispatch_recv returned an inconsistent header {header.tolist()} ({routed} routed rows)"
+            )
+        stage = self._ordinal[(src, layer)] % self.stages
+        self._ordinal[(src, layer)] += 1
+        return AFDAsyncTransferState(
+            batch_size=self.max_seq_len,
+            hidden_size=m.hidden_size,
+            topk=m.topk,
+            layer_idx=layer,
+            stage_idx=stage,
+            source_rank=src,
+            source_tokens=batch,
+            num_routed=routed,
+            num_shared=num_shared,
+            expand_x=expand_x[:routed],
+            token_nums_rankid_layeridx=header,
+            expert_token_nums_shared=shared_counts,
+            group_list=expert_counts,
+            dynamic_scales=None if scales is None else scales[:routed],
+            expand_x_shared=shared[:num_shared],
+            dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared],
+        )
+
+    def _ffn_recv(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
+        want = StageKey(work.item.layer_idx, work.item.stage_idx)
+        while True:
+            state = self._arrived.pop_or_none(want)
+            if state is not None:
+                return state
+            work.raise_if_cancelled()
+            state = self._receive(work, stream)
+            if StageKey(state.layer_idx, state.stage_idx) == want:
+                return state
+            self._arrived.push(StageKey(state.layer_idx, state.stage_idx), state)
+            self.stats["parked"] += 1
+
+    # ------------------------------------------------------------------ hooks
+
+    @hookimpl
+    def on_recv(self, work: Work, stream: Stream) -> None:
+        slot = work.slot.state = work.slot.state or _Slot()
+        item = work.item
+        if self.role == "ffn":
+            slot.transfer = self._ffn_recv(work, stream)
+            return
+        if item.layer_idx == 0:
+            slot.transfer, slot.inputs = None, self.source(item)
+            return
+        sent = self._dispatched.pop(StageKey(item.layer_idx - 1, item.stage_idx))
+        slot.transfer = sent
+        placeholder = sent.reference.new_empty((1,))
+        slot.inputs = self.cam.combine_recv(
+            stream,
+            placeholder,
+            sent.topk_ids,
+            sent.topk_weights,
+            self.comm_args,
+            self.comm_id,
+            sent.batch_size,
+            sent.hidden_size,
+            sent.topk,
+            *self._common(),
+            self.group_name,
+        )
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        slot: _Slot = work.slot.state
+        if self.role == "attention":
+            slot.outputs = compute(work.item, slot.inputs)
+            return
+        s = slot.transfer
+        dtype = self.model.dtype
+        batch = CamAsyncFfnBatch(
+            s.layer_idx,
+            dequantize(s.expand_x, s.dynamic_scales, dtype),
+            s.group_list[: self.expert_per_rank],
+            dequantize(s.expand_x_shared, s.dynamic_scales_shared, dtype),
+        )
+        out = compute(work.item, batch)
+        if not isinstance(out, CamAsyncFfnOutput) or out.routed.shape[0] != s.num_routed:
+            raise PluginError(f"camasync: FFN compute must return CamAsyncFfnOutput with {s.num_routed} routed rows")
+        if out.shared is not None and out.shared.shape[0] != s.num_shared:
+            raise PluginError(f"camasync: FFN compute returned {out.shared.shape[0]} shared rows for {s.num_shared}")
+        slot.outputs = out
+
+    @hookimpl
+    def on_send(self, work: Work, stream: Stream) -> None:
+        slot: _Slot = work.slot.state
+        item = work.item
+        if self.role == "ffn":
+            s, out = slot.transfer, slot.outputs
+            routed = out.routed
+            if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
+                if slot.placeholder is None or slot.placeholder.dtype != routed.dtype:
+                    slot.placeholder = routed.new_zeros((1, s.hidden_size))
+                routed = slot.placeholder
+                self.stats["placeholders"] += 1
+            shared = out.shared if out.shared is not None and s.num_shared else routed
+            self.cam.combine_send(
+                stream,
+                routed,
+                shared,
+                self.comm_args,
+                s.token_nums_rankid_layeridx,
+                self.comm_id,
+                s.batch_size,
+                s.hidden_size,
+                s.topk,
+                *self._common(),
+                self.tp_size,
+                self.group_name,
+            )
+            return
+        if item.layer_idx == self.model.num_layers:
+            self.sink(item, slot.outputs)
+            return
+        out = slot.outputs
+        if not isinstance(out, CamAsyncDispatch):
+            raise PluginError(f"camasync: attention compute for layer {item.layer_idx} must return CamAsyncDispatch")
+        batch, m = out.hidden_states.shape[0], self.model
+        if batch > self.max_seq_len:
+            raise PluginError(f"camasync: {batch} tokens exceed max_seq_len {self.max_seq_len}")
+        for name, t in (("topk_ids", out.topk_ids), ("topk_weights", out.topk_weights)):
+            if tuple(t.shape) != (batch, m.topk):
+                raise PluginError(f"camasync: {name} shape must be ({batch}, {m.topk}), got {tuple(t.shape)}")
+        state = AFDAsyncTransferState(
+            batch_size=batch,
+            hidden_size=m.hidden_size,
+            topk=m.topk,
+            layer_idx=item.layer_idx,
+            stage_idx=item.stage_idx,
+            source_rank=self.world_rank,
+            topk_ids=out.topk_ids,
+            topk_weights=out.topk_weights,
+            reference=out.hidden_states,
+        )
+        self._dispatched.push(StageKey(item.layer_idx, item.stage_idx), state)
+        self.cam.dispatch_send(
+            stream,
+            out.hidden_states,
+            out.topk_ids,
+            self.comm_args,
+            self.comm_id,
+            self.max_seq_len,
+            batch,
+            m.hidden_size,
+            m.topk,
+            *self._common(),
+            item.layer_idx,
+            self.tp_size,
+            self.dynamic_quant,
+            self.group_name,
+        )
+
+    @hookimpl
+    def on_cleanup(self, work: Work, error: BaseException) -> None:
+        del error
+        work.slot.state = None
+        self._dispatched.clear()
+        self._arrived.clear()

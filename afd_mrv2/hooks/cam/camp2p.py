@@ -1,0 +1,294 @@
+"""``camp2p``: the Ascend CAMP2P connector (``torch.ops.afd_ascend.a2e`` / ``e2a``) as hooks.
+
+Only operator invocation and transfer state are CAMP2P-specific; streams,
+events, slots, ordering and cleanup are the shared executor's.
+
+Operator contract (learned from afd-plugin ``csrc/npu/torch_extension``)::
+
+    a2e(x, expert_ids?, scales?, batch_size, hidden_size, topk, expert_rank_size,
+        attention_rank_size, rank, group_ep, aiv_num, compute_gate) -> [expand_x,
+        simulate_expert_ids, simulate_expert_scales, atten_batch_size, x_active_mask]
+    e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size,
+        attention_rank_size, rank, group_ep, aiv_num) -> x_out
+
+World ranks are FFN first (``0..F-1``), then attention (``F..F+A-1``); FFN rank
+``r`` serves attention ranks ``r*g .. r*g+g-1`` (``g = A/F``).  An attention rank
+calls a2e to send its hidden states and e2a to receive the FFN output; an FFN
+rank calls a2e to receive (``atten_batch_size``: rows per attention rank) and e2a
+to send back.  Both launch through ``EXEC_NPU_CMD``, i.e. on the caller's current
+NPU stream (``c10_npu::getCurrentNPUStream``): stream order covers them.
+
+Stages and HCCL groups: each stage (ubatch) has its own HCCL group, so the two
+stages' transfers never mix; :func:`select_group` maps stage -> group name.
+
+Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.ubatch.pairing`):
+
+* FFN: recv = a2e (layer L, stage s), compute = ``compute(item, hidden) -> out``
+  (rows = real tokens), send = e2a.
+* attention: recv = e2a of layer L-1 (layer 0: resource ``source``), compute =
+  ``compute(item, hidden) -> hidden`` (layer L's attention), send = a2e of
+  layer L (the last item hands its output to resource ``sink``).
+
+Resources: ``model`` (:class:`CamModelSpec`), ``role_rank``, ``hccl_groups``
+(one comm name per stage), ``ffn_ep_group`` (FFN, optional),
+``stage_token_counts`` (FFN: ``item -> tokens per attention rank``),
+``source`` / ``sink`` (attention), ``device`` (optional, default CPU).
+Options (``connector_extra_config``): ``core_num``, ``attn_core_num``,
+``ffn_core_num``, ``quant_mode`` (0 only), ``stream_evidence``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from afd_mrv2.devices.base import Stream
+from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.hooks.cam.common import CamConnectorBase, options
+from afd_mrv2.hooks.cam.evidence import StreamBehaviour
+from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
+from afd_mrv2.hookspecs import ComputeFn, hookimpl
+from afd_mrv2.items import WorkItem
+from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
+from afd_mrv2.work import Work
+
+NAME = "camp2p"
+NAMESPACE = "afd_ascend"
+OPS = ("a2e", "e2a")
+_SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"
+KNOWN = {name: (StreamBehaviour.CURRENT, _SOURCE_BASIS) for name in OPS}
+
+
+@dataclass(frozen=True)
+class CamP2POps:
+    """The two CAMP2P operators, typed: ``ops.a2e(stream, *args)`` / ``ops.e2a(stream, *args)``."""
+
+    a2e: BoundOp
+    e2a: BoundOp
+
+    @classmethod
+    def of(cls, ops: OpSet) -> CamP2POps:
+        return cls(ops["a2e"], ops["e2a"])
+
+
+@dataclass
+class CAMP2PTransferState:
+    """What a2e returns that e2a needs, per (layer, stage) transfer.
+
+    ``aiv_num``, ``batch_size``, ``h`` and ``k`` size both operators;
+    ``atten_batch_size`` (rows per attention rank, from a2e) tells e2a how to
+    split the FFN output back; ``x_active_mask`` marks real rows;
+    ``cam_p2p_ep_name`` is the FFN's expert-parallel HCCL group; ``group_ep`` the
+    stage's AFD group the transfer used (e2a must use the same one).
+    """
+
+    layer_idx: int
+    stage_idx: int
+    group_ep: str
+    aiv_num: int
+    batch_size: int
+    h: int
+    k: int
+    atten_batch_size: torch.Tensor | None = None
+    x_active_mask: torch.Tensor | None = None
+    cam_p2p_ep_name: str | None = None
+    reference: torch.Tensor | None = None  # attention: the dispatched hidden states (e2a's shape reference)
+
+
+@dataclass
+class _Slot:
+    transfer: CAMP2PTransferState | None = None
+    inputs: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+    num_real: int = 0
+
+
+def select_group(stage_idx: int, groups: Sequence[str]) -> str:
+    """The HCCL group of ``stage_idx``: one group per stage, so stages never share a FIFO."""
+    if not 0 <= stage_idx < len(groups):
+        raise PluginError(
+            f"camp2p: stage {stage_idx} has no HCCL group (groups for stages 0..{len(groups) - 1}: {list(groups)})"
+        )
+    return groups[stage_idx]
+
+
+class CamP2PConnector(CamConnectorBase):
+    """See the module docstring."""
+
+    name = NAME
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        config = self.config
+        opts = options(config, ("core_num", "attn_core_num", "ffn_core_num", "quant_mode"))
+        core = opts.integer("core_num", 8, low=1, high=64)
+        per_role = opts.optional_int(f"{'attn' if self.role == 'attention' else 'ffn'}_core_num", low=1, high=64)
+        self.aiv_num = per_role if per_role is not None else core
+        if opts.integer("quant_mode", 0, low=0, high=16) != 0:
+            raise ConfigError("afd.connector_extra_config.quant_mode", "CAMP2P supports only quant_mode 0")
+        if config.async_moe.enabled:
+            raise ConfigError(
+                "afd.async_moe.enabled",
+                "async-MoE ubatching needs connector camasync; CAMP2P stages are its HCCL groups",
+            )
+        if config.compute_gate_on_attention:
+            raise ConfigError(
+                "afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false"
+            )
+        groups = context.resource("hccl_groups")
+        if (
+            isinstance(groups, str)
+            or not isinstance(groups, Sequence)
+            or not all(isinstance(g, str) and g for g in groups)
+        ):
+            raise PluginError("runtime resource 'hccl_groups' must be a sequence of HCCL comm names, one per stage")
+        self.groups = tuple(groups)
+        self._check_stages(len(self.groups), "afd.camp2p.hccl_groups")
+        if self.role == "attention":
+            check_attention_depth(config.multistream.depth, len(self.groups), pipelined=self.pipelined)
+        self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
+        self.per_ffn = self.num_attention // self.num_ffn
+        self.world_rank = self.role_rank if self.role == "ffn" else self.num_ffn + self.role_rank
+        self.device = torch.device(context.resources.get("device", "cpu"))
+        self.ep_group: str | None = context.resources.get("ffn_ep_group")
+        if self.role == "ffn":
+            self.token_counts: Callable[[WorkItem], Sequence[int]] = context.resource("stage_token_counts")
+        self.ops: OpSet = self._ops(
+            context,
+            namespace=NAMESPACE,
+            known=KNOWN,
+            install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
+            recv=("a2e",) if self.role == "ffn" else ("e2a",),
+            send=("e2a",) if self.role == "ffn" else ("a2e",),
+        )
+        self.cam = CamP2POps.of(self.ops)
+        # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
+        self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
+        self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
+        self._empty_scales = torch.empty((0,), dtype=torch.float32, device=self.device)
+        self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
+
+    def _state(self, item: WorkItem, batch_size: int) -> CAMP2PTransferState:
+        return CAMP2PTransferState(
+            item.layer_idx,
+            item.stage_idx,
+            select_group(item.stage_idx, self.groups),
+            self.aiv_num,
+            batch_size,
+            self.model.hidden_size,
+            self.model.topk,
+        )
+
+    def _sizes(self) -> tuple[int, int, int]:
+        return self.num_ffn, self.num_attention, self.world_rank
+
+    # ------------------------------------------------------------------ hooks
+
+    @hookimpl
+    def on_recv(self, work: Work, stream: Stream) -> None:
+        slot = work.slot.state = work.slot.state or _Slot()
+        item = work.item
+        if self.role == "ffn":
+            counts = list(self.token_counts(item))
+            if len(counts) != self.num_attention:
+                raise PluginError(
+                    f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks"
+                )
+            mine = counts[self.role_rank * self.per_ffn : (self.role_rank + 1) * self.per_ffn]
+            state = self._state(item, max(1, sum(mine)))  # the operator needs at least one row
+            out = self.cam.a2e(
+                stream,
+                self._empty,
+                self._empty_ids,
+                self._empty_scales,
+                state.batch_size,
+                state.h,
+                state.k,
+                *self._sizes(),
+                state.group_ep,
+                state.aiv_num,
+                0,
+            )
+            expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
+            state.cam_p2p_ep_name = self.ep_group
+            slot.transfer, slot.num_real, slot.inputs = state, sum(mine), expand_x[: sum(mine)]
+            return
+        if item.layer_idx == 0:
+            slot.transfer, slot.inputs = None, self.source(item)
+            return
+        sent = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
+        slot.transfer = sent
+        slot.inputs = self.cam.e2a(
+            stream,
+            sent.reference,
+            sent.atten_batch_size,
+            sent.batch_size,
+            sent.h,
+            sent.k,
+            *self._sizes(),
+            sent.group_ep,
+            sent.aiv_num,
+        )
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        slot: _Slot = work.slot.state
+        out = compute(work.item, slot.inputs)
+        if self.role == "ffn":
+            state = slot.transfer
+            if out.shape != (slot.num_real, self.model.hidden_size):
+                raise PluginError(f"camp2p: FFN compute returned {tuple(out.shape)} for {slot.num_real} tokens")
+            if slot.num_real != state.batch_size:  # zero tokens: e2a still sends its one placeholder row
+                padded = out.new_zeros((state.batch_size, out.shape[1]))
+                padded[: slot.num_real] = out
+                out = padded
+        slot.outputs = out
+
+    @hookimpl
+    def on_send(self, work: Work, stream: Stream) -> None:
+        slot: _Slot = work.slot.state
+        item = work.item
+        if self.role == "ffn":
+            state = slot.transfer
+            self.cam.e2a(
+                stream,
+                slot.outputs,
+                state.atten_batch_size,
+                state.batch_size,
+                state.h,
+                state.k,
+                *self._sizes(),
+                state.group_ep,
+                state.aiv_num,
+            )
+            return
+        if item.layer_idx == self.model.num_layers:
+            self.sink(item, slot.outputs)
+            return
+        hidden = slot.outputs
+        state = self._state(item, hidden.shape[0])
+        state.reference = hidden
+        out = self.cam.a2e(
+            stream,
+            hidden,
+            None,
+            None,
+            state.batch_size,
+            state.h,
+            state.k,
+            *self._sizes(),
+            state.group_ep,
+            state.aiv_num,
+            0,
+        )
+        state.atten_batch_size = out[3]
+        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
+
+    @hookimpl
+    def on_cleanup(self, work: Work, error: BaseException) -> None:
+        del error
+        work.slot.state = None
+        self._sent.clear()

@@ -1,0 +1,99 @@
+"""``torch_p2p``: the reference AFD connector on torch.distributed point-to-point.
+
+Registered under the ``afd_mrv2`` entry-point group as ``torch_p2p``, exactly as
+a third-party connector would be.  It posts ``ProcessGroup.send``/``recv`` and
+waits for them through :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, so the logic
+is backend-neutral; today its buffers are host tensors, which is what gloo (CPUs,
+this project's CI) needs.  NCCL/HCCL would need the slot buffers on the device
+and the waits expressed as stream edges; that is not done (and not tested: it
+needs two accelerators).
+
+What moves, per work item ``(layer, stage, seq)`` (details in
+:mod:`afd_mrv2.hooks.p2p.wire`)::
+
+    attention rank a --dispatch--> FFN rank f   header + rows of the tokens routed
+                                                to f's experts (hidden, top-k ids
+                                                and weights)
+    attention rank a <--combine--- FFN rank f   header + f's partial output rows
+
+Topology and expert placement: :mod:`afd_mrv2.topology` (A x F ranks, experts
+sharded in contiguous blocks, every attention rank talks to every FFN rank, the
+shared expert runs where a token's top-1 expert lives).
+
+Resources (``ConnectorContext.resources``):
+    ``p2p_link``: a :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, one per process,
+    built by the owner on its process group before any executor (it pre-posts the
+    control channel, which must outlive every executor of the process).
+    ``model``: a :class:`~afd_mrv2.hooks.p2p.common.P2pShape`.
+
+Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
+``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``).
+
+The owner's ``compute`` (the executor's ``compute=``):
+    attention role: ``compute(item, combined) -> (hidden, topk_ids, topk_weights) | None``
+    (see :mod:`afd_mrv2.hooks.p2p.attention`);
+    FFN role: ``compute(item, hidden, topk_ids, topk_weights) -> partial_output``
+    (see :mod:`afd_mrv2.hooks.p2p.ffn`).
+
+Contract between the roles: both number work items identically (the same
+``(layer, stage, seq)`` for the same data on every rank) and submit them in the
+same order; the headers check it on every message.
+
+Failures (all end in bounded time, all name the peer): a dead peer ->
+:class:`~afd_mrv2.hooks.p2p.errors.PeerLost` at once; a silent peer ->
+:class:`~afd_mrv2.hooks.p2p.errors.PeerTimeout` at the deadline; a bad header ->
+:class:`~afd_mrv2.hooks.p2p.errors.ProtocolError` naming the field; a peer that
+failed on its own -> :class:`~afd_mrv2.hooks.p2p.errors.PeerAborted` with its
+reason.  After any of them the process group's message order is lost: the owner
+must tear it down (:meth:`PeerLink.abort`, then exit or rebuild).
+"""
+
+from __future__ import annotations
+
+from afd_mrv2.errors import PluginError
+from afd_mrv2.hooks.p2p.attention import AttentionSide
+from afd_mrv2.hooks.p2p.common import P2pShape, parse_options
+from afd_mrv2.hooks.p2p.ffn import FfnSide
+from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hookspecs import ComputeFn, hookimpl
+from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.topology import ATTENTION
+from afd_mrv2.work import Work
+
+
+class TorchP2pConnector:
+    """The torch_p2p connector; see the module docstring."""
+
+    def __init__(self, context: ConnectorContext) -> None:
+        link = context.resource("p2p_link")
+        shape = context.resource("model")
+        if not isinstance(link, PeerLink):
+            raise PluginError(f"torch_p2p: resource 'p2p_link' must be a PeerLink, got {type(link).__name__}")
+        if not isinstance(shape, P2pShape):
+            raise PluginError(f"torch_p2p: resource 'model' must be a P2pShape, got {type(shape).__name__}")
+        role = context.config.role
+        if role != link.role:
+            raise PluginError(
+                f"torch_p2p: afd.role is {role!r} but global rank {link.rank} is {link.topology.describe(link.rank)}"
+            )
+        options = parse_options(context.config.extra)
+        self.side: AttentionSide | FfnSide = (
+            AttentionSide(link, shape, options) if role == ATTENTION else FfnSide(link, shape, options)
+        )
+
+    @hookimpl
+    def on_recv(self, work: Work) -> None:
+        self.side.on_recv(work)
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        self.side.on_compute(work, compute)
+
+    @hookimpl
+    def on_send(self, work: Work) -> None:
+        self.side.on_send(work)
+
+    @hookimpl
+    def on_cleanup(self, work: Work, error: BaseException) -> None:
+        del error
+        self.side.on_cleanup(work)

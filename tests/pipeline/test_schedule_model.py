@@ -1,0 +1,160 @@
+"""The analytic pipeline model and ``depth: "auto"``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd_mrv2.cli import main
+from afd_mrv2.config import MultistreamConfig
+from afd_mrv2.devices import HostBackend, RecordingBackend
+from afd_mrv2.pipeline import Executor
+from afd_mrv2.pipeline.metrics import flow_shop_lower_bound
+from afd_mrv2.pipeline.schedule_model import SERIALIZED, PhaseTimes, choose_depth, median_phase_times, predict_makespan
+from afd_mrv2.pipeline.trace import Trace
+from afd_mrv2.plugins import plugins_for
+from afd_mrv2.testing.happens_before import check_happens_before
+from tests.connectors import RecordingConnector, grid
+
+
+def test_closed_forms_for_balanced_phases() -> None:
+    t = PhaseTimes(1, 1, 1)
+    assert predict_makespan(t, 32, 1) == 96
+    assert predict_makespan(t, 32, 2) == 49  # period 1.5: two of three phases busy
+    assert predict_makespan(t, 32, 3) == predict_makespan(t, 32, 8) == 34  # N + 2
+    assert predict_makespan(t, 32, 3, streams=SERIALIZED) == 96
+
+
+def test_slot_reuse_period_is_the_max_of_bottleneck_and_cycle_over_depth() -> None:
+    for r, c, s in [(3, 1, 3), (1, 3, 1), (2, 1, 0.5), (1, 1, 1)]:
+        t = PhaseTimes(r, c, s)
+        for depth in (1, 2, 3, 4):
+            period = max(r, c, s, (r + c + s) / depth)
+            n = 400
+            measured_period = (predict_makespan(t, n, depth) - predict_makespan(t, n // 2, depth)) / (n - n // 2)
+            assert measured_period == pytest.approx(period, rel=1e-9)
+
+
+def test_choose_depth() -> None:
+    assert choose_depth(PhaseTimes(1, 1, 1)) == 3
+    assert choose_depth(PhaseTimes(3, 1, 3)) == 3  # comm-bound: 7/2 > 3 at depth 2
+    assert choose_depth(PhaseTimes(1, 3, 1)) == 2  # compute-bound: 5/2 < 3
+    assert choose_depth(PhaseTimes(2, 1, 0.5)) == 2
+    assert choose_depth(PhaseTimes(1, 0, 0)) == 1
+    assert choose_depth(PhaseTimes(1, 1, 1), max_depth=2) == 2
+
+
+def test_choose_depth_counts_the_variance_of_measured_samples() -> None:
+    """Medians say depth 2 suffices; one compute spike in four stalls a 2-slot cycle."""
+    samples = [PhaseTimes(6, 3, 1.5)] * 3 + [PhaseTimes(6, 6, 1.5)]
+    assert choose_depth(median_phase_times([t.as_tuple() for t in samples])) == 2
+    assert choose_depth(samples) == 3
+    with pytest.raises(ValueError, match="no phase-time samples"):
+        choose_depth([])
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="items and depth must be >= 1"):
+        predict_makespan(PhaseTimes(1, 1, 1), 0, 1)
+    with pytest.raises(ValueError, match="got 2 phase times for 3 items"):
+        predict_makespan([PhaseTimes(1, 1, 1)] * 2, 3, 1)
+    with pytest.raises(ValueError, match="no phase-time samples"):
+        median_phase_times([])
+    assert median_phase_times([(1, 2, 3), (3, 4, 5)]) == PhaseTimes(2, 3, 4)
+
+
+phase = st.floats(0.0, 10.0, allow_nan=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(phase, phase, phase), min_size=1, max_size=20), st.integers(1, 8))
+def test_model_properties(times: list[tuple[float, float, float]], depth: int) -> None:
+    per_item = [PhaseTimes(*t) for t in times]
+    n = len(per_item)
+    made = predict_makespan(per_item, n, depth)
+    assert made <= predict_makespan(per_item, n, depth, streams=SERIALIZED) + 1e-9
+    assert made >= flow_shop_lower_bound(times) - 1e-9
+    assert predict_makespan(per_item, n, depth + 1) <= made + 1e-9  # more slots never hurt
+
+
+def test_model_predicts_a_host_backend_run() -> None:
+    """Sleep-only phases (robust on a loaded machine): prediction within 25 %."""
+    connector = RecordingConnector(sleep_s={"recv": 0.012, "compute": 0.004, "send": 0.012})
+    trace = Trace()
+    with Executor(
+        plugins_for(connector),
+        HostBackend(),
+        MultistreamConfig(enabled=True, depth=2),
+        compute=lambda i, x: x,
+        trace=trace,
+    ) as ex:
+        ex.run(grid(1, 1, 12))
+    measured = trace.metrics().makespan_ns / 1e9
+    predicted = predict_makespan(PhaseTimes(0.012, 0.004, 0.012), 12, 2)
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def test_auto_depth_decides_once_and_keeps_the_schedule_proven(caplog: pytest.LogCaptureFixture) -> None:
+    backend = RecordingBackend()  # logical clock: every phase lasts the same -> balanced -> depth 3
+    connector = RecordingConnector()
+    config = MultistreamConfig(enabled=True, depth="auto", auto_window=5)
+    executor = Executor(plugins_for(connector), backend, config, compute=lambda i, x: x)
+    with caplog.at_level(logging.INFO, logger="afd_mrv2"), executor:
+        assert executor.depth == 8 and executor.depth_choice is None
+        executor.run(grid(3, 2, 6))
+    choice = executor.depth_choice
+    assert choice is not None and choice.depth == 3 and choice.window == 5
+    assert executor.depth == 3
+    messages = [r.getMessage() for r in caplog.records if "depth auto" in r.getMessage()]
+    assert messages == [
+        "afd-mrv2 executor: depth auto -> 3 (median over 5 items: recv 0.001 ms, compute 0.001 ms, send 0.001 ms)"
+    ]
+    assert len(connector.outputs) == 36
+    slots_after = {c.slot for c in connector.calls if c.item.seq >= 10}
+    assert slots_after <= {0, 1, 2}
+    check_happens_before(backend.log)
+    check_happens_before(backend.log, host_edges=False)
+
+
+def test_auto_depth_on_threads_picks_the_model_depth() -> None:
+    connector = RecordingConnector(sleep_s={"recv": 0.006, "compute": 0.002, "send": 0.006})
+    config = MultistreamConfig(enabled=True, depth="auto", auto_window=4)
+    with Executor(plugins_for(connector), HostBackend(), config, compute=lambda i, x: x) as executor:
+        for item in grid(1, 1, 20):
+            executor.submit(item)
+            time.sleep(0.001)
+        executor.drain()
+    assert executor.depth_choice is not None and executor.depth_choice.depth == 3  # comm-bound
+    assert len(connector.outputs) == 20
+
+
+def test_bench_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    chart = tmp_path / "bench.png"
+    args = [
+        "bench",
+        "--scenario",
+        "balanced",
+        "--items",
+        "8",
+        "--repeats",
+        "1",
+        "--depths",
+        "1",
+        "3",
+        "--json",
+        "--chart",
+        str(chart),
+    ]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    modes = [(c["mode"], c["depth"]) for c in result["cells"]]
+    assert modes[:3] == [("serialized", 1), ("pipelined", 1), ("pipelined", 3)] and modes[3][0] == "auto"
+    for cell in result["cells"]:
+        assert 0 < cell["efficiency"] <= 1.05 and cell["makespan_ms"] > 0 and cell["model_error"] >= 0
+    assert result["summary"]["scenarios"]["balanced"]["model_depth"] in (2, 3, 4)
+    assert result["chart"] == str(chart) and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

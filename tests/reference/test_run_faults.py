@@ -1,0 +1,103 @@
+"""Faults in ``afd-mrv2 run``: every one ends in bounded time, with errors that name the culprit.
+
+* an FFN process killed mid-run: every other process exits non-zero within 10 s
+  on its own (not killed by the launcher), each naming the dead peer;
+* a peer that stops sending (SIGSTOP): the waiting side fails with a clear
+  error at the configured deadline (--recv-timeout-s 2);
+* SIGINT to the launcher: all workers are gone within 5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.procs import afd, gone, running, workers
+
+# Long enough to be mid-run when the fault comes, small enough to start fast.
+LONG = ["--hidden", "64", "--expert-size", "128", "--batches", "400", "--warmup", "0"]
+
+
+def wait_all_gone(pids: list[int], timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if all(gone(pid) for pid in pids):
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"processes {[p for p in pids if not gone(p)]} still alive after {timeout_s} s")
+
+
+def failure_line(err: list[str], name: str) -> tuple[int, str]:
+    prefix = f"afd-mrv2 run: {name[:-1]}"  # "attention rank 0 (global rank 0" + ", pid ... on host)"
+    for i, line in enumerate(err):
+        if line.startswith(prefix) and " failed: " in line:
+            return i, line
+    raise AssertionError(f"no failure line for {name}:\n" + "\n".join(err[-30:]))
+
+
+def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path) -> None:
+    proc = afd("run", "--out", str(tmp_path), *LONG, "--attention", "2", "--ffn", "2")
+    with running(proc, out_dir=tmp_path):
+        assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
+        time.sleep(1.0)
+        victim = workers(tmp_path)[2]
+        assert victim["name"] == "FFN rank 0 (global rank 2)"
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert proc.wait(40) == 1
+    final = json.loads((tmp_path / "workers.json").read_text())
+    assert final[2]["exit"] == "killed by SIGKILL"
+    for w in final:
+        if w["rank"] == 2:
+            continue
+        assert w["returncode"] == 1, w
+        assert not w["killed_by_launcher"], w
+        assert w["exited_at_monotonic"] - killed_at < 10, w
+        _, line = failure_line(proc.err, w["name"])
+        assert "FFN rank 0 (global rank 2" in line, line
+        print(f"\n{w['name']}: exit {w['returncode']} {w['exited_at_monotonic'] - killed_at:.2f} s after the kill")
+    assert "first: FFN rank 0 (global rank 2) (killed by SIGKILL)" in proc.stderr
+
+
+def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path) -> None:
+    proc = afd("run", "--out", str(tmp_path), *LONG, "--recv-timeout-s", "2", "--grace-s", "5")
+    with running(proc, out_dir=tmp_path):
+        assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
+        time.sleep(1.0)
+        ws = workers(tmp_path)
+        ffn = ws[2]["pid"]
+        os.kill(ffn, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_all_gone([ws[0]["pid"], ws[1]["pid"]], 15)
+        finally:
+            os.kill(ffn, signal.SIGCONT)  # let the stalled rank see its peers gone and exit
+        assert proc.wait(30) == 1
+    final = json.loads((tmp_path / "workers.json").read_text())
+    for w in final[:2]:
+        assert w["returncode"] == 1 and not w["killed_by_launcher"], w
+        index, line = failure_line(proc.err, w["name"])
+        assert "FFN rank 0 (global rank 2" in line and "within 2 s (" in line, line
+        after = proc.err_times[index] - stopped_at
+        assert 1.5 <= after <= 5.0, f"failed {after:.2f} s after the stall, deadline 2 s: {line}"
+        print(
+            f"\n{w['name']}: failed {after:.2f} s after the stall (deadline 2 s), exited "
+            f"{w['exited_at_monotonic'] - stopped_at:.2f} s after it"
+        )
+
+
+def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
+    proc = afd("run", "--out", str(tmp_path), *LONG)
+    with running(proc, out_dir=tmp_path):
+        assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
+        time.sleep(0.5)
+        pids = [w["pid"] for w in workers(tmp_path)]
+        assert not any(gone(pid) for pid in pids)
+        proc.popen.send_signal(signal.SIGINT)
+        elapsed = wait_all_gone(pids, 5.0)
+        print(f"\nall {len(pids)} workers gone {elapsed:.2f} s after SIGINT")
+        assert proc.wait(10) == 130
+    assert "interrupted: stopping the workers" in proc.stderr
