@@ -43,6 +43,15 @@ class DepthTuner:
         self.spans: list[Span] = []
         self.choice: DepthChoice | None = None
 
+    @property
+    def measuring(self) -> bool:
+        """True until the choice is made."""
+        return self.choice is None
+
+    def observe(self, spans: list[Span]) -> None:
+        """Take the resolved spans of one completed item."""
+        self.spans += spans
+
     def ready(self) -> bool:
         """True once ``window`` items have all three phases measured."""
         phases: dict[object, int] = {}

@@ -35,12 +35,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from afd_mrv2.config import MultistreamConfig
-from afd_mrv2.devices.base import DeviceBackend, Event, Span, Stream
+from afd_mrv2.devices.base import DeviceBackend, Event, Stream
 from afd_mrv2.errors import PipelineAborted, PipelineError, PluginError
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
 from afd_mrv2.pipeline.events import EventPool
+from afd_mrv2.pipeline.spans import SpanCollector
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import Plugins
 from afd_mrv2.work import Slot, SlotEvents, Work
@@ -92,6 +93,8 @@ class Executor:
     :param role: the AFD role this executor serves (``multistream.roles`` decides
         whether it pipelines).
     :param trace: where to collect one span per phase, or None.
+    :param tuner: the ``depth: "auto"`` tuner; by default one is built when the
+        config asks for auto depth and this executor pipelines.
     """
 
     def __init__(
@@ -103,13 +106,17 @@ class Executor:
         compute: ComputeFn,
         role: str = "ffn",
         trace: Trace | None = None,
+        tuner: DepthTuner | None = None,
     ) -> None:
         self.config = config
         self.pipelined = config.active_for(role)
         self.depth = config.slots
-        self._tuner = DepthTuner(config.auto_window, config.slots) if config.auto_depth and self.pipelined else None
+        if tuner is None and config.auto_depth and self.pipelined:
+            tuner = DepthTuner(config.auto_window, config.slots)
+        self._tuner = tuner
         self.backend = backend
         self.trace = trace
+        self._spans = SpanCollector(backend, trace=trace, tuner=tuner)
         self._compute = compute
         self._plugins = plugins
         hook = plugins.hook
@@ -127,7 +134,6 @@ class Executor:
         ]
         self._in_flight: dict[int, Work] = {}  # slot index -> work bound to it
         self._sent: set[int] = set()  # seq of items whose on_send returned
-        self._spans: dict[int, list[Span]] = {}  # slot index -> spans awaiting resolve
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._failure: _Failure | None = None
@@ -238,12 +244,7 @@ class Executor:
         send.record(events.send_done)
 
     def _submit_phase(self, phase: str, stream: Stream, work: Work) -> None:
-        span = Span(phase, stream.name, stream.stream_id, work.item, work.slot.index)
-        if self.trace is not None:
-            self.trace.add(span)
-        if self.trace is not None or (self._tuner is not None and self._tuner.choice is None):
-            self._spans.setdefault(work.slot.index, []).append(span)
-        stream.submit(self._phase_runner(phase, stream, work), span)
+        stream.submit(self._phase_runner(phase, stream, work), self._spans.open(phase, stream, work))
 
     def _phase_runner(self, phase: str, stream: Stream, work: Work) -> Callable[[], None]:
         hook = self._phase_hooks[phase]
@@ -298,11 +299,7 @@ class Executor:
         work = self._in_flight.pop(slot.index)
         self._sent.discard(work.item.seq)
         slot.item = None
-        spans = self._spans.pop(slot.index, None)
-        if spans:
-            self.backend.resolve(spans)
-            if self._tuner is not None and self._tuner.choice is None:
-                self._tuner.spans += spans
+        self._spans.release(work.item.seq)
         return True
 
     def _await(self, event: Event, deadline: float | None) -> bool:
