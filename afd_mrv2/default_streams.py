@@ -19,11 +19,10 @@ class DefaultStreams:
             return {role: serial for role in roles}
         streams: dict[str, Stream] = {}
         compute: Stream | None = None
-        if "compute" in roles or any(r in roles and r not in config.phases for r in ("recv", "send")):
-            compute = backend.current_stream("compute")
         for role in roles:
             if role == "compute" or (role in ("recv", "send") and role not in config.phases):
-                streams[role] = compute  # type: ignore[assignment]
+                compute = compute or backend.current_stream("compute")
+                streams[role] = compute
             else:
                 streams[role] = backend.new_stream(role)
         return streams

@@ -45,15 +45,14 @@ by ``afd.connector`` may implement the phase hooks as plain implementations.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pluggy
 
-if TYPE_CHECKING:
-    from afd_mrv2.config import MultistreamConfig
-    from afd_mrv2.devices.base import DeviceBackend, Stream
-    from afd_mrv2.work import Work
+from afd_mrv2.config import MultistreamConfig
+from afd_mrv2.devices.base import DeviceBackend, Stream
+from afd_mrv2.items import WorkItem
+from afd_mrv2.work import Work
 
 PROJECT_NAME = "afd_mrv2"
 
@@ -64,7 +63,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: contract between the executor's owner (the model runner) and the connector;
 #: for the FFN role it is documented with each runner (the reference FFN takes
 #: the received hidden states and routing, and returns the combined output).
-ComputeFn = Callable[..., Any]
+class ComputeFn(Protocol):
+    """``compute(item, *payload) -> result``: the work item first, then what the connector received."""
+
+    def __call__(self, item: WorkItem, /, *payload: Any) -> Any: ...
 
 
 @hookspec(firstresult=True)

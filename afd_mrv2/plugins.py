@@ -76,7 +76,7 @@ class Plugins:
     observers: dict[str, object]
 
     @property
-    def hook(self) -> Any:
+    def hook(self) -> pluggy.HookRelay:
         return self.manager.hook
 
     def create_streams(
@@ -107,9 +107,10 @@ def entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 def classify(factory: object) -> str:
     """``connector`` or ``observer``, from the hook implementations ``factory`` declares."""
     probe = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    plain, wrappers = set(), set()
+    plain: set[str] = set()
+    wrappers: set[str] = set()
     for name in HOOK_NAMES:
-        opts = probe.parse_hookimpl_opts(factory, name)  # type: ignore[arg-type]
+        opts = probe.parse_hookimpl_opts(factory, name)
         if opts is None:
             continue
         (wrappers if opts.get("wrapper") or opts.get("hookwrapper") else plain).add(name)

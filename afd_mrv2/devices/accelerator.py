@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from afd_mrv2.devices.base import BackendCloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Event, Span
 from afd_mrv2.errors import PipelineAborted
 
 
@@ -84,10 +84,12 @@ class AcceleratorStream:
             else:
                 fn()
 
-    def record(self, event: AcceleratorEvent) -> None:  # type: ignore[override]
+    def record(self, event: Event) -> None:
+        event = _own(event)
         event.native.record(self._native)
 
-    def wait(self, event: AcceleratorEvent) -> None:  # type: ignore[override]
+    def wait(self, event: Event) -> None:
+        event = _own(event)
         event.native.wait(self._native)
 
     def query(self) -> bool:
@@ -157,3 +159,10 @@ class AcceleratorBackend:
             if not finished:
                 report.abandoned_streams[stream.name] = "device work still pending at the deadline"
         return report
+
+
+def _own(event: Event) -> AcceleratorEvent:
+    """``event`` as this backend's event type; an event of another backend is a bug, raised loudly."""
+    if not isinstance(event, AcceleratorEvent):
+        raise TypeError(f"{type(event).__name__} is not an event of this backend (expected AcceleratorEvent)")
+    return event

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from afd_mrv2.devices.base import BackendCloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Event, Span
 from afd_mrv2.errors import PipelineAborted
 
 _RUN, _RECORD, _WAIT, _STOP = 0, 1, 2, 3
@@ -101,10 +101,12 @@ class HostStream:
     def submit(self, fn: Callable[[], None], span: Span | None = None) -> None:
         self._queue.put((_RUN, fn, span))
 
-    def record(self, event: HostEvent) -> None:  # type: ignore[override]
+    def record(self, event: Event) -> None:
+        event = _own(event)
         self._queue.put((_RECORD, event, event._issue()))
 
-    def wait(self, event: HostEvent) -> None:  # type: ignore[override]
+    def wait(self, event: Event) -> None:
+        event = _own(event)
         with event._cond:
             target = event._recorded
         if target:
@@ -216,3 +218,10 @@ class HostBackend:
             if stream.thread.is_alive():
                 report.abandoned_streams[stream.name] = stream.running or "unknown work"
         return report
+
+
+def _own(event: Event) -> HostEvent:
+    """``event`` as this backend's event type; an event of another backend is a bug, raised loudly."""
+    if not isinstance(event, HostEvent):
+        raise TypeError(f"{type(event).__name__} is not an event of this backend (expected HostEvent)")
+    return event

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from afd_mrv2.devices.base import BackendCloseReport, Span
+from afd_mrv2.devices.base import BackendCloseReport, Event, Span
 from afd_mrv2.errors import PipelineAborted
 
 
@@ -92,10 +92,12 @@ class RecordingStream:
             if span is not None:
                 span.end_ns = backend._tick()
 
-    def record(self, event: RecordingEvent) -> None:  # type: ignore[override]
+    def record(self, event: Event) -> None:
+        event = _own(event)
         event.last_record = self._backend._append(Op("record", self.name, event.event_id))
 
-    def wait(self, event: RecordingEvent) -> None:  # type: ignore[override]
+    def wait(self, event: Event) -> None:
+        event = _own(event)
         self._backend._append(Op("wait", self.name, event.event_id, event.last_record))
 
 
@@ -147,3 +149,10 @@ class RecordingBackend:
     def close(self, deadline: float) -> BackendCloseReport:
         del deadline
         return BackendCloseReport()
+
+
+def _own(event: Event) -> RecordingEvent:
+    """``event`` as this backend's event type; an event of another backend is a bug, raised loudly."""
+    if not isinstance(event, RecordingEvent):
+        raise TypeError(f"{type(event).__name__} is not an event of this backend (expected RecordingEvent)")
+    return event

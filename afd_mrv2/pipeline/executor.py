@@ -214,7 +214,9 @@ class Executor:
                         error = PipelineAborted(f"closed after {timeout:g} s with work in flight")
                         break
             except PipelineError:
-                return self._report  # a phase failed while draining; _raise_failure stopped us
+                # a phase failed while draining; _raise_failure stopped us and wrote the report
+                assert self._report is not None
+                return self._report
         if self._failure is not None:
             error = self._failure.error
         return self._stop(error, deadline)

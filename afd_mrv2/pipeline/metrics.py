@@ -80,7 +80,8 @@ def stage_times(spans: Iterable[Span]) -> list[tuple[int, int, int]]:
     for span in spans:
         if span.name in PHASES and span.item is not None:
             items.setdefault(span.item, {})[span.name] = span.duration_ns
-    return [tuple(times.get(p, 0) for p in PHASES) for times in items.values()]  # type: ignore[misc]
+    recv, compute, send = PHASES
+    return [(times.get(recv, 0), times.get(compute, 0), times.get(send, 0)) for times in items.values()]
 
 
 def flow_shop_lower_bound(times: Sequence[Sequence[float]]) -> float:

@@ -45,7 +45,7 @@ class Trace:
         lanes: dict[int, str] = {}
         for span in self.spans:
             lanes.setdefault(span.stream_id, span.stream_name)
-            args = {"stream": span.stream_name}
+            args: dict[str, str | int] = {"stream": span.stream_name}
             if span.item is not None:
                 args.update(layer=span.item.layer_idx, stage=span.item.stage_idx, seq=span.item.seq)
             if span.slot is not None:
