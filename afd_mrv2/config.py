@@ -72,15 +72,20 @@ class MultistreamConfig:
     backend: str = "auto"
     close_timeout_s: float = 10.0
     trace: bool = False
+    buffers: tuple[int, int] | None = None
 
     @property
     def auto_depth(self) -> bool:
-        return self.depth == AUTO
+        return self.depth == AUTO and self.buffers is None
 
     @property
-    def slots(self) -> int:
-        """Slots to allocate: the fixed depth, or the most ``auto`` may choose."""
-        return MAX_DEPTH if self.depth == AUTO else int(self.depth)
+    def buffer_counts(self) -> tuple[int, int]:
+        """(input slots, output slots) to allocate: ``buffers`` if given, else
+        ``depth`` for both, or the most ``auto`` may choose."""
+        if self.buffers is not None:
+            return self.buffers
+        depth = MAX_DEPTH if self.depth == AUTO else int(self.depth)
+        return (depth, depth)
 
     def active_for(self, role: str) -> bool:
         """True when ``role`` runs the pipelined (multistream) schedule."""
@@ -160,7 +165,17 @@ def parse_multistream(raw: object, *, key: str = "afd.multistream") -> Multistre
         backend=section.choice("backend", "auto", BACKENDS),
         close_timeout_s=section.number("close_timeout_s", 10.0, low=0.0, high=3600.0),
         trace=section.boolean("trace", False),
+        buffers=_buffers(section.get("buffers", None), f"{key}.buffers"),
     )
+
+
+def _buffers(raw: object, key: str) -> tuple[int, int] | None:
+    if raw is None:
+        return None
+    section = Section(raw, key, ("in", "out"))
+    if "in" not in section.raw or "out" not in section.raw:
+        raise ConfigError(key, 'expected both "in" and "out", e.g. {"in": 2, "out": 2}')
+    return (section.integer("in", 0, low=1, high=MAX_DEPTH), section.integer("out", 0, low=1, high=MAX_DEPTH))
 
 
 def parse_async_moe(raw: object, *, key: str = "afd.async_moe") -> AsyncMoeConfig:
@@ -221,7 +236,7 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
 
 
 _ASYNC_MOE_KEYS = ("enabled", "split", "num_stages")
-_MULTISTREAM_KEYS = ("enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace")
+_MULTISTREAM_KEYS = ("enabled", "depth", "auto_window", "roles", "phases", "backend", "close_timeout_s", "trace", "buffers")
 _AFD_KEYS = (
     "connector",
     "role",

@@ -1,4 +1,18 @@
-"""Slots and the per-item handle (``Work``) passed to the phase hooks."""
+"""Buffer slots and the per-item handle (``Work``) passed to the phase hooks.
+
+A work item touches two kinds of buffers with different lifetimes:
+
+* its **input** buffers: ``on_recv`` fills them, ``on_compute`` reads them; they
+  are free again once compute consumed them;
+* its **output** buffers: ``on_compute`` writes them, ``on_send`` reads them; they
+  are free again once send completed.
+
+The executor keeps ``depth_in`` input slots and ``depth_out`` output slots
+(:class:`BufferSlot`); item ``k`` is bound to one of each.  What must live from
+recv to send (a CAMAsync dispatch handle, a group list, dynamic scales) is not a
+buffer but per-item transfer state: it travels with the item in
+``Work.transfer`` and is dropped after the item's ``on_send`` returned.
+"""
 
 from __future__ import annotations
 
@@ -10,54 +24,53 @@ from afd_mrv2.devices.base import Event
 from afd_mrv2.errors import PipelineAborted
 from afd_mrv2.items import WorkItem
 
+#: The two kinds of buffer slot, by who fills and who drains them.
+INPUT, OUTPUT = "input", "output"
+
 
 @dataclass(eq=False)
-class Slot:
-    """One of the executor's ``depth`` in-flight slots.
+class BufferSlot:
+    """One of the executor's input or output buffer slots.
 
-    A slot carries one work item at a time.  ``state`` belongs to the connector:
-    it typically holds preallocated receive/send buffers and the connector's
-    transfer state for the item currently bound to the slot; the executor never
-    reads it.  The slot's events are the executor's (see ``SlotEvents``).
+    ``state`` belongs to the connector: the preallocated tensors of this slot
+    (receive buffers in an input slot, send buffers in an output slot), allocated
+    once on first use and reused; the executor never reads it, except to measure
+    the bytes it holds.  The events are the executor's:
+
+    ``ready``: the producer finished writing (input: recv done; output: compute done);
+    ``free``: the consumer finished reading (input: compute done; output: send done),
+    so the next item bound to this slot may overwrite it.
     """
 
+    kind: str  # INPUT or OUTPUT
     index: int
-    events: SlotEvents
+    ready: Event
+    free: Event
     state: Any = None
-    item: WorkItem | None = None
-
-
-@dataclass(eq=False)
-class SlotEvents:
-    """The three events that carry a slot's edges.
-
-    recv_done -> compute may read the received inputs;
-    compute_done -> send may read the outputs;
-    send_done -> the slot (buffers, transfer state) may be reused.
-    """
-
-    recv_done: Event
-    compute_done: Event
-    send_done: Event
-
-    def for_phase(self, phase: str) -> Event:
-        return {"recv": self.recv_done, "compute": self.compute_done, "send": self.send_done}[phase]
+    item: WorkItem | None = None  # the item bound most recently (None: never used)
 
 
 @dataclass(eq=False)
 class Work:
-    """What a phase hook receives as ``work``: the item, its slot, and cancellation.
+    """What a phase hook receives as ``work``: the item, its two buffer slots, its transfer state.
 
     ``Work`` objects are created by the executor, one per work item, and shared by
-    the item's three phases.  Hooks may stash per-item data in ``scratch`` (for
-    example the routing metadata the compute phase needs from the recv phase),
-    but must not keep a reference to the ``Work`` after ``on_send`` returns.
+    the item's three phases.
+
+    * ``inputs``: the input slot; ``on_recv`` writes its buffers, ``on_compute`` reads them;
+    * ``outputs``: the output slot; ``on_compute`` writes its buffers, ``on_send`` reads them;
+    * ``transfer``: per-item transfer state that crosses phases (routing metadata,
+      an operator's dispatch handle, dynamic scales): valid from ``on_recv`` until
+      the item's ``on_send`` returned, never shared with another item.
+
+    Hooks must not keep a reference to the ``Work`` after ``on_send`` returns.
     """
 
     item: WorkItem
-    slot: Slot
+    inputs: BufferSlot
+    outputs: BufferSlot
     _cancel: threading.Event = field(repr=False)
-    scratch: dict[str, Any] = field(default_factory=dict)
+    transfer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cancelled(self) -> bool:

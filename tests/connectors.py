@@ -39,7 +39,7 @@ def matmul_compute(width: int = 32, reps: int = 2) -> Callable[[WorkItem, torch.
 class Call:
     phase: str
     item: WorkItem
-    slot: int
+    slots: tuple[int, int]  # (input slot, output slot)
     thread: str
 
 
@@ -57,7 +57,9 @@ class RecordingConnector:
 
     def _enter(self, phase: str, work: Work) -> None:
         with self._lock:
-            self.calls.append(Call(phase, work.item, work.slot.index, threading.current_thread().name))
+            self.calls.append(
+                Call(phase, work.item, (work.inputs.index, work.outputs.index), threading.current_thread().name)
+            )
         if self.fail == (phase, work.item.seq):
             raise RuntimeError(f"planted failure in {phase}")
         if self.block == (phase, work.item.seq):
@@ -72,24 +74,24 @@ class RecordingConnector:
     @hookimpl
     def on_recv(self, work: Work) -> None:
         self._enter("recv", work)
-        work.slot.state = item_inputs(work.item)
+        work.inputs.state = item_inputs(work.item)
 
     @hookimpl
     def on_compute(self, work: Work, compute: Callable) -> None:
         self._enter("compute", work)
-        work.scratch["out"] = compute(work.item, work.slot.state)
+        work.outputs.state = compute(work.item, work.inputs.state)
 
     @hookimpl
     def on_send(self, work: Work) -> None:
         self._enter("send", work)
-        self.outputs[work.item] = work.scratch["out"]
+        self.outputs[work.item] = work.outputs.state
 
     @hookimpl
     def on_cleanup(self, work: Work, error: BaseException) -> None:
         self.cleanups.append((work.item, error))
 
-    def sequence(self, item: WorkItem) -> list[tuple[str, int]]:
-        return [(c.phase, c.slot) for c in self.calls if c.item == item]
+    def sequence(self, item: WorkItem) -> list[tuple[str, tuple[int, int]]]:
+        return [(c.phase, c.slots) for c in self.calls if c.item == item]
 
     def order(self, phase: str) -> list[WorkItem]:
         return [c.item for c in self.calls if c.phase == phase]

@@ -37,7 +37,7 @@ class Span:
     stream_name: str
     stream_id: int
     item: WorkItem | None
-    slot: int | None
+    slots: tuple[int, int] | None  # (input slot, output slot) of the work item
     start_ns: int = 0
     end_ns: int = 0
     # Backend-private timing handles (accelerator: the start/end timing events).

@@ -8,7 +8,13 @@ happens-before checker (:mod:`afd_mrv2.testing.happens_before`) replays the log
 with device-stream semantics and proves which orderings a device would guarantee.
 
 Span times come from a logical clock (1 us per submitted op), so traces produced
-on this backend are reproducible.
+on this backend are reproducible.  Given ``durations`` (logical ns per submitted
+op) the backend instead simulates a device: each stream has its own clock, an op
+starts when its stream is free and every event it waits for was reached, a host
+``synchronize`` advances the host clock to the event, and ``query()`` reports
+whether the host clock has passed the event.  Random durations then change what
+the executor observes (which items it can release, what ``depth: "auto"``
+measures) and so the schedule it issues: the property tests use this.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ class Op(NamedTuple):
     event: the event's id (None for ``submit``).
     bound: for ``wait``/``sync``, the log index of the record it waits for (None:
     the event was never recorded, so the wait is a no-op).
-    name, item, slot: for ``submit``, the span's phase name and work identity.
+    name, item, slots: for ``submit``, the span's phase name, work identity and
+    (input slot, output slot).
     """
 
     kind: str
@@ -38,24 +45,29 @@ class Op(NamedTuple):
     bound: int | None = None
     name: str | None = None
     item: Any = None
-    slot: int | None = None
+    slots: tuple[int, int] | None = None
 
 
 class RecordingEvent:
-    __slots__ = ("_backend", "event_id", "last_record")
+    __slots__ = ("_backend", "event_id", "last_record", "reached_ns")
 
     def __init__(self, backend: RecordingBackend, event_id: int) -> None:
         self.event_id = event_id
         self._backend = backend
         self.last_record: int | None = None
+        self.reached_ns = 0  # simulated device time of the latest record
 
     def query(self) -> bool:
-        return True  # everything runs at submit time
+        # everything ran at submit time; a simulated device reached the event only
+        # once the host clock passed it
+        return self._backend.durations is None or self.reached_ns <= self._backend.host_ns
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        if self._backend.aborted:
+        backend = self._backend
+        if backend.aborted:
             raise PipelineAborted("recording backend aborted")
-        self._backend._append(Op("sync", None, self.event_id, self.last_record))
+        backend._append(Op("sync", None, self.event_id, self.last_record))
+        backend.host_ns = max(backend.host_ns, self.reached_ns)
         return True
 
 
@@ -64,6 +76,7 @@ class RecordingStream:
         self.name = name
         self.stream_id = stream_id
         self._backend = backend
+        self.free_ns = 0  # simulated device time at which this stream's queue is empty
 
     @property
     def native(self) -> None:
@@ -79,26 +92,33 @@ class RecordingStream:
                 self.name,
                 name=span.name if span else None,
                 item=span.item if span else None,
-                slot=span.slot if span else None,
+                slots=span.slots if span else None,
             )
         )
         previous, backend.current = backend.current, self
-        if span is not None:
-            span.start_ns = backend._tick()
+        start = end = 0
+        if backend.durations is not None:
+            start = max(self.free_ns, backend.host_ns)
+            end = self.free_ns = start + backend.durations(span)
+        elif span is not None:
+            start = backend._tick()
         try:
             fn()
         finally:
             backend.current = previous
             if span is not None:
-                span.end_ns = backend._tick()
+                span.start_ns = start
+                span.end_ns = end if backend.durations is not None else backend._tick()
 
     def record(self, event: Event) -> None:
         event = _own(event)
         event.last_record = self._backend._append(Op("record", self.name, event.event_id))
+        event.reached_ns = self.free_ns
 
     def wait(self, event: Event) -> None:
         event = _own(event)
         self._backend._append(Op("wait", self.name, event.event_id, event.last_record))
+        self.free_ns = max(self.free_ns, event.reached_ns)
 
 
 class RecordingBackend:
@@ -106,7 +126,9 @@ class RecordingBackend:
 
     name = "recording"
 
-    def __init__(self) -> None:
+    def __init__(self, durations: Callable[[Span | None], int] | None = None) -> None:
+        self.durations = durations
+        self.host_ns = 0  # simulated host time (advanced by synchronize)
         self.log: list[Op] = []
         self.aborted = False
         self.current: RecordingStream | None = None

@@ -9,6 +9,6 @@ from __future__ import annotations
 
 from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.work import Slot, Work
+from afd_mrv2.work import BufferSlot, Work
 
-__all__ = ["PHASES", "CloseReport", "Executor", "Slot", "Work", "WorkItem"]
+__all__ = ["PHASES", "BufferSlot", "CloseReport", "Executor", "Work", "WorkItem"]

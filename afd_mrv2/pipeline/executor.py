@@ -1,26 +1,36 @@
-"""The shared executor: bounded in-flight work slots, explicit event edges.
+"""The shared executor: bounded input and output buffer slots, explicit event edges.
 
-Work item ``k`` is bound to slot ``k % depth`` and issued as::
+Work item ``k`` is bound to input slot ``I = k % depth_in`` and output slot
+``O = k % depth_out`` (:mod:`afd_mrv2.work`) and issued as::
 
-    recv stream:    wait(slot.send_done)    on_recv(k)     record(slot.recv_done)
-    compute stream: wait(slot.recv_done)    on_compute(k)  record(slot.compute_done)
-    send stream:    wait(slot.compute_done) on_send(k)     record(slot.send_done)
+    recv stream:    wait(I.free)   on_recv(k)     record(I.ready)
+    compute stream: wait(I.ready)  wait(O.free)   on_compute(k)  record(I.free)  record(O.ready)
+    send stream:    wait(O.ready)  on_send(k)     record(O.free)
 
-so recv(k+1) overlaps compute(k) overlaps send(k-1) when the roles have streams
-of their own, and every dependency is an event edge (a wait between two phases on
-the same stream is implied by FIFO order and not issued).  In the serialized
-fallback all three roles share one stream and the same hooks are called in the
-same order.
+``I.free`` is recorded when compute consumed the inputs and ``O.free`` when send
+completed, so an input slot cycles recv -> compute and an output slot compute ->
+send.  recv(k+1) overlaps compute(k) overlaps send(k-1) with two input and two
+output slots (a single slot per item would need three: its cycle would be
+recv -> compute -> send).  Every dependency is an event edge; a wait between two
+phases on the same stream is implied by FIFO order and not issued.  In the
+serialized fallback all three roles share one stream and the same hooks are
+called in the same order.
 
 Host waits, all documented:
 
-* before issuing item ``k`` the host waits for slot ``k % depth`` to be released
-  (its previous item's ``send_done``).  This bounds in-flight work to ``depth``
-  items and is the only host wait of the steady state; it is an event wait, never
-  a device-wide synchronize.  The device-side ``wait(slot.send_done)`` is issued
-  as well, so correctness does not depend on host timing (the happens-before
-  checker proves this with host edges ignored);
+* before issuing item ``k`` the host waits for ``I.free`` (the input slot's
+  previous item finished its compute).  Together with the device edge
+  compute(k) -> wait(O.free) this bounds the items in flight to
+  ``depth_in + depth_out``; it is an event wait, never a device-wide synchronize.
+  The device-side waits are issued as well, so correctness does not depend on
+  host timing (the happens-before checker proves it with host edges ignored);
 * ``drain`` and ``close`` wait for every in-flight item.
+
+Each in-flight item also holds a ``done`` event (recorded after its send) from a
+pool of ``depth_in + depth_out``: items are released, in issue order, as soon as
+their ``done`` event is seen complete, without blocking; the pool is never
+empty in the steady state, since the edges above have finished the oldest item
+by the time a new one needs its event.
 
 The executor is driven from one thread (the owner's): ``submit``, ``drain``,
 ``run`` and ``close`` are not thread-safe among themselves.
@@ -44,7 +54,8 @@ from afd_mrv2.pipeline.events import EventPool
 from afd_mrv2.pipeline.spans import SpanCollector
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import Plugins
-from afd_mrv2.work import Slot, SlotEvents, Work
+from afd_mrv2.pipeline.buffer_bytes import BufferBytes, measure_slots
+from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +121,11 @@ class Executor:
     ) -> None:
         self.config = config
         self.pipelined = config.active_for(role)
-        self.depth = config.slots
+        allocated_in, allocated_out = config.buffer_counts
         if tuner is None and config.auto_depth and self.pipelined:
-            tuner = DepthTuner(config.auto_window, config.slots)
+            tuner = DepthTuner(config.auto_window, max(allocated_in, allocated_out))
         self._tuner = tuner
+        self.depth_in, self.depth_out = allocated_in, allocated_out
         self.backend = backend
         self.trace = trace
         self._spans = SpanCollector(backend, trace=trace, tuner=tuner)
@@ -128,11 +140,12 @@ class Executor:
         }
         stream_config = config if self.pipelined else replace(config, enabled=False)
         self.streams = self._create_streams(stream_config)
-        self._pool = EventPool(backend, 3 * config.slots)
-        self.slots = [
-            Slot(i, SlotEvents(self._pool.take(), self._pool.take(), self._pool.take())) for i in range(self.depth)
-        ]
-        self._in_flight: dict[int, Work] = {}  # slot index -> work bound to it
+        self._pool = EventPool(backend, 3 * (allocated_in + allocated_out))
+        self.inputs = [BufferSlot(INPUT, i, self._pool.take(), self._pool.take()) for i in range(allocated_in)]
+        self.outputs = [BufferSlot(OUTPUT, i, self._pool.take(), self._pool.take()) for i in range(allocated_out)]
+        self._done_events = [self._pool.take() for _ in range(allocated_in + allocated_out)]
+        self._in_flight: dict[int, Work] = {}  # seq -> work, in issue order
+        self._done: dict[int, Event] = {}  # seq -> the event recorded after its send
         self._sent: set[int] = set()  # seq of items whose on_send returned
         self._cancel = threading.Event()
         self._lock = threading.Lock()
@@ -157,13 +170,21 @@ class Executor:
         return self._report is not None
 
     @property
+    def depth(self) -> int:
+        """The larger of the two buffer counts (the simple knob ``multistream.depth``)."""
+        return max(self.depth_in, self.depth_out)
+
+    @property
     def in_flight(self) -> list[WorkItem]:
         """Items issued whose on_send has not returned, in issue order."""
-        works = sorted(self._in_flight.values(), key=lambda w: w.item.seq)
-        return [w.item for w in works if w.item.seq not in self._sent]
+        return [w.item for seq, w in self._in_flight.items() if seq not in self._sent]
+
+    def buffer_bytes(self) -> BufferBytes:
+        """Bytes the connector's buffers hold now, measured from their tensors' storages."""
+        return measure_slots(self.inputs, self.outputs)
 
     def submit(self, item: WorkItem) -> None:
-        """Issue ``item``; blocks while all ``depth`` slots are in flight.
+        """Issue ``item``; blocks while its input slot's previous item has not finished compute.
 
         Raises :class:`PipelineError` (naming the failed item and phase) once any
         phase has failed, and after ``close``.
@@ -171,13 +192,20 @@ class Executor:
         self._check_open()
         if self._last_seq is not None and item.seq <= self._last_seq:
             raise ValueError(f"work items must be submitted in increasing seq order: {item} after seq={self._last_seq}")
-        if self._tuner is not None and self._tuner.choice is None and self._issued >= self._tuner.window:
+        if self._tuner is not None and self._tuner.measuring and self._issued >= self._tuner.window:
             self._maybe_decide_depth()
-        slot = self.slots[self._cursor % self.depth]
-        self._wait_slot_free(slot)
-        work = Work(item, slot, self._cancel)
-        slot.item = item
-        self._in_flight[slot.index] = work
+        inputs = self.inputs[self._cursor % self.depth_in]
+        outputs = self.outputs[self._cursor % self.depth_out]
+        self._await(inputs.free, None)  # the input slot's previous item consumed its inputs
+        self._reap()
+        if not self._done_events:  # not in the steady state (see the module docstring)
+            oldest = next(iter(self._done))
+            self._await(self._done[oldest], None)
+            self._reap()
+        work = Work(item, inputs, outputs, self._cancel)
+        inputs.item = outputs.item = item
+        self._in_flight[item.seq] = work
+        self._done[item.seq] = self._done_events.pop()
         self._last_seq = item.seq
         self._issued += 1
         self._cursor += 1
@@ -186,8 +214,7 @@ class Executor:
     def drain(self) -> None:
         """Wait until every issued item completed; raise if any phase failed."""
         self._check_open()
-        for slot in self._slots_in_issue_order():
-            self._wait_slot_free(slot)
+        self._wait_all(None)
 
     def run(self, items: Iterable[WorkItem]) -> None:
         """``submit`` every item, then ``drain``."""
@@ -209,10 +236,8 @@ class Executor:
         error: BaseException | None = None
         if self._failure is None:
             try:
-                for slot in self._slots_in_issue_order():
-                    if not self._wait_slot_free(slot, deadline=deadline):
-                        error = PipelineAborted(f"closed after {timeout:g} s with work in flight")
-                        break
+                if not self._wait_all(deadline):
+                    error = PipelineAborted(f"closed after {timeout:g} s with work in flight")
             except PipelineError:
                 # a phase failed while draining; _raise_failure stopped us and wrote the report
                 assert self._report is not None
@@ -230,20 +255,24 @@ class Executor:
     # ------------------------------------------------------------------ issuing
 
     def _issue(self, work: Work) -> None:
-        events = work.slot.events
+        inputs, outputs = work.inputs, work.outputs
         recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
-        if recv is not send:
-            recv.wait(events.send_done)  # slot reuse edge (device side)
+        if recv is not compute:
+            recv.wait(inputs.free)  # input reuse edge: the previous item's compute consumed them
         self._submit_phase("recv", recv, work)
         if compute is not recv:
-            recv.record(events.recv_done)
-            compute.wait(events.recv_done)
-        self._submit_phase("compute", compute, work)
+            recv.record(inputs.ready)
+            compute.wait(inputs.ready)
         if send is not compute:
-            compute.record(events.compute_done)
-            send.wait(events.compute_done)
+            compute.wait(outputs.free)  # output reuse edge: the previous item's send completed
+        self._submit_phase("compute", compute, work)
+        compute.record(inputs.free)
+        if send is not compute:
+            compute.record(outputs.ready)
+            send.wait(outputs.ready)
         self._submit_phase("send", send, work)
-        send.record(events.send_done)
+        send.record(outputs.free)
+        send.record(self._done[work.item.seq])
 
     def _submit_phase(self, phase: str, stream: Stream, work: Work) -> None:
         stream.submit(self._phase_runner(phase, stream, work), self._spans.open(phase, stream, work))
@@ -273,35 +302,42 @@ class Executor:
         return None if self._tuner is None else self._tuner.choice
 
     def _maybe_decide_depth(self) -> None:
-        """Choose the depth once the window's items completed; never drains.
+        """Choose the buffer counts once the window's items completed; never drains.
 
-        Completed slots are released without blocking; once every window item is
-        measured the depth shrinks in place: new items bind to the first ``depth``
-        slots, and a slot still busy with an older item is waited for as usual.
+        Completed items are released without blocking; once every window item is
+        measured the counts shrink in place: new items bind to the first
+        ``depth_in`` / ``depth_out`` slots, and a slot still busy with an older
+        item is waited for through its events as usual.
         """
         assert self._tuner is not None
-        for slot in self._slots_in_issue_order():
-            if slot.events.send_done.query():
-                self._wait_slot_free(slot)
+        self._reap()
         if self._tuner.ready():
-            self.depth = self._tuner.decide().depth
+            sizes = self.buffer_bytes()
+            choice = self._tuner.decide(sizes.per_input, sizes.per_output)
+            self.depth_in, self.depth_out = choice.depth_in, choice.depth_out
+            self._cursor = 0
 
-    # ------------------------------------------------------------------ waiting
+    # ------------------------------------------------------------------ waiting and release
 
-    def _slots_in_issue_order(self) -> list[Slot]:
-        works = sorted(self._in_flight.values(), key=lambda w: w.item.seq)
-        return [w.slot for w in works]
+    def _reap(self) -> None:
+        """Release, in issue order, every item whose send completed (checked without blocking)."""
+        for seq, done in list(self._done.items()):
+            if not done.query():
+                break
+            self._release(seq)
 
-    def _wait_slot_free(self, slot: Slot, *, deadline: float | None = None) -> bool:
-        """Wait for the slot's item to finish and release it; False at ``deadline``."""
-        if slot.index not in self._in_flight:
-            return True
-        if not self._await(slot.events.send_done, deadline):
-            return False
-        work = self._in_flight.pop(slot.index)
-        self._sent.discard(work.item.seq)
-        slot.item = None
-        self._spans.release(work.item.seq)
+    def _release(self, seq: int) -> None:
+        self._done_events.append(self._done.pop(seq))
+        del self._in_flight[seq]
+        self._sent.discard(seq)
+        self._spans.release(seq)
+
+    def _wait_all(self, deadline: float | None) -> bool:
+        """Wait for every issued item's send, in issue order; False at ``deadline``."""
+        for seq, done in list(self._done.items()):
+            if not self._await(done, deadline):
+                return False
+            self._release(seq)
         return True
 
     def _await(self, event: Event, deadline: float | None) -> bool:
@@ -350,9 +386,7 @@ class Executor:
         streams = self.backend.close(deadline)
         # Only now, with the streams stopped (or abandoned), is "in flight" final: a
         # send that was running when we aborted may have completed meanwhile.
-        abandoned = [
-            w for w in sorted(self._in_flight.values(), key=lambda w: w.item.seq) if w.item.seq not in self._sent
-        ]
+        abandoned = [w for seq, w in self._in_flight.items() if seq not in self._sent]
         reason = error if error is not None else PipelineAborted("abandoned at close")
         for work in abandoned:
             try:
@@ -361,6 +395,8 @@ class Executor:
                 log.exception("on_cleanup raised for %s; continuing", work.item)
         self._in_flight.clear()
         self._sent.clear()
+        self._done_events += self._done.values()
+        self._done.clear()
         self._report = CloseReport(
             abandoned=[w.item for w in abandoned],
             abandoned_streams=dict(streams.abandoned_streams),

@@ -1,20 +1,24 @@
-"""Analytic model of the executor's schedule: predicted makespan and depth choice.
+"""Analytic model of the executor's schedule: predicted makespan and buffer-count choice.
 
 Given per-phase times (recv, compute, send), the number of items ``N`` and the
-depth ``d``, the model replays the executor's event graph with fixed durations:
+buffer counts ``depth_in`` / ``depth_out``, the model replays the executor's
+event graph with fixed durations:
 
 * each role's stream runs its ops one at a time, in issue order (item-major:
   recv(k), compute(k), send(k) before item k+1), and roles mapped to one stream
   share it (the serialized schedule maps all three to one);
 * compute(k) starts after recv(k) ended, send(k) after compute(k) ended;
-* recv(k) starts after send(k - d) ended: the slot-reuse edge.
+* recv(k) starts after compute(k - depth_in) ended (input-buffer reuse);
+* compute(k) starts after send(k - depth_out) ended (output-buffer reuse).
 
-With all roles on distinct streams and balanced phases ``T`` this gives the
-steady-state period ``max(r, c, s, (r + c + s) / d)`` per item: depth 2 keeps
-two of the three phases busy, depth 3 all three.  ``choose_depth`` returns the
-smallest depth whose makespan is within ``tolerance`` (5 %) of the unbounded-depth
-makespan.  MegaScale-Infer's rule of thumb (m >= 2(1 + Tc/Tf) micro-batches for a
-two-way ping-pong) is a special case of the same reasoning for its topology.
+With all roles on distinct streams this gives the steady-state period
+``max(r, c, s, (r + c) / depth_in, (c + s) / depth_out)`` per item: an input
+buffer cycles recv -> compute, an output buffer compute -> send, so two of each
+overlap all three balanced phases.  ``choose_buffers`` returns, among the
+(depth_in, depth_out) pairs whose makespan is within ``tolerance`` (5 %) of the
+unbounded makespan, the one holding the fewest buffer bytes.  MegaScale-Infer's
+rule of thumb (m >= 2(1 + Tc/Tf) micro-batches for a two-way ping-pong) is a
+special case of the same reasoning for its topology.
 """
 
 from __future__ import annotations
@@ -46,50 +50,103 @@ def predict_makespan(
     items: int,
     depth: int,
     *,
+    depth_out: int | None = None,
     streams: dict[str, str] | None = None,
 ) -> float:
-    """Makespan of ``items`` items at ``depth``; ``times`` per item or one for all.
+    """Makespan of ``items`` items with ``depth`` input and ``depth_out`` (default:
+    ``depth``) output buffers; ``times`` per item or one for all.
 
     ``streams`` maps each phase to a stream name (default: three distinct streams;
     use :data:`SERIALIZED` for the serialized schedule).
     """
-    if items < 1 or depth < 1:
-        raise ValueError(f"items and depth must be >= 1, got items={items}, depth={depth}")
+    depth_in = depth
+    depth_out = depth if depth_out is None else depth_out
+    if items < 1 or depth_in < 1 or depth_out < 1:
+        raise ValueError(f"items and buffer counts must be >= 1, got items={items}, in={depth_in}, out={depth_out}")
     per_item = [times] * items if isinstance(times, PhaseTimes) else list(times)
     if len(per_item) != items:
         raise ValueError(f"got {len(per_item)} phase times for {items} items")
     mapping = streams or PIPELINED
     free: dict[str, float] = {}  # stream -> time its last op ends
-    send_end: list[float] = []
+    ends: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for k, t in enumerate(per_item):
-        ready = send_end[k - depth] if k >= depth else 0.0  # slot reuse
-        end = 0.0
+        ready = {
+            "recv": ends["compute"][k - depth_in] if k >= depth_in else 0.0,  # input reuse
+            "compute": ends["send"][k - depth_out] if k >= depth_out else 0.0,  # output reuse
+            "send": 0.0,
+        }
+        previous = 0.0  # the end of this item's previous phase
         for phase, duration in zip(PHASES, t.as_tuple(), strict=True):
             stream = mapping[phase]
-            start = max(free.get(stream, 0.0), ready)
-            end = start + duration
-            free[stream] = end
-            ready = end  # the next phase of this item depends on this one
-        send_end.append(end)
-    return max(send_end)
+            start = max(free.get(stream, 0.0), ready[phase], previous)
+            previous = free[stream] = start + duration
+            ends[phase].append(previous)
+    return max(ends["send"])
 
 
 def unbounded_makespan(times: PhaseTimes | Sequence[PhaseTimes], items: int) -> float:
-    """Makespan with as many slots as items (no slot-reuse constraint)."""
+    """Makespan with as many buffers as items (no reuse constraint)."""
     return predict_makespan(_horizon(times, items), items, items)
+
+
+def steady_period(times: PhaseTimes, depth_in: int, depth_out: int) -> float:
+    """The steady-state time per item with three distinct streams (the closed form)."""
+    r, c, s = times.as_tuple()
+    return max(r, c, s, (r + c) / depth_in, (c + s) / depth_out)
+
+
+@dataclass(frozen=True)
+class BufferChoice:
+    """The (input, output) buffer counts chosen, and why."""
+
+    depth_in: int
+    depth_out: int
+    makespan: float  # predicted, over the horizon
+    fastest: float  # the unbounded makespan the tolerance is measured from
+
+
+def choose_buffers(
+    times: PhaseTimes | Sequence[PhaseTimes],
+    items: int = 64,
+    *,
+    bytes_in: int = 1,
+    bytes_out: int = 1,
+    tolerance: float = 0.05,
+    max_depth: int = MAX_DEPTH,
+) -> BufferChoice:
+    """The (depth_in, depth_out) with the fewest buffer bytes among those within
+    ``tolerance`` of the unbounded makespan (ties: fewer buffers, then fewer inputs).
+
+    ``times`` is one item's phase times, or measured samples: samples are repeated
+    over the horizon in order, so their variance counts (a buffer's cycle has less
+    slack at small counts, and one slow phase stalls it).  ``items`` is the
+    horizon the choice is made for (64: long enough that fill and drain do not
+    dominate).  ``bytes_in`` / ``bytes_out`` are one input / output buffer's bytes
+    as measured; unknown sizes (0) count as 1 so the choice still minimises the count.
+    """
+    per_item = _horizon(times, items)
+    fastest = predict_makespan(per_item, items, items)
+    target = fastest * (1 + tolerance)
+    size_in, size_out = max(bytes_in, 1), max(bytes_out, 1)
+    best: tuple[tuple[int, int, int], BufferChoice] | None = None
+    for depth_in in range(1, max_depth + 1):
+        for depth_out in range(1, max_depth + 1):
+            makespan = predict_makespan(per_item, items, depth_in, depth_out=depth_out)
+            if makespan > target:
+                continue
+            rank = (depth_in * size_in + depth_out * size_out, depth_in + depth_out, depth_in)
+            if best is None or rank < best[0]:
+                best = (rank, BufferChoice(depth_in, depth_out, makespan, fastest))
+    if best is None:
+        makespan = predict_makespan(per_item, items, max_depth)
+        return BufferChoice(max_depth, max_depth, makespan, fastest)
+    return best[1]
 
 
 def choose_depth(
     times: PhaseTimes | Sequence[PhaseTimes], items: int = 64, *, tolerance: float = 0.05, max_depth: int = MAX_DEPTH
 ) -> int:
-    """Smallest depth whose predicted makespan is within ``tolerance`` of unbounded.
-
-    ``times`` is one item's phase times, or measured samples: samples are repeated
-    over the horizon in order, so their variance counts (a slot's recv -> compute
-    -> send cycle has less slack at small depths, and one slow phase stalls it).
-    ``items`` is the horizon the choice is made for (64: long enough that fill and
-    drain do not dominate).
-    """
+    """Smallest equal buffer count (``multistream.depth``) within ``tolerance`` of unbounded."""
     per_item = _horizon(times, items)
     target = predict_makespan(per_item, items, items) * (1 + tolerance)
     for depth in range(1, max_depth + 1):

@@ -32,7 +32,7 @@ class SpanCollector:
     def open(self, phase: str, stream: Stream, work: Work) -> Span:
         """The span the backend fills for ``phase`` of ``work`` (kept only when a sink listens;
         the backend also uses it to name the work it abandons at close)."""
-        span = Span(phase, stream.name, stream.stream_id, work.item, work.slot.index)
+        span = Span(phase, stream.name, stream.stream_id, work.item, (work.inputs.index, work.outputs.index))
         if self.active:
             if self.trace is not None:
                 self.trace.add(span)

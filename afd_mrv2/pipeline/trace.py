@@ -48,8 +48,8 @@ class Trace:
             args: dict[str, str | int] = {"stream": span.stream_name}
             if span.item is not None:
                 args.update(layer=span.item.layer_idx, stage=span.item.stage_idx, seq=span.item.seq)
-            if span.slot is not None:
-                args["slot"] = span.slot
+            if span.slots is not None:
+                args["in_slot"], args["out_slot"] = span.slots
             events.append(
                 {
                     "name": span.name,

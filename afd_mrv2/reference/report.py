@@ -130,8 +130,9 @@ def rank_traces(ranks: list[dict[str, Any]]) -> list[Trace]:
         for r in sorted(ranks, key=lambda r: r["rank"]):
             mode = r["modes"][i]
             trace = Trace(rank=r["rank"], label=f"{mode['label']}: {r['role']} {r['index']}")
-            for name, stream, stream_id, layer, stage, seq, slot, start, end in mode["spans"]:
-                trace.add(Span(name, stream, stream_id, WorkItem(layer, stage, seq), slot, start, end))
+            for name, stream, stream_id, layer, stage, seq, slots, start, end in mode["spans"]:
+                slots = tuple(slots) if slots is not None else None
+                trace.add(Span(name, stream, stream_id, WorkItem(layer, stage, seq), slots, start, end))
             traces.append(trace)
     return traces
 

@@ -226,7 +226,7 @@ class _Session:
                 s.item.layer_idx,
                 s.item.stage_idx,
                 s.item.seq,
-                s.slot,
+                s.slots,
                 s.start_ns,
                 s.end_ns,
             )

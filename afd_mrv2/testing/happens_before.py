@@ -17,7 +17,10 @@ The checker proves the executor's three edges for every work item ``k``:
 
 1. compute of ``k`` never starts before recv of ``k`` completed;
 2. send of ``k`` never starts before compute of ``k`` completed;
-3. the next recv bound to ``k``'s slot never starts before send of ``k`` completed;
+3. input reuse: the next recv bound to ``k``'s input slot never starts before
+   compute of ``k`` completed (it still reads the inputs until then);
+4. output reuse: the next compute bound to ``k``'s output slot never starts
+   before send of ``k`` completed (it still reads the outputs until then);
 
 and that each phase keeps the issue order of work items.  ``host_edges=False``
 ignores host syncs, proving that the device edges alone suffice (correctness
@@ -88,15 +91,13 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
     clocks = _Clocks(log, host_edges=host_edges)
     phases: dict[tuple, dict[str, int]] = {}
     issue_order: list[tuple] = []
-    slot_of: dict[tuple, int | None] = {}
     for i, op in enumerate(log):
         if op.kind != "submit" or op.name not in ("recv", "compute", "send"):
             continue
-        key = (op.item, op.slot)
+        key = (op.item, op.slots)
         if key not in phases:
             phases[key] = {}
             issue_order.append(key)
-            slot_of[key] = op.slot
         phases[key][op.name] = i
 
     violations: list[Violation] = []
@@ -106,7 +107,7 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
             violations.append(Violation(rule, message))
 
     for key in issue_order:
-        item, _slot = key
+        item, _slots = key
         p = phases[key]
         require(
             "recv->compute", p.get("recv"), p.get("compute"), f"compute of ({item}) may start before its recv completed"
@@ -115,18 +116,24 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
             "compute->send", p.get("compute"), p.get("send"), f"send of ({item}) may start before its compute completed"
         )
 
-    last_on_slot: dict[int | None, tuple] = {}
-    for key in issue_order:
-        slot = slot_of[key]
-        previous = last_on_slot.get(slot)
-        if previous is not None:
-            require(
-                "send->slot-reuse",
-                phases[previous].get("send"),
-                phases[key].get("recv"),
-                f"recv of ({key[0]}) may reuse slot {slot} before send of ({previous[0]}) completed",
-            )
-        last_on_slot[slot] = key
+    # (rule, which slot of the pair, the previous user's releasing phase, the next user's overwriting phase)
+    reuse = (("input-reuse", 0, "compute", "recv"), ("output-reuse", 1, "send", "compute"))
+    for rule, which, releases, overwrites in reuse:
+        last_user: dict[int, tuple] = {}
+        for key in issue_order:
+            slots = key[1]
+            if slots is None:
+                continue
+            previous = last_user.get(slots[which])
+            if previous is not None:
+                require(
+                    rule,
+                    phases[previous].get(releases),
+                    phases[key].get(overwrites),
+                    f"{overwrites} of ({key[0]}) may overwrite {('input', 'output')[which]} slot {slots[which]} "
+                    f"before {releases} of ({previous[0]}) completed",
+                )
+            last_user[slots[which]] = key
 
     for phase in ("recv", "compute", "send"):
         ordered = [phases[key][phase] for key in issue_order if phase in phases[key]]

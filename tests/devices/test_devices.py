@@ -115,7 +115,7 @@ def test_an_exception_escaping_submitted_work_aborts_the_backend(backend: HostBa
 
 def test_host_spans_are_timed_on_the_stream_thread(backend: HostBackend) -> None:
     stream = backend.new_stream("s")
-    span = Span("compute", "s", stream.stream_id, None, 0)
+    span = Span("compute", "s", stream.stream_id, None, (0, 0))
     stream.submit(lambda: time.sleep(0.02), span)
     event = backend.new_event()
     stream.record(event)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices import RecordingBackend
@@ -10,41 +12,65 @@ from afd_mrv2.devices.recording import Op
 from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.plugins import plugins_for
 from afd_mrv2.testing.happens_before import HappensBeforeError, check_happens_before, find_violations
-from afd_mrv2.work import Slot, Work
+from afd_mrv2.work import Work
 from tests.connectors import RecordingConnector, grid, matmul_compute
 
 
-class DropsSlotReuseEdge(Executor):
-    """TEST-ONLY planted bug: a schedule that reuses a slot without waiting for its send.
+class DropsInputReuseEdge(Executor):
+    """TEST-ONLY planted bug: recv overwrites an input slot without waiting for the previous compute.
 
-    Both the host wait and the device-side wait on ``send_done`` are dropped.
+    ``inputs.free`` is never recorded, so both the host wait and the device-side
+    wait on it are no-ops.
     """
 
-    def _wait_slot_free(self, slot: Slot, *, deadline: float | None = None) -> bool:
-        self._in_flight.pop(slot.index, None)
-        return True
-
     def _issue(self, work: Work) -> None:
-        events = work.slot.events
+        inputs, outputs = work.inputs, work.outputs
         recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
         self._submit_phase("recv", recv, work)
-        recv.record(events.recv_done)
-        compute.wait(events.recv_done)
+        recv.record(inputs.ready)
+        compute.wait(inputs.ready)
+        compute.wait(outputs.free)
         self._submit_phase("compute", compute, work)
-        compute.record(events.compute_done)
-        send.wait(events.compute_done)
+        compute.record(outputs.ready)
+        send.wait(outputs.ready)
         self._submit_phase("send", send, work)
-        send.record(events.send_done)
+        send.record(outputs.free)
 
 
-def run(executor_type: type[Executor], *, enabled: bool, depth: int) -> tuple[RecordingBackend, RecordingConnector]:
-    backend = RecordingBackend()
+class DropsOutputReuseEdge(Executor):
+    """TEST-ONLY planted bug: compute overwrites an output slot without waiting for the previous send."""
+
+    def _issue(self, work: Work) -> None:
+        inputs, outputs = work.inputs, work.outputs
+        recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
+        recv.wait(inputs.free)
+        self._submit_phase("recv", recv, work)
+        recv.record(inputs.ready)
+        compute.wait(inputs.ready)
+        self._submit_phase("compute", compute, work)
+        compute.record(inputs.free)
+        compute.record(outputs.ready)
+        send.wait(outputs.ready)
+        self._submit_phase("send", send, work)
+        send.record(outputs.free)
+
+
+def run(
+    executor_type: type[Executor],
+    *,
+    enabled: bool,
+    depth: int,
+    buffers: tuple[int, int] | None = None,
+    items: list[WorkItem] | None = None,
+    backend: RecordingBackend | None = None,
+    **extra: object,
+) -> tuple[RecordingBackend, RecordingConnector]:
+    backend = backend or RecordingBackend()
     connector = RecordingConnector()
-    executor = executor_type(
-        plugins_for(connector), backend, MultistreamConfig(enabled=enabled, depth=depth), compute=matmul_compute()
-    )
+    config = MultistreamConfig(enabled=enabled, depth=depth, buffers=buffers, **extra)
+    executor = executor_type(plugins_for(connector), backend, config, compute=matmul_compute())
     with executor:
-        executor.run(grid(3, 2, 16))
+        executor.run(items if items is not None else grid(3, 2, 16))
     return backend, connector
 
 
@@ -60,15 +86,68 @@ def test_executor_schedule_is_proven_for_3_layers_2_stages_16_items(depth: int, 
     check_happens_before(backend.log, host_edges=False)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4])
-def test_planted_bug_dropping_the_slot_reuse_edge_is_caught(depth: int) -> None:
-    backend, connector = run(DropsSlotReuseEdge, enabled=True, depth=depth)
+@pytest.mark.parametrize(("depth_in", "depth_out"), [(1, 1), (2, 2), (3, 2), (2, 3), (1, 4), (4, 1)])
+def test_planted_bug_dropping_compute_done_is_caught_as_input_reuse(depth_in: int, depth_out: int) -> None:
+    backend, connector = run(DropsInputReuseEdge, enabled=True, depth=2, buffers=(depth_in, depth_out))
     assert len(connector.outputs) == 96  # program order still gives the right numbers here...
     violations = find_violations(backend.log)
-    assert violations and {v.rule for v in violations} == {"send->slot-reuse"}  # ...but a device could race
-    assert len(violations) == 96 - depth  # every slot reuse is unguarded
-    with pytest.raises(HappensBeforeError, match=r"recv of \(layer=0 stage=0 seq=\d+\) may reuse slot \d before send"):
+    assert violations and {v.rule for v in violations} == {"input-reuse"}  # ...but a device could race
+    assert len(violations) == 96 - depth_in  # every input slot reuse is unguarded
+    with pytest.raises(HappensBeforeError, match=r"recv of \(layer=\d stage=\d seq=\d+\) may overwrite input slot"):
         check_happens_before(backend.log)
+
+
+@pytest.mark.parametrize(("depth_in", "depth_out"), [(1, 1), (2, 2), (3, 2), (2, 3), (1, 4), (4, 1)])
+def test_planted_bug_dropping_send_done_is_caught_as_output_reuse(depth_in: int, depth_out: int) -> None:
+    backend, connector = run(DropsOutputReuseEdge, enabled=True, depth=2, buffers=(depth_in, depth_out))
+    assert len(connector.outputs) == 96
+    violations = find_violations(backend.log, host_edges=False)
+    assert violations and {v.rule for v in violations} == {"output-reuse"}
+    assert len(violations) == 96 - depth_out  # every output slot reuse is unguarded on the device
+    with pytest.raises(HappensBeforeError, match=r"compute of \(layer=\d stage=\d seq=\d+\) may overwrite output"):
+        check_happens_before(backend.log, host_edges=False)
+
+
+PHASE_SETS = [("recv", "send"), ("recv",), ("send",)]
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    depth_in=st.integers(1, 4),
+    depth_out=st.integers(1, 4),
+    auto=st.booleans(),
+    enabled=st.booleans(),
+    phases=st.sampled_from(PHASE_SETS),
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 2), st.integers(1, 6)),
+    durations=st.lists(st.integers(1, 5_000), min_size=3, max_size=24),
+)
+def test_random_schedules_with_random_phase_durations_are_proven(
+    depth_in: int,
+    depth_out: int,
+    auto: bool,
+    enabled: bool,
+    phases: tuple[str, ...],
+    shape: tuple[int, int, int],
+    durations: list[int],
+) -> None:
+    """The simulated device gives every op a random duration, which changes what the
+    executor observes (releases, the auto-depth measurement) and so what it issues."""
+    table = iter(durations * 1000)
+    backend = RecordingBackend(durations=lambda span: next(table))
+    items = grid(*shape)
+    buffers = None if auto else (depth_in, depth_out)
+    _, connector = run(
+        Executor,
+        enabled=enabled,
+        depth="auto" if auto else 2,
+        buffers=buffers,
+        items=items,
+        backend=backend,
+        phases=phases,
+        auto_window=2,
+    )
+    assert sorted(connector.outputs) == sorted(item.seq for item in items) or len(connector.outputs) == len(items)
+    assert find_violations(backend.log, host_edges=False) == []
 
 
 def test_pipelined_log_has_cross_stream_waits_serialized_has_none() -> None:
@@ -81,7 +160,7 @@ def test_pipelined_log_has_cross_stream_waits_serialized_has_none() -> None:
 
 
 def _submit(stream: str, name: str, seq: int, slot: int = 0) -> Op:
-    return Op("submit", stream, name=name, item=WorkItem(0, 0, seq), slot=slot)
+    return Op("submit", stream, name=name, item=WorkItem(0, 0, seq), slots=(slot, slot))
 
 
 def test_checker_rules_on_hand_written_logs() -> None:

@@ -29,7 +29,7 @@ def test_hidden_fraction_of_a_long_trace_is_quick() -> None:
     spans, t = [], 0
     for k in range(5000):
         for name in ("recv", "compute", "send"):
-            spans.append(Span(name, name, 1, WorkItem(0, 0, k), 0, t, t + 1000))
+            spans.append(Span(name, name, 1, WorkItem(0, 0, k), (0, 0), t, t + 1000))
             t += 700
     start = time.perf_counter()
     assert abs(hidden_comm_fraction(spans) - 0.3) < 1e-9

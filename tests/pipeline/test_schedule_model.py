@@ -15,7 +15,15 @@ from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices import HostBackend, RecordingBackend
 from afd_mrv2.pipeline import Executor
 from afd_mrv2.pipeline.metrics import flow_shop_lower_bound
-from afd_mrv2.pipeline.schedule_model import SERIALIZED, PhaseTimes, choose_depth, median_phase_times, predict_makespan
+from afd_mrv2.pipeline.schedule_model import (
+    SERIALIZED,
+    PhaseTimes,
+    choose_buffers,
+    choose_depth,
+    median_phase_times,
+    predict_makespan,
+    steady_period,
+)
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
 from afd_mrv2.testing.happens_before import check_happens_before
@@ -24,42 +32,68 @@ from tests.connectors import RecordingConnector, grid
 
 def test_closed_forms_for_balanced_phases() -> None:
     t = PhaseTimes(1, 1, 1)
-    assert predict_makespan(t, 32, 1) == 96
-    assert predict_makespan(t, 32, 2) == 49  # period 1.5: two of three phases busy
-    assert predict_makespan(t, 32, 3) == predict_makespan(t, 32, 8) == 34  # N + 2
+    assert predict_makespan(t, 32, 1) == 65  # one input and one output buffer: period 2
+    assert predict_makespan(t, 32, 2) == 34  # two of each: all three phases busy, N + 2
+    assert predict_makespan(t, 32, 3) == predict_makespan(t, 32, 8) == 34
+    assert predict_makespan(t, 32, 2, depth_out=1) == predict_makespan(t, 32, 1, depth_out=2) == 65
     assert predict_makespan(t, 32, 3, streams=SERIALIZED) == 96
 
 
-def test_slot_reuse_period_is_the_max_of_bottleneck_and_cycle_over_depth() -> None:
-    for r, c, s in [(3, 1, 3), (1, 3, 1), (2, 1, 0.5), (1, 1, 1)]:
+def test_buffer_reuse_period_is_the_closed_form() -> None:
+    """period = max(r, c, s, (r + c) / depth_in, (c + s) / depth_out)."""
+    for r, c, s in [(3, 1, 3), (1, 3, 1), (2, 1, 0.5), (1, 1, 1), (5, 2, 1)]:
         t = PhaseTimes(r, c, s)
-        for depth in (1, 2, 3, 4):
-            period = max(r, c, s, (r + c + s) / depth)
-            n = 400
-            measured_period = (predict_makespan(t, n, depth) - predict_makespan(t, n // 2, depth)) / (n - n // 2)
-            assert measured_period == pytest.approx(period, rel=1e-9)
+        for depth_in in (1, 2, 3, 4):
+            for depth_out in (1, 2, 3, 4):
+                n = 400
+
+                def made(items: int, t: PhaseTimes = t, depth_in: int = depth_in, depth_out: int = depth_out) -> float:
+                    return predict_makespan(t, items, depth_in, depth_out=depth_out)
+
+                measured_period = (made(n) - made(n // 2)) / (n - n // 2)
+                assert measured_period == pytest.approx(steady_period(t, depth_in, depth_out), rel=1e-9)
 
 
 def test_choose_depth() -> None:
-    assert choose_depth(PhaseTimes(1, 1, 1)) == 3
-    assert choose_depth(PhaseTimes(3, 1, 3)) == 3  # comm-bound: 7/2 > 3 at depth 2
-    assert choose_depth(PhaseTimes(1, 3, 1)) == 2  # compute-bound: 5/2 < 3
+    assert choose_depth(PhaseTimes(1, 1, 1)) == 2  # two input + two output buffers overlap all three
+    assert choose_depth(PhaseTimes(3, 1, 3)) == 2  # comm-bound: (3 + 1) / 2 < 3
+    assert choose_depth(PhaseTimes(1, 3, 1)) == 2  # compute-bound: (1 + 3) / 2 < 3
     assert choose_depth(PhaseTimes(2, 1, 0.5)) == 2
     assert choose_depth(PhaseTimes(1, 0, 0)) == 1
-    assert choose_depth(PhaseTimes(1, 1, 1), max_depth=2) == 2
+    assert choose_depth(PhaseTimes(1, 1, 1), max_depth=1) == 1
+
+
+def test_choose_buffers_takes_the_fewest_bytes_within_tolerance() -> None:
+    def pick(t: PhaseTimes, **kw: int) -> tuple[int, int]:
+        choice = choose_buffers(t, **kw)
+        return (choice.depth_in, choice.depth_out)
+
+    assert pick(PhaseTimes(1, 1, 1)) == (2, 2)
+    assert pick(PhaseTimes(3, 1, 1)) == (2, 1)  # recv-bound: (1 + 1) / 1 <= 3, one output buffer suffices
+    assert pick(PhaseTimes(1, 1, 3)) == (1, 2)  # send-bound: one input buffer suffices
+    assert pick(PhaseTimes(1, 0, 0)) == (1, 1)
+    # Within tolerance, bytes decide: (1 in, 2 out) and (2 in, 1 out) are equally fast here.
+    slack = PhaseTimes(1, 0.01, 1)
+    assert pick(slack, bytes_in=1, bytes_out=1) in {(1, 2), (2, 1), (1, 1)}
+    assert pick(PhaseTimes(4, 4, 0.5), bytes_in=100, bytes_out=1) == (2, 2)  # (4 + 4) / 2 = 4, (4 + 0.5) / 1 > 4
+    choice = choose_buffers(PhaseTimes(1, 1, 1))
+    assert choice.makespan <= choice.fastest * 1.05
 
 
 def test_choose_depth_counts_the_variance_of_measured_samples() -> None:
-    """Medians say depth 2 suffices; one compute spike in four stalls a 2-slot cycle."""
-    samples = [PhaseTimes(6, 3, 1.5)] * 3 + [PhaseTimes(6, 6, 1.5)]
+    """Medians say two input buffers suffice; one recv spike in four stalls a 2-buffer cycle."""
+    samples = [PhaseTimes(1, 6, 1)] * 3 + [PhaseTimes(9, 6, 1)]
     assert choose_depth(median_phase_times([t.as_tuple() for t in samples])) == 2
     assert choose_depth(samples) == 3
+    medians = choose_buffers(median_phase_times([t.as_tuple() for t in samples]))
+    measured = choose_buffers(samples)
+    assert (medians.depth_in, measured.depth_in) == (2, 3)
     with pytest.raises(ValueError, match="no phase-time samples"):
         choose_depth([])
 
 
 def test_bad_input() -> None:
-    with pytest.raises(ValueError, match="items and depth must be >= 1"):
+    with pytest.raises(ValueError, match="items and buffer counts must be >= 1"):
         predict_makespan(PhaseTimes(1, 1, 1), 0, 1)
     with pytest.raises(ValueError, match="got 2 phase times for 3 items"):
         predict_makespan([PhaseTimes(1, 1, 1)] * 2, 3, 1)
@@ -79,7 +113,9 @@ def test_model_properties(times: list[tuple[float, float, float]], depth: int) -
     made = predict_makespan(per_item, n, depth)
     assert made <= predict_makespan(per_item, n, depth, streams=SERIALIZED) + 1e-9
     assert made >= flow_shop_lower_bound(times) - 1e-9
-    assert predict_makespan(per_item, n, depth + 1) <= made + 1e-9  # more slots never hurt
+    assert predict_makespan(per_item, n, depth + 1) <= made + 1e-9  # more buffers never hurt
+    assert predict_makespan(per_item, n, depth, depth_out=depth + 1) <= made + 1e-9
+    assert predict_makespan(per_item, n, depth + 1, depth_out=depth) <= made + 1e-9
 
 
 def test_model_predicts_a_host_backend_run() -> None:
@@ -100,7 +136,7 @@ def test_model_predicts_a_host_backend_run() -> None:
 
 
 def test_auto_depth_decides_once_and_keeps_the_schedule_proven(caplog: pytest.LogCaptureFixture) -> None:
-    backend = RecordingBackend()  # logical clock: every phase lasts the same -> balanced -> depth 3
+    backend = RecordingBackend()  # logical clock: every phase lasts the same -> balanced -> 2 in, 2 out
     connector = RecordingConnector()
     config = MultistreamConfig(enabled=True, depth="auto", auto_window=5)
     executor = Executor(plugins_for(connector), backend, config, compute=lambda i, x: x)
@@ -108,15 +144,16 @@ def test_auto_depth_decides_once_and_keeps_the_schedule_proven(caplog: pytest.Lo
         assert executor.depth == 8 and executor.depth_choice is None
         executor.run(grid(3, 2, 6))
     choice = executor.depth_choice
-    assert choice is not None and choice.depth == 3 and choice.window == 5
-    assert executor.depth == 3
+    assert choice is not None and (choice.depth_in, choice.depth_out) == (2, 2) and choice.window == 5
+    assert (executor.depth_in, executor.depth_out) == (2, 2)
     messages = [r.getMessage() for r in caplog.records if "depth auto" in r.getMessage()]
     assert messages == [
-        "afd-mrv2 executor: depth auto -> 3 (median over 5 items: recv 0.001 ms, compute 0.001 ms, send 0.001 ms)"
+        "afd-mrv2 executor: depth auto -> 2in/2out buffers "
+        "(median over 5 items: recv 0.001 ms, compute 0.001 ms, send 0.001 ms)"
     ]
     assert len(connector.outputs) == 36
-    slots_after = {c.slot for c in connector.calls if c.item.seq >= 10}
-    assert slots_after <= {0, 1, 2}
+    slots_after = {c.slots for c in connector.calls if c.item.seq >= 10}
+    assert slots_after <= {(0, 0), (1, 1)}
     check_happens_before(backend.log)
     check_happens_before(backend.log, host_edges=False)
 
@@ -129,7 +166,8 @@ def test_auto_depth_on_threads_picks_the_model_depth() -> None:
             executor.submit(item)
             time.sleep(0.001)
         executor.drain()
-    assert executor.depth_choice is not None and executor.depth_choice.depth == 3  # comm-bound
+    choice = executor.depth_choice
+    assert choice is not None and (choice.depth_in, choice.depth_out) == (2, 2)  # comm-bound: (6 + 2) / 2 < 6
     assert len(connector.outputs) == 20
 
 

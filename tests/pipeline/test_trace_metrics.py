@@ -18,7 +18,7 @@ from tests.connectors import RecordingConnector, grid
 
 
 def span(name: str, stream: str, start: int, end: int, seq: int = 0) -> Span:
-    return Span(name, stream, hash(stream) % 1000, WorkItem(0, 0, seq), 0, start, end)
+    return Span(name, stream, hash(stream) % 1000, WorkItem(0, 0, seq), (0, 0), start, end)
 
 
 def test_flow_shop_lower_bound() -> None:
@@ -48,8 +48,8 @@ def test_hidden_fraction_and_busy_time() -> None:
 
 def test_chrome_trace_has_one_lane_per_stream_and_the_work_identity() -> None:
     trace = Trace(rank=3, role="ffn", label="pipelined")
-    trace.add(Span("recv", "recv", 11, WorkItem(1, 0, 4), 2, 1000, 3000))
-    trace.add(Span("compute", "compute", 12, WorkItem(1, 0, 4), 2, 3000, 6000))
+    trace.add(Span("recv", "recv", 11, WorkItem(1, 0, 4), (2, 1), 1000, 3000))
+    trace.add(Span("compute", "compute", 12, WorkItem(1, 0, 4), (2, 1), 3000, 6000))
     doc = chrome_trace([trace])
     events = doc["traceEvents"]
     assert events[0] == {"name": "process_name", "ph": "M", "pid": 3, "args": {"name": "ffn rank 3 (pipelined)"}}
@@ -57,7 +57,7 @@ def test_chrome_trace_has_one_lane_per_stream_and_the_work_identity() -> None:
     assert lanes == {11: "recv", 12: "compute"}
     recv = next(e for e in events if e["ph"] == "X" and e["name"] == "recv")
     assert recv["ts"] == 1.0 and recv["dur"] == 2.0 and recv["pid"] == 3 and recv["tid"] == 11
-    assert recv["args"] == {"stream": "recv", "layer": 1, "stage": 0, "seq": 4, "slot": 2}
+    assert recv["args"] == {"stream": "recv", "layer": 1, "stage": 0, "seq": 4, "in_slot": 2, "out_slot": 1}
 
 
 def test_pipelined_trace_shows_overlap_on_distinct_streams(tmp_path: Path) -> None:
