@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from afd_mrv2 import hookimpl
+from afd_mrv2.bench.noop import NoopConnector
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices import HostBackend, RecordingBackend
 from afd_mrv2.errors import PipelineAborted, PipelineError, PluginError
 from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
-from tests.connectors import NoopConnector, PhaseObserver, RecordingConnector, grid, item_inputs, matmul_compute
+from tests.connectors import CountingRecording, PhaseObserver, RecordingConnector, grid, item_inputs, matmul_compute
 
 
 def stream_threads() -> list[threading.Thread]:
@@ -201,6 +202,7 @@ def test_stream_layouts() -> None:
 
 class StreamChooser(NoopConnector):
     def __init__(self, result: object) -> None:
+        super().__init__()
         self.result = result
 
     @hookimpl
@@ -219,20 +221,12 @@ def test_connector_may_override_create_streams_through_the_backend() -> None:
         make(StreamChooser({"recv": None}), enabled=True, backend=RecordingBackend())
 
 
-class CountingBackend(RecordingBackend):
-    events = 0
-
-    def new_event(self):  # type: ignore[no-untyped-def]
-        self.events += 1
-        return super().new_event()
-
-
 def test_no_event_allocation_after_start_up() -> None:
-    backend = CountingBackend()
+    backend = CountingRecording()
     executor = make(NoopConnector(), enabled=True, depth=4, backend=backend, trace=Trace())
-    assert backend.events == 12  # 3 edges x 4 slots, all at start-up
+    assert backend.created.count("event") == 12  # 3 edges x 4 slots, all at start-up
     executor.run(grid(3, 2, 16))
-    assert backend.events == 12
+    assert backend.created.count("event") == 12
 
 
 def test_plugins_for_rejects_wrong_kinds() -> None:
