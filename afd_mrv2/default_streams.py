@@ -5,6 +5,7 @@ from __future__ import annotations
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices.base import DeviceBackend, Stream
 from afd_mrv2.hookspecs import hookimpl
+from afd_mrv2.items import PHASES
 
 
 class DefaultStreams:
@@ -20,7 +21,7 @@ class DefaultStreams:
         streams: dict[str, Stream] = {}
         compute: Stream | None = None
         for role in roles:
-            if role == "compute" or (role in ("recv", "send") and role not in config.phases):
+            if role in PHASES and role not in config.phases:  # compute, and recv/send without a stream
                 compute = compute or backend.current_stream("compute")
                 streams[role] = compute
             else:

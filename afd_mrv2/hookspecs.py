@@ -59,6 +59,7 @@ PROJECT_NAME = "afd_mrv2"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
+
 #: The owner's compute function, handed to ``on_compute``.  Its signature is a
 #: contract between the executor's owner (the model runner) and the connector;
 #: for the FFN role it is documented with each runner (the reference FFN takes

@@ -1,4 +1,4 @@
-"""The identity of pipelined work and the names of its phases (a leaf: imports nothing of afd_mrv2)."""
+"""The identity of pipelined work and the names of its phases and roles (a leaf: imports nothing of afd_mrv2)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 #: The three phases of every work item, in pipeline order (also the executor's stream roles).
 PHASES = ("recv", "compute", "send")
+
+#: The two AFD roles (``afd.role``); the rank layout is :mod:`afd_mrv2.topology`'s.
+ATTENTION = "attention"
+FFN = "ffn"
 
 
 @dataclass(frozen=True, order=True)

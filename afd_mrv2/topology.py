@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION = "attention"
-FFN = "ffn"
+from afd_mrv2.items import ATTENTION, FFN
 
 
 @dataclass(frozen=True)

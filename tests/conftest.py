@@ -9,6 +9,7 @@ reason: a missing prerequisite never turns into a silent pass or skip.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,3 +38,14 @@ def _require_hardware(request: pytest.FixtureRequest) -> None:
             reason = _missing(marker)
             if reason is not None:
                 pytest.fail(f"test marked {marker!r} was selected but its prerequisite is missing: {reason}")
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test (ranks run as threads of one process; timings stay steady)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,4 +1,7 @@
-"""Test connectors and observers (plain hook implementations, no transport).
+"""Shared test fakes: connectors, observers (plain hook implementations, no transport), counting backends.
+
+The no-op connector is product code (``afd-mrv2 bench`` measures with it):
+:class:`afd_mrv2.bench.noop.NoopConnector`.
 
 ``RecordingConnector`` makes each item's inputs from its identity, runs the owner's
 ``compute`` and keeps the outputs; it records every hook call, with the thread it
@@ -15,7 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_mrv2 import hookimpl
+from afd_mrv2.config import MultistreamConfig
+from afd_mrv2.devices import HostBackend, RecordingBackend
 from afd_mrv2.items import WorkItem
+from afd_mrv2.pipeline import Executor
+from afd_mrv2.pipeline.trace import Trace
+from afd_mrv2.plugins import plugins_for
 from afd_mrv2.work import Work
 
 
@@ -97,20 +105,6 @@ class RecordingConnector:
         return [c.item for c in self.calls if c.phase == phase]
 
 
-class NoopConnector:
-    @hookimpl
-    def on_recv(self, work: Work) -> None:
-        pass
-
-    @hookimpl
-    def on_compute(self, work: Work, compute: Callable) -> None:
-        pass
-
-    @hookimpl
-    def on_send(self, work: Work) -> None:
-        pass
-
-
 @dataclass
 class PhaseObserver:
     """Wraps every phase; records (phase, item, raised?) after the connector ran."""
@@ -139,6 +133,13 @@ class PhaseObserver:
         return (yield from self._wrap("send", work))
 
 
+def run_pipelined_on_threads(connector: object, items: list[WorkItem], *, depth: int, trace: Trace) -> None:
+    """Run ``items`` through ``connector``, pipelined on the host backend (identity compute), into ``trace``."""
+    config = MultistreamConfig(enabled=True, depth=depth)
+    with Executor(plugins_for(connector), HostBackend(), config, compute=lambda i, x: x, trace=trace) as executor:
+        executor.run(items)
+
+
 def grid(layers: int, stages: int, per_stage: int) -> list[WorkItem]:
     """layers x stages x per_stage work items with increasing seq."""
     items = []
@@ -147,3 +148,37 @@ def grid(layers: int, stages: int, per_stage: int) -> list[WorkItem]:
             for stage in range(stages):
                 items.append(WorkItem(layer, stage, len(items)))
     return items
+
+
+class Counting:
+    """Backend mixin: ``created`` lists every stream and event the backend made, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[str] = []
+        self._inside = False
+
+    def new_stream(self, name):  # type: ignore[no-untyped-def]
+        if not self._inside:  # the CPU backends build current_stream() from new_stream()
+            self.created.append(f"stream:{name}")
+        return super().new_stream(name)  # type: ignore[misc]
+
+    def current_stream(self, name):  # type: ignore[no-untyped-def]
+        self.created.append(f"current:{name}")
+        self._inside = True
+        try:
+            return super().current_stream(name)  # type: ignore[misc]
+        finally:
+            self._inside = False
+
+    def new_event(self):  # type: ignore[no-untyped-def]
+        self.created.append("event")
+        return super().new_event()  # type: ignore[misc]
+
+
+class CountingRecording(Counting, RecordingBackend):
+    pass
+
+
+class CountingHost(Counting, HostBackend):
+    pass

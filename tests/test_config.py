@@ -1,13 +1,29 @@
-"""The typed ``afd`` / ``afd.multistream`` configuration: defaults, errors, fuzzing."""
+"""The typed ``afd`` / ``afd.multistream`` configuration and the one options parser: defaults, errors, fuzzing."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_mrv2.config import MultistreamConfig, parse_afd_config, parse_multistream
+from afd_mrv2.config import (
+    TEXT,
+    MultistreamConfig,
+    accepted_keys,
+    integer,
+    number,
+    one_of,
+    option,
+    parse_afd_config,
+    parse_multistream,
+    parse_section,
+)
 from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.cam.options import CamAsyncOptions, CamP2POptions
+from afd_mrv2.hooks.p2p import P2pOptions, parse_options
+from afd_mrv2.hooks.simlink import LinkModel, SimLinkOptions
 
 
 def test_defaults_are_the_serialized_fallback() -> None:
@@ -164,3 +180,67 @@ def test_fuzzed_afd_section_only_raises_config_error(raw: dict) -> None:
         parse_afd_config(raw)
     except ConfigError as exc:
         assert "\n" not in str(exc) and exc.key.startswith("afd")
+
+
+# ----------------------------------------------------------------- the one options parser
+
+
+@dataclass(frozen=True)
+class _Demo:
+    name: str = option(TEXT)
+    size: int = option(integer(1, 4), 2)
+    limit: float | None = option(number(), None)
+    mode: str = option(one_of(("a", "b")), "a", key="class")
+
+
+def test_parse_section_derives_keys_defaults_and_requirements_from_the_fields() -> None:
+    assert parse_section(_Demo, {"name": "x"}, "demo") == _Demo(name="x", size=2, limit=None, mode="a")
+    assert parse_section(_Demo, {"name": "x", "limit": None, "class": "b"}, "demo").mode == "b"
+    assert accepted_keys(_Demo).keys() == {"name", "size", "limit", "class"}
+    with pytest.raises(ConfigError, match=r"^demo\.name: required key is missing$"):
+        parse_section(_Demo, {}, "demo")
+    with pytest.raises(ConfigError, match=r"^demo\.mode: unknown key; accepted keys: class, limit, name, size$"):
+        parse_section(_Demo, {"name": "x", "mode": "a"}, "demo")
+    with pytest.raises(ConfigError, match=r"^demo\.size: expected an integer in 1\.\.4, got 5 \(int\)$"):
+        parse_section(_Demo, {"name": "x", "size": 5}, "demo")
+    with pytest.raises(ConfigError, match=r"^demo\.old: not a connector option in afd-mrv2; use demo\.name$"):
+        parse_section(_Demo, {"old": 1}, "demo", moved={"old": "demo.name"})
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"close_timeout_s": 10**400}, "afd.multistream.close_timeout_s: expected a number > 0 and <= 3600, got"),
+        ({"close_timeout_s": float("inf")}, "afd.multistream.close_timeout_s: expected a number > 0 and <= 3600"),
+        ({"roles": [["ffn"]]}, "afd.multistream.roles: expected a non-empty list of distinct values from"),
+    ],
+)
+def test_edge_values_are_refused_with_one_line(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_multistream(section)
+    assert str(info.value).startswith(message)
+
+
+def test_connector_options_name_the_key_and_the_accepted_values() -> None:
+    key = "afd.connector_extra_config"
+    with pytest.raises(ConfigError, match=rf"^{key}\.recv_timeout: unknown key; accepted keys: max_tokens, recv_"):
+        parse_options({"recv_timeout": 1})
+    with pytest.raises(ConfigError, match=rf"^{key}\.latency_us: expected a number >= 0, got -1 \(int\)$"):
+        LinkModel.from_options({"latency_us": -1})
+    opts = parse_section(CamP2POptions, {"core_num": 4, "ffn_core_num": 2}, key)
+    assert opts.core_num_for("attention") == 4 and opts.core_num_for("ffn") == 2
+    with pytest.raises(ConfigError, match=r"quant_mode: expected 0 \(CAMP2P supports only quant_mode 0\), got 1"):
+        parse_section(CamP2POptions, {"quant_mode": 1}, key)
+
+
+CONNECTOR_OPTIONS = [P2pOptions, SimLinkOptions, CamP2POptions, CamAsyncOptions]
+option_keys = st.sampled_from(sorted({k for kind in CONNECTOR_OPTIONS for k in accepted_keys(kind)} | {"x"}))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(CONNECTOR_OPTIONS), st.dictionaries(option_keys, values, max_size=5) | json_values)
+def test_fuzzed_connector_options_only_raise_config_error(kind: type, raw: object) -> None:
+    try:
+        parse_section(kind, raw, "afd.connector_extra_config")
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and exc.key.startswith("afd.connector_extra_config")

@@ -29,15 +29,15 @@ class EchoLink:
 
     @hookimpl
     def on_recv(self, work):
-        work.slot.state = torch.ones(4) * work.item.seq * self.scale
+        work.inputs.state = torch.ones(4) * work.item.seq * self.scale
 
     @hookimpl
     def on_compute(self, work, compute):
-        work.scratch["y"] = compute(work.item, work.slot.state)
+        work.outputs.state = compute(work.item, work.inputs.state)
 
     @hookimpl
     def on_send(self, work):
-        EchoLink.outputs[work.item] = work.scratch["y"]
+        EchoLink.outputs[work.item] = work.outputs.state
 
 
 class CountingObserver:

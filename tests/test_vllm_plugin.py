@@ -62,11 +62,21 @@ def test_bad_afd_config_raises_before_anything_else(afd, error, key, monkeypatch
 
 
 def test_valid_config_on_a_refused_runtime_is_refused_clearly() -> None:
-    """This machine has no vLLM: a valid afd section is refused with the accepted pairs listed."""
+    """A runtime without vLLM (faked, whatever this machine has): a valid afd section is refused with the pairs listed."""
+    from afd_mrv2.compat import decide, detect_runtime
+
+    asked: list[tuple[str, ...]] = []
+
+    def no_vllm(require: tuple[str, ...]):  # type: ignore[no-untyped-def]
+        asked.append(require)
+        runtime = detect_runtime({"torch": "2.13.0"}.get, python="3.12.4", cann_files=[])
+        return decide(runtime, require=require, env={})
+
     with pytest.raises(CompatRefused) as info:
-        vllm_plugin.register({"afd": {"connector": "simlink", "role": "attention"}})
+        vllm_plugin.validate({"afd": {"connector": "simlink", "role": "attention"}}, gate=no_vllm)
     text = str(info.value)
     assert "vLLM is not installed" in text and "cuda-vllm-0.33.0" in text
+    assert len(asked) == 1 and "mrv2" in asked[0]  # the gate decided, on what the config requires
 
 
 def test_required_capabilities_follow_the_config() -> None:

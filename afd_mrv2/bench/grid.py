@@ -48,6 +48,7 @@ class Cell:
     predicted_ms: float
     model_error: float  # |predicted - measured| / measured
     model_depth: int  # the depth the model chooses from this cell's phase times
+    phase_ms: tuple[tuple[float, float, float], ...]  # measured (recv, compute, send) per item, issue order
     decided: bool = True  # for "auto": whether it made its choice during the run
 
     def as_dict(self) -> dict[str, object]:
@@ -57,7 +58,8 @@ class Cell:
 def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: float) -> Cell:
     trace = result.trace
     metrics = trace.metrics()
-    per_item = [PhaseTimes(*(ns / 1e6 for ns in t)) for t in stage_times(trace.spans)]
+    phase_ms = tuple((r / 1e6, c / 1e6, s / 1e6) for r, c, s in stage_times(trace.spans))
+    per_item = [PhaseTimes(*t) for t in phase_ms]
     items = metrics.items
     depth = result.depth
     # The model replays the schedule from the measured per-item phase times.
@@ -77,6 +79,7 @@ def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: floa
         predicted_ms=predicted,
         model_error=abs(predicted - measured) / measured,
         model_depth=choose_depth(per_item),
+        phase_ms=phase_ms,
         decided=mode != "auto" or result.window > 0,
     )
 

@@ -3,7 +3,8 @@
 Run: ``python -m afd_mrv2.bench.overhead [--items N] [--repeats R]``.  Prints the
 median over ``repeats`` runs of (wall time / items): everything the executor does
 per work item (3 hook calls through pluggy, event edges, slot bookkeeping, spans),
-with connectors that do nothing.
+with a connector that does nothing but count its calls
+(:class:`~afd_mrv2.bench.noop.NoopConnector`).
 """
 
 from __future__ import annotations
@@ -11,32 +12,36 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
+from afd_mrv2.bench.noop import NoopConnector
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices import make_backend
-from afd_mrv2.hookspecs import hookimpl
-from afd_mrv2.pipeline import Executor, Work, WorkItem
+from afd_mrv2.items import PHASES
+from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.plugins import plugins_for
 
 
-class NoopConnector:
-    @hookimpl
-    def on_recv(self, work: Work) -> None:
-        pass
+@dataclass(frozen=True)
+class Overhead:
+    """One timed run: ``items`` items through the hooks in ``wall_s`` seconds."""
 
-    @hookimpl
-    def on_compute(self, work: Work) -> None:
-        pass
+    backend: str
+    pipelined: bool
+    items: int
+    calls: dict[str, int]  # phase -> hook calls the connector counted
+    wall_s: float  # from the first submit until the run drained (construction and close excluded)
 
-    @hookimpl
-    def on_send(self, work: Work) -> None:
-        pass
+    @property
+    def per_item_us(self) -> float:
+        return self.wall_s / self.items * 1e6
 
 
-def per_item_us(backend: str, *, pipelined: bool, items: int = 2000, depth: int = 2) -> float:
-    """Wall time per item, in microseconds, of one run of ``items`` no-op items."""
+def measure(backend: str, *, pipelined: bool, items: int = 2000, depth: int = 2) -> Overhead:
+    """Time one run of ``items`` no-op items; refuses to report a run that skipped a hook call."""
+    connector = NoopConnector()
     executor = Executor(
-        plugins_for(NoopConnector()),
+        plugins_for(connector),
         make_backend(backend),
         MultistreamConfig(enabled=pipelined, depth=depth),
         compute=None,
@@ -44,9 +49,18 @@ def per_item_us(backend: str, *, pipelined: bool, items: int = 2000, depth: int 
     try:
         start = time.perf_counter()
         executor.run(WorkItem(0, 0, i) for i in range(items))
-        return (time.perf_counter() - start) / items * 1e6
+        wall_s = time.perf_counter() - start
     finally:
         executor.close()
+    calls = dict(connector.calls)
+    if calls != dict.fromkeys(PHASES, items):
+        raise RuntimeError(f"overhead run of {items} items made hook calls {calls}: not every item ran every phase")
+    return Overhead(backend, pipelined, items, calls, wall_s)
+
+
+def per_item_us(backend: str, *, pipelined: bool, items: int = 2000, depth: int = 2) -> float:
+    """Wall time per item, in microseconds, of one run of ``items`` no-op items."""
+    return measure(backend, pipelined=pipelined, items=items, depth=depth).per_item_us
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,17 +27,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from afd_mrv2.errors import ConfigError
+from afd_mrv2.config import number, option, parse_section
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.work import Work
 
 _SLEEP_CHUNK_S = 0.05  # re-check cancellation at least this often
+_NON_NEGATIVE = number(inclusive=True)
+
+
+@dataclass(frozen=True)
+class SimLinkOptions:
+    """simlink's ``afd.connector_extra_config``; see the module docstring."""
+
+    latency_us: float = option(_NON_NEGATIVE, 50.0)
+    recv_latency_us: float | None = option(_NON_NEGATIVE, None)  # None: latency_us
+    send_latency_us: float | None = option(_NON_NEGATIVE, None)  # None: latency_us
+    bandwidth_gbps: float = option(_NON_NEGATIVE, 10.0)
 
 
 @dataclass(frozen=True)
@@ -54,22 +65,12 @@ class LinkModel:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], key: str = "afd.connector_extra_config") -> LinkModel:
-        accepted = ("latency_us", "recv_latency_us", "send_latency_us", "bandwidth_gbps")
-        for name in options:
-            if name not in accepted:
-                raise ConfigError(f"{key}.{name}", f"unknown simlink option; accepted: {', '.join(accepted)}")
-
-        def number(name: str, default: float) -> float:
-            value = options.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{key}.{name}", f"expected a number >= 0, got {value!r}")
-            return float(value)
-
-        latency = number("latency_us", 50.0)
+        """The link of simlink's ``connector_extra_config`` (:class:`SimLinkOptions`)."""
+        opts = parse_section(SimLinkOptions, options, key)
         return cls(
-            recv_latency_s=number("recv_latency_us", latency) * 1e-6,
-            send_latency_s=number("send_latency_us", latency) * 1e-6,
-            bytes_per_s=number("bandwidth_gbps", 10.0) * 1e9,
+            recv_latency_s=(opts.latency_us if opts.recv_latency_us is None else opts.recv_latency_us) * 1e-6,
+            send_latency_s=(opts.latency_us if opts.send_latency_us is None else opts.send_latency_us) * 1e-6,
+            bytes_per_s=opts.bandwidth_gbps * 1e9,
         )
 
 
@@ -92,6 +93,8 @@ class _SlotState:
 
 class SimLinkConnector:
     """The simulated-link connector; see the module docstring."""
+
+    required_capability: ClassVar[str | None] = None  # runs on any runtime pair
 
     def __init__(self, context: ConnectorContext) -> None:
         self.link = LinkModel.from_options(context.config.extra)

@@ -19,10 +19,9 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from afd_mrv2.config import STREAM_PHASES as COMM_PHASES
 from afd_mrv2.devices.base import Span
 from afd_mrv2.items import PHASES
-
-COMM_PHASES = ("recv", "send")
 
 
 def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-SPLITS = ("request", "token")
-NUM_STAGES = 2
+from afd_mrv2.config import ASYNC_MOE_SPLITS as SPLITS
+from afd_mrv2.config import ASYNC_MOE_STAGES as NUM_STAGES
 
 
 @dataclass(frozen=True)

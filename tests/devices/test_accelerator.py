@@ -32,24 +32,25 @@ class CopyLink:
 
     @hookimpl
     def on_recv(self, work: Work) -> None:
-        if work.slot.state is None:
-            work.slot.state = {
-                "in": torch.empty(ROWS, WIDTH, device=self.device),
-                "out_host": torch.empty(ROWS, WIDTH).pin_memory(),
-            }
-        work.slot.state["in"].copy_(self.host_in[work.item.seq % 8], non_blocking=True)
+        if work.inputs.state is None:
+            work.inputs.state = torch.empty(ROWS, WIDTH, device=self.device)
+        work.inputs.state.copy_(self.host_in[work.item.seq % 8], non_blocking=True)
 
     @hookimpl
     def on_compute(self, work: Work, compute) -> None:  # type: ignore[no-untyped-def]
-        work.scratch["out"] = compute(work.item, work.slot.state["in"])
+        if work.outputs.state is None:
+            work.outputs.state = {
+                "out": torch.empty(ROWS, WIDTH, device=self.device),
+                "out_host": torch.empty(ROWS, WIDTH).pin_memory(),
+            }
+        work.outputs.state["out"].copy_(compute(work.item, work.inputs.state))
 
     @hookimpl
     def on_send(self, work: Work, stream) -> None:  # type: ignore[no-untyped-def]
-        out = work.scratch["out"]
-        out.record_stream(stream.native)  # allocated on the compute stream, read here
-        work.slot.state["out_host"].copy_(out, non_blocking=True)
+        out = work.outputs.state["out"]  # a preallocated output buffer: no record_stream needed
+        work.outputs.state["out_host"].copy_(out, non_blocking=True)
         # keep a private copy for comparison; enqueued on the send stream too
-        self.results[work.item] = work.scratch["out"].clone()
+        self.results[work.item] = out.clone()
 
 
 def run(pipelined: bool, backend_name: str) -> tuple[dict[WorkItem, torch.Tensor], Trace, object]:

@@ -27,7 +27,7 @@ from afd_mrv2.pipeline.schedule_model import (
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
 from afd_mrv2.testing.happens_before import check_happens_before
-from tests.connectors import RecordingConnector, grid
+from tests.connectors import RecordingConnector, grid, run_pipelined_on_threads
 
 
 def test_closed_forms_for_balanced_phases() -> None:
@@ -122,14 +122,7 @@ def test_model_predicts_a_host_backend_run() -> None:
     """Sleep-only phases (robust on a loaded machine): prediction within 25 %."""
     connector = RecordingConnector(sleep_s={"recv": 0.012, "compute": 0.004, "send": 0.012})
     trace = Trace()
-    with Executor(
-        plugins_for(connector),
-        HostBackend(),
-        MultistreamConfig(enabled=True, depth=2),
-        compute=lambda i, x: x,
-        trace=trace,
-    ) as ex:
-        ex.run(grid(1, 1, 12))
+    run_pipelined_on_threads(connector, grid(1, 1, 12), depth=2, trace=trace)
     measured = trace.metrics().makespan_ns / 1e9
     predicted = predict_makespan(PhaseTimes(0.012, 0.004, 0.012), 12, 2)
     assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
@@ -193,6 +186,19 @@ def test_bench_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # ty
     modes = [(c["mode"], c["depth"]) for c in result["cells"]]
     assert modes[:3] == [("serialized", 1), ("pipelined", 1), ("pipelined", 3)] and modes[3][0] == "auto"
     for cell in result["cells"]:
-        assert 0 < cell["efficiency"] <= 1.05 and cell["makespan_ms"] > 0 and cell["model_error"] >= 0
+        assert 0 < cell["efficiency"] <= 1.05 and cell["makespan_ms"] > 0
+        # the model's figures are what schedule_model makes of the cell's own measured phase times
+        per_item = [PhaseTimes(*t) for t in cell["phase_ms"]]
+        assert len(per_item) == 8
+        streams = SERIALIZED if cell["mode"] == "serialized" else None
+        predicted = predict_makespan(per_item, len(per_item), cell["depth"], streams=streams)
+        measured = cell["makespan_ms"]
+        assert cell["predicted_ms"] == pytest.approx(predicted, rel=1e-12, abs=0)
+        assert cell["model_error"] == pytest.approx(abs(predicted - measured) / measured, rel=1e-12, abs=0)
+        assert cell["model_depth"] == choose_depth(per_item)
+    serial = result["cells"][0]
+    # one stream: the model adds the phases up, and the measured run can only add gaps between them
+    assert serial["predicted_ms"] == pytest.approx(sum(map(sum, serial["phase_ms"])), rel=1e-9)
+    assert serial["makespan_ms"] >= serial["predicted_ms"] * (1 - 1e-9)
     assert result["summary"]["scenarios"]["balanced"]["model_depth"] in (2, 3, 4)
     assert result["chart"] == str(chart) and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

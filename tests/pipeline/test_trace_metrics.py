@@ -7,14 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from afd_mrv2.config import MultistreamConfig
-from afd_mrv2.devices import HostBackend
 from afd_mrv2.devices.base import Span
-from afd_mrv2.pipeline import Executor, WorkItem
+from afd_mrv2.pipeline import WorkItem
 from afd_mrv2.pipeline.metrics import busy_ns, compute_metrics, flow_shop_lower_bound, hidden_comm_fraction
 from afd_mrv2.pipeline.trace import Trace, chrome_trace, write_chrome_trace
-from afd_mrv2.plugins import plugins_for
-from tests.connectors import RecordingConnector, grid
+from tests.connectors import RecordingConnector, grid, run_pipelined_on_threads
 
 
 def span(name: str, stream: str, start: int, end: int, seq: int = 0) -> Span:
@@ -63,14 +60,7 @@ def test_chrome_trace_has_one_lane_per_stream_and_the_work_identity() -> None:
 def test_pipelined_trace_shows_overlap_on_distinct_streams(tmp_path: Path) -> None:
     trace = Trace(role="ffn")
     connector = RecordingConnector(sleep_s={"recv": 0.01, "compute": 0.01, "send": 0.01})
-    with Executor(
-        plugins_for(connector),
-        HostBackend(),
-        MultistreamConfig(enabled=True, depth=3),
-        compute=lambda i, x: x,
-        trace=trace,
-    ) as ex:
-        ex.run(grid(2, 2, 2))
+    run_pipelined_on_threads(connector, grid(2, 2, 2), depth=3, trace=trace)
     path = write_chrome_trace(tmp_path / "t.json", [trace])
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 3 * 8

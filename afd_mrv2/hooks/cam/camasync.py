@@ -66,9 +66,10 @@ from afd_mrv2.hooks.cam.camasync_state import (
     CamAsyncOps,
     dequantize,
 )
-from afd_mrv2.hooks.cam.common import CamConnectorBase, options, wait_until_idle
+from afd_mrv2.hooks.cam.common import CamConnectorBase, wait_until_idle
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet
+from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
@@ -77,7 +78,6 @@ from afd_mrv2.work import Work
 NAME = "camasync"
 NAMESPACE = "umdk_cam_op_lib"
 KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
-_MOVED = {k: "afd.async_moe" for k in ("async_moe_ubatching", "async_moe_num_ubatches", "async_moe_split")}
 
 
 @dataclass
@@ -96,11 +96,11 @@ class CamAsyncConnector(CamConnectorBase):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         config = self.config
-        opts = options(config, ("dynamicQuant", "attn_ranks_per_dp", "comm_id", "max_seq_len"), _MOVED)
-        self.dynamic_quant = opts.integer("dynamicQuant", 0, low=0, high=1)
-        self.tp_size = opts.integer("attn_ranks_per_dp", 1, low=1, high=1 << 10)
-        self.comm_id = opts.integer("comm_id", 0, low=0, high=1 << 16)
-        self.max_seq_len = opts.integer("max_seq_len", 8192, low=1, high=1 << 24)
+        opts = options(config, CamAsyncOptions, CAMASYNC_MOVED)
+        self.dynamic_quant = opts.dynamicQuant
+        self.tp_size = opts.attn_ranks_per_dp
+        self.comm_id = opts.comm_id
+        self.max_seq_len = opts.max_seq_len
         if not config.async_mode:
             raise ConfigError(
                 "afd.async", "CAMAsync carries its metadata in the CAM payload and needs async DP; expected true"

@@ -46,9 +46,10 @@ import torch
 
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam.common import CamConnectorBase, options
+from afd_mrv2.hooks.cam.common import CamConnectorBase
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
+from afd_mrv2.hooks.cam.options import CamP2POptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
@@ -123,12 +124,7 @@ class CamP2PConnector(CamConnectorBase):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         config = self.config
-        opts = options(config, ("core_num", "attn_core_num", "ffn_core_num", "quant_mode"))
-        core = opts.integer("core_num", 8, low=1, high=64)
-        per_role = opts.optional_int(f"{'attn' if self.role == 'attention' else 'ffn'}_core_num", low=1, high=64)
-        self.aiv_num = per_role if per_role is not None else core
-        if opts.integer("quant_mode", 0, low=0, high=16) != 0:
-            raise ConfigError("afd.connector_extra_config.quant_mode", "CAMP2P supports only quant_mode 0")
+        self.aiv_num = options(config, CamP2POptions).core_num_for(self.role)
         if config.async_moe.enabled:
             raise ConfigError(
                 "afd.async_moe.enabled",

@@ -1,8 +1,8 @@
-"""What the two Ascend connectors share besides the executor: options, model spec, set-up.
+"""What the two Ascend connectors share besides the executor: model spec, set-up.
 
-Everything connector-specific lives in :mod:`camp2p` / :mod:`camasync`; this
-module only holds the pieces both need to start up the same way: parse options
-with the config module's one-line errors, read the runtime resources, resolve
+Everything connector-specific lives in :mod:`camp2p` / :mod:`camasync` (their
+options in :mod:`~afd_mrv2.hooks.cam.options`); this module only holds the
+pieces both need to start up the same way: read the runtime resources, resolve
 the operators (or take the explicit test doubles) and run the start-up checks,
 all before any communication happens.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from afd_mrv2.config import AfdConfig, Section
+from afd_mrv2.config import ASYNC_MOE_STAGES
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
@@ -31,8 +31,6 @@ from afd_mrv2.work import Work
 #: not configuration), and nothing provides it by default.
 TEST_OPS_RESOURCE = "cam_test_ops"
 
-MAX_STAGES = 2
-
 
 @dataclass(frozen=True)
 class CamModelSpec:
@@ -43,22 +41,6 @@ class CamModelSpec:
     num_experts: int
     num_layers: int
     dtype: torch.dtype = torch.bfloat16
-
-
-class Options(Section):
-    """``connector_extra_config`` parsed with the config module's error style."""
-
-    def optional_int(self, name: str, *, low: int, high: int) -> int | None:
-        return None if self.raw.get(name) is None else self.integer(name, 0, low=low, high=high)
-
-
-def options(config: AfdConfig, accepted: tuple[str, ...], moved: Mapping[str, str] | None = None) -> Options:
-    """Parse ``config.extra``; keys listed in ``moved`` get a pointer to their new home."""
-    key = "afd.connector_extra_config"
-    for name, target in (moved or {}).items():
-        if name in config.extra:
-            raise ConfigError(f"{key}.{name}", f"not a connector option in afd-mrv2; use {target}")
-    return Options(config.extra, key, (*accepted, "stream_evidence"))
 
 
 def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
@@ -134,7 +116,7 @@ class CamConnectorBase:
         return ops
 
     def _check_stages(self, stages: int, what: str) -> None:
-        if not 1 <= stages <= MAX_STAGES:
+        if not 1 <= stages <= ASYNC_MOE_STAGES:
             raise ConfigError(
-                what, f"expected 1..{MAX_STAGES} stages (more than two stages is not supported), got {stages}"
+                what, f"expected 1..{ASYNC_MOE_STAGES} stages (more than two stages is not supported), got {stages}"
             )

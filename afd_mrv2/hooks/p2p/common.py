@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from afd_mrv2.errors import ConfigError
+from afd_mrv2.config import integer, number, option, parse_section
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
 from afd_mrv2.work import Work
 
-OPTION_KEYS = ("recv_timeout_s", "send_timeout_s", "sim_latency_us", "sim_bandwidth_gbps", "max_tokens")
+_POSITIVE = number()
+_NON_NEGATIVE = number(inclusive=True)
 
 
 @dataclass(frozen=True)
@@ -59,39 +60,30 @@ class P2pShape:
 
 @dataclass(frozen=True)
 class P2pOptions:
-    recv_timeout_s: float = 30.0
-    send_timeout_s: float = 30.0
-    link: LinkModel | None = None
-    max_tokens: int | None = None
+    """torch_p2p's ``afd.connector_extra_config`` (see the module docstring), parsed by :func:`parse_options`.
+
+    ``send_timeout_s`` left unset takes ``recv_timeout_s``; ``link`` is the
+    simulated link, set when either ``sim_*`` option is.
+    """
+
+    recv_timeout_s: float = option(_POSITIVE, 30.0)
+    send_timeout_s: float = option(_POSITIVE, None)  # None: recv_timeout_s (set in __post_init__)
+    sim_latency_us: float | None = option(_NON_NEGATIVE, None)
+    sim_bandwidth_gbps: float | None = option(_NON_NEGATIVE, None)  # 0 (the default): infinite
+    max_tokens: int | None = option(integer(1), None)
+    link: LinkModel | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.send_timeout_s is None:
+            object.__setattr__(self, "send_timeout_s", self.recv_timeout_s)
+        if self.sim_latency_us is not None or self.sim_bandwidth_gbps is not None:
+            latency = (self.sim_latency_us or 0.0) * 1e-6
+            object.__setattr__(self, "link", LinkModel(latency, latency, (self.sim_bandwidth_gbps or 0.0) * 1e9))
 
 
 def parse_options(extra: Mapping[str, Any], key: str = "afd.connector_extra_config") -> P2pOptions:
     """Parse torch_p2p's ``connector_extra_config``; one :class:`ConfigError` per bad key."""
-    for name in extra:
-        if name not in OPTION_KEYS:
-            raise ConfigError(f"{key}.{name}", f"unknown torch_p2p option; accepted: {', '.join(OPTION_KEYS)}")
-
-    def number(name: str, default: float, *, positive: bool) -> float:
-        value = extra.get(name, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or value < 0 or (positive and value == 0) or value != value:
-            raise ConfigError(f"{key}.{name}", f"expected a number {'> 0' if positive else '>= 0'}, got {value!r}")
-        return float(value)
-
-    recv = number("recv_timeout_s", 30.0, positive=True)
-    link = None
-    if "sim_latency_us" in extra or "sim_bandwidth_gbps" in extra:
-        latency = number("sim_latency_us", 0.0, positive=False) * 1e-6
-        link = LinkModel(latency, latency, number("sim_bandwidth_gbps", 0.0, positive=False) * 1e9)
-    max_tokens = extra.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ConfigError(f"{key}.max_tokens", f"expected an integer >= 1, got {max_tokens!r}")
-    return P2pOptions(
-        recv_timeout_s=recv,
-        send_timeout_s=number("send_timeout_s", recv, positive=True),
-        link=link,
-        max_tokens=max_tokens,
-    )
+    return parse_section(P2pOptions, extra, key)
 
 
 class Side:

@@ -50,6 +50,8 @@ must tear it down (:meth:`PeerLink.abort`, then exit or rebuild).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from afd_mrv2.errors import PluginError
 from afd_mrv2.hooks.p2p.attention import AttentionSide
 from afd_mrv2.hooks.p2p.common import P2pShape, parse_options
@@ -63,6 +65,8 @@ from afd_mrv2.work import Work
 
 class TorchP2pConnector:
     """The torch_p2p connector; see the module docstring."""
+
+    required_capability: ClassVar[str | None] = None  # torch.distributed only: any runtime pair
 
     def __init__(self, context: ConnectorContext) -> None:
         link = context.resource("p2p_link")

@@ -177,10 +177,25 @@ def test_host_reads_poll_the_stream_and_honour_cancellation() -> None:
         wait_until_idle(_Stream(_Native(busy=10**9)), work, poll_s=0)
 
 
-def test_installed_versions_name_torch_and_only_installed_distributions() -> None:
-    from afd_mrv2.hooks.cam.ops import installed_versions
+def test_installed_versions_name_torch_and_only_installed_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decided from a controlled environment: the metadata lookup sees only the distributions named here."""
+    from importlib import metadata
 
+    from afd_mrv2.hooks.cam.ops import EVIDENCE_DISTRIBUTIONS, installed_versions
+
+    installed = {"torch_npu": "2.10.0.post1", "pluggy": "9.9.9"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert "umdk_cam_op_lib" in EVIDENCE_DISTRIBUTIONS and "torch_npu" in EVIDENCE_DISTRIBUTIONS
     versions = installed_versions()
     assert versions["torch"] == torch.__version__
-    assert "umdk_cam_op_lib" not in versions  # not installed on CPU machines: evidence from an NPU cannot apply
-    assert installed_versions("pluggy")["pluggy"]
+    assert versions["torch_npu"] == "2.10.0.post1"
+    assert "umdk_cam_op_lib" not in versions  # not installed: evidence from a machine that has it cannot apply
+    assert installed_versions("pluggy") == {"torch": torch.__version__, "pluggy": "9.9.9"}
+    installed["umdk_cam_op_lib"] = "1.2.0"  # where it is installed, it is named
+    assert installed_versions()["umdk_cam_op_lib"] == "1.2.0"

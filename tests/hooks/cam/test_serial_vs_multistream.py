@@ -21,9 +21,7 @@ CAMP2P = ClusterSpec("camp2p", num_attention=2, num_ffn=2, batches=((5, 3, 4), (
 CAMASYNC = ClusterSpec("camasync", num_attention=2, num_ffn=2, batches=((5, 3, 4), (9,)), split="token")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def both_modes(spec: ClusterSpec, **kwargs):

@@ -36,9 +36,7 @@ def spec_for(name: str, multistream: bool) -> ClusterSpec:
     return ClusterSpec(**{**SPECS[name].__dict__, "multistream": multistream})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # "all" + multistream is refused at start-up: see test_both_phases_on_one_home_refuse_multistream
