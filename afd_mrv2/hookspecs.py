@@ -10,10 +10,26 @@ creates streams or events of its own and never synchronizes the device.
 Per work item (one layer, one stage, one sequence number) the executor calls, in
 this order and on these streams::
 
-    on_recv(work, stream=recv)       -> recv_done event
-    on_compute(work, stream=compute, compute=...)   (waits recv_done) -> compute_done
-    on_send(work, stream=send)       (waits compute_done) -> send_done
-    the next item bound to the same slot waits send_done before its on_recv.
+    on_recv(work, stream=recv)       fills work.inputs                 -> inputs ready
+    on_compute(work, stream=compute, compute=...)   (waits inputs ready, outputs free)
+                                     reads work.inputs, writes work.outputs
+                                                                       -> inputs free, outputs ready
+    on_send(work, stream=send)       (waits outputs ready) reads work.outputs -> outputs free
+
+Buffers and state
+-----------------
+An item holds one **input slot** (``work.inputs``) and one **output slot**
+(``work.outputs``) out of the executor's ``depth_in`` / ``depth_out``; their
+``state`` is the connector's preallocated buffers (allocate on first use, keep,
+reuse).  The two have different lifetimes: the next item bound to an input slot
+may overwrite it once this item's *compute* finished; the next item bound to an
+output slot, once this item's *send* completed.  So an input slot is for what
+recv fills and compute reads, an output slot for what compute writes and send
+reads.  Anything else that must live from recv to send (an operator's dispatch
+handle, a group list, dynamic scales, routing metadata) is per-item **transfer
+state**: keep it in ``work.transfer``, never in a slot; it is valid until this
+item's ``on_send`` returned.  The executor keeps at most ``depth_in + depth_out``
+items in flight.
 
 With ``multistream.enabled = false`` (the default) the three streams are one and
 the same stream, so the phases run strictly one after another (the serialized
@@ -102,38 +118,42 @@ def create_streams(
 
 @hookspec
 def on_recv(work: Work, stream: Stream) -> None:
-    """Receive the inputs of ``work.item`` into ``work.slot``.
+    """Receive the inputs of ``work.item`` into ``work.inputs``.
 
     Called once per work item, first of its three phases, on the recv stream
-    (see "Threads and the current stream" above).  When it is called, the slot's
-    previous item has finished its send: the slot's buffers and ``slot.state``
-    may be overwritten.
+    (see "Threads and the current stream" above).  When it is called, the input
+    slot's previous item has finished its compute: ``work.inputs.state`` may be
+    overwritten.
 
-    May touch: ``work.slot.state`` (the connector's per-slot buffers and transfer
-    state; allocate them once, on first use, and reuse them), ``work.scratch``,
-    its own communicator.  Must not: create streams or events, synchronize the
-    device, touch other slots, or keep references to ``work`` beyond the item's
-    ``on_send``.
+    May touch: ``work.inputs.state`` (allocate the receive buffers once, on first
+    use, and reuse them), ``work.transfer``, its own communicator.  Must not:
+    write ``work.outputs`` (the output slot's previous item may still be sending
+    from it), create streams or events, synchronize the device, touch other
+    slots, or keep references to ``work`` beyond the item's ``on_send``.
 
     Raise to fail the pipeline; the executor stops new work, calls ``on_cleanup``
     for every in-flight item and re-raises with the item's identity.
 
-    :param work: the work item, its slot, cancellation and per-item scratch space.
+    :param work: the work item, its input and output slots, cancellation and transfer state.
     :param stream: the stream to enqueue on (already current).
     """
 
 
 @hookspec
 def on_compute(work: Work, stream: Stream, compute: ComputeFn) -> None:
-    """Run the owner's ``compute`` on the inputs ``on_recv`` left in ``work.slot``.
+    """Run the owner's ``compute`` on ``work.inputs`` and store the result in ``work.outputs``.
 
-    Called once per work item after its recv completed (an event edge on
-    device streams), on the compute stream.  The connector adapts its transfer
-    state to ``compute``'s signature (for example dequantizing with the received
-    dynamic scales) and stores the outputs in the slot for ``on_send``.
+    Called once per work item after its recv completed and after the output
+    slot's previous item finished its send (event edges on device streams), on
+    the compute stream.  The connector adapts its transfer state to
+    ``compute``'s signature (for example hands it the received dynamic scales)
+    and writes the outputs into ``work.outputs.state`` for ``on_send``.  Once it
+    returns, the input slot may be refilled: copy anything of the inputs that
+    ``on_send`` still needs into the outputs or ``work.transfer``.
 
-    May touch: ``work.slot.state``, ``work.scratch``.  Must not: communicate, create
-    streams or events, synchronize the device.
+    May touch: ``work.inputs.state`` (read), ``work.outputs.state``,
+    ``work.transfer``.  Must not: communicate, create streams or events,
+    synchronize the device.
 
     :param work: as for ``on_recv``.
     :param stream: the compute stream (already current).
@@ -143,18 +163,20 @@ def on_compute(work: Work, stream: Stream, compute: ComputeFn) -> None:
 
 @hookspec
 def on_send(work: Work, stream: Stream) -> None:
-    """Send the outputs of ``work.item`` from ``work.slot``.
+    """Send the outputs of ``work.item`` from ``work.outputs``.
 
     Called once per work item after its compute completed, on the send stream.
-    When the send stream passes the end of this call the slot is released: the
-    next item bound to it may overwrite buffers and state.  A transfer that is
-    still in flight after the hook returns must therefore be complete by then on
-    this stream (wait for the communicator's work object here).
+    When the send stream passes the end of this call the output slot is
+    released: the next item bound to it may overwrite it, and the item's
+    transfer state is dropped.  A transfer that is still in flight after the hook
+    returns must therefore be complete by then on this stream (wait for the
+    communicator's work object here).
 
-    May touch: ``work.slot.state``, ``work.scratch``, its own communicator.  Must
-    not keep references to ``work`` after returning.  On accelerators, an output
-    that ``on_compute`` allocated (rather than wrote into a preallocated slot
-    buffer) is read here on another stream: call
+    May touch: ``work.outputs.state`` (read), ``work.transfer``, its own
+    communicator.  Must not read ``work.inputs`` (the next item may be filling
+    it already) or keep references to ``work`` after returning.  On
+    accelerators, an output that ``on_compute`` allocated (rather than wrote into
+    a preallocated output buffer) is read here on another stream: call
     ``tensor.record_stream(stream.native)`` before using it.
 
     :param work: as for ``on_recv``.

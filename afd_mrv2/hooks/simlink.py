@@ -4,10 +4,10 @@ The peer is simulated in-process.  A transfer of ``n`` bytes costs
 ``latency_us + n / bandwidth`` of wall time and no CPU: the stream sleeps, like a
 real stream waiting on a network transfer.  Data moves for real:
 
-* ``on_recv`` copies the inputs from the ``source`` resource into the slot's
+* ``on_recv`` copies the inputs from the ``source`` resource into the input slot's
   preallocated buffer, after the simulated transfer time;
 * ``on_compute`` calls the owner's ``compute(item, inputs) -> outputs`` and keeps
-  the outputs in the slot;
+  the outputs in the output slot's preallocated buffer;
 * ``on_send`` hands a copy of the outputs to the ``sink`` resource, after the
   simulated transfer time.
 
@@ -85,10 +85,11 @@ def simulate_transfer(work: Work, seconds: float) -> None:
         time.sleep(min(remaining, _SLEEP_CHUNK_S))
 
 
-@dataclass
-class _SlotState:
-    inputs: torch.Tensor | None = None
-    outputs: torch.Tensor | None = None
+def _into(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into ``buffer``, reallocated only when shape or dtype changed."""
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+        buffer = torch.empty_like(value)
+    return buffer.copy_(value)
 
 
 class SimLinkConnector:
@@ -105,25 +106,18 @@ class SimLinkConnector:
     def on_recv(self, work: Work) -> None:
         incoming = self._source(work.item)
         simulate_transfer(work, self.link.cost_s("recv", incoming.numel() * incoming.element_size()))
-        state = work.slot.state
-        if state is None:
-            state = work.slot.state = _SlotState()
-        if state.inputs is None or state.inputs.shape != incoming.shape or state.inputs.dtype != incoming.dtype:
-            state.inputs = torch.empty_like(incoming)
-        state.inputs.copy_(incoming)
+        work.inputs.state = _into(work.inputs.state, incoming)
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        state: _SlotState = work.slot.state
-        state.outputs = compute(work.item, state.inputs)
+        work.outputs.state = _into(work.outputs.state, compute(work.item, work.inputs.state))
 
     @hookimpl
     def on_send(self, work: Work) -> None:
-        outputs = work.slot.state.outputs
+        outputs = work.outputs.state
         simulate_transfer(work, self.link.cost_s("send", outputs.numel() * outputs.element_size()))
         self._sink(work.item, outputs.clone())
 
     @hookimpl
     def on_cleanup(self, work: Work, error: BaseException) -> None:
-        del error
-        work.slot.state = None
+        del work, error  # the buffers stay with their slots; nothing per item to release
