@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 
 from afd_mrv2.compat import CompatRefused, Decision, check_runtime
 from afd_mrv2.config import AfdConfig, parse_afd_config
+from afd_mrv2.errors import PluginError
 from afd_mrv2.plugins import entry_points, require_installed
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,26 @@ Gate = Callable[[tuple[str, ...]], Decision]
 
 _registered = False
 
-#: connector entry-point names that need a capability of the runtime pair
-_CONNECTOR_CAPABILITY = {"camp2p": "camp2p", "camasync": "camasync"}
+
+def connector_capability(name: str) -> str | None:
+    """The runtime-pair capability the installed connector ``name`` declares, if any.
+
+    A connector factory declares it as the class attribute ``required_capability``
+    (a capability name of :mod:`afd_mrv2.compat`, or None); built-in and
+    third-party connectors alike.  Loading the entry point imports the connector's
+    module, nothing more: no connector object is built.
+    """
+    point = entry_points().get(name)
+    if point is None:
+        return None
+    try:
+        factory = point.load()
+    except Exception as exc:
+        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+    capability = getattr(factory, "required_capability", None)  # optional: most connectors need none
+    if capability is not None and not isinstance(capability, str):
+        raise PluginError(f"connector {name!r}: required_capability must be a capability name or None")
+    return capability
 
 
 def required_capabilities(config: AfdConfig) -> tuple[str, ...]:
@@ -45,8 +64,9 @@ def required_capabilities(config: AfdConfig) -> tuple[str, ...]:
     caps = ["mrv2"]
     if config.multistream.active_for(config.role):
         caps.append("multistream_ffn")
-    if config.connector in _CONNECTOR_CAPABILITY:
-        caps.append(_CONNECTOR_CAPABILITY[config.connector])
+    needed = connector_capability(config.connector)
+    if needed is not None:
+        caps.append(needed)
     return tuple(caps)
 
 

@@ -86,3 +86,53 @@ def test_required_capabilities_follow_the_config() -> None:
     assert vllm_plugin.required_capabilities(plain) == ("mrv2",)
     ffn = parse_afd_config({"connector": "camp2p", "role": "ffn", "multistream": {"enabled": True}})
     assert vllm_plugin.required_capabilities(ffn) == ("mrv2", "multistream_ffn", "camp2p")
+
+
+THIRD_PARTY_CONNECTORS = """
+from afd_mrv2 import hookimpl
+
+class FabricLink:
+    required_capability = "camasync"  # needs what the runtime pair grants CAMAsync
+
+    def __init__(self, context):
+        pass
+
+    @hookimpl
+    def on_recv(self, work): ...
+
+    @hookimpl
+    def on_compute(self, work, compute): ...
+
+    @hookimpl
+    def on_send(self, work): ...
+
+
+class PlainLink(FabricLink):
+    required_capability = None
+"""
+
+
+def test_a_third_party_connector_gets_the_capability_it_declares(tmp_path, monkeypatch) -> None:
+    import importlib
+
+    from afd_mrv2.config import parse_afd_config
+    from tests.test_plugins import make_distribution
+
+    points = {"tp_fabric": "afd_tp_caps:FabricLink", "tp_plain": "afd_tp_caps:PlainLink"}
+    make_distribution(tmp_path, "afd-tp-caps", "afd_tp_caps", THIRD_PARTY_CONNECTORS, points)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    fabric = parse_afd_config({"connector": "tp_fabric", "role": "attention"})
+    assert vllm_plugin.required_capabilities(fabric) == ("mrv2", "camasync")
+    assert vllm_plugin.required_capabilities(parse_afd_config({"connector": "tp_plain", "role": "ffn"})) == ("mrv2",)
+    from afd_mrv2.compat import decide, detect_runtime
+
+    asked: list[tuple[str, ...]] = []
+
+    def gate(require: tuple[str, ...]):  # type: ignore[no-untyped-def]
+        asked.append(require)
+        return decide(detect_runtime({"torch": "2.13.0"}.get, python="3.12.4", cann_files=[]), require=require, env={})
+
+    with pytest.raises(CompatRefused):
+        vllm_plugin.validate({"afd": {"connector": "tp_fabric", "role": "attention"}}, gate=gate)
+    assert asked == [("mrv2", "camasync")]  # validate asks the gate for the declared capability

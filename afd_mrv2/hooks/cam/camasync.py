@@ -66,13 +66,20 @@ from afd_mrv2.hooks.cam.camasync_state import (
     CamAsyncOps,
     dequantize,
 )
-from afd_mrv2.hooks.cam.common import CamConnectorBase, wait_until_idle
+from afd_mrv2.hooks.cam.common import (
+    CamAttentionBase,
+    CamConnectorBase,
+    CamFfnBase,
+    CamSlot,
+    wait_until_idle,
+)
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.plugins import ConnectorContext
-from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
+from afd_mrv2.topology import ATTENTION
+from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
 from afd_mrv2.work import Work
 
 NAME = "camasync"
@@ -81,17 +88,18 @@ KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run
 
 
 @dataclass
-class _Slot:
-    transfer: AFDAsyncTransferState | None = None
-    inputs: object = None
-    outputs: object = None
+class _FfnSlot(CamSlot):
     placeholder: torch.Tensor | None = None
 
 
 class CamAsyncConnector(CamConnectorBase):
-    """See the module docstring."""
+    """The entry point: builds :class:`CamAsyncAttention` or :class:`CamAsyncFfn` for ``afd.role``.
+
+    Holds what both roles set up alike (options, sizes, operators).
+    """
 
     name = NAME
+    required_capability = "camasync"
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -111,14 +119,9 @@ class CamAsyncConnector(CamConnectorBase):
             )
         self.stages = config.async_moe.stages
         self._check_stages(self.stages, "afd.async_moe.num_stages")
-        if self.role == "attention":
-            check_attention_depth(config.multistream.depth, self.stages, pipelined=self.pipelined)
-        self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
         self.world_size = self.num_attention + self.num_ffn
-        self.world_rank = self.role_rank if self.role == "attention" else self.num_attention + self.role_rank
         self.expert_per_rank = -(-self.model.num_experts // self.num_ffn)
         self.group_name = context.resource("cam_group")
-        self.device = torch.device(context.resources.get("device", "cpu"))
         self.comm_args = torch.empty((1,), dtype=torch.float16, device=self.device)
         self._recv_placeholder = torch.empty((1,), dtype=self.model.dtype, device=self.device)
         self.ops: OpSet = self._ops(
@@ -126,41 +129,101 @@ class CamAsyncConnector(CamConnectorBase):
             namespace=NAMESPACE,
             known=KNOWN,
             install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
-            recv=("async_dispatch_recv",) if self.role == "ffn" else ("async_combine_recv",),
-            send=("async_combine_send",) if self.role == "ffn" else ("async_dispatch_send",),
         )
         self.cam = CamAsyncOps.of(self.ops)
-        limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
-        self._dispatched: PendingFifo[AFDAsyncTransferState] = PendingFifo(
-            "camasync dispatches awaiting combine", limit=limit
+        #: how many transfers may be parked between items
+        self.fifo_limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
+
+    @property
+    def world_rank(self) -> int:
+        """Attention ranks first (``0..A-1``), then FFN."""
+        return self.role_rank if self.role == ATTENTION else self.num_attention + self.role_rank
+
+    def _common(self) -> tuple[int, int, int, int, int]:
+        return self.num_ffn, self.num_attention, self.expert_per_rank, self.world_rank, self.world_size
+
+    def _quant(self) -> tuple[int, int, str]:
+        """The trailing ``tp_size, dynamic_quant, group_name`` of the dispatch operators."""
+        return self.tp_size, self.dynamic_quant, self.group_name
+
+
+class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
+    """Attention rank: recv = async_combine_recv of (L-1, s), send = async_dispatch_send of (L, s)."""
+
+    recv_ops, send_ops = ("async_combine_recv",), ("async_dispatch_send",)
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self._sent: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+            "camasync dispatches awaiting combine", limit=self.fifo_limit
         )
+
+    def _combine(self, stream: Stream, sent: AFDAsyncTransferState) -> torch.Tensor:
+        placeholder = sent.reference.new_empty((1,))
+        return self.cam.combine_recv(
+            stream,
+            placeholder,
+            sent.topk_ids,
+            sent.topk_weights,
+            self.comm_args,
+            self.comm_id,
+            sent.batch_size,
+            sent.hidden_size,
+            sent.topk,
+            *self._common(),
+            self.group_name,
+        )
+
+    def _dispatch(self, work: Work, stream: Stream, outputs: object) -> None:
+        item, out = work.item, outputs
+        if not isinstance(out, CamAsyncDispatch):
+            raise PluginError(f"camasync: attention compute for layer {item.layer_idx} must return CamAsyncDispatch")
+        batch, m = out.hidden_states.shape[0], self.model
+        if batch > self.max_seq_len:
+            raise PluginError(f"camasync: {batch} tokens exceed max_seq_len {self.max_seq_len}")
+        for name, t in (("topk_ids", out.topk_ids), ("topk_weights", out.topk_weights)):
+            if tuple(t.shape) != (batch, m.topk):
+                raise PluginError(f"camasync: {name} shape must be ({batch}, {m.topk}), got {tuple(t.shape)}")
+        state = AFDAsyncTransferState(
+            batch_size=batch,
+            hidden_size=m.hidden_size,
+            topk=m.topk,
+            layer_idx=item.layer_idx,
+            stage_idx=item.stage_idx,
+            source_rank=self.world_rank,
+            topk_ids=out.topk_ids,
+            topk_weights=out.topk_weights,
+            reference=out.hidden_states,
+        )
+        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
+        sizes = (self.max_seq_len, batch, m.hidden_size, m.topk, *self._common(), item.layer_idx)
+        self.cam.dispatch_send(
+            stream, out.hidden_states, out.topk_ids, self.comm_args, self.comm_id, *sizes, *self._quant()
+        )
+
+
+class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
+    """FFN rank: recv = async_dispatch_recv (parking early arrivals), send = async_combine_send."""
+
+    recv_ops, send_ops = ("async_dispatch_recv",), ("async_combine_send",)
+    slot_type = _FfnSlot
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
         self._arrived: PendingFifo[AFDAsyncTransferState] = PendingFifo(
-            "camasync arrivals ahead of the schedule", limit=limit
+            "camasync arrivals ahead of the schedule", limit=self.fifo_limit
         )
         self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
         #: observability: arrivals parked ahead of the schedule, placeholder rows sent
         self.stats = {"parked": 0, "placeholders": 0}
 
-    def _common(self) -> tuple[int, int, int, int, int]:
-        return self.num_ffn, self.num_attention, self.expert_per_rank, self.world_rank, self.world_size
-
-    # ------------------------------------------------------------------ FFN side
+    def _pending(self) -> tuple[PendingFifo[AFDAsyncTransferState], ...]:
+        return (self._arrived,)
 
     def _receive(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
         m = self.model
-        out = self.cam.dispatch_recv(
-            stream,
-            self._recv_placeholder,
-            self.comm_args,
-            self.comm_id,
-            self.max_seq_len,
-            m.hidden_size,
-            m.topk,
-            *self._common(),
-            self.tp_size,
-            self.dynamic_quant,
-            self.group_name,
-        )
+        sizes = (self.comm_id, self.max_seq_len, m.hidden_size, m.topk, *self._common())
+        out = self.cam.dispatch_recv(stream, self._recv_placeholder, self.comm_args, *sizes, *self._quant())
         expand_x, shared, scales, scales_shared, header, expert_counts, shared_counts = out
         wait_until_idle(stream, work)
         batch, src, layer = (int(v) for v in header[:3].tolist())  # the connector's one host read
@@ -190,54 +253,24 @@ class CamAsyncConnector(CamConnectorBase):
             dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared],
         )
 
-    def _ffn_recv(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
+    @hookimpl
+    def on_recv(self, work: Work, stream: Stream) -> None:
+        slot = self._slot(work)
         want = StageKey(work.item.layer_idx, work.item.stage_idx)
         while True:
             state = self._arrived.pop_or_none(want)
-            if state is not None:
-                return state
-            work.raise_if_cancelled()
-            state = self._receive(work, stream)
+            if state is None:
+                work.raise_if_cancelled()
+                state = self._receive(work, stream)
             if StageKey(state.layer_idx, state.stage_idx) == want:
-                return state
+                slot.transfer = state
+                return
             self._arrived.push(StageKey(state.layer_idx, state.stage_idx), state)
             self.stats["parked"] += 1
 
-    # ------------------------------------------------------------------ hooks
-
-    @hookimpl
-    def on_recv(self, work: Work, stream: Stream) -> None:
-        slot = work.slot.state = work.slot.state or _Slot()
-        item = work.item
-        if self.role == "ffn":
-            slot.transfer = self._ffn_recv(work, stream)
-            return
-        if item.layer_idx == 0:
-            slot.transfer, slot.inputs = None, self.source(item)
-            return
-        sent = self._dispatched.pop(StageKey(item.layer_idx - 1, item.stage_idx))
-        slot.transfer = sent
-        placeholder = sent.reference.new_empty((1,))
-        slot.inputs = self.cam.combine_recv(
-            stream,
-            placeholder,
-            sent.topk_ids,
-            sent.topk_weights,
-            self.comm_args,
-            self.comm_id,
-            sent.batch_size,
-            sent.hidden_size,
-            sent.topk,
-            *self._common(),
-            self.group_name,
-        )
-
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        slot: _Slot = work.slot.state
-        if self.role == "attention":
-            slot.outputs = compute(work.item, slot.inputs)
-            return
+        slot: _FfnSlot = work.slot.state
         s = slot.transfer
         dtype = self.model.dtype
         batch = CamAsyncFfnBatch(
@@ -255,76 +288,15 @@ class CamAsyncConnector(CamConnectorBase):
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        slot: _Slot = work.slot.state
-        item = work.item
-        if self.role == "ffn":
-            s, out = slot.transfer, slot.outputs
-            routed = out.routed
-            if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
-                if slot.placeholder is None or slot.placeholder.dtype != routed.dtype:
-                    slot.placeholder = routed.new_zeros((1, s.hidden_size))
-                routed = slot.placeholder
-                self.stats["placeholders"] += 1
-            shared = out.shared if out.shared is not None and s.num_shared else routed
-            self.cam.combine_send(
-                stream,
-                routed,
-                shared,
-                self.comm_args,
-                s.token_nums_rankid_layeridx,
-                self.comm_id,
-                s.batch_size,
-                s.hidden_size,
-                s.topk,
-                *self._common(),
-                self.tp_size,
-                self.group_name,
-            )
-            return
-        if item.layer_idx == self.model.num_layers:
-            self.sink(item, slot.outputs)
-            return
-        out = slot.outputs
-        if not isinstance(out, CamAsyncDispatch):
-            raise PluginError(f"camasync: attention compute for layer {item.layer_idx} must return CamAsyncDispatch")
-        batch, m = out.hidden_states.shape[0], self.model
-        if batch > self.max_seq_len:
-            raise PluginError(f"camasync: {batch} tokens exceed max_seq_len {self.max_seq_len}")
-        for name, t in (("topk_ids", out.topk_ids), ("topk_weights", out.topk_weights)):
-            if tuple(t.shape) != (batch, m.topk):
-                raise PluginError(f"camasync: {name} shape must be ({batch}, {m.topk}), got {tuple(t.shape)}")
-        state = AFDAsyncTransferState(
-            batch_size=batch,
-            hidden_size=m.hidden_size,
-            topk=m.topk,
-            layer_idx=item.layer_idx,
-            stage_idx=item.stage_idx,
-            source_rank=self.world_rank,
-            topk_ids=out.topk_ids,
-            topk_weights=out.topk_weights,
-            reference=out.hidden_states,
-        )
-        self._dispatched.push(StageKey(item.layer_idx, item.stage_idx), state)
-        self.cam.dispatch_send(
-            stream,
-            out.hidden_states,
-            out.topk_ids,
-            self.comm_args,
-            self.comm_id,
-            self.max_seq_len,
-            batch,
-            m.hidden_size,
-            m.topk,
-            *self._common(),
-            item.layer_idx,
-            self.tp_size,
-            self.dynamic_quant,
-            self.group_name,
-        )
-
-    @hookimpl
-    def on_cleanup(self, work: Work, error: BaseException) -> None:
-        del error
-        work.slot.state = None
-        self._dispatched.clear()
-        self._arrived.clear()
+        slot: _FfnSlot = work.slot.state
+        s, out = slot.transfer, slot.outputs
+        routed = out.routed
+        if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
+            if slot.placeholder is None or slot.placeholder.dtype != routed.dtype:
+                slot.placeholder = routed.new_zeros((1, s.hidden_size))
+            routed = slot.placeholder
+            self.stats["placeholders"] += 1
+        shared = out.shared if out.shared is not None and s.num_shared else routed
+        sizes = (s.batch_size, s.hidden_size, s.topk, *self._common(), self.tp_size)
+        header = s.token_nums_rankid_layeridx
+        self.cam.combine_send(stream, routed, shared, self.comm_args, header, self.comm_id, *sizes, self.group_name)

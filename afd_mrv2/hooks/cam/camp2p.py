@@ -46,14 +46,15 @@ import torch
 
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam.common import CamConnectorBase
+from afd_mrv2.hooks.cam.common import CamAttentionBase, CamConnectorBase, CamFfnBase, CamSlot
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
-from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
+from afd_mrv2.topology import FFN
+from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
 from afd_mrv2.work import Work
 
 NAME = "camp2p"
@@ -100,10 +101,7 @@ class CAMP2PTransferState:
 
 
 @dataclass
-class _Slot:
-    transfer: CAMP2PTransferState | None = None
-    inputs: torch.Tensor | None = None
-    outputs: torch.Tensor | None = None
+class _FfnSlot(CamSlot):
     num_real: int = 0
 
 
@@ -117,9 +115,13 @@ def select_group(stage_idx: int, groups: Sequence[str]) -> str:
 
 
 class CamP2PConnector(CamConnectorBase):
-    """See the module docstring."""
+    """The entry point: builds :class:`CamP2PAttention` or :class:`CamP2PFfn` for ``afd.role``.
+
+    Holds what both roles set up alike (options, HCCL groups, operators).
+    """
 
     name = NAME
+    required_capability = "camp2p"
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -143,29 +145,20 @@ class CamP2PConnector(CamConnectorBase):
             raise PluginError("runtime resource 'hccl_groups' must be a sequence of HCCL comm names, one per stage")
         self.groups = tuple(groups)
         self._check_stages(len(self.groups), "afd.camp2p.hccl_groups")
-        if self.role == "attention":
-            check_attention_depth(config.multistream.depth, len(self.groups), pipelined=self.pipelined)
-        self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
         self.per_ffn = self.num_attention // self.num_ffn
-        self.world_rank = self.role_rank if self.role == "ffn" else self.num_ffn + self.role_rank
-        self.device = torch.device(context.resources.get("device", "cpu"))
         self.ep_group: str | None = context.resources.get("ffn_ep_group")
-        if self.role == "ffn":
-            self.token_counts: Callable[[WorkItem], Sequence[int]] = context.resource("stage_token_counts")
         self.ops: OpSet = self._ops(
             context,
             namespace=NAMESPACE,
             known=KNOWN,
             install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
-            recv=("a2e",) if self.role == "ffn" else ("e2a",),
-            send=("e2a",) if self.role == "ffn" else ("a2e",),
         )
         self.cam = CamP2POps.of(self.ops)
-        # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
-        self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
-        self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
-        self._empty_scales = torch.empty((0,), dtype=torch.float32, device=self.device)
-        self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
+
+    @property
+    def world_rank(self) -> int:
+        """FFN ranks first (``0..F-1``), then attention."""
+        return self.role_rank if self.role == FFN else self.num_ffn + self.role_rank
 
     def _state(self, item: WorkItem, batch_size: int) -> CAMP2PTransferState:
         return CAMP2PTransferState(
@@ -178,113 +171,78 @@ class CamP2PConnector(CamConnectorBase):
             self.model.topk,
         )
 
-    def _sizes(self) -> tuple[int, int, int]:
-        return self.num_ffn, self.num_attention, self.world_rank
+    def _a2e(self, stream: Stream, x: torch.Tensor, ids: object, scales: object, state: CAMP2PTransferState) -> list:
+        sizes = (state.batch_size, state.h, state.k, self.num_ffn, self.num_attention, self.world_rank)
+        return self.cam.a2e(stream, x, ids, scales, *sizes, state.group_ep, state.aiv_num, 0)
 
-    # ------------------------------------------------------------------ hooks
+    def _e2a(self, stream: Stream, x: torch.Tensor, state: CAMP2PTransferState) -> torch.Tensor:
+        sizes = (state.batch_size, state.h, state.k, self.num_ffn, self.num_attention, self.world_rank)
+        return self.cam.e2a(stream, x, state.atten_batch_size, *sizes, state.group_ep, state.aiv_num)
+
+
+class CamP2PAttention(CamP2PConnector, CamAttentionBase):
+    """Attention rank: recv = e2a of layer L-1, send = a2e of layer L."""
+
+    recv_ops, send_ops = ("e2a",), ("a2e",)
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
+
+    def _combine(self, stream: Stream, sent: CAMP2PTransferState) -> torch.Tensor:
+        return self._e2a(stream, sent.reference, sent)
+
+    def _dispatch(self, work: Work, stream: Stream, outputs: torch.Tensor) -> None:
+        item = work.item
+        state = self._state(item, outputs.shape[0])
+        state.reference = outputs
+        state.atten_batch_size = self._a2e(stream, outputs, None, None, state)[3]
+        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
+
+
+class CamP2PFfn(CamP2PConnector, CamFfnBase):
+    """FFN rank: recv = a2e, compute on the real rows, send = e2a."""
+
+    recv_ops, send_ops = ("a2e",), ("e2a",)
+    slot_type = _FfnSlot
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.token_counts: Callable[[WorkItem], Sequence[int]] = context.resource("stage_token_counts")
+        # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
+        self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
+        self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
+        self._empty_scales = torch.empty((0,), dtype=torch.float32, device=self.device)
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
-        slot = work.slot.state = work.slot.state or _Slot()
-        item = work.item
-        if self.role == "ffn":
-            counts = list(self.token_counts(item))
-            if len(counts) != self.num_attention:
-                raise PluginError(
-                    f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks"
-                )
-            mine = counts[self.role_rank * self.per_ffn : (self.role_rank + 1) * self.per_ffn]
-            state = self._state(item, max(1, sum(mine)))  # the operator needs at least one row
-            out = self.cam.a2e(
-                stream,
-                self._empty,
-                self._empty_ids,
-                self._empty_scales,
-                state.batch_size,
-                state.h,
-                state.k,
-                *self._sizes(),
-                state.group_ep,
-                state.aiv_num,
-                0,
+        slot: _FfnSlot = self._slot(work)
+        counts = list(self.token_counts(work.item))
+        if len(counts) != self.num_attention:
+            raise PluginError(
+                f"camp2p: stage_token_counts gave {len(counts)} counts for {self.num_attention} attention ranks"
             )
-            expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
-            state.cam_p2p_ep_name = self.ep_group
-            slot.transfer, slot.num_real, slot.inputs = state, sum(mine), expand_x[: sum(mine)]
-            return
-        if item.layer_idx == 0:
-            slot.transfer, slot.inputs = None, self.source(item)
-            return
-        sent = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
-        slot.transfer = sent
-        slot.inputs = self.cam.e2a(
-            stream,
-            sent.reference,
-            sent.atten_batch_size,
-            sent.batch_size,
-            sent.h,
-            sent.k,
-            *self._sizes(),
-            sent.group_ep,
-            sent.aiv_num,
-        )
+        mine = counts[self.role_rank * self.per_ffn : (self.role_rank + 1) * self.per_ffn]
+        state = self._state(work.item, max(1, sum(mine)))  # the operator needs at least one row
+        out = self._a2e(stream, self._empty, self._empty_ids, self._empty_scales, state)
+        expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
+        state.cam_p2p_ep_name = self.ep_group
+        slot.transfer, slot.num_real, slot.inputs = state, sum(mine), expand_x[: sum(mine)]
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        slot: _Slot = work.slot.state
+        slot: _FfnSlot = work.slot.state
         out = compute(work.item, slot.inputs)
-        if self.role == "ffn":
-            state = slot.transfer
-            if out.shape != (slot.num_real, self.model.hidden_size):
-                raise PluginError(f"camp2p: FFN compute returned {tuple(out.shape)} for {slot.num_real} tokens")
-            if slot.num_real != state.batch_size:  # zero tokens: e2a still sends its one placeholder row
-                padded = out.new_zeros((state.batch_size, out.shape[1]))
-                padded[: slot.num_real] = out
-                out = padded
+        state = slot.transfer
+        if out.shape != (slot.num_real, self.model.hidden_size):
+            raise PluginError(f"camp2p: FFN compute returned {tuple(out.shape)} for {slot.num_real} tokens")
+        if slot.num_real != state.batch_size:  # zero tokens: e2a still sends its one placeholder row
+            padded = out.new_zeros((state.batch_size, out.shape[1]))
+            padded[: slot.num_real] = out
+            out = padded
         slot.outputs = out
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        slot: _Slot = work.slot.state
-        item = work.item
-        if self.role == "ffn":
-            state = slot.transfer
-            self.cam.e2a(
-                stream,
-                slot.outputs,
-                state.atten_batch_size,
-                state.batch_size,
-                state.h,
-                state.k,
-                *self._sizes(),
-                state.group_ep,
-                state.aiv_num,
-            )
-            return
-        if item.layer_idx == self.model.num_layers:
-            self.sink(item, slot.outputs)
-            return
-        hidden = slot.outputs
-        state = self._state(item, hidden.shape[0])
-        state.reference = hidden
-        out = self.cam.a2e(
-            stream,
-            hidden,
-            None,
-            None,
-            state.batch_size,
-            state.h,
-            state.k,
-            *self._sizes(),
-            state.group_ep,
-            state.aiv_num,
-            0,
-        )
-        state.atten_batch_size = out[3]
-        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
-
-    @hookimpl
-    def on_cleanup(self, work: Work, error: BaseException) -> None:
-        del error
-        work.slot.state = None
-        self._sent.clear()
+        slot: _FfnSlot = work.slot.state
+        self._e2a(stream, slot.outputs, slot.transfer)

@@ -10,9 +10,10 @@ all before any communication happens.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,9 +22,12 @@ from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.support_matrix import check_deployment
+from afd_mrv2.topology import ATTENTION, FFN
+from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
 from afd_mrv2.work import Work
 
 #: Resource name of the explicit test switch: an :class:`OpSet` built by
@@ -60,10 +64,48 @@ def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
         time.sleep(poll_s)
 
 
-class CamConnectorBase:
-    """Start-up shared by both Ascend connectors; the hooks live in the subclasses."""
+@dataclass
+class CamSlot:
+    """Per-item transfer state that crosses phases; role classes add their own fields."""
 
-    name = "cam"
+    transfer: Any = None
+    inputs: Any = None
+    outputs: Any = None
+
+
+class CamConnectorBase(ABC):
+    """Start-up and cleanup shared by the Ascend connectors, one subclass per (family, role).
+
+    The entry point names a family class (``CamP2PConnector``, ``CamAsyncConnector``);
+    calling it builds the family's class for ``afd.role`` (:meth:`role_class`), so
+    the phase hooks of each role live in their own class and no hook branches on
+    the role.  The abstract phase hooks declared here are what
+    :func:`afd_mrv2.plugins.classify` reads to know a family class is a connector.
+    """
+
+    name: ClassVar[str] = "cam"
+    #: the runtime-pair capability this connector needs (:mod:`afd_mrv2.compat`)
+    required_capability: ClassVar[str | None] = None
+    #: the role this class serves; set by the role classes
+    role: ClassVar[str] = ""
+    #: the operators this role's recv / send phases call (start-up capability check)
+    recv_ops: ClassVar[tuple[str, ...]] = ()
+    send_ops: ClassVar[tuple[str, ...]] = ()
+    slot_type: ClassVar[type[CamSlot]] = CamSlot
+
+    def __new__(cls, context: ConnectorContext) -> CamConnectorBase:
+        role = context.config.role
+        chosen = cls.role_class(role)
+        if chosen is None:
+            raise PluginError(f"connector {cls.name!r}: {cls.__name__} has no class for afd.role {role!r}")
+        return super().__new__(chosen)
+
+    @classmethod
+    def role_class(cls, role: str) -> type[CamConnectorBase] | None:
+        """The class that serves ``role``: a role class itself, or the family class's subclass for it."""
+        if cls.role:
+            return cls if cls.role == role else None
+        return next((sub for sub in cls.__subclasses__() if sub.role == role), None)
 
     def __init__(self, context: ConnectorContext) -> None:
         config = context.config
@@ -71,18 +113,16 @@ class CamConnectorBase:
         deployment = context.resources.get("deployment")
         if deployment is not None:
             check_deployment(config, deployment)
-        self.role = config.role
         self.pipelined = config.multistream.active_for(config.role)
         self.model: CamModelSpec = self._resource(context, "model", CamModelSpec)
         self.role_rank: int = self._resource(context, "role_rank", int)
-        size = config.num_attention_ranks if self.role == "attention" else config.num_ffn_ranks
+        size = config.num_attention_ranks if self.role == ATTENTION else config.num_ffn_ranks
         if not 0 <= self.role_rank < size:
             raise PluginError(
                 f"connector {self.name!r}: role_rank {self.role_rank} is outside 0..{size - 1} for role {self.role}"
             )
-        if self.role == "attention":
-            self.source: Callable[[WorkItem], torch.Tensor] = context.resource("source")
-            self.sink: Callable[[WorkItem, torch.Tensor], None] = context.resource("sink")
+        self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
+        self.device = torch.device(context.resources.get("device", "cpu"))
 
     @staticmethod
     def _resource(context: ConnectorContext, name: str, kind: type) -> Any:
@@ -98,12 +138,10 @@ class CamConnectorBase:
         namespace: str,
         known: Mapping[str, tuple[StreamBehaviour, str]],
         install_hint: str,
-        recv: tuple[str, ...],
-        send: tuple[str, ...],
     ) -> OpSet:
         """The test doubles when the test switch is set, else the real operators of
         ``torch.ops.<namespace>`` (with any stream evidence from the options); then
-        the start-up capability check."""
+        the start-up capability check of this role's operators."""
         ops = context.resources.get(TEST_OPS_RESOURCE)
         if ops is None:
             evidence = load_evidence(context.config.extra, "afd.connector_extra_config.stream_evidence")
@@ -112,7 +150,7 @@ class CamConnectorBase:
             )
         elif not isinstance(ops, OpSet):
             raise PluginError(f"resource {TEST_OPS_RESOURCE!r} must be an OpSet from afd_mrv2.testing")
-        ops.check_start_up(recv, send, connector=self.name, pipelined=self.pipelined)
+        ops.check_start_up(self.recv_ops, self.send_ops, connector=self.name, pipelined=self.pipelined)
         return ops
 
     def _check_stages(self, stages: int, what: str) -> None:
@@ -120,3 +158,97 @@ class CamConnectorBase:
             raise ConfigError(
                 what, f"expected 1..{ASYNC_MOE_STAGES} stages (more than two stages is not supported), got {stages}"
             )
+        self._check_depth(stages)
+
+    def _check_depth(self, stages: int) -> None:
+        """Role-specific check of ``afd.multistream.depth`` against the stage count (the FFN side has none)."""
+        del stages
+
+    def _slot(self, work: Work) -> Any:
+        """This item's :class:`CamSlot` (of :attr:`slot_type`), made on first use."""
+        slot = work.slot.state = work.slot.state or self.slot_type()
+        return slot
+
+    def _pending(self) -> tuple[PendingFifo[Any], ...]:
+        """Transfer state parked between items; dropped on cleanup."""
+        return ()
+
+    # ------------------------------------------------------------------ hooks
+
+    @hookimpl
+    @abstractmethod
+    def on_recv(self, work: Work, stream: Stream) -> None: ...
+
+    @hookimpl
+    @abstractmethod
+    def on_compute(self, work: Work, compute: ComputeFn) -> None: ...
+
+    @hookimpl
+    @abstractmethod
+    def on_send(self, work: Work, stream: Stream) -> None: ...
+
+    @hookimpl
+    def on_cleanup(self, work: Work, error: BaseException) -> None:
+        del error
+        work.slot.state = None
+        for fifo in self._pending():
+            fifo.clear()
+
+
+class CamAttentionBase(CamConnectorBase):
+    """The attention side of either family: layer 0 reads ``source``, the last item feeds ``sink``.
+
+    In between, recv combines what the same stage dispatched one layer earlier
+    (parked in ``self._sent``) and send dispatches this layer; the family class
+    says how (:meth:`_combine`, :meth:`_dispatch`).
+    """
+
+    role = ATTENTION
+    _sent: PendingFifo[Any]
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.source: Callable[[WorkItem], torch.Tensor] = context.resource("source")
+        self.sink: Callable[[WorkItem, torch.Tensor], None] = context.resource("sink")
+
+    @abstractmethod
+    def _combine(self, stream: Stream, sent: Any) -> Any:
+        """Receive the FFN output for the dispatch ``sent``; returns compute's input."""
+
+    @abstractmethod
+    def _dispatch(self, work: Work, stream: Stream, outputs: Any) -> None:
+        """Send compute's ``outputs`` for this item and park what the combine needs in ``self._sent``."""
+
+    def _check_depth(self, stages: int) -> None:
+        check_attention_depth(self.config.multistream.depth, stages, pipelined=self.pipelined)
+
+    def _pending(self) -> tuple[PendingFifo[Any], ...]:
+        return (self._sent,)
+
+    @hookimpl
+    def on_recv(self, work: Work, stream: Stream) -> None:
+        slot, item = self._slot(work), work.item
+        if item.layer_idx == 0:
+            slot.transfer, slot.inputs = None, self.source(item)
+            return
+        slot.transfer = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
+        slot.inputs = self._combine(stream, slot.transfer)
+
+    @hookimpl
+    def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        slot = work.slot.state
+        slot.outputs = compute(work.item, slot.inputs)
+
+    @hookimpl
+    def on_send(self, work: Work, stream: Stream) -> None:
+        slot, item = work.slot.state, work.item
+        if item.layer_idx == self.model.num_layers:
+            self.sink(item, slot.outputs)
+            return
+        self._dispatch(work, stream, slot.outputs)
+
+
+class CamFfnBase(CamConnectorBase):
+    """The FFN side of either family; the family class implements the three phases."""
+
+    role = FFN

@@ -40,7 +40,7 @@ from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
-from afd_mrv2.topology import FFN
+from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
 
 _SLICE_S = 0.05
@@ -63,8 +63,7 @@ class _Inbox:
 
     buffers: list[torch.Tensor]  # per FFN rank, uint8 [header + max_tokens * H * 4]
     cond: threading.Condition = field(default_factory=threading.Condition)
-    layer: int = -1  # layer whose combine is posted here
-    seq: int = -1
+    sent: WorkItem | None = None  # the item whose combine is posted here
     tokens: int = 0
     counts: list[int] = field(default_factory=list)
     indices: list[torch.Tensor] = field(default_factory=list)
@@ -76,9 +75,7 @@ class AttentionSide(Side):
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
         super().__init__(link, shape, options)
-        topo = link.topology
-        self.ffn_ranks = [topo.global_rank(FFN, f) for f in range(topo.num_ffn)]
-        self.experts_per_ffn = topo.experts_per_ffn
+        self.experts_per_ffn = link.topology.experts_per_ffn
         self._inboxes: dict[int, _Inbox] = {}
         self._inbox_lock = threading.Lock()
 
@@ -87,7 +84,7 @@ class AttentionSide(Side):
     def _slot(self, work: Work) -> _Slot:
         state = work.slot.state
         if state is None:
-            n = len(self.ffn_ranks)
+            n = len(self.peers)
             state = work.slot.state = _Slot(
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8) for _ in range(n)],
@@ -100,7 +97,7 @@ class AttentionSide(Side):
             inbox = self._inboxes.get(stage)
             if inbox is None:
                 size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
-                inbox = self._inboxes[stage] = _Inbox([torch.empty(size, dtype=torch.uint8) for _ in self.ffn_ranks])
+                inbox = self._inboxes[stage] = _Inbox([torch.empty(size, dtype=torch.uint8) for _ in self.peers])
             return inbox
 
     # ------------------------------------------------------------------ phases
@@ -109,19 +106,12 @@ class AttentionSide(Side):
         item = work.item
         if item.layer_idx == 0:
             return
-        inbox = self._await_posted(work, item.layer_idx - 1)
-        action = f"receiving the combine of layer={item.layer_idx - 1} stage={item.stage_idx} seq={inbox.seq}"
+        sent = self._await_posted(work, item.layer_idx - 1)
+        inbox = self._inbox(item.stage_idx)
+        action = f"receiving the combine of layer={sent.layer_idx} stage={sent.stage_idx} seq={sent.seq}"
         self.wait(inbox.pendings, work, "recv", action)
-        for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, inbox.counts, strict=True):
-            expected = wire.Header(
-                kind=wire.KIND_COMBINE,
-                src=ffn,
-                dst=self.link.rank,
-                layer=inbox.layer,
-                stage=item.stage_idx,
-                seq=inbox.seq,
-                tokens=count,
-            )
+        for ffn, buffer, count in zip(self.peers, inbox.buffers, inbox.counts, strict=True):
+            expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, sent, count)
             got = wire.Header.read(wire.header_view(buffer))
             wire.validate(got, expected, peer_name=self.link.describe(ffn), what="combine")
         charge_link(self.options, work, "recv", inbox.pendings)
@@ -143,23 +133,14 @@ class AttentionSide(Side):
         owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
         slot.tokens = hidden.shape[0]
         slot.counts, slot.indices = [], []
-        for f, ffn in enumerate(self.ffn_ranks):
+        for f, ffn in enumerate(self.peers):
             index = (owners == f).any(dim=1).nonzero().squeeze(1)
             count = index.numel()
             rows, weights, ids = self.layout.views(slot.staging[f], count)
             torch.index_select(hidden, 0, index, out=rows)
             torch.index_select(topk_weights, 0, index, out=weights)
             ids.copy_(topk_ids.index_select(0, index))
-            header = wire.Header(
-                kind=wire.KIND_DISPATCH,
-                src=self.link.rank,
-                dst=ffn,
-                layer=item.layer_idx,
-                stage=item.stage_idx,
-                seq=item.seq,
-                tokens=count,
-            )
-            header.write(slot.headers[f])
+            wire.item_header(wire.KIND_DISPATCH, self.link.rank, ffn, item, count).write(slot.headers[f])
             slot.counts.append(count)
             slot.indices.append(index)
 
@@ -176,13 +157,13 @@ class AttentionSide(Side):
                     wire.TAG_COMBINE,
                     f"combine message (layer={item.layer_idx} stage={item.stage_idx})",
                 )
-                for ffn, buffer, count in zip(self.ffn_ranks, inbox.buffers, slot.counts, strict=True)
+                for ffn, buffer, count in zip(self.peers, inbox.buffers, slot.counts, strict=True)
             ]
-            inbox.layer, inbox.seq, inbox.tokens = item.layer_idx, item.seq, slot.tokens
+            inbox.sent, inbox.tokens = item, slot.tokens
             inbox.counts, inbox.indices = slot.counts, slot.indices
             inbox.cond.notify_all()
         sends = []
-        for f, ffn in enumerate(self.ffn_ranks):
+        for f, ffn in enumerate(self.peers):
             sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
             if slot.counts[f]:
                 payload = slot.staging[f][: self.layout.nbytes(slot.counts[f])]
@@ -200,8 +181,8 @@ class AttentionSide(Side):
 
     # ------------------------------------------------------------------ helpers
 
-    def _await_posted(self, work: Work, layer: int) -> _Inbox:
-        """Wait until on_send of (layer, stage) posted the combine receives of this stage.
+    def _await_posted(self, work: Work, layer: int) -> WorkItem:
+        """Wait until on_send of (layer, stage) posted the combine receives of this stage; returns that item.
 
         Usually already true; with a depth larger than the number of stages the
         recv stream can get here before the send stream did.
@@ -209,7 +190,7 @@ class AttentionSide(Side):
         inbox = self._inbox(work.item.stage_idx)
         deadline = time.monotonic() + self.options.recv_timeout_s
         with inbox.cond:
-            while inbox.layer != layer:
+            while inbox.sent is None or inbox.sent.layer_idx != layer:
                 work.raise_if_cancelled()
                 self.link.check_peers()
                 if time.monotonic() >= deadline:
@@ -219,7 +200,7 @@ class AttentionSide(Side):
                         "are work items submitted in (batch, layer, stage) order?"
                     )
                 inbox.cond.wait(_SLICE_S)
-        return inbox
+            return inbox.sent
 
     def _check_result(self, item: object, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The owner's compute must return (hidden [T, H] fp32, ids [T, k], weights [T, k])."""

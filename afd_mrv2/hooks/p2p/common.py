@@ -95,6 +95,8 @@ class Side:
         self.options = options
         self.capacity = options.max_tokens or shape.max_tokens
         self.layout = DispatchLayout(shape.hidden_size, shape.top_k)
+        #: the global ranks of the other role, in index order: every one is a peer of every item
+        self.peers = link.topology.peers_of(link.rank)
 
     def wait(self, pendings: Sequence[Pending], work: Work, phase: str, action: str) -> None:
         """Wait for ``pendings`` under the deadline of ``phase`` (``recv`` or ``send``)."""

@@ -28,7 +28,6 @@ from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hookspecs import ComputeFn
-from afd_mrv2.topology import ATTENTION
 from afd_mrv2.work import Work
 
 
@@ -48,15 +47,13 @@ class FfnSide(Side):
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
         super().__init__(link, shape, options)
-        topo = link.topology
-        self.attention_ranks = [topo.global_rank(ATTENTION, a) for a in range(topo.num_attention)]
-        local = topo.experts_of(link.index)
+        local = link.topology.experts_of(link.index)
         self.local_experts = (local.start, local.stop)
 
     def _slot(self, work: Work) -> _Slot:
         state = work.slot.state
         if state is None:
-            n, cap, shape = len(self.attention_ranks), self.capacity, self.shape
+            n, cap, shape = len(self.peers), self.capacity, self.shape
             state = work.slot.state = _Slot(
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(cap), dtype=torch.uint8) for _ in range(n)],
@@ -76,30 +73,22 @@ class FfnSide(Side):
         action = f"receiving {item}"
         headers = [
             link.irecv(slot.headers[a], peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
-            for a, peer in enumerate(self.attention_ranks)
+            for a, peer in enumerate(self.peers)
         ]
         self.wait(headers, work, "recv", action)
         slot.counts = []
-        for a, peer in enumerate(self.attention_ranks):
+        for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
-            expected = wire.Header(
-                kind=wire.KIND_DISPATCH,
-                src=peer,
-                dst=link.rank,
-                layer=item.layer_idx,
-                stage=item.stage_idx,
-                seq=item.seq,
-                tokens=0,
-            )
+            expected = wire.item_header(wire.KIND_DISPATCH, peer, link.rank, item, tokens=0)
             wire.validate(got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity)
             slot.counts.append(got.tokens)
         payloads = [
             link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
-            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
+            for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True))
             if n
         ]
         self.wait(payloads, work, "recv", action)
-        for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True)):
+        for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True)):
             if n:
                 self._check_routing(slot.staging[a], n, peer)
         charge_link(self.options, work, "recv", headers + payloads)
@@ -121,18 +110,9 @@ class FfnSide(Side):
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
                 got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
-        for a, (peer, n, start) in enumerate(zip(self.attention_ranks, slot.counts, offsets, strict=True)):
+        for a, (peer, n, start) in enumerate(zip(self.peers, slot.counts, offsets, strict=True)):
             message = slot.outgoing[a]
-            header = wire.Header(
-                kind=wire.KIND_COMBINE,
-                src=self.link.rank,
-                dst=peer,
-                layer=item.layer_idx,
-                stage=item.stage_idx,
-                seq=item.seq,
-                tokens=n,
-            )
-            header.write(wire.header_view(message))
+            wire.item_header(wire.KIND_COMBINE, self.link.rank, peer, item, n).write(wire.header_view(message))
             if n:
                 wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])  # type: ignore[index]
 
@@ -145,7 +125,7 @@ class FfnSide(Side):
                 wire.TAG_COMBINE,
                 f"combine message ({item})",
             )
-            for a, (peer, n) in enumerate(zip(self.attention_ranks, slot.counts, strict=True))
+            for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True))
         ]
         self.wait(sends, work, "send", f"sending the combine of {item}")
         charge_link(self.options, work, "send", sends)

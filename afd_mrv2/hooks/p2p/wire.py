@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from afd_mrv2.hooks.p2p.errors import ProtocolError
+from afd_mrv2.items import WorkItem
 
 MAGIC = 0x4146_4432_5032_0001  # "AFD2" "P2" version 1
 FIELDS = ("magic", "kind", "src", "dst", "layer", "stage", "seq", "tokens")
@@ -73,6 +74,11 @@ class Header:
     def read(cls, words: torch.Tensor) -> Header:
         values = [int(v) for v in words.tolist()]
         return cls(**dict(zip(FIELDS, values, strict=True)))
+
+
+def item_header(kind: int, src: int, dst: int, item: WorkItem, tokens: int) -> Header:
+    """The header of ``item``'s ``kind`` message from global rank ``src`` to ``dst``."""
+    return Header(kind, src, dst, item.layer_idx, item.stage_idx, item.seq, tokens)
 
 
 def header_view(buffer: torch.Tensor) -> torch.Tensor:
