@@ -12,8 +12,8 @@ Work item ``(layer l, stage s)`` on an attention rank::
                 (and, for n > 0 tokens, the payload) to every FFN rank
 
 The owner's ``compute(item, combined)`` gets ``combined = None`` for layer 0 and
-the summed FFN output of layer ``l-1`` otherwise (a view of slot memory: use it,
-do not keep it); it returns the normalized hidden states and the routing of
+the summed FFN output of layer ``l-1`` otherwise (a view of input-slot memory:
+use it, do not keep it); it returns the normalized hidden states and the routing of
 layer ``l``, or None for the epilogue item ``l == num_layers``, which only
 combines and sends nothing.
 
@@ -47,14 +47,20 @@ _SLICE_S = 0.05
 
 
 @dataclass
-class _Slot:
+class _Outputs:
+    """An output slot: what compute packs and send reads."""
+
     headers: torch.Tensor  # [F, 8] int64, one dispatch header per FFN rank
     staging: list[torch.Tensor]  # per FFN rank, uint8 [max_tokens * row_bytes]
-    combined: torch.Tensor  # [max_tokens, H]: the summed FFN output handed to compute
-    counts: list[int] = field(default_factory=list)
-    indices: list[torch.Tensor] = field(default_factory=list)
-    tokens: int = 0
-    dispatch: bool = False
+
+
+@dataclass
+class _Dispatch:
+    """Per-item transfer state (``work.transfer["dispatch"]``), from compute to send."""
+
+    tokens: int
+    counts: list[int]
+    indices: list[torch.Tensor]
 
 
 @dataclass
@@ -81,16 +87,20 @@ class AttentionSide(Side):
 
     # ------------------------------------------------------------------ buffers
 
-    def _slot(self, work: Work) -> _Slot:
-        state = work.slot.state
-        if state is None:
+    def _combined(self, work: Work) -> torch.Tensor:
+        """The input slot: [max_tokens, H], where compute sums the FFN partials it reads."""
+        if work.inputs.state is None:
+            work.inputs.state = torch.empty(self.capacity, self.shape.hidden_size)
+        return work.inputs.state
+
+    def _outputs(self, work: Work) -> _Outputs:
+        if work.outputs.state is None:
             n = len(self.peers)
-            state = work.slot.state = _Slot(
+            work.outputs.state = _Outputs(
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8) for _ in range(n)],
-                combined=torch.empty(self.capacity, self.shape.hidden_size),
             )
-        return state
+        return work.outputs.state
 
     def _inbox(self, stage: int) -> _Inbox:
         with self._inbox_lock:
@@ -117,22 +127,21 @@ class AttentionSide(Side):
         charge_link(self.options, work, "recv", inbox.pendings)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        item, slot = work.item, self._slot(work)
+        item = work.item
         combined = None
         if item.layer_idx > 0:
             inbox = self._inboxes[item.stage_idx]
-            combined = slot.combined[: inbox.tokens].zero_()
+            combined = self._combined(work)[: inbox.tokens].zero_()
             for buffer, count, index in zip(inbox.buffers, inbox.counts, inbox.indices, strict=True):
                 if count:
                     combined.index_add_(0, index, wire.combine_rows(buffer, self.shape.hidden_size, count))
         result = compute(item, combined)
-        slot.dispatch = result is not None
         if result is None:
             return
         hidden, topk_ids, topk_weights = self._check_result(item, result)
         owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
-        slot.tokens = hidden.shape[0]
-        slot.counts, slot.indices = [], []
+        slot = self._outputs(work)
+        dispatch = work.transfer["dispatch"] = _Dispatch(hidden.shape[0], [], [])
         for f, ffn in enumerate(self.peers):
             index = (owners == f).any(dim=1).nonzero().squeeze(1)
             count = index.numel()
@@ -141,13 +150,14 @@ class AttentionSide(Side):
             torch.index_select(topk_weights, 0, index, out=weights)
             ids.copy_(topk_ids.index_select(0, index))
             wire.item_header(wire.KIND_DISPATCH, self.link.rank, ffn, item, count).write(slot.headers[f])
-            slot.counts.append(count)
-            slot.indices.append(index)
+            dispatch.counts.append(count)
+            dispatch.indices.append(index)
 
     def on_send(self, work: Work) -> None:
-        item, slot = work.item, self._slot(work)
-        if not slot.dispatch:
+        item, dispatch = work.item, work.transfer.get("dispatch")
+        if dispatch is None:  # the epilogue item: nothing to dispatch
             return
+        slot = self._outputs(work)
         inbox = self._inbox(item.stage_idx)
         with inbox.cond:
             inbox.pendings = [
@@ -157,16 +167,16 @@ class AttentionSide(Side):
                     wire.TAG_COMBINE,
                     f"combine message (layer={item.layer_idx} stage={item.stage_idx})",
                 )
-                for ffn, buffer, count in zip(self.peers, inbox.buffers, slot.counts, strict=True)
+                for ffn, buffer, count in zip(self.peers, inbox.buffers, dispatch.counts, strict=True)
             ]
-            inbox.sent, inbox.tokens = item, slot.tokens
-            inbox.counts, inbox.indices = slot.counts, slot.indices
+            inbox.sent, inbox.tokens = item, dispatch.tokens
+            inbox.counts, inbox.indices = dispatch.counts, dispatch.indices
             inbox.cond.notify_all()
         sends = []
         for f, ffn in enumerate(self.peers):
             sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
-            if slot.counts[f]:
-                payload = slot.staging[f][: self.layout.nbytes(slot.counts[f])]
+            if dispatch.counts[f]:
+                payload = slot.staging[f][: self.layout.nbytes(dispatch.counts[f])]
                 sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
         self.wait(sends, work, "send", f"dispatching {item}")
         charge_link(self.options, work, "send", sends)
@@ -174,10 +184,7 @@ class AttentionSide(Side):
     def on_cleanup(self, work: Work) -> None:
         # gloo operations cannot be cancelled; their Pending objects keep the buffers
         # alive until the watcher sees them end.  Drop this item's routing state.
-        state = work.slot.state
-        if state is not None:
-            state.indices = []
-            state.dispatch = False
+        work.transfer.pop("dispatch", None)
 
     # ------------------------------------------------------------------ helpers
 

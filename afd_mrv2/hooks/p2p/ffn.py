@@ -19,7 +19,7 @@ any special case on the wire; with N = 0 the owner's compute is not called.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +32,14 @@ from afd_mrv2.work import Work
 
 
 @dataclass
-class _Slot:
+class _Inputs:
+    """An input slot: what recv fills and compute reads."""
+
     headers: torch.Tensor  # [A, 8] int64, received dispatch headers
     staging: list[torch.Tensor]  # per attention rank, uint8 [max_tokens * row_bytes]
     hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated
     topk_ids: torch.Tensor  # [A * max_tokens, k] int64
     topk_weights: torch.Tensor  # [A * max_tokens, k]
-    outgoing: list[torch.Tensor]  # per attention rank, uint8 [header + max_tokens * H * 4]
-    counts: list[int] = field(default_factory=list)
 
 
 class FfnSide(Side):
@@ -50,53 +50,57 @@ class FfnSide(Side):
         local = link.topology.experts_of(link.index)
         self.local_experts = (local.start, local.stop)
 
-    def _slot(self, work: Work) -> _Slot:
-        state = work.slot.state
-        if state is None:
+    def _inputs(self, work: Work) -> _Inputs:
+        if work.inputs.state is None:
             n, cap, shape = len(self.peers), self.capacity, self.shape
-            state = work.slot.state = _Slot(
+            work.inputs.state = _Inputs(
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(cap), dtype=torch.uint8) for _ in range(n)],
                 hidden=torch.empty(n * cap, shape.hidden_size),
                 topk_ids=torch.empty(n * cap, shape.top_k, dtype=torch.int64),
                 topk_weights=torch.empty(n * cap, shape.top_k),
-                outgoing=[
-                    torch.empty(wire.combine_nbytes(shape.hidden_size, cap), dtype=torch.uint8) for _ in range(n)
-                ],
             )
-        return state
+        return work.inputs.state
+
+    def _outgoing(self, work: Work) -> list[torch.Tensor]:
+        """The output slot: per attention rank, uint8 [header + max_tokens * H * 4]."""
+        if work.outputs.state is None:
+            size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
+            work.outputs.state = [torch.empty(size, dtype=torch.uint8) for _ in self.peers]
+        return work.outputs.state
 
     # ------------------------------------------------------------------ phases
 
     def on_recv(self, work: Work) -> None:
-        item, slot, link = work.item, self._slot(work), self.link
+        item, slot, link = work.item, self._inputs(work), self.link
         action = f"receiving {item}"
         headers = [
             link.irecv(slot.headers[a], peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
             for a, peer in enumerate(self.peers)
         ]
         self.wait(headers, work, "recv", action)
-        slot.counts = []
+        counts: list[int] = work.transfer.setdefault("counts", [])  # per-item transfer state, until on_send
         for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
             expected = wire.item_header(wire.KIND_DISPATCH, peer, link.rank, item, tokens=0)
             wire.validate(got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity)
-            slot.counts.append(got.tokens)
+            counts.append(got.tokens)
         payloads = [
             link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
-            for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True))
+            for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True))
             if n
         ]
         self.wait(payloads, work, "recv", action)
-        for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True)):
+        for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True)):
             if n:
                 self._check_routing(slot.staging[a], n, peer)
         charge_link(self.options, work, "recv", headers + payloads)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        item, slot, hidden_size = work.item, self._slot(work), self.shape.hidden_size
+        item, slot, hidden_size = work.item, self._inputs(work), self.shape.hidden_size
+        counts: list[int] = work.transfer["counts"]
         offsets, total = [], 0
-        for a, n in enumerate(slot.counts):
+        for a, n in enumerate(counts):
             offsets.append(total)
             if n:
                 rows, weights, ids = self.layout.views(slot.staging[a], n)
@@ -110,30 +114,30 @@ class FfnSide(Side):
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
                 got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
-        for a, (peer, n, start) in enumerate(zip(self.peers, slot.counts, offsets, strict=True)):
-            message = slot.outgoing[a]
+        outgoing = self._outgoing(work)
+        for a, (peer, n, start) in enumerate(zip(self.peers, counts, offsets, strict=True)):
+            message = outgoing[a]
             wire.item_header(wire.KIND_COMBINE, self.link.rank, peer, item, n).write(wire.header_view(message))
             if n:
                 wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])  # type: ignore[index]
 
     def on_send(self, work: Work) -> None:
-        item, slot = work.item, self._slot(work)
+        item, outgoing = work.item, self._outgoing(work)
         sends = [
             self.link.isend(
-                slot.outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
+                outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
                 peer,
                 wire.TAG_COMBINE,
                 f"combine message ({item})",
             )
-            for a, (peer, n) in enumerate(zip(self.peers, slot.counts, strict=True))
+            for a, (peer, n) in enumerate(zip(self.peers, work.transfer["counts"], strict=True))
         ]
         self.wait(sends, work, "send", f"sending the combine of {item}")
         charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
-        if work.slot.state is not None:
-            work.slot.state.counts = []
+        work.transfer.pop("counts", None)
 
     # ------------------------------------------------------------------ checks
 
