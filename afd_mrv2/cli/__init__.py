@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": "afd_mrv2.cli.bench",
     "compat": "afd_mrv2.cli.compat",
     "probe": "afd_mrv2.cli.probe",
+    "make-model": "afd_mrv2.cli.make_model",
 }
 
 

@@ -1,0 +1,10 @@
+"""Tiny MoE checkpoints made here: config.json, a locally built tokenizer and seeded safetensors.
+
+``afd-mrv2 make-model DIR --arch {mixtral,deepseek_v2,qwen2_moe}`` writes a model
+folder vLLM's default loader reads with no download (``HF_HUB_OFFLINE=1``).  The
+weights are drawn from N(0, 0.08) with a fixed seed: large enough that the model
+depends on its routed-expert output (checked against vLLM: replacing it with
+zeros changes most greedy tokens), so an AFD == plain-vLLM comparison on it
+proves something.  Needs ``safetensors`` and ``tokenizers`` (both come with
+vLLM; ``pip install 'afd-mrv2[checkpoints]'`` otherwise).
+"""
