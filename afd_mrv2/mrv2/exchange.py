@@ -1,59 +1,177 @@
 """Per-microbatch AFD transfers, run as work items of the shared executor.
 
-On the Attention side a model layer hands its hidden states to
-:meth:`UBatchExchange.exchange` at each AFD point; the exchange turns the call into
-one :class:`~afd_mrv2.work.WorkItem` ``(layer, microbatch, seq)`` and runs it
-through the executor, whose connector hooks (``on_recv`` -> ``on_compute`` ->
-``on_send``) do the transfer on the executor's streams.  The connector reaches the
-data through two resources (the contract ``simlink`` documents):
+On the Attention side a model layer hands its hidden states to the exchange at
+each AFD point; the exchange turns the call into one
+:class:`~afd_mrv2.items.WorkItem` ``(layer, microbatch, seq)`` and runs it through
+the executor, whose connector hooks (``on_recv`` -> ``on_compute`` -> ``on_send``)
+do the transfer on the executor's streams.  The connector reaches the data through
+two resources (the contract ``simlink`` documents):
 
-* ``source(item) -> Tensor``: the hidden states handed to ``exchange`` for ``item``;
+* ``source(item) -> Tensor``: the hidden states handed to ``start`` for ``item``;
 * ``sink(item, Tensor)``: where the connector delivers the item's result.
 
 The microbatch id comes from upstream's ``dbo_current_ubatch_id`` (through the
-typed adapter).  Microbatch threads hand off to each other, so only one is inside
-``exchange`` at a time; a lock makes that explicit.  ``exchange`` waits on the
-host for its own item (an event wait per item, never a device-wide synchronize):
-the model needs the result before its next layer.
+typed adapter).
+
+Start and finish
+----------------
+A transfer is split the way vLLM's dual-batch overlap splits an all-to-all
+(dispatch, yield, combine)::
+
+    ticket = exchange.start(layer, hidden)   # dispatch: enqueue send + receive
+    dbo_yield()                              # the sibling microbatch computes meanwhile
+    hidden = exchange.finish(ticket)         # combine: wait for THIS item's result
+
+``start`` submits the item (the executor enqueues its recv, compute and send on
+its streams) and returns; nothing it took is held afterwards, so while the
+transfer is in flight the other microbatch runs freely.  ``finish`` waits for this
+item only (:meth:`Executor.wait_for`: a host wait on the item's ``done`` event,
+never a drain of other items, never a device-wide synchronize) and returns the
+result the connector delivered to ``sink``.  :meth:`UBatchExchange.exchange` is
+``start`` + ``finish`` for callers that do not overlap.  The host wait in
+``finish`` is the one documented host wait of the Attention side: the model reads
+the result on the host's schedule; an accelerator build could make the compute
+stream wait on the ``done`` event instead.
+
+Threads
+-------
+``Executor.submit`` and ``wait_for`` are driven from one thread at a time.  vLLM's
+microbatch threads hand off to each other (``UBatchContext``: a thread runs only
+after the other signalled its event and parks until signalled back), so exactly
+one is between two hand-offs, and the event set/wait orders one thread's calls
+before the next thread's.  The executor therefore sees its calls serialized by
+the hand-off, and submits stay in increasing ``seq`` order.  The lock below
+covers only the submit bookkeeping (seq, pool entry, ``submit``), never the
+in-flight window, so it could not block the sibling even if the threads did not
+hand off.  The connector's ``source`` and ``sink`` run on stream threads; they
+touch only the pool entry of their own item.
+
+Transfer-state pool
+-------------------
+Each started, unfinished item holds one pool entry (its hidden states, read by
+``source`` until ``on_recv`` ran, and its result, written by ``sink``).  The
+executor bounds the items in flight to ``depth_in + depth_out`` (its input slots
+gate new items on compute, its output slots gate compute on send), so the pool
+holds ``inputs + outputs`` entries of the executor's allocated buffer counts
+(``MultistreamConfig.buffer_counts``, the most ``depth: auto`` may choose).
+With vLLM's pattern each microbatch has at most one item open, so two microbatches
+need two entries and depth 1 already fits.  A ``start`` beyond the pool raises:
+a microbatch that starts more transfers than that without finishing them is a bug.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from afd_mrv2.items import WorkItem
+from afd_mrv2.pipeline.executor import Executor
+
+_NO_RESULT = object()
+_HISTORY = 4096  # items kept in ``UBatchExchange.items``
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What ``start`` returns and ``finish`` takes: the item in flight."""
+
+    item: WorkItem
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One pool entry: an item's hidden states and, once delivered, its result."""
+
+    hidden: Any
+    result: Any = _NO_RESULT
+
+    def deliver(self, result: Any) -> None:
+        self.result = result
 
 
 class UBatchExchange:
+    """The Attention side's AFD transfers; see the module docstring."""
+
     def __init__(self, current_ubatch_id: Callable[[], int]) -> None:
         self._current_ubatch_id = current_ubatch_id
-        self._inputs: dict[WorkItem, Any] = {}
-        self._outputs: dict[WorkItem, Any] = {}
+        self._entries: dict[WorkItem, _Entry] = {}  # started, not finished (at most ``capacity``)
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._executor: Any = None
-        self.items: list[WorkItem] = []  # every item exchanged, in order (for tests and traces)
+        self._executor: Executor | None = None
+        self.capacity = 0  # pool entries, set by bind()
+        # the most recent items started, in order (for tests and traces; bounded: a server runs for days)
+        self.items: deque[WorkItem] = deque(maxlen=_HISTORY)
 
     def resources(self) -> dict[str, Any]:
-        return {"source": self._inputs.__getitem__, "sink": self._outputs.__setitem__}
+        return {"source": self._source, "sink": self._sink}
 
-    def bind(self, executor: Any) -> None:
+    def bind(self, executor: Executor) -> None:
+        """Run transfers on ``executor``; sizes the pool from its buffer counts."""
+        inputs, outputs = executor.config.buffer_counts
         self._executor = executor
+        self.capacity = inputs + outputs
+
+    @property
+    def in_flight(self) -> list[WorkItem]:
+        """Items started and not yet finished, in start order."""
+        return list(self._entries)
+
+    # ------------------------------------------------------------------ connector resources
+
+    def _source(self, item: WorkItem) -> Any:
+        return self._entries[item].hidden
+
+    def _sink(self, item: WorkItem, result: Any) -> None:
+        entry = self._entries.get(item)
+        if entry is not None:  # None only after finish gave up on a failed pipeline
+            entry.deliver(result)
+
+    # ------------------------------------------------------------------ the model's calls
+
+    def start(self, layer_idx: int, hidden_states: Any) -> Ticket:
+        """Enqueue the AFD transfer of ``hidden_states`` for this layer and microbatch."""
+        executor = self._require_executor()
+        with self._lock:
+            if len(self._entries) >= self.capacity:
+                open_items = ", ".join(str(i) for i in self._entries)
+                raise RuntimeError(
+                    f"UBatchExchange.start: {len(self._entries)} transfers already started and not finished "
+                    f"(the pool holds depth_in + depth_out = {self.capacity}): {open_items}; "
+                    "finish a transfer before starting another"
+                )
+            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq))
+            self._entries[item] = _Entry(hidden_states)
+            self.items.append(item)
+            try:
+                executor.submit(item)
+            except BaseException:
+                del self._entries[item]
+                raise
+        return Ticket(item)
+
+    def finish(self, ticket: Ticket) -> Any:
+        """Wait for ``ticket``'s item only and return its result."""
+        executor = self._require_executor()
+        item = ticket.item
+        if item not in self._entries:
+            raise RuntimeError(f"UBatchExchange.finish: {item} is not in flight (finished twice, or never started)")
+        try:
+            executor.wait_for(item.seq)
+        finally:
+            entry = self._entries.pop(item)
+        if entry.result is _NO_RESULT:
+            raise RuntimeError(f"UBatchExchange.finish: the connector completed {item} without calling sink")
+        return entry.result
 
     def exchange(self, layer_idx: int, hidden_states: Any) -> Any:
-        """Run the AFD transfer of ``hidden_states`` for this layer and microbatch; return the result."""
+        """``start`` + ``finish``: the transfer for callers that do not overlap."""
+        return self.finish(self.start(layer_idx, hidden_states))
+
+    def _require_executor(self) -> Executor:
         if self._executor is None:
-            raise RuntimeError("UBatchExchange.exchange called before bind(executor)")
-        with self._lock:
-            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq))
-            self.items.append(item)
-            self._inputs[item] = hidden_states
-            try:
-                self._executor.submit(item)
-                self._executor.drain()
-            finally:
-                self._inputs.pop(item, None)
-            return self._outputs.pop(item)
+            raise RuntimeError("UBatchExchange used before bind(executor)")
+        return self._executor

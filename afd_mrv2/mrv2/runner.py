@@ -13,7 +13,9 @@ copies no upstream code:
     state, stream or communication resource exists.
 ``initialize_kv_cache(kv_cache_config, *args, **kwargs)``
     calls upstream (which builds ``self.ubatch_runner`` when microbatching is on),
-    then builds the AFD side (plugins, device backend, executor, the exchange)
+    then builds the AFD side (plugins, device backend, executor, the exchange
+    whose ``start`` / ``finish`` the model layers call, its transfer-state pool
+    sized from the executor's buffer counts)
     and, if upstream built a ubatch runner, replaces it with an
     ``AfdUBatchRunner`` constructed from the same six arguments, whose comm and
     capture streams come from ``create_streams`` on the executor's backend.

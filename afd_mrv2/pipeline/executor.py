@@ -32,8 +32,11 @@ their ``done`` event is seen complete, without blocking; the pool is never
 empty in the steady state, since the edges above have finished the oldest item
 by the time a new one needs its event.
 
-The executor is driven from one thread (the owner's): ``submit``, ``drain``,
-``run`` and ``close`` are not thread-safe among themselves.
+The executor is driven from one thread (the owner's): ``submit``, ``wait_for``,
+``drain``, ``run`` and ``close`` are not thread-safe among themselves.  Threads
+that hand off to each other so that only one runs at a time (vLLM's microbatch
+threads, :mod:`afd_mrv2.mrv2.exchange`) count as one: the hand-off orders their
+calls.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ from afd_mrv2.errors import PipelineAborted, PipelineError, PluginError
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
+from afd_mrv2.pipeline.buffer_bytes import BufferBytes, measure_slots
 from afd_mrv2.pipeline.events import EventPool
 from afd_mrv2.pipeline.spans import SpanCollector
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import Plugins
-from afd_mrv2.pipeline.buffer_bytes import BufferBytes, measure_slots
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
 
 log = logging.getLogger(__name__)
@@ -210,6 +213,25 @@ class Executor:
         self._issued += 1
         self._cursor += 1
         self._issue(work)
+
+    def wait_for(self, seq: int) -> None:
+        """Wait until the send of item ``seq`` completed, then release it.
+
+        A host wait on that item's ``done`` event only: never a drain of other items,
+        never a device-wide synchronize.  Earlier items whose send completed are
+        released too (without blocking).  Returns at once if the item was already
+        released; raises like ``submit`` if any phase failed.
+        """
+        self._check_open()
+        done = self._done.get(seq)
+        if done is None:
+            if self._last_seq is None or seq > self._last_seq:
+                raise ValueError(f"no work item with seq={seq} was submitted")
+            return
+        self._await(done, None)
+        self._reap()
+        if seq in self._done:  # an earlier item's send is still running (sends on several streams)
+            self._release(seq)
 
     def drain(self) -> None:
         """Wait until every issued item completed; raise if any phase failed."""

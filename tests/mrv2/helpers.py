@@ -32,7 +32,8 @@ def afd_section(*, multistream_roles=("attention",), enabled=True, backend="reco
 
 
 class ToyModel:
-    """Each layer hands its hidden states to the AFD exchange, then yields to the sibling microbatch."""
+    """Each layer starts its AFD transfer, yields to the sibling microbatch, then finishes it
+    (vLLM's dual-batch overlap: dispatch, yield, combine)."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
@@ -41,8 +42,9 @@ class ToyModel:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = input_ids.to(torch.float32)
         for layer in range(self.num_layers):
-            hidden = self.exchange.exchange(layer, hidden + 1.0)
+            ticket = self.exchange.start(layer, hidden + 1.0)
             ubatching.dbo_yield()
+            hidden = self.exchange.finish(ticket)
         return hidden
 
 

@@ -143,6 +143,8 @@ def test_host_backend_runs_the_same_composition() -> None:
     runner = _build(afd_section(backend="host"), init_args=(True, None))  # vLLM 0.33's is_profiling, allocation ctx
     before = threading.active_count()
     _step(runner)
+    exchange = runner.afd.exchange
+    assert exchange.capacity == 4 and exchange.in_flight == []  # depth 2: 2 input + 2 output buffers
     assert runner.afd_close(2.0).clean
     assert threading.active_count() <= before
 

@@ -249,3 +249,30 @@ def test_plugins_for_rejects_wrong_kinds() -> None:
         plugins_for(PhaseObserver())
     with pytest.raises(PluginError, match="implements phase hooks as a connector"):
         plugins_for(NoopConnector(), observers={"x": NoopConnector()})
+
+
+def test_wait_for_waits_for_one_item_not_a_drain() -> None:
+    connector = RecordingConnector(block=("recv", 1))
+    executor = make(connector, enabled=True, depth=2)
+    first, second = WorkItem(0, 0, 0), WorkItem(0, 1, 1)
+    executor.submit(first)
+    executor.submit(second)  # its recv blocks until `never` is set
+    executor.wait_for(0)
+    assert first in connector.outputs and executor.in_flight == [second]
+    executor.wait_for(0)  # already released: returns at once
+    with pytest.raises(ValueError, match="no work item with seq=5"):
+        executor.wait_for(5)
+    connector.never.set()
+    executor.wait_for(1)
+    assert executor.in_flight == [] and second in connector.outputs
+    for seq in range(2, 12):  # one item at a time, never drained: done events are recycled
+        executor.submit(WorkItem(0, 0, seq))
+        executor.wait_for(seq)
+    assert executor.close().clean
+
+
+def test_wait_for_raises_the_failure_with_the_item() -> None:
+    executor = make(RecordingConnector(fail=("send", 0)), enabled=True)
+    executor.submit(WorkItem(0, 0, 0))
+    with pytest.raises(PipelineError, match="on_send failed for work item layer=0 stage=0 seq=0"):
+        executor.wait_for(0)
