@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from afd_mrv2.config import MultistreamConfig
 from afd_mrv2.devices.base import DeviceBackend, Event, Stream
@@ -54,7 +54,9 @@ from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
 from afd_mrv2.pipeline.buffer_bytes import BufferBytes, measure_slots
+from afd_mrv2.pipeline.close_report import CloseReport, Failure
 from afd_mrv2.pipeline.events import EventPool
+from afd_mrv2.pipeline.inflight import InFlight
 from afd_mrv2.pipeline.spans import SpanCollector
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import Plugins
@@ -63,38 +65,6 @@ from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a host wait re-checks for failures and deadlines
-
-
-@dataclass
-class CloseReport:
-    """What ``close`` (or a failure) left behind."""
-
-    abandoned: list[WorkItem] = field(default_factory=list)
-    abandoned_streams: dict[str, str] = field(default_factory=dict)
-    error: BaseException | None = None
-
-    @property
-    def clean(self) -> bool:
-        return not self.abandoned and not self.abandoned_streams and self.error is None
-
-    def describe(self) -> str:
-        if self.clean:
-            return "closed cleanly"
-        parts = []
-        if self.error is not None:
-            parts.append(f"error: {self.error}")
-        if self.abandoned:
-            parts.append("abandoned work items: " + "; ".join(str(i) for i in self.abandoned))
-        if self.abandoned_streams:
-            parts.append("abandoned streams: " + "; ".join(f"{k} ({v})" for k, v in self.abandoned_streams.items()))
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    error: BaseException
-    item: WorkItem | None
-    phase: str | None
 
 
 class Executor:
@@ -146,13 +116,10 @@ class Executor:
         self._pool = EventPool(backend, 3 * (allocated_in + allocated_out))
         self.inputs = [BufferSlot(INPUT, i, self._pool.take(), self._pool.take()) for i in range(allocated_in)]
         self.outputs = [BufferSlot(OUTPUT, i, self._pool.take(), self._pool.take()) for i in range(allocated_out)]
-        self._done_events = [self._pool.take() for _ in range(allocated_in + allocated_out)]
-        self._in_flight: dict[int, Work] = {}  # seq -> work, in issue order
-        self._done: dict[int, Event] = {}  # seq -> the event recorded after its send
-        self._sent: set[int] = set()  # seq of items whose on_send returned
+        self._in_flight = InFlight([self._pool.take() for _ in range(allocated_in + allocated_out)])
         self._cancel = threading.Event()
         self._lock = threading.Lock()
-        self._failure: _Failure | None = None
+        self._failure: Failure | None = None
         self._issued = 0
         self._cursor = 0  # slot binding counter (restarts when auto depth decides)
         self._last_seq: int | None = None
@@ -180,7 +147,7 @@ class Executor:
     @property
     def in_flight(self) -> list[WorkItem]:
         """Items issued whose on_send has not returned, in issue order."""
-        return [w.item for seq, w in self._in_flight.items() if seq not in self._sent]
+        return [w.item for w in self._in_flight.unsent()]
 
     def buffer_bytes(self) -> BufferBytes:
         """Bytes the connector's buffers hold now, measured from their tensors' storages."""
@@ -201,18 +168,15 @@ class Executor:
         outputs = self.outputs[self._cursor % self.depth_out]
         self._await(inputs.free, None)  # the input slot's previous item consumed its inputs
         self._reap()
-        if not self._done_events:  # not in the steady state (see the module docstring)
-            oldest = next(iter(self._done))
-            self._await(self._done[oldest], None)
+        if self._in_flight.full:  # not in the steady state (see the module docstring)
+            self._await(self._in_flight.pending()[0][1], None)
             self._reap()
         work = Work(item, inputs, outputs, self._cancel)
         inputs.item = outputs.item = item
-        self._in_flight[item.seq] = work
-        self._done[item.seq] = self._done_events.pop()
         self._last_seq = item.seq
         self._issued += 1
         self._cursor += 1
-        self._issue(work)
+        self._issue(work, self._in_flight.add(work))
 
     def wait_for(self, seq: int) -> None:
         """Wait until the send of item ``seq`` completed, then release it.
@@ -223,14 +187,14 @@ class Executor:
         released; raises like ``submit`` if any phase failed.
         """
         self._check_open()
-        done = self._done.get(seq)
+        done = self._in_flight.done_event(seq)
         if done is None:
             if self._last_seq is None or seq > self._last_seq:
                 raise ValueError(f"no work item with seq={seq} was submitted")
             return
         self._await(done, None)
         self._reap()
-        if seq in self._done:  # an earlier item's send is still running (sends on several streams)
+        if seq in self._in_flight:  # an earlier item's send is still running (sends on several streams)
             self._release(seq)
 
     def drain(self) -> None:
@@ -276,7 +240,7 @@ class Executor:
 
     # ------------------------------------------------------------------ issuing
 
-    def _issue(self, work: Work) -> None:
+    def _issue(self, work: Work, done: Event) -> None:
         inputs, outputs = work.inputs, work.outputs
         recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
         if recv is not compute:
@@ -294,7 +258,7 @@ class Executor:
             send.wait(outputs.ready)
         self._submit_phase("send", send, work)
         send.record(outputs.free)
-        send.record(self._done[work.item.seq])
+        send.record(done)
 
     def _submit_phase(self, phase: str, stream: Stream, work: Work) -> None:
         stream.submit(self._phase_runner(phase, stream, work), self._spans.open(phase, stream, work))
@@ -312,7 +276,7 @@ class Executor:
                 else:
                     hook(work=work, stream=stream)
                     if phase == "send":
-                        self._sent.add(work.item.seq)
+                        self._in_flight.sent.add(work.item.seq)
             except BaseException as exc:  # noqa: BLE001 - reported with the item's identity
                 self._fail(exc, work.item, phase)
 
@@ -343,20 +307,16 @@ class Executor:
 
     def _reap(self) -> None:
         """Release, in issue order, every item whose send completed (checked without blocking)."""
-        for seq, done in list(self._done.items()):
-            if not done.query():
-                break
+        for seq in self._in_flight.completed():
             self._release(seq)
 
     def _release(self, seq: int) -> None:
-        self._done_events.append(self._done.pop(seq))
-        del self._in_flight[seq]
-        self._sent.discard(seq)
+        self._in_flight.release(seq)
         self._spans.release(seq)
 
     def _wait_all(self, deadline: float | None) -> bool:
         """Wait for every issued item's send, in issue order; False at ``deadline``."""
-        for seq, done in list(self._done.items()):
+        for seq, done in self._in_flight.pending():
             if not self._await(done, deadline):
                 return False
             self._release(seq)
@@ -381,7 +341,7 @@ class Executor:
         with self._lock:
             if self._failure is not None:
                 return
-            self._failure = _Failure(error, item, phase)
+            self._failure = Failure(error, item, phase)
         self._cancel.set()
         self.backend.abort()
 
@@ -408,7 +368,7 @@ class Executor:
         streams = self.backend.close(deadline)
         # Only now, with the streams stopped (or abandoned), is "in flight" final: a
         # send that was running when we aborted may have completed meanwhile.
-        abandoned = [w for seq, w in self._in_flight.items() if seq not in self._sent]
+        abandoned = self._in_flight.unsent()
         reason = error if error is not None else PipelineAborted("abandoned at close")
         for work in abandoned:
             try:
@@ -416,9 +376,6 @@ class Executor:
             except Exception:
                 log.exception("on_cleanup raised for %s; continuing", work.item)
         self._in_flight.clear()
-        self._sent.clear()
-        self._done_events += self._done.values()
-        self._done.clear()
         self._report = CloseReport(
             abandoned=[w.item for w in abandoned],
             abandoned_streams=dict(streams.abandoned_streams),

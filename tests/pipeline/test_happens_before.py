@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from afd_mrv2.config import BufferCounts, MultistreamConfig
 from afd_mrv2.devices import RecordingBackend
+from afd_mrv2.devices.base import Event
 from afd_mrv2.devices.recording import Op
 from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.plugins import plugins_for
@@ -23,7 +24,7 @@ class DropsInputReuseEdge(Executor):
     wait on it are no-ops.
     """
 
-    def _issue(self, work: Work) -> None:
+    def _issue(self, work: Work, done: Event) -> None:
         inputs, outputs = work.inputs, work.outputs
         recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
         self._submit_phase("recv", recv, work)
@@ -35,12 +36,13 @@ class DropsInputReuseEdge(Executor):
         send.wait(outputs.ready)
         self._submit_phase("send", send, work)
         send.record(outputs.free)
+        send.record(done)
 
 
 class DropsOutputReuseEdge(Executor):
     """TEST-ONLY planted bug: compute overwrites an output slot without waiting for the previous send."""
 
-    def _issue(self, work: Work) -> None:
+    def _issue(self, work: Work, done: Event) -> None:
         inputs, outputs = work.inputs, work.outputs
         recv, compute, send = self.streams["recv"], self.streams["compute"], self.streams["send"]
         recv.wait(inputs.free)
@@ -53,6 +55,7 @@ class DropsOutputReuseEdge(Executor):
         send.wait(outputs.ready)
         self._submit_phase("send", send, work)
         send.record(outputs.free)
+        send.record(done)
 
 
 def run(
