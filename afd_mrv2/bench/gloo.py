@@ -2,7 +2,8 @@
 
 Runs the embedded AFD deployment (``afd-mrv2 run``: attention and FFN processes
 over gloo on loopback, the reference model, the ``torch_p2p`` connector) once,
-serialized and then at each depth, and returns its per-mode rows.  Phase times
+serialized and then at each (in, out) buffer count, and returns its per-mode rows
+(each with the run's ``buffers`` block: counts and the bytes each rank held).  Phase times
 are whatever the machine gives, so there is no per-cell model prediction here;
 the simulated-link grid is where the model is checked.
 """
@@ -20,9 +21,12 @@ from afd_mrv2.reference.launcher import launch
 from afd_mrv2.reference.runconfig import RunConfig
 
 
-def run_gloo(depths: tuple[int, ...], *, out_dir: str = "out/bench-gloo", batches: int = 3) -> list[dict[str, Any]]:
-    """One embedded run over ``depths``; rows: mode, depth, per-layer ms, efficiency, hidden, speedup."""
-    cfg = RunConfig(depths=depths, link="gloo", batches=batches, out_dir=out_dir)
+def run_gloo(
+    buffers: tuple[tuple[int, int], ...], *, out_dir: str = "out/bench-gloo", batches: int = 3
+) -> list[dict[str, Any]]:
+    """One embedded run over the (in, out) buffer counts ``buffers``; rows: mode, counts, the
+    buffers block (per FFN rank and the largest rank), per-layer ms, efficiency, hidden, speedup."""
+    cfg = RunConfig(depths=(), buffers=buffers, link="gloo", batches=batches, out_dir=out_dir)
     with contextlib.redirect_stdout(io.StringIO()):  # launch prints its own report; we re-render
         status = launch(cfg, as_json=True)
     result_path = Path(out_dir).resolve() / "result.json"
@@ -37,6 +41,9 @@ def run_gloo(depths: tuple[int, ...], *, out_dir: str = "out/bench-gloo", batche
             {
                 "mode": "serialized" if not mode["pipelined"] else "pipelined",
                 "depth": mode["depth"],
+                "depth_in": mode["buffers"]["in"],
+                "depth_out": mode["buffers"]["out"],
+                "buffers": mode["buffers"],
                 "per_layer_ms": mode["per_layer_ms"],
                 "efficiency": mode["overlap_efficiency"],
                 "hidden_comm_fraction": mode["hidden_comm_fraction"],

@@ -12,11 +12,19 @@ it claims (the schedule), not on timer calibration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from afd_mrv2.bench.overlap import ModeResult, calibrated_compute, run_mode
 from afd_mrv2.pipeline.metrics import stage_times
-from afd_mrv2.pipeline.schedule_model import SERIALIZED, PhaseTimes, choose_depth, predict_makespan
+from afd_mrv2.pipeline.schedule_model import (
+    SERIALIZED,
+    PhaseTimes,
+    choose_buffers,
+    choose_depth,
+    predict_makespan,
+)
+from afd_mrv2.reference.buffer_report import counts_label
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ SCENARIOS = (
 class Cell:
     scenario: str
     mode: str  # "serialized" | "pipelined" | "auto"
-    depth: int
+    depth: int  # the larger of depth_in and depth_out
     makespan_ms: float
     lower_bound_ms: float
     efficiency: float
@@ -50,6 +58,15 @@ class Cell:
     model_depth: int  # the depth the model chooses from this cell's phase times
     phase_ms: tuple[tuple[float, float, float], ...]  # measured (recv, compute, send) per item, issue order
     decided: bool = True  # for "auto": whether it made its choice during the run
+    depth_in: int = 0  # input buffers the cell ran with (for "auto": the chosen count)
+    depth_out: int = 0  # output buffers
+    buffers: dict[str, Any] = field(default_factory=dict)  # buffer_block: counts and bytes measured
+    model_buffers: tuple[int, int] = (0, 0)  # the (in, out) the model chooses from this cell's phase times
+
+    @property
+    def label(self) -> str:
+        """``2in/2out``: the cell's buffer counts."""
+        return counts_label(self.depth_in, self.depth_out)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -61,16 +78,22 @@ def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: floa
     phase_ms = tuple((r / 1e6, c / 1e6, s / 1e6) for r, c, s in stage_times(trace.spans))
     per_item = [PhaseTimes(*t) for t in phase_ms]
     items = metrics.items
-    depth = result.depth
-    # The model replays the schedule from the measured per-item phase times.
-    # "auto" runs its window at a larger depth, then the chosen one: never slower
-    # than the chosen depth throughout, which is what the model predicts for it.
-    predicted = predict_makespan(per_item, items, depth, streams=SERIALIZED if mode == "serialized" else None)
+    depth_in, depth_out = result.depth_in, result.depth_out
+    # The model replays the schedule from the measured per-item phase times, with
+    # the cell's own (depth_in, depth_out).  "auto" runs its window with more
+    # buffers, then the chosen counts: never slower than the chosen counts
+    # throughout, which is what the model predicts for it.
+    predicted = predict_makespan(
+        per_item, items, depth_in, depth_out=depth_out, streams=SERIALIZED if mode == "serialized" else None
+    )
     measured = metrics.makespan_ns / 1e6
+    slot_in = max(result.buffers["input_bytes"], default=0)
+    slot_out = max(result.buffers["output_bytes"], default=0)
+    model_pick = choose_buffers(per_item, bytes_in=slot_in, bytes_out=slot_out)
     return Cell(
         scenario=scenario.name,
         mode=mode,
-        depth=depth,
+        depth=result.depth,
         makespan_ms=measured,
         lower_bound_ms=metrics.lower_bound_ns / 1e6,
         efficiency=metrics.efficiency,
@@ -81,6 +104,10 @@ def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: floa
         model_depth=choose_depth(per_item),
         phase_ms=phase_ms,
         decided=mode != "auto" or result.window > 0,
+        depth_in=depth_in,
+        depth_out=depth_out,
+        buffers=result.buffers,
+        model_buffers=(model_pick.depth_in, model_pick.depth_out),
     )
 
 
@@ -88,31 +115,40 @@ def run_grid(
     *,
     scenarios: tuple[Scenario, ...] = SCENARIOS,
     depths: tuple[int, ...] = (1, 2, 3, 4),
+    buffers: tuple[tuple[int, int], ...] = (),
     items: int = 24,
     auto_window: int | None = None,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[Cell]:
-    """Run every scenario: serialized, pipelined at each depth, and ``depth: auto``.
+    """Run every scenario: serialized, pipelined at each depth (d in + d out) and
+    each (in, out) pair of ``buffers``, and ``depth: auto``.
 
     Each mode runs ``repeats`` times, interleaved with the other modes so that a
     burst of machine load hits all of them alike; the run with the median makespan
     is reported.
     """
     window = auto_window or max(2, min(6, items // 4))
-    modes: list[tuple[str, int | str]] = [("serialized", 1)] + [("pipelined", d) for d in depths] + [("auto", "auto")]
+    pairs = [(d, d) for d in depths] + [p for p in buffers if p not in [(d, d) for d in depths]]
+    modes: list[tuple[str, int | str, int | None]] = [
+        ("serialized", 1, None),
+        *(("pipelined", d_in, d_out) for d_in, d_out in pairs),
+        ("auto", "auto", None),
+    ]
     cells: list[Cell] = []
     for scenario in scenarios:
         compute = calibrated_compute(scenario.compute_ms / 1e3)
         runs: dict[int, list[ModeResult]] = {i: [] for i in range(len(modes))}
         for repeat in range(repeats):
-            for i, (mode, depth) in enumerate(modes):
+            for i, (mode, depth, depth_out) in enumerate(modes):
                 if progress:
-                    progress(f"{scenario.name}: {mode} depth {depth} (run {repeat + 1}/{repeats})")
+                    counts = depth if depth_out is None else counts_label(int(depth), depth_out)
+                    progress(f"{scenario.name}: {mode} {counts} (run {repeat + 1}/{repeats})")
                 runs[i].append(
                     run_mode(
                         items=items,
                         depth=depth,
+                        depth_out=depth_out,
                         pipelined=mode != "serialized",
                         compute=compute,
                         recv_s=scenario.recv_ms / 1e3,
@@ -122,5 +158,5 @@ def run_grid(
                 )
         chosen = [sorted(rs, key=lambda r: r.trace.metrics().makespan_ns)[len(rs) // 2] for rs in runs.values()]
         serial_ms = chosen[0].trace.metrics().makespan_ns / 1e6
-        cells += [_cell(scenario, mode, result, serial_ms) for (mode, _), result in zip(modes, chosen, strict=True)]
+        cells += [_cell(scenario, mode, result, serial_ms) for (mode, _, _), result in zip(modes, chosen, strict=True)]
     return cells

@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 
+from afd_mrv2.reference.buffer_report import buffers_cell, counts_label
 from afd_mrv2.table import format_table
 
 BEST_NOISE = 0.02
@@ -26,7 +27,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--scenario", nargs="+", choices=[s.name for s in SCENARIOS], help="scenarios (default: all)")
-    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4], help="depths (default 1 2 3 4)")
+    parser.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="depths, each d input + d output buffers (default 1 2 3 4, or none when --buffers is given)",
+    )
+    parser.add_argument(
+        "--buffers",
+        type=int,
+        nargs=2,
+        action="append",
+        metavar=("IN", "OUT"),
+        default=[],
+        help="also run IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
+    )
     parser.add_argument("--items", type=int, default=24, help="work items per run (default 24)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
     parser.add_argument("--chart", default="out/bench.png", help="PNG chart path (default out/bench.png)")
@@ -46,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
 
     from afd_mrv2.bench.grid import SCENARIOS, run_grid
 
-    if args.items < 2 or args.repeats < 1 or any(not 1 <= d <= 8 for d in args.depths):
-        raise SystemExit("afd-mrv2 bench: --items >= 2, --repeats >= 1, each --depth in 1..8")
+    depths = [1, 2, 3, 4] if args.depths is None and not args.buffers else list(args.depths or [])
+    buffers = [tuple(p) for p in args.buffers]
+    counts = depths + [n for p in buffers for n in p]
+    if args.items < 2 or args.repeats < 1 or any(not 1 <= d <= 8 for d in counts):
+        raise SystemExit("afd-mrv2 bench: --items >= 2, --repeats >= 1, each --depths / --buffers count in 1..8")
+    args.depths, args.buffers = depths, buffers
     if args.link == "gloo":
         return run_gloo_sweep(args)
     torch.set_num_threads(1)
@@ -57,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"\r\033[K[bench] {message}", end="", file=sys.stderr, flush=True)
 
     cells = run_grid(
-        scenarios=scenarios, depths=tuple(args.depths), items=args.items, repeats=args.repeats, progress=progress
+        scenarios=scenarios,
+        depths=tuple(args.depths),
+        buffers=tuple(args.buffers),
+        items=args.items,
+        repeats=args.repeats,
+        progress=progress,
     )
     print("\r\033[K", end="", file=sys.stderr, flush=True)
     chart = None if args.no_chart else str(write_chart_path(cells, args.chart))
@@ -68,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     headers = [
         "scenario",
         "mode",
-        "depth",
+        "buffers (in+out)",
         "makespan ms",
         "bound ms",
         "efficiency",
@@ -81,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         [
             c.scenario,
             c.mode,
-            c.depth,
+            buffers_cell(c.buffers),
             c.makespan_ms,
             c.lower_bound_ms,
             c.efficiency,
@@ -93,14 +118,15 @@ def run(args: argparse.Namespace) -> int:
         for c in cells
     ]
     print(format_table(headers, rows))
+    print("buffers = input + output buffers / the bytes they held (tensor storages, measured after the run)")
     print()
     print(f"model vs measured: median |error| {summary['median_model_error']:.1%} over {len(cells)} cells")
     for name, s in summary["scenarios"].items():
         chose = "auto chose" if s["auto_decided"] else "auto undecided, ran at"
         print(
-            f"{name}: best fixed depth {s['best_depth']} ({s['best_ms']:.1f} ms; smallest within 2% of the fastest); "
-            f"model chooses {s['model_depth']}; "
-            f"{chose} {s['auto_depth']} ({s['auto_ms']:.1f} ms, {s['auto_vs_best']:.2f}x best)"
+            f"{name}: best fixed {s['best_buffers']} ({s['best_ms']:.1f} ms; fewest buffer bytes within 2% of the "
+            f"fastest); model chooses {s['model_buffers']}; "
+            f"{chose} {s['auto_buffers']} ({s['auto_ms']:.1f} ms, {s['auto_vs_best']:.2f}x best)"
         )
     if chart:
         print(f"chart: {chart}")
@@ -114,25 +140,35 @@ def write_chart_path(cells, path: str):  # type: ignore[no-untyped-def]
 
 
 def summarize(cells) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """Model error, best fixed depth, and what auto chose, per scenario."""
+    """Model error, best fixed buffer counts, and what auto chose, per scenario."""
     scenarios: dict[str, dict[str, object]] = {}
     for name in dict.fromkeys(c.scenario for c in cells):
         rows = [c for c in cells if c.scenario == name]
-        piped = sorted((c for c in rows if c.mode == "pipelined"), key=lambda c: c.depth)
+        # Cheapest first: fewest buffer bytes, then fewest buffers, then fewer inputs.
+        piped = sorted(
+            (c for c in rows if c.mode == "pipelined"),
+            key=lambda c: (c.buffers["bytes"], c.depth_in + c.depth_out, c.depth_in),
+        )
         auto = next(c for c in rows if c.mode == "auto")
         fastest = min(c.makespan_ms for c in piped)
-        # The best fixed depth is the smallest one within timer noise (2 %) of the
-        # fastest: a deeper pipeline at the same speed only costs memory.
+        # The best fixed counts are the cheapest within timer noise (2 %) of the
+        # fastest: more buffers at the same speed only cost memory.
         best = next(c for c in piped if c.makespan_ms <= fastest * (1 + BEST_NOISE))
         scenarios[name] = {
             "best_depth": best.depth,
+            "best_buffers": best.label,
+            "best_bytes": best.buffers["bytes"],
             "best_ms": best.makespan_ms,
             "model_depth": auto.model_depth,
+            "model_buffers": counts_label(*auto.model_buffers),
             "auto_depth": auto.depth,
+            "auto_buffers": auto.label,
+            "auto_bytes": auto.buffers["bytes"],
             "auto_decided": auto.decided,
             "auto_ms": auto.makespan_ms,
             "auto_vs_best": auto.makespan_ms / best.makespan_ms,
             "fastest_depth": min(piped, key=lambda c: c.makespan_ms).depth,
+            "fastest_buffers": min(piped, key=lambda c: c.makespan_ms).label,
         }
     return {"median_model_error": statistics.median(c.model_error for c in cells), "scenarios": scenarios}
 
@@ -140,13 +176,16 @@ def summarize(cells) -> dict[str, object]:  # type: ignore[no-untyped-def]
 def run_gloo_sweep(args: argparse.Namespace) -> int:
     from afd_mrv2.bench.gloo import run_gloo
 
-    rows = run_gloo(tuple(d for d in args.depths if d > 1) or (2,))
+    pairs = tuple((d, d) for d in args.depths if d > 1) + tuple(args.buffers)
+    rows = run_gloo(pairs or ((2, 2),))
     if args.json:
         print(json.dumps({"link": "gloo", "modes": rows}))
         return 0
+    for row in rows:
+        row["buffers_cell"] = buffers_cell(row["buffers"])
     keys = [
         "mode",
-        "depth",
+        "buffers_cell",
         "per_layer_ms",
         "efficiency",
         "hidden_comm_fraction",
@@ -154,8 +193,20 @@ def run_gloo_sweep(args: argparse.Namespace) -> int:
         "cores_busy",
         "max_abs_diff",
     ]
-    headers = ["mode", "depth", "per-layer ms", "efficiency", "hidden comm", "speedup", "cores busy", "max |diff|"]
+    headers = [
+        "mode",
+        "buffers (in+out)",
+        "per-layer ms",
+        "efficiency",
+        "hidden comm",
+        "speedup",
+        "cores busy",
+        "max |diff|",
+    ]
     print("embedded deployment on gloo (afd-mrv2 run: 2 attention + 1 FFN processes, loopback)")
     print(format_table(headers, [[row[k] for k in keys] for row in rows]))
-    print("efficiency and hidden comm are the FFN ranks'; cores busy = CPU time of all ranks / wall time")
+    print("efficiency and hidden comm are the FFN ranks'; cores busy = CPU time of all ranks / wall time;")
+    print(
+        "buffers = input + output buffers / the largest rank's buffer bytes (tensor storages, measured after the run)"
+    )
     return 0

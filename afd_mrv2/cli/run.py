@@ -68,7 +68,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
     topo.add_argument("--warmup", type=int, default=1, help="warm-up batches per mode (default 1)")
     topo.add_argument(
-        "--depth", type=int, nargs="+", default=[3], help="multistream depths to run after serialized (default 3)"
+        "--depth",
+        type=int,
+        nargs="+",
+        default=None,
+        help="multistream depths to run after serialized, each d input + d output buffers "
+        "(default 3, or none when --buffers is given)",
+    )
+    topo.add_argument(
+        "--buffers",
+        type=int,
+        nargs=2,
+        action="append",
+        metavar=("IN", "OUT"),
+        default=[],
+        help="also run multistream with IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
     )
     topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
     model = parser.add_argument_group("model")
@@ -147,7 +161,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             routing=args.routing,
             batches=args.batches,
             warmup=args.warmup,
-            depths=tuple(args.depth),
+            depths=(3,) if args.depth is None and not args.buffers else tuple(args.depth or ()),
+            buffers=tuple((i, o) for i, o in args.buffers),
             link=args.link,
             sim_latency_us=args.sim_latency_us,
             sim_bandwidth_gbps=args.sim_bandwidth_gbps,

@@ -9,7 +9,12 @@ Definitions (all measured in the run itself, on the measured batches):
   (:mod:`afd_mrv2.pipeline.metrics`), averaged over FFN ranks; the attention
   ranks' value is reported next to it;
 * max |diff|: largest absolute difference between an attention rank's final
-  hidden states and the single-process reference forward, over every batch.
+  hidden states and the single-process reference forward, over every batch;
+* buffers: each mode's input and output buffer counts and the bytes each rank's
+  buffers held, measured from the tensors' storages after the measured batches
+  (:mod:`afd_mrv2.reference.buffer_report`); ``bytes``, ``input_bytes`` and
+  ``output_bytes`` are the largest rank's (named by ``rank``), ``by_rank`` has
+  every rank's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from afd_mrv2.devices.base import Span
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.trace import Trace, write_chrome_trace
+from afd_mrv2.reference.buffer_report import buffers_cell, format_bytes
 from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.table import format_table
 from afd_mrv2.topology import ATTENTION
@@ -60,6 +66,7 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
                 "max_abs_diff": max(diffs),
                 "max_abs_diff_by_rank": {r["name"]: r["modes"][i]["max_abs_diff"] for r in attention},
                 "tokens_per_ffn_rank": [r["modes"][i]["ffn_tokens"] for r in ffn],
+                "buffers": _buffers(ranks, i),
             }
         )
     for mode in modes:
@@ -103,6 +110,30 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
         },
         "trace": None,
         "timeline": None,
+    }
+
+
+def _buffers(ranks: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    """Mode ``i``'s buffers block: the counts, the largest rank's bytes, and every rank's."""
+    by_rank = {
+        f"{r['role']} {r['index']}": {
+            "role": r["role"],
+            "bytes": r["modes"][i]["buffers"]["bytes"],
+            "input_bytes": r["modes"][i]["buffers"]["input_bytes"],
+            "output_bytes": r["modes"][i]["buffers"]["output_bytes"],
+        }
+        for r in sorted(ranks, key=lambda r: r["rank"])
+    }
+    largest = max(by_rank, key=lambda name: by_rank[name]["bytes"])
+    head = ranks[0]["modes"][i]["buffers"]
+    return {
+        "in": head["in"],
+        "out": head["out"],
+        "bytes": by_rank[largest]["bytes"],
+        "input_bytes": by_rank[largest]["input_bytes"],
+        "output_bytes": by_rank[largest]["output_bytes"],
+        "rank": largest,
+        "by_rank": by_rank,
     }
 
 
@@ -169,6 +200,12 @@ def _split_lines(split: dict[str, Any], *, warmup: int, limit: int = 8) -> list[
     return lines
 
 
+def _bytes_by_rank(mode: dict[str, Any]) -> str:
+    """``multistream 3in/3out: attention 0 96 KiB, ffn 0 1.3 MiB`` (one mode: the last in the table)."""
+    ranks = mode["buffers"]["by_rank"]
+    return f"{mode['mode']}: " + ", ".join(f"{name} {format_bytes(r['bytes'])}" for name, r in ranks.items())
+
+
 def render(report: dict[str, Any], *, as_json: bool) -> str:
     """The report as one JSON object, or as a readable table."""
     if as_json:
@@ -193,10 +230,20 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
     ]
     if split:
         lines += [*_split_lines(split, warmup=report["warmup_batches"]), ""]
-    headers = ["mode", "per-layer ms", "speedup", "overlap eff", "hidden comm", "cores busy", "max |diff|"]
+    headers = [
+        "mode",
+        "buffers (in+out)",
+        "per-layer ms",
+        "speedup",
+        "overlap eff",
+        "hidden comm",
+        "cores busy",
+        "max |diff|",
+    ]
     rows = [
         [
             m["mode"],
+            buffers_cell(m["buffers"]),
             m["per_layer_ms"],
             m["speedup"],
             m["overlap_efficiency"],
@@ -216,6 +263,8 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         f"routing: hottest expert {stats['hot_expert']} selected by {stats['hot_expert_share']:.0%} of tokens; "
         f"tokens per FFN rank {stats['tokens_per_ffn_rank']}",
         "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute;",
+        "buffers = input + output buffers / the largest rank's buffer bytes (tensor storages, after the run);",
+        f"  per rank, {_bytes_by_rank(report['modes'][-1])}",
         f"cores busy = CPU time of all ranks / wall time; this machine has {os.cpu_count()} cores and a 1-minute "
         f"load average of {report['modes'][-1]['machine_load_average']:.1f} (when they are all busy, overlap cannot help)",
         f"trace:    {report['trace']}  (open in https://ui.perfetto.dev)",

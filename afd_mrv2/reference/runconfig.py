@@ -21,8 +21,9 @@ CONFIG_ENV = "AFD_MRV2_RUN_CONFIG"
 class RunConfig:
     """One embedded AFD run.
 
-    ``depths``: the multistream depths to run after the serialized baseline (the
-    first one is the headline mode).  ``link = "sim"`` adds the simulated link
+    ``depths``: the multistream depths to run after the serialized baseline, each
+    ``d`` input + ``d`` output buffers; then ``buffers``: (in, out) buffer counts
+    set apart (:attr:`modes` lists both; the first is the headline mode).  ``link = "sim"`` adds the simulated link
     (``sim_latency_us`` per transfer, None = balanced: the FFN compute time per
     item, measured in a calibration pass).
 
@@ -41,6 +42,7 @@ class RunConfig:
     batches: int = 3
     warmup: int = 1
     depths: tuple[int, ...] = (3,)
+    buffers: tuple[tuple[int, int], ...] = ()
     link: str = "gloo"
     sim_latency_us: float | None = None
     sim_bandwidth_gbps: float = 0.0
@@ -56,8 +58,12 @@ class RunConfig:
             raise ValueError(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
         if self.batches < 1 or self.warmup < 0:
             raise ValueError("batches must be >= 1 and warmup >= 0")
-        if not self.depths or any(not 1 <= d <= 8 for d in self.depths):
+        if not self.modes:
+            raise ValueError("give at least one multistream depth or (in, out) buffer pair")
+        if any(not 1 <= d <= 8 for d in self.depths):
             raise ValueError(f"each depth must be in 1..8, got {list(self.depths)}")
+        if any(len(p) != 2 or not all(1 <= n <= 8 for n in p) for p in self.buffers):
+            raise ValueError(f"each buffers pair must be (in, out) with counts in 1..8, got {list(self.buffers)}")
         if self.recv_timeout_s <= 0:
             raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
         with_routing(self.model, self.routing, self.topology)  # fail early on impossible scenarios
@@ -82,6 +88,11 @@ class RunConfig:
                 f"--async-moe-split token needs at least {NUM_STAGES} tokens per batch, but {requests} request(s) "
                 f"of --min-len {self.batch.min_len} can have fewer: the planner would have no plan"
             )
+
+    @property
+    def modes(self) -> tuple[tuple[int, int], ...]:
+        """The (input, output) buffer counts of each multistream mode, in run order."""
+        return tuple((d, d) for d in self.depths) + tuple((i, o) for i, o in self.buffers)
 
     @property
     def requests_per_batch(self) -> int:
@@ -109,6 +120,7 @@ class RunConfig:
         model, batch = raw.pop("model"), raw.pop("batch")
         model["blocked_experts"] = tuple(model["blocked_experts"])
         raw["depths"] = tuple(raw["depths"])
+        raw["buffers"] = tuple(tuple(p) for p in raw.get("buffers", ()))
         return cls(**raw, model=ModelSpec(**model), batch=BatchSpec(**batch))
 
     def with_(self, **changes: object) -> RunConfig:

@@ -3,8 +3,8 @@
 Started by the local launcher, by torchrun, or by hand: it reads the torchrun
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins a
 gloo process group, and runs the same prefill batches through the executor in
-each mode (serialized, then multistream at each depth) with the torch_p2p
-connector.  Attention ranks check their final hidden states against the
+each mode (serialized, then multistream at each (in, out) buffer count) with the
+torch_p2p connector, measuring the bytes its buffers hold after each mode.  Attention ranks check their final hidden states against the
 single-process reference forward; rank 0 gathers every rank's timings, traces
 and diffs and writes the report, the merged Chrome trace and the timeline.
 
@@ -41,6 +41,7 @@ from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.reference.batches import concat, make_batch
+from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 from afd_mrv2.reference.forward import reference_forward
 from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule, SplitAttentionOwner
 from afd_mrv2.reference.runconfig import RunConfig
@@ -145,11 +146,13 @@ class _Session:
         if cfg.link == "sim":
             sim_latency_us = cfg.sim_latency_us if cfg.sim_latency_us is not None else self._calibrate(extra)
             extra.update(sim_latency_us=sim_latency_us, sim_bandwidth_gbps=cfg.sim_bandwidth_gbps)
-        modes = [("serialized", False, 1)] + [(f"multistream d={d}", True, d) for d in cfg.depths]
+        modes = [("serialized", False, (1, 1))] + [
+            (f"multistream {counts_label(*counts)}", True, counts) for counts in cfg.modes
+        ]
         results = []
-        for i, (label, pipelined, depth) in enumerate(modes, 1):
+        for i, (label, pipelined, counts) in enumerate(modes, 1):
             self.say(f"[{i}/{len(modes)}] {label}: {cfg.warmup} warm-up + {cfg.batches} measured batches ...")
-            result = self._run_mode(label, pipelined, depth, extra)
+            result = self._run_mode(label, pipelined, counts, extra)
             results.append(result)
             self.say(
                 f"[{i}/{len(modes)}] {label}: {result['wall_s'] * 1e3 / (cfg.batches * self.spec.num_layers):.2f} ms per layer"
@@ -174,7 +177,9 @@ class _Session:
             print(render(report, as_json=self.as_json), flush=True)
         return 0 if report["ok"] else 1
 
-    def _executor(self, label: str, pipelined: bool, depth: int, extra: dict[str, Any]) -> tuple[Executor, Trace]:
+    def _executor(
+        self, label: str, pipelined: bool, counts: tuple[int, int], extra: dict[str, Any]
+    ) -> tuple[Executor, Trace]:
         cfg = self.cfg
         config = parse_afd_config(
             {
@@ -185,7 +190,7 @@ class _Session:
                 "connector_extra_config": extra,
                 "multistream": {
                     "enabled": pipelined,
-                    "depth": depth,
+                    "buffers": {"in": counts[0], "out": counts[1]},
                     "roles": ["attention", "ffn"],
                     "backend": "host",
                     "trace": True,
@@ -199,11 +204,11 @@ class _Session:
         )
         return executor, trace
 
-    def _run_mode(self, label: str, pipelined: bool, depth: int, extra: dict[str, Any]) -> dict[str, Any]:
+    def _run_mode(self, label: str, pipelined: bool, counts: tuple[int, int], extra: dict[str, Any]) -> dict[str, Any]:
         cfg, role = self.cfg, self.role
         warm = range(cfg.warmup)
         measured = range(cfg.warmup, cfg.warmup + cfg.batches)
-        executor, trace = self._executor(label, pipelined, depth, extra)
+        executor, trace = self._executor(label, pipelined, counts, extra)
         with executor:
             executor.run(self.schedule.items(role, warm))
             trace.spans.clear()
@@ -213,6 +218,7 @@ class _Session:
             executor.run(self.schedule.items(role, measured))
             dist.barrier()
             wall, cpu = time.perf_counter() - start, _cpu_s() - cpu
+            buffers = buffer_block(executor)  # after drain, before close
         closed = executor.close()
         diff = None
         if isinstance(self.owner, AttentionOwner):
@@ -236,7 +242,8 @@ class _Session:
         return {
             "label": label,
             "pipelined": pipelined,
-            "depth": depth,
+            "depth": max(counts),
+            "buffers": buffers,
             "wall_s": wall,
             "cpu_s": cpu,
             "load_average": os.getloadavg()[0],
@@ -257,7 +264,7 @@ class _Session:
     def _calibrate(self, extra: dict[str, Any]) -> float:
         """Balanced simulated link: latency = the FFN compute time per item, measured on gloo."""
         self.say("calibrating the simulated link (one serialized batch on gloo) ...")
-        executor, trace = self._executor("calibration", False, 1, extra)
+        executor, trace = self._executor("calibration", False, (1, 1), extra)
         with executor:
             executor.run(self.schedule.items(self.role, range(1)))
         executor.close()

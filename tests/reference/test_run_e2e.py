@@ -29,9 +29,39 @@ def run_json(out: Path, *args: str, timeout_s: float = 120.0) -> dict:
     return json.loads(proc.out[0])
 
 
-def check_correct(report: dict) -> None:
+def check_buffers(report: dict) -> None:
+    """Each mode's buffer bytes are its counts x one buffer's bytes, computed apart from the
+    measurement (SMALL: hidden 64; the default batch's per-stage capacity); JSON and table agree."""
+    from afd_mrv2.hooks.p2p.wire import HEADER_BYTES
+    from afd_mrv2.reference.buffer_report import buffers_cell
+    from afd_mrv2.reference.report import render
+    from afd_mrv2.reference.spec import BatchSpec
+
+    hidden, capacity, attention = 64, BatchSpec().max_tokens, report["num_attention_ranks"]
+    table = render(report, as_json=False).splitlines()
+    for mode in report["modes"]:
+        b = mode["buffers"]
+        label = "serialized" if (b["in"], b["out"]) == (1, 1) else f"multistream {b['in']}in/{b['out']}out"
+        assert mode["mode"] == label
+        assert set(b["by_rank"]) == {f"attention {i}" for i in range(attention)} | {
+            f"ffn {i}" for i in range(report["num_ffn_ranks"])
+        }
+        for rank in b["by_rank"].values():
+            assert len(rank["input_bytes"]) == b["in"] and len(rank["output_bytes"]) == b["out"]
+            assert rank["bytes"] == sum(rank["input_bytes"]) + sum(rank["output_bytes"]) > 0
+        assert b["bytes"] == max(r["bytes"] for r in b["by_rank"].values()) == b["by_rank"][b["rank"]]["bytes"]
+        # an attention rank's input buffer: [capacity, hidden] float32 it sums the FFN partials into
+        assert b["by_rank"]["attention 0"]["input_bytes"] == [capacity * hidden * 4] * b["in"]
+        # an FFN rank's output buffer: one combine message (header + capacity x hidden float32) per attention rank
+        assert b["by_rank"]["ffn 0"]["output_bytes"] == [attention * (HEADER_BYTES + capacity * hidden * 4)] * b["out"]
+        (line,) = [line for line in table if line.startswith(mode["mode"] + "  ")]
+        assert buffers_cell(b) in line
+
+
+def check_correct(report: dict, modes: tuple[str, ...] = ("serialized", "multistream 3in/3out")) -> None:
     assert report["layers"] == 4
-    assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream d=3"]
+    assert [m["mode"] for m in report["modes"]] == list(modes)
+    check_buffers(report)
     for mode, diff in report["max_abs_diff_by_mode"].items():
         assert diff <= 1e-5, f"{mode}: max |diff| {diff}"
     assert report["max_abs_diff"] <= 1e-5 and report["ok"] is True
@@ -53,8 +83,10 @@ def test_2a1f_skewed_routing_matches_the_reference(skewed_2a1f: dict) -> None:
 
 
 def test_2a2f_skewed_routing_matches_the_reference(tmp_path: Path) -> None:
-    report = run_json(tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed")
-    check_correct(report)
+    report = run_json(
+        tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depth", "3", "--buffers", "3", "2"
+    )
+    check_correct(report, ("serialized", "multistream 3in/3out", "multistream 3in/2out"))
     assert report["routing_stats"]["hot_expert_share"] >= 0.7
     assert all(t > 0 for t in report["routing_stats"]["tokens_per_ffn_rank"])
 
@@ -132,7 +164,7 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path: Path) -> None:
 
 def check_split(report: dict, policy: str) -> list[dict]:
     """Both modes within 1e-5 of the unsplit reference; every batch really ran as the planner's two stages."""
-    assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream d=2"]
+    assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream 2in/2out"]
     for mode, diff in report["max_abs_diff_by_mode"].items():
         assert diff <= 1e-5, f"{mode}: max |diff| {diff}"
     assert report["ok"] is True and report["stages"] == 2 and report["async_moe_split"] == policy
@@ -192,5 +224,11 @@ def test_run_config_keeps_the_split_through_json() -> None:
     cfg = RunConfig(async_moe_split="token", batch=BatchSpec(stages=1, requests_per_stage=3))
     again = RunConfig.from_json(cfg.to_json())
     assert again == cfg and again.num_stages == 2 and again.requests_per_batch == 3
+    pairs = RunConfig(depths=(2,), buffers=((3, 2),))
+    assert RunConfig.from_json(pairs.to_json()) == pairs and pairs.modes == ((2, 2), (3, 2))
+    with pytest.raises(ValueError, match="at least one"):
+        RunConfig(depths=())
+    with pytest.raises(ValueError, match=r"counts in 1\.\.8"):
+        RunConfig(buffers=((0, 2),))
     with pytest.raises(ValueError, match="async_moe_split must be one of"):
         RunConfig(async_moe_split="tokens")
