@@ -17,7 +17,8 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert tests.endswith("python -m pytest")
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci_lines[-1] == tests
-    assert main_job.startswith(tests.rsplit("&&", 1)[0])  # same set-up, then the main job
+    setup = main_job.rsplit("&&", 1)[0]
+    assert tests.startswith(setup + "&&")  # the same set-up, then the checks and the tests
 
 
 def test_readme_main_job_is_a_registered_command() -> None:

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``handler`` (a function
-taking the parsed arguments and returning the exit code).
+taking the parsed arguments and returning the exit code).  :func:`add_command`
+opens a subcommand's parser the one way every subcommand does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ COMMANDS = {
     "probe": "afd_mrv2.cli.probe",
     "make-model": "afd_mrv2.cli.make_model",
 }
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, summary: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name``: ``summary`` is its line in ``afd-mrv2 --help``, ``description`` heads its own help."""
+    return sub.add_parser(name, help=summary, description=description or summary)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,27 +12,30 @@ import importlib.util
 import json
 from pathlib import Path
 
+from afd_mrv2.cli import add_command
 from afd_mrv2.errors import AfdError
 from afd_mrv2.table import format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("compat", help="runtime-pair gate and upstream-seam contracts (CI steps)")
+    parser = add_command(sub, "compat", "runtime-pair gate and upstream-seam contracts (CI steps)")
     inner = parser.add_subparsers(dest="compat_command", required=True, metavar="ACTION")
 
-    check = inner.add_parser(
+    check = add_command(
+        inner,
         "check",
-        help="decide whether the installed runtime pair is accepted (exit 0) or refused (exit 1)",
-        description="Reads installed distribution metadata (never imports vllm/vllm_ascend/torch_npu) and the "
+        "decide whether the installed runtime pair is accepted (exit 0) or refused (exit 1)",
+        "Reads installed distribution metadata (never imports vllm/vllm_ascend/torch_npu) and the "
         "CANN install-info file, and applies afd-mrv2's runtime-pair table.",
     )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.add_argument("--require", nargs="+", default=[], metavar="CAP", help="capabilities that must be granted")
     check.set_defaults(handler=run_check)
 
-    contracts = inner.add_parser(
+    contracts = add_command(
+        inner,
         "contracts",
-        help="check afd-mrv2's upstream seams against a wheel or an installed distribution (ast, no import)",
+        "check afd-mrv2's upstream seams against a wheel or an installed distribution (ast, no import)",
     )
     contracts.add_argument(
         "--dist",
@@ -42,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     contracts.add_argument("--json", action="store_true", help="print one JSON object")
     contracts.set_defaults(handler=run_contracts)
 
-    table = inner.add_parser("table", help="print the runtime-pair table")
+    table = add_command(inner, "table", "print the runtime-pair table")
     table.add_argument("--json", action="store_true")
     table.set_defaults(handler=run_table)
 

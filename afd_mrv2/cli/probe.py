@@ -12,19 +12,21 @@ import argparse
 import json
 import sys
 
+from afd_mrv2.cli import add_command
+
 EXIT_NO_NPU = 3
 
 
+DESCRIPTION = (
+    "Probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
+    "are they present, do they run on the caller's current stream, are two in-flight transfers safe, "
+    "and do serialized and multistream runs of a toy MoE agree.  Writes a JSON evidence file."
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "probe",
-        help="probe the CAM operators on the hardware and write an evidence file",
-        description=(
-            "Probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
-            "are they present, do they run on the caller's current stream, are two in-flight transfers safe, "
-            "and do serialized and multistream runs of a toy MoE agree.  Writes a JSON evidence file."
-        ),
-    )
+    summary = "probe the CAM operators on the hardware and write an evidence file"
+    parser = add_command(sub, "probe", summary, DESCRIPTION)
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     npu = targets.add_parser("npu", help="run on two local Ascend NPUs (needs torch_npu and CANN)")
     npu.add_argument("--out", default="afd-mrv2-cam-evidence.json", help="evidence file to write")

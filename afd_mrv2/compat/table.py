@@ -20,7 +20,7 @@ version, since a refused row refuses whatever the rest of the stack is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from afd_mrv2.compat.versions import CannRange
@@ -85,20 +85,12 @@ class RuntimePair:
         return f"{self.name}: " + ", ".join(stack)
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "platform": self.platform,
-            "vllm": self.vllm,
-            "vllm_ascend": self.vllm_ascend,
-            "torch": self.torch,
-            "torch_npu": self.torch_npu,
-            "cann": str(self.cann) if self.cann else None,
-            "python": self.python,
-            "status": self.status.value,
-            "capabilities": sorted(self.capabilities),
-            "reason": self.reason,
-            "evidence": self.evidence,
-        }
+        """Every field (JSON-ready), with the derived ``platform`` after the name."""
+        row: dict[str, object] = {"name": self.name, "platform": self.platform}
+        row.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "name")
+        row.update(cann=str(self.cann) if self.cann else None, status=self.status.value)
+        row.update(capabilities=sorted(self.capabilities))
+        return row
 
 
 _CUDA_CAPS = frozenset({"mrv2", "ubatch_runner", "multistream_ffn"})
@@ -115,49 +107,65 @@ _ASCEND_EVIDENCE = (
 
 
 def _ascend_row(
-    va: str, vllm: str, torch: str, npu: str, cann: str, python: str, *, caps: frozenset[str] = frozenset()
+    va: str,
+    vllm: str,
+    torch: str,
+    npu: str,
+    cann: str | None,
+    python: str,
+    *,
+    caps: frozenset[str] = frozenset(),
+    evidence: str = _ASCEND_EVIDENCE,
 ) -> RuntimePair:
+    """A refused vLLM-Ascend ``va`` pair (no UBatchRunner), with its pinned vLLM, torch, torch_npu, CANN, Python."""
     return RuntimePair(
         name=f"ascend-{va}",
         vllm=f"=={vllm}",
         vllm_ascend=f"=={va}",
         torch=f"=={torch}",
         torch_npu=f"=={npu}",
-        cann=CannRange(cann),
+        cann=None if cann is None else CannRange(cann),
         python=python,
         status=Status.REFUSED,
         reason=_NO_UBATCH.format(vllm=vllm),
-        evidence=_ASCEND_EVIDENCE,
+        evidence=evidence,
+        capabilities=caps,
+    )
+
+
+def _cuda_row(vllm: str, torch: str, python: str, *, reason: str, evidence: str, caps: frozenset[str]) -> RuntimePair:
+    """An accepted-unvalidated CUDA pair: vLLM ``vllm`` with its pinned ``torch`` (no vLLM-Ascend, torch_npu, CANN)."""
+    return RuntimePair(
+        name=f"cuda-vllm-{vllm}",
+        vllm=f"=={vllm}",
+        vllm_ascend=None,
+        torch=f"=={torch}",
+        torch_npu=None,
+        cann=None,
+        python=python,
+        status=Status.ACCEPTED_UNVALIDATED,
+        reason=reason,
+        evidence=evidence,
         capabilities=caps,
     )
 
 
 PAIRS: tuple[RuntimePair, ...] = (
-    RuntimePair(
-        name="cuda-vllm-0.33.0",
-        vllm="==0.33.0",
-        vllm_ascend=None,
-        torch="==2.14.0",
-        torch_npu=None,
-        cann=None,
-        python=">=3.11,<3.13",
-        status=Status.ACCEPTED_UNVALIDATED,
+    _cuda_row(
+        "0.33.0",
+        "2.14.0",
+        ">=3.11,<3.13",
         reason="upstream-seam contracts pass against the vllm 0.33.0 wheel; no end-to-end GPU run yet",
         evidence=(
             "vllm-0.33.0 wheel: METADATA (Requires-Dist torch==2.14.0, Requires-Python >=3.11,<3.15), "
             "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, gpu_worker.py (_make_model_runner)"
         ),
-        capabilities=_CUDA_CAPS | {"worker_runner_factory"},
+        caps=_CUDA_CAPS | {"worker_runner_factory"},
     ),
-    RuntimePair(
-        name="cuda-vllm-0.30.0",
-        vllm="==0.30.0",
-        vllm_ascend=None,
-        torch="==2.13.0",
-        torch_npu=None,
-        cann=None,
-        python=_AFD_PY,
-        status=Status.ACCEPTED_UNVALIDATED,
+    _cuda_row(
+        "0.30.0",
+        "2.13.0",
+        _AFD_PY,
         reason=(
             "upstream-seam contracts pass against the vllm 0.30.0 wheel; no end-to-end GPU run yet; "
             "its Worker has no _make_model_runner, so the runner must be installed by a worker of the user's own"
@@ -166,7 +174,7 @@ PAIRS: tuple[RuntimePair, ...] = (
             "vllm-0.30.0 wheel: METADATA (Requires-Dist torch==2.13.0, Requires-Python >=3.10,<3.15), "
             "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py"
         ),
-        capabilities=_CUDA_CAPS,
+        caps=_CUDA_CAPS,
     ),
     _ascend_row("0.19.1rc1", "0.19.1", "2.9.0", "2.9.0", "8.5.1", ">=3.10,<3.12"),
     _ascend_row("0.20.2rc1", "0.20.2", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.12"),
@@ -177,18 +185,15 @@ PAIRS: tuple[RuntimePair, ...] = (
     _ascend_row("0.23.0", "0.23.0", "2.10.0", "2.10.0.post4", "9.1.0", ">=3.10,<3.13"),
     _ascend_row("0.23.0.post1", "0.23.0", "2.10.0", "2.10.0.post4", "9.1.0", ">=3.10,<3.13"),
     _ascend_row("0.24.0rc1", "0.24.0", "2.10.0", "2.10.0.post2", "9.0.1", ">=3.10,<3.13", caps=frozenset({"mrv2"})),
-    RuntimePair(
-        name="ascend-0.25.1rc1",
-        vllm="==0.25.1",
-        vllm_ascend="==0.25.1rc1",
-        torch="==2.10.0",
-        torch_npu="==2.10.0.post2",
-        cann=None,
-        python="",
-        status=Status.REFUSED,
-        reason=_NO_UBATCH.format(vllm="0.25.1"),
+    _ascend_row(
+        "0.25.1rc1",
+        "0.25.1",
+        "2.10.0",
+        "2.10.0.post2",
+        None,
+        "",
+        caps=frozenset({"mrv2"}),
         evidence="vllm-ascend tag v0.25.1rc1: Dockerfile VLLM_TAG=v0.25.1, pyproject torch==2.10.0 / torch-npu==2.10.0.post2",
-        capabilities=frozenset({"mrv2"}),
     ),
     RuntimePair(
         name="ascend-unverified-0.26-0.30",

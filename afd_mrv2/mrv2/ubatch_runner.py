@@ -35,6 +35,18 @@ def _native(stream: Stream) -> Any:
     return stream if native is None else native
 
 
+def _stream_attribute(role: str) -> property:
+    """Upstream's ``<role>_stream`` attribute: reads return afd-mrv2's stream, upstream's assignment is kept aside."""
+
+    def get(self: AfdStreamsMixin) -> Any:
+        return _native(self._afd_streams[role])
+
+    def keep_aside(self: AfdStreamsMixin, value: Any) -> None:
+        self._afd_upstream_streams[role] = value
+
+    return property(get, keep_aside, doc=f"the {role!r} stream from create_streams (upstream's own is kept aside)")
+
+
 class AfdStreamsMixin:
     """Mixed in before upstream's UBatchRunner; see the module docstring."""
 
@@ -57,21 +69,8 @@ class AfdStreamsMixin:
         """What upstream's ``__init__`` assigned to comm_stream/capture_stream (unused)."""
         return dict(self._afd_upstream_streams)
 
-    @property
-    def comm_stream(self) -> Any:
-        return _native(self._afd_streams["comm"])
-
-    @comm_stream.setter
-    def comm_stream(self, value: Any) -> None:
-        self._afd_upstream_streams["comm"] = value
-
-    @property
-    def capture_stream(self) -> Any:
-        return _native(self._afd_streams["capture"])
-
-    @capture_stream.setter
-    def capture_stream(self, value: Any) -> None:
-        self._afd_upstream_streams["capture"] = value
+    comm_stream = _stream_attribute("comm")
+    capture_stream = _stream_attribute("capture")
 
 
 def afd_ubatch_runner_class(base: type) -> type:

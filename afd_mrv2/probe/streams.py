@@ -9,14 +9,14 @@ If not, it ran (or still runs) elsewhere and needs the fence of
 :func:`classify_late` is the check for backends whose streams run host code (the
 host backend, the CPU doubles): call the operator on a probe stream, record an
 event after it, wait for the event, then look at the effect at once.
-``afd-mrv2 probe npu`` adds the device-side check (:func:`classify_escape`): hold
-the caller's stream behind a long kernel and see whether the effect appears
-anyway; that one cannot be fooled by an operator that is merely fast.
+``afd-mrv2 probe npu`` adds the device-side escape check (``_escape`` in
+:mod:`afd_mrv2.probe.npu`, both ranks, both directions): hold the caller's stream
+behind a long kernel and see whether the effect appears anyway; that one cannot
+be fooled by an operator that is merely fast.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from afd_mrv2.devices.base import DeviceBackend
@@ -41,19 +41,3 @@ def classify_late(
     if box["check"]():
         return StreamBehaviour.CURRENT, "effect complete when the caller's stream passed the call"
     return StreamBehaviour.FOREIGN, "effect still pending after the caller's stream passed the call"
-
-
-def classify_escape(
-    hold: Callable[[], None], run: Callable[[], Check], *, window_s: float
-) -> tuple[StreamBehaviour, str]:
-    """Device check: ``hold()`` enqueues a kernel that keeps the caller's stream busy for
-    about ``window_s``; ``run()`` enqueues the operator behind it.  An effect visible
-    before the window closes escaped the caller's stream."""
-    hold()
-    check = run()
-    deadline = time.monotonic() + window_s * 0.8
-    while time.monotonic() < deadline:
-        if check():
-            return StreamBehaviour.FOREIGN, f"effect visible while the caller's stream was held ({window_s:g} s window)"
-        time.sleep(window_s / 50)
-    return StreamBehaviour.CURRENT, f"effect waited for the caller's stream ({window_s:g} s window)"

@@ -14,7 +14,8 @@ What it holds:
 * the CAM doubles, test doubles of the Ascend CAM operators (pure torch, CPU):
 
   - :mod:`afd_mrv2.testing.doubles_base`: what every double shares (running an
-    effect on or off the caller's stream, the double's ``OpSet``);
+    effect on or off the caller's stream, each operator's argument list declared once,
+    the double's ``OpSet``);
   - :mod:`afd_mrv2.testing.camp2p_doubles`: ``afd_ascend.a2e`` / ``e2a``;
   - :mod:`afd_mrv2.testing.camasync_doubles`:
     ``umdk_cam_op_lib.async_dispatch_send/recv``, ``async_combine_send/recv``;

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from types import SimpleNamespace
 
 import torch
 
-from afd_mrv2.testing.doubles_base import CamDoubles
+from afd_mrv2.testing.doubles_base import CamDoubles, operator
 
 
 def route(topk_ids: torch.Tensor, ffn_rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +51,10 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+#: the geometry every async operator takes, in the operators' order (after ``comm_id``, or ``max_seq_len`` in dispatch_send)
+SIZES = ("batch_size", "hidden_size", "topk", "ffn_size", "attn_size", "expert_per_rank", "rank", "world_size")
+
+
 class CamAsyncDoubles(CamDoubles):
     NAMESPACE = "umdk_cam_op_lib"
     OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
@@ -60,99 +65,70 @@ class CamAsyncDoubles(CamDoubles):
         self._outstanding: dict[tuple, deque] = defaultdict(deque)  # (group, comm, rank) -> dispatches awaiting combine
         self._receipts: dict[tuple, deque] = defaultdict(deque)  # (group, comm, ffn, src, layer) -> row counts
 
-    def async_dispatch_send(
-        self,
-        x,
-        topk_ids,
-        comm_args,
-        comm_id,
-        max_seq_len,
-        batch_size,
-        hidden_size,
-        topk,
-        ffn_size,
-        attn_size,
-        expert_per_rank,
-        rank,
-        world_size,
-        layer_idx,
-        tp_size,
-        dynamic_quant,
-        group_name,
-    ):
-        del comm_args, world_size, tp_size
-        if tuple(x.shape) != (batch_size, hidden_size) or tuple(topk_ids.shape) != (batch_size, topk):
+    @operator(
+        "x",
+        "topk_ids",
+        "comm_args",
+        "comm_id",
+        "max_seq_len",
+        *SIZES,
+        "layer_idx",
+        "tp_size",
+        "dynamic_quant",
+        "group_name",
+    )
+    def async_dispatch_send(self, a: SimpleNamespace) -> None:
+        x, topk_ids, batch, rank, topk = a.x, a.topk_ids, a.batch_size, a.rank, a.topk
+        if tuple(x.shape) != (batch, a.hidden_size) or tuple(topk_ids.shape) != (batch, topk):
             raise RuntimeError(
                 f"dispatch_send double: x {tuple(x.shape)} / topk_ids {tuple(topk_ids.shape)} do not match "
-                f"batch_size={batch_size}, hidden_size={hidden_size}, topk={topk}"
+                f"batch_size={batch}, hidden_size={a.hidden_size}, topk={topk}"
             )
-        if batch_size > max_seq_len or not 0 <= rank < attn_size:
+        if batch > a.max_seq_len or not 0 <= rank < a.attn_size:
             raise RuntimeError(
-                f"dispatch_send double: batch {batch_size} > max_seq_len {max_seq_len} or rank {rank} not attention"
+                f"dispatch_send double: batch {batch} > max_seq_len {a.max_seq_len} or rank {rank} not attention"
             )
         with self._lock:
-            self._outstanding[(group_name, comm_id, rank)].append((layer_idx, batch_size, topk))
+            self._outstanding[(a.group_name, a.comm_id, rank)].append((a.layer_idx, batch, topk))
 
         def send() -> None:
-            for f in range(ffn_size):
-                positions, local = route(topk_ids, f, expert_per_rank)
+            for f in range(a.ffn_size):
+                positions, local = route(topk_ids, f, a.expert_per_rank)
                 routed = x[positions // topk]
-                shared = x if f == rank % ffn_size else x[:0]
-                payload = {"tokens": batch_size, "group_list": torch.bincount(local, minlength=expert_per_rank)}
-                if dynamic_quant:
+                shared = x if f == rank % a.ffn_size else x[:0]
+                payload = {"tokens": batch, "group_list": torch.bincount(local, minlength=a.expert_per_rank)}
+                if a.dynamic_quant:
                     (payload["routed"], payload["scales"]), (payload["shared"], payload["shared_scales"]) = (
                         quantize(routed),
                         quantize(shared),
                     )
                 else:
                     payload.update(routed=routed.clone(), shared=shared.clone(), scales=None, shared_scales=None)
-                dst = attn_size + f
-                self.fabric.post(
-                    channel=("dispatch", group_name, comm_id),
-                    src=rank,
-                    dst=dst,
-                    tag=(layer_idx,),
-                    payload=payload,
-                    fifo=("dispatch", group_name, comm_id, rank, dst, layer_idx),
-                )
+                channel = ("dispatch", a.group_name, a.comm_id)
+                self._post(channel=channel, src=rank, dst=a.attn_size + f, tag=(a.layer_idx,), payload=payload)
 
         self._run("async_dispatch_send", rank, send)
 
-    def async_dispatch_recv(
-        self,
-        placeholder,
-        comm_args,
-        comm_id,
-        batch_size,
-        hidden_size,
-        topk,
-        ffn_size,
-        attn_size,
-        expert_per_rank,
-        rank,
-        world_size,
-        tp_size,
-        dynamic_quant,
-        group_name,
-    ):
-        del comm_args, ffn_size, attn_size, world_size, tp_size
-        capacity = batch_size * topk
-        dtype = torch.int8 if dynamic_quant else placeholder.dtype
-        fill = 0 if dynamic_quant else float("nan")
-        expand_x = torch.full((capacity, hidden_size), fill, dtype=dtype)
-        shared = torch.full((batch_size, hidden_size), fill, dtype=dtype)
-        scales, shared_scales = torch.ones(capacity), torch.ones(batch_size)
+    @operator("placeholder", "comm_args", "comm_id", *SIZES, "tp_size", "dynamic_quant", "group_name")
+    def async_dispatch_recv(self, a: SimpleNamespace) -> tuple[torch.Tensor, ...]:
+        batch, hidden = a.batch_size, a.hidden_size
+        capacity = batch * a.topk
+        dtype = torch.int8 if a.dynamic_quant else a.placeholder.dtype
+        fill = 0 if a.dynamic_quant else float("nan")
+        expand_x = torch.full((capacity, hidden), fill, dtype=dtype)
+        shared = torch.full((batch, hidden), fill, dtype=dtype)
+        scales, shared_scales = torch.ones(capacity), torch.ones(batch)
         header = torch.full((3,), -1, dtype=torch.int64)
-        expert_counts = torch.zeros(expert_per_rank, dtype=torch.int64)
+        expert_counts = torch.zeros(a.expert_per_rank, dtype=torch.int64)
         shared_counts = torch.zeros(1, dtype=torch.int64)
 
         def receive() -> None:
-            m = self.fabric.take(channel=("dispatch", group_name, comm_id), dst=rank)
+            m = self.fabric.take(channel=("dispatch", a.group_name, a.comm_id), dst=a.rank)
             p = m.payload
             n, ns = p["routed"].shape[0], p["shared"].shape[0]
-            if n > capacity or ns > batch_size:
+            if n > capacity or ns > batch:
                 raise RuntimeError(
-                    f"dispatch_recv double: {n} routed / {ns} shared rows exceed capacity {capacity}/{batch_size}"
+                    f"dispatch_recv double: {n} routed / {ns} shared rows exceed capacity {capacity}/{batch}"
                 )
             expand_x[:n], shared[:ns] = p["routed"], p["shared"]
             if p["scales"] is not None:
@@ -160,106 +136,69 @@ class CamAsyncDoubles(CamDoubles):
             expert_counts.copy_(p["group_list"])
             shared_counts[0] = ns
             with self._lock:
-                self._receipts[(group_name, comm_id, rank, m.src, m.tag[0])].append((n, ns))
+                self._receipts[(a.group_name, a.comm_id, a.rank, m.src, m.tag[0])].append((n, ns))
             header.copy_(torch.tensor([p["tokens"], m.src, m.tag[0]]))
 
-        self._run("async_dispatch_recv", rank, receive)
+        self._run("async_dispatch_recv", a.rank, receive)
         return expand_x, shared, scales, shared_scales, header, expert_counts, shared_counts
 
-    def async_combine_send(
-        self,
-        routed,
-        shared,
-        comm_args,
-        token_nums_rankid_layeridx,
-        comm_id,
-        batch_size,
-        hidden_size,
-        topk,
-        ffn_size,
-        attn_size,
-        expert_per_rank,
-        rank,
-        world_size,
-        tp_size,
-        group_name,
-    ):
-        del comm_args, batch_size, topk, ffn_size, attn_size, expert_per_rank, world_size, tp_size
-        if routed.dim() != 2 or routed.shape[0] == 0 or routed.shape[1] != hidden_size:
+    @operator("routed", "shared", "comm_args", "token_nums_rankid_layeridx", "comm_id", *SIZES, "tp_size", "group_name")
+    def async_combine_send(self, a: SimpleNamespace) -> None:
+        routed, shared, rank = a.routed, a.shared, a.rank
+        if routed.dim() != 2 or routed.shape[0] == 0 or routed.shape[1] != a.hidden_size:
             raise RuntimeError(
-                f"combine_send double: CAM needs a non-empty (rows, {hidden_size}) routed output, got {tuple(routed.shape)}"
+                f"combine_send double: CAM needs a non-empty (rows, {a.hidden_size}) routed output, "
+                f"got {tuple(routed.shape)}"
             )
         if routed.dtype == torch.int8:
             raise RuntimeError("combine_send double: CAM cannot combine an int8 routed output")
 
         def send() -> None:
-            _tokens, src, layer = (int(v) for v in token_nums_rankid_layeridx.tolist())
+            _tokens, src, layer = (int(v) for v in a.token_nums_rankid_layeridx.tolist())
             with self._lock:
-                n, ns = self._receipts[(group_name, comm_id, rank, src, layer)].popleft()
+                n, ns = self._receipts[(a.group_name, a.comm_id, rank, src, layer)].popleft()
             if routed.shape[0] != max(n, 1) or shared.shape[0] < ns:
                 raise RuntimeError(
                     f"combine_send double: {routed.shape[0]} routed / {shared.shape[0]} shared rows for a "
                     f"dispatch of {n} / {ns} rows (a zero-row dispatch takes exactly one placeholder row)"
                 )
             payload = {"routed": routed[:n].clone(), "shared": shared[:ns].clone()}
-            self.fabric.post(
-                channel=("combine", group_name, comm_id),
-                src=rank,
-                dst=src,
-                tag=(layer,),
-                payload=payload,
-                fifo=("combine", group_name, comm_id, rank, src, layer),
-            )
+            self._post(channel=("combine", a.group_name, a.comm_id), src=rank, dst=src, tag=(layer,), payload=payload)
 
         self._run("async_combine_send", rank, send)
 
-    def async_combine_recv(
-        self,
-        placeholder,
-        topk_ids,
-        topk_weights,
-        comm_args,
-        comm_id,
-        batch_size,
-        hidden_size,
-        topk,
-        ffn_size,
-        attn_size,
-        expert_per_rank,
-        rank,
-        world_size,
-        group_name,
-    ):
-        del comm_args, world_size
+    @operator("placeholder", "topk_ids", "topk_weights", "comm_args", "comm_id", *SIZES, "group_name")
+    def async_combine_recv(self, a: SimpleNamespace) -> torch.Tensor:
+        topk_ids, topk_weights, rank = a.topk_ids, a.topk_weights, a.rank
         with self._lock:
-            queue = self._outstanding[(group_name, comm_id, rank)]
+            queue = self._outstanding[(a.group_name, a.comm_id, rank)]
             if not queue:
                 raise RuntimeError(f"combine_recv double: rank {rank} has no outstanding dispatch")
             layer, batch, k = queue[0]
             if (
-                (batch, k) != (batch_size, topk)
+                (batch, k) != (a.batch_size, a.topk)
                 or tuple(topk_ids.shape) != (batch, k)
                 or tuple(topk_weights.shape) != (batch, k)
             ):
                 raise RuntimeError(
-                    f"combine_recv double: arguments (batch {batch_size}, topk_ids {tuple(topk_ids.shape)}) do not "
-                    f"pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})"
+                    f"combine_recv double: arguments (batch {a.batch_size}, topk_ids {tuple(topk_ids.shape)}) do "
+                    f"not pair with the oldest outstanding dispatch (layer {layer}, batch {batch}, topk {k})"
                 )
             queue.popleft()
-        out = torch.full((batch_size, hidden_size), float("nan"), dtype=placeholder.dtype)
+        out = torch.full((batch, a.hidden_size), float("nan"), dtype=a.placeholder.dtype)
 
         def receive() -> None:
-            acc = torch.zeros((batch_size, hidden_size), dtype=torch.float32)
+            acc = torch.zeros((batch, a.hidden_size), dtype=torch.float32)
             weights = topk_weights.reshape(-1).to(torch.float32)
-            for f in range(ffn_size):
+            for f in range(a.ffn_size):
                 m = self.fabric.take(
-                    channel=("combine", group_name, comm_id),
+                    channel=("combine", a.group_name, a.comm_id),
                     dst=rank,
-                    match=lambda m, f=f: m.src == attn_size + f and m.tag == (layer,),
+                    match=lambda m, f=f: m.src == a.attn_size + f and m.tag == (layer,),
                 )
-                positions, _ = route(topk_ids, f, expert_per_rank)
+                positions, _ = route(topk_ids, f, a.expert_per_rank)
                 rows = m.payload["routed"].to(torch.float32) * weights[positions].reshape(-1, 1)
-                acc.index_add_(0, positions // topk, rows)
+                acc.index_add_(0, positions // k, rows)
                 if m.payload["shared"].shape[0]:
                     acc += m.payload["shared"].to(torch.float32)
             out.copy_(acc)

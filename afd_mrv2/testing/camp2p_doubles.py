@@ -19,9 +19,14 @@ received rows is an error here (the real kernel would overrun its buffer).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from afd_mrv2.testing.doubles_base import CamDoubles
+from afd_mrv2.testing.doubles_base import CamDoubles, operator
+
+#: the arguments a2e and e2a share, in the operators' order (after their tensors)
+SIZES = ("batch_size", "hidden_size", "topk", "expert_rank_size", "attention_rank_size", "rank", "group_ep", "aiv_num")
 
 
 class CamP2PDoubles(CamDoubles):
@@ -36,39 +41,19 @@ class CamP2PDoubles(CamDoubles):
             )
         return attention // ffn
 
-    def a2e(
-        self,
-        x,
-        expert_ids,
-        scales,
-        batch_size,
-        hidden_size,
-        topk,
-        expert_rank_size,
-        attention_rank_size,
-        rank,
-        group_ep,
-        aiv_num,
-        compute_gate,
-    ):
-        del expert_ids, scales, aiv_num, compute_gate
-        ffn, attention = expert_rank_size, attention_rank_size
+    @operator("x", "expert_ids", "scales", *SIZES, "compute_gate")
+    def a2e(self, a: SimpleNamespace) -> list[torch.Tensor]:
+        x, rank, batch, hidden = a.x, a.rank, a.batch_size, a.hidden_size
+        ffn, attention = a.expert_rank_size, a.attention_rank_size
         g = self._group(ffn, attention)
         per_ffn = -(-attention // ffn)
         if rank >= ffn:  # attention: send x to the FFN rank serving it
             dst = (rank - ffn) // g
-            if tuple(x.shape) != (x.shape[0], hidden_size):
-                raise RuntimeError(f"a2e double: x must be (tokens, {hidden_size}), got {tuple(x.shape)}")
+            if tuple(x.shape) != (x.shape[0], hidden):
+                raise RuntimeError(f"a2e double: x must be (tokens, {hidden}), got {tuple(x.shape)}")
 
             def send() -> None:
-                self.fabric.post(
-                    channel=("a2e", group_ep),
-                    src=rank,
-                    dst=dst,
-                    tag=(),
-                    payload={"x": x.clone()},
-                    fifo=("a2e", group_ep, rank, dst),
-                )
+                self._post(channel=("a2e", a.group_ep), src=rank, dst=dst, tag=(), payload={"x": x.clone()})
 
             self._run("a2e", rank, send)
             return [
@@ -78,19 +63,18 @@ class CamP2PDoubles(CamDoubles):
                 torch.zeros(per_ffn, dtype=torch.int32),
                 torch.zeros(1, dtype=torch.bool),
             ]
-        expand_x = torch.full((batch_size, hidden_size), float("nan"), dtype=x.dtype)
+        expand_x = torch.full((batch, hidden), float("nan"), dtype=x.dtype)
         counts = torch.full((g,), -1, dtype=torch.int32)
-        mask = torch.zeros(batch_size, dtype=torch.bool)
+        mask = torch.zeros(batch, dtype=torch.bool)
         sources = [ffn + rank * g + i for i in range(g)]
 
         def receive() -> None:
             row = 0
             for i, src in enumerate(sources):
-                rows = self.fabric.take(channel=("a2e", group_ep), dst=rank, match=lambda m, s=src: m.src == s).payload[
-                    "x"
-                ]
-                if row + rows.shape[0] > batch_size:
-                    raise RuntimeError(f"a2e double: {row + rows.shape[0]} rows received for batch_size {batch_size}")
+                message = self.fabric.take(channel=("a2e", a.group_ep), dst=rank, match=lambda m, s=src: m.src == s)
+                rows = message.payload["x"]
+                if row + rows.shape[0] > batch:
+                    raise RuntimeError(f"a2e double: {row + rows.shape[0]} rows received for batch_size {batch}")
                 expand_x[row : row + rows.shape[0]] = rows
                 counts[i] = rows.shape[0]
                 row += rows.shape[0]
@@ -100,51 +84,33 @@ class CamP2PDoubles(CamDoubles):
         self._run("a2e", rank, receive)
         return [
             expand_x,
-            torch.zeros((batch_size, topk), dtype=torch.int32),
-            torch.zeros((batch_size, topk)),
+            torch.zeros((batch, a.topk), dtype=torch.int32),
+            torch.zeros((batch, a.topk)),
             counts,
             mask,
         ]
 
-    def e2a(
-        self,
-        expand_x,
-        atten_batch_size,
-        batch_size,
-        hidden_size,
-        topk,
-        expert_rank_size,
-        attention_rank_size,
-        rank,
-        group_ep,
-        aiv_num,
-    ):
-        del batch_size, topk, aiv_num
-        ffn, attention = expert_rank_size, attention_rank_size
+    @operator("expand_x", "atten_batch_size", *SIZES)
+    def e2a(self, a: SimpleNamespace) -> torch.Tensor:
+        expand_x, rank = a.expand_x, a.rank
+        ffn, attention = a.expert_rank_size, a.attention_rank_size
         g = self._group(ffn, attention)
         if rank < ffn:  # FFN: split the rows back to its attention ranks
 
             def send() -> None:
                 row = 0
-                for i, n in enumerate(atten_batch_size.tolist()):
-                    dst = ffn + rank * g + i
-                    self.fabric.post(
-                        channel=("e2a", group_ep),
-                        src=rank,
-                        dst=dst,
-                        tag=(),
-                        payload={"x": expand_x[row : row + n].clone()},
-                        fifo=("e2a", group_ep, rank, dst),
-                    )
+                for i, n in enumerate(a.atten_batch_size.tolist()):
+                    payload = {"x": expand_x[row : row + n].clone()}
+                    self._post(channel=("e2a", a.group_ep), src=rank, dst=ffn + rank * g + i, tag=(), payload=payload)
                     row += n
 
             self._run("e2a", rank, send)
             return expand_x.new_empty((1, 1))
-        out = torch.full((expand_x.shape[0], hidden_size), float("nan"), dtype=expand_x.dtype)
+        out = torch.full((expand_x.shape[0], a.hidden_size), float("nan"), dtype=expand_x.dtype)
         src = (rank - ffn) // g
 
         def receive() -> None:
-            rows = self.fabric.take(channel=("e2a", group_ep), dst=rank, match=lambda m: m.src == src).payload["x"]
+            rows = self.fabric.take(channel=("e2a", a.group_ep), dst=rank, match=lambda m: m.src == src).payload["x"]
             if rows.shape[0] != out.shape[0]:
                 raise RuntimeError(f"e2a double: received {rows.shape[0]} rows for a {out.shape[0]}-row reference")
             out.copy_(rows)

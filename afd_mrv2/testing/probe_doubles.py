@@ -22,13 +22,19 @@ from afd_mrv2.testing.doubles_base import CamDoubles
 _H, _K, _E, _T = 4, 2, 4, 3
 
 
-def _evidence(doubles: CamDoubles, steps: list[tuple[str, Callable[[], Check], Callable[[], None]]]) -> Evidence:
+def _evidence(
+    doubles: CamDoubles, ops: tuple[str, ...], ranks: tuple[int, ...], runs: tuple[Callable[[], Check], ...]
+) -> Evidence:
+    """Classify each step (operator ``ops[i]`` called by ``runs[i]`` on world rank ``ranks[i]``), in order.
+
+    After each step the rank's own stream is drained, so the next step starts from settled state.
+    """
     backend = HostBackend()
     found: dict[str, list[tuple[StreamBehaviour, str]]] = {}
     try:
-        for op, run, settle in steps:
+        for op, rank, run in zip(ops, ranks, runs, strict=True):
             found.setdefault(op, []).append(classify_late(backend, run))
-            settle()
+            doubles.worker(rank).drain()
     finally:
         backend.close(0.0)
     ops = {}
@@ -38,10 +44,6 @@ def _evidence(doubles: CamDoubles, steps: list[tuple[str, Callable[[], Check], C
         qualname = f"{doubles.NAMESPACE}.{op}"
         ops[qualname] = OpEvidence(qualname, True, stream, None, None, (foreign or [results[0][1]])[0])
     return Evidence({"operators": f"test doubles {type(doubles).__name__}"}, ops)
-
-
-def _settle(d: CamDoubles, rank: int) -> Callable[[], None]:
-    return lambda: d.worker(rank).drain()
 
 
 def probe_camp2p(d: CamP2PDoubles) -> Evidence:
@@ -65,15 +67,7 @@ def probe_camp2p(d: CamP2PDoubles) -> Evidence:
         out = d.e2a(x, torch.zeros(1, dtype=torch.int32), batch_size=_T, rank=1, **sizes)
         return lambda: torch.equal(out, y)
 
-    return _evidence(
-        d,
-        [
-            ("a2e", send_a2e, _settle(d, 1)),
-            ("a2e", recv_a2e, _settle(d, 0)),
-            ("e2a", send_e2a, _settle(d, 0)),
-            ("e2a", recv_e2a, _settle(d, 1)),
-        ],
-    )
+    return _evidence(d, ("a2e", "a2e", "e2a", "e2a"), (1, 0, 0, 1), (send_a2e, recv_a2e, send_e2a, recv_e2a))
 
 
 def probe_camasync(d: CamAsyncDoubles) -> Evidence:
@@ -116,12 +110,4 @@ def probe_camasync(d: CamAsyncDoubles) -> Evidence:
         expected = 0.5 * routed_out[:_T] + 0.5 * routed_out[_T:] + x
         return lambda: torch.allclose(out, expected)
 
-    return _evidence(
-        d,
-        [
-            ("async_dispatch_send", dispatch_send, _settle(d, 0)),
-            ("async_dispatch_recv", dispatch_recv, _settle(d, 1)),
-            ("async_combine_send", combine_send, _settle(d, 1)),
-            ("async_combine_recv", combine_recv, _settle(d, 0)),
-        ],
-    )
+    return _evidence(d, d.OPS, (0, 1, 1, 0), (dispatch_send, dispatch_recv, combine_send, combine_recv))
