@@ -25,11 +25,19 @@ from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.toy import ToyAttention, ToyMoE, camasync_ffn, camp2p_ffn
 from afd_mrv2.ubatch import Stage, attention_items, ffn_items, merge_tokens, plan_stages
+from afd_mrv2.ubatch.pairing import attention_buffers
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """One AFD deployment of the toy model."""
+    """One AFD deployment of the toy model.
+
+    ``depth`` / ``buffers`` (input, output counts; overrides ``depth``) are the
+    FFN ranks' ``multistream`` buffers.  The attention ranks take the only counts
+    that pair combine with dispatch (:func:`~afd_mrv2.ubatch.pairing.attention_buffers`:
+    one input and one output buffer with two stages) and stay serialized with one
+    stage, where no counts do.
+    """
 
     connector: str  # "camp2p" | "camasync"
     num_attention: int = 1
@@ -38,6 +46,7 @@ class ClusterSpec:
     split: str | None = "token"  # async-MoE / ubatch split; None = one stage
     multistream: bool = False
     depth: int = 2
+    buffers: tuple[int, int] | None = None
     backend: str = "host"
     dynamic_quant: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -57,6 +66,12 @@ class ClusterSpec:
 
     def config(self, role: str) -> AfdConfig:
         camasync = self.connector == "camasync"
+        multistream: dict[str, Any] = {"enabled": self.multistream, "depth": self.depth, "backend": self.backend}
+        attention = attention_buffers(self.num_stages)
+        multistream["roles"] = ["ffn"] if attention is None else ["attention", "ffn"]
+        buffers = attention if role == "attention" else self.buffers
+        if buffers is not None:
+            multistream["buffers"] = {"in": buffers[0], "out": buffers[1]}
         raw: dict[str, Any] = {
             "connector": self.connector,
             "role": role,
@@ -64,12 +79,7 @@ class ClusterSpec:
             "num_ffn_ranks": self.num_ffn,
             "async": camasync,
             "compute_gate_on_attention": camasync,
-            "multistream": {
-                "enabled": self.multistream,
-                "depth": self.depth,
-                "roles": ["attention", "ffn"],
-                "backend": self.backend,
-            },
+            "multistream": multistream,
             "connector_extra_config": {
                 **({"dynamicQuant": self.dynamic_quant, "max_seq_len": 256} if camasync else {}),
                 **self.extra,

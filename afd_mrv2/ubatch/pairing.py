@@ -11,11 +11,17 @@ With two async-MoE stages the attention side has, per layer, two dispatches
 
 On the executor, attention work item ``(L, s)`` receives layer ``L-1``'s combine
 for stage ``s``, computes attention of layer ``L`` and dispatches layer ``L``.
-Items are issued layer-major, stage-minor.  With ``depth == num_stages`` every
-stage owns one slot, so the executor's slot-reuse edge ("the next recv on a slot
-waits for that slot's previous send") is exactly the pairing edge
-dispatch(L-1, s) -> combine(L-1, s).  Any other depth breaks it, which is why
-:func:`check_attention_depth` refuses it at configuration time.
+Items are issued layer-major, stage-minor, so with ``S`` stages item ``k``'s
+recv combines what the send of item ``k - S`` dispatched: the pairing edge
+dispatch(L-1, s) -> combine(L-1, s) is send(k - S) -> recv(k).  The executor
+(:mod:`afd_mrv2.pipeline.executor`) does not issue that edge itself; it orders
+recv(k) after send(j) only through its two reuse edges, send(j) -> compute(j +
+depth_out) (output reuse) -> recv(j + depth_out + depth_in) (input reuse).  So
+the pairing edge holds exactly when ``depth_in + depth_out <= S``: with two
+stages, one input and one output buffer (``depth: 1``); with one stage no
+counts do (each is at least 1).  Neither count alone decides it: it is their
+sum, the most items the executor lets be in flight.  :func:`check_attention_depth`
+refuses any other counts at configuration time.
 """
 
 from __future__ import annotations
@@ -131,11 +137,36 @@ def ffn_items(num_layers: int, num_stages: int, *, sources: int = 1, first_seq: 
                 seq += 1
 
 
-def check_attention_depth(depth: int, num_stages: int, *, pipelined: bool, key: str = "afd.multistream.depth") -> None:
-    """Refuse an attention-side depth whose slot reuse would not pair dispatch with combine."""
-    if pipelined and depth != num_stages:
-        raise ConfigError(
-            key,
-            f"the attention side pairs combine(L-1, s) with dispatch(L-1, s) through slot reuse, "
-            f"so depth must equal the number of stages ({num_stages}), got {depth}",
-        )
+def attention_buffers(num_stages: int) -> tuple[int, int] | None:
+    """The (input, output) buffer counts a pipelined attention side may use; None: none do.
+
+    See the module docstring: ``depth_in + depth_out`` must not exceed the stage
+    count, and each count is at least one.
+    """
+    return (1, 1) if num_stages >= 2 else None
+
+
+def check_attention_depth(
+    buffers: tuple[int, int], num_stages: int, *, pipelined: bool, key: str = "afd.multistream.depth"
+) -> None:
+    """Refuse attention-side buffer counts whose reuse edges would not order dispatch before combine.
+
+    ``buffers`` is ``multistream.buffer_counts`` (input, output); what matters is
+    their sum (see the module docstring).  ``key`` names the option that set them
+    (``afd.multistream.buffers`` when given, else ``afd.multistream.depth``).
+    """
+    if not pipelined:
+        return
+    inputs, outputs = buffers
+    if inputs + outputs <= num_stages:
+        return
+    why = (
+        f"the recv of attention item (L, s) combines what the send of (L-1, s), {num_stages} item(s) earlier, "
+        f"dispatched, and the executor orders a recv only after the send (inputs + outputs) items earlier, so "
+        f"inputs + outputs must be at most the number of stages ({num_stages}); got {inputs} + {outputs}"
+    )
+    if attention_buffers(num_stages) is None:
+        fix = "; with one stage no counts do: leave attention out of afd.multistream.roles (serialized)"
+    else:
+        fix = "; use depth 1 (one input and one output buffer)"
+    raise ConfigError(key, why + fix)

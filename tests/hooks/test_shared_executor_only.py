@@ -82,7 +82,8 @@ def test_every_stream_and_event_comes_from_the_executor(
     for key, b in backends.items():
         events = [c for c in b.created if c == "event"]
         streams = sorted(c for c in b.created if c != "event")
-        assert len(events) == 3 * spec.depth, key  # the executor's event pool, nothing more
+        counts = spec.config(key[0]).multistream.buffer_counts
+        assert len(events) == 3 * sum(counts), key  # the executor's event pool, nothing more
         expected = ["current:compute", "stream:recv", "stream:send"] if multistream else ["current:serial"]
         assert streams == expected, key
         if isinstance(b, RecordingBackend):
@@ -260,7 +261,7 @@ def test_the_witness_sees_a_phase_called_outside_the_executor(witnessed: dict[tu
     plugins = load_plugins(config, resources=resources)
     with Executor(plugins, rank.backend, config.multistream, compute=lambda i, x: x) as ex:
         ex.run([WorkItem(0, 0, 0)])
-        stray = Work(WorkItem(0, 0, 1), ex.slots[0], threading.Event())
+        stray = Work(WorkItem(0, 0, 1), ex.inputs[0], ex.outputs[0], threading.Event())
         plugins.hook.on_recv(work=stray, stream=ex.streams["recv"])  # a phase run beside the executor
     with pytest.raises(AssertionError):
         assert_every_phase_went_through_the_executor(rank, multistream=False)

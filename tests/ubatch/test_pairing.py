@@ -6,7 +6,7 @@ import pytest
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.ubatch import PairingError, PendingFifo, StageKey, attention_items, ffn_items
-from afd_mrv2.ubatch.pairing import check_attention_depth
+from afd_mrv2.ubatch.pairing import attention_buffers, check_attention_depth
 
 
 def test_fifo_within_a_key_and_independent_keys() -> None:
@@ -50,10 +50,13 @@ def test_schedules() -> None:
     assert ffn[0].seq == 10
 
 
-def test_attention_depth_must_equal_stages_when_pipelined() -> None:
-    check_attention_depth(2, 2, pipelined=True)
-    check_attention_depth(3, 2, pipelined=False)  # serialized: one stream, no slot edge needed
-    with pytest.raises(
-        ConfigError, match=r"afd.multistream.depth: .* depth must equal the number of stages \(2\), got 3"
-    ):
-        check_attention_depth(3, 2, pipelined=True)
+def test_attention_buffer_counts_must_sum_to_at_most_the_stages_when_pipelined() -> None:
+    # recv(k) follows send(k - inputs - outputs) only; the pairing needs send(k - stages)
+    check_attention_depth((1, 1), 2, pipelined=True)
+    check_attention_depth((3, 3), 2, pipelined=False)  # serialized: one stream, no edge needed
+    assert attention_buffers(2) == (1, 1) and attention_buffers(1) is None
+    for counts in ((2, 2), (2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match=r"afd.multistream.depth: .* at most the number of stages \(2\)"):
+            check_attention_depth(counts, 2, pipelined=True)
+    with pytest.raises(ConfigError, match=r"afd.multistream.buffers: .*with one stage no counts do"):
+        check_attention_depth((1, 1), 1, pipelined=True, key="afd.multistream.buffers")

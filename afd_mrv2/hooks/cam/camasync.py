@@ -1,7 +1,11 @@
 """``camasync``: the Ascend CAM async connector (``torch.ops.umdk_cam_op_lib``) as hooks.
 
 Only operator invocation and transfer state are CAMAsync-specific; streams,
-events, slots, ordering and cleanup are the shared executor's.
+events, slots, ordering and cleanup are the shared executor's.  Which buffer each
+phase uses is :mod:`afd_mrv2.hooks.cam.common`'s rule; here the FFN's input slot
+holds the received rows (:class:`CamAsyncRows`), its output slot what combine-send
+reads (:class:`CamAsyncFfnSend`), and the header, group list and dynamic scales
+(:class:`AFDAsyncTransferState`) travel in ``work.transfer``.
 
 Operator contract (argument order as afd-plugin calls them)::
 
@@ -51,7 +55,6 @@ Resources: ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
@@ -63,16 +66,12 @@ from afd_mrv2.hooks.cam.camasync_state import (
     CamAsyncDispatch,
     CamAsyncFfnBatch,
     CamAsyncFfnOutput,
+    CamAsyncFfnSend,
     CamAsyncOps,
+    CamAsyncRows,
     dequantize,
 )
-from afd_mrv2.hooks.cam.common import (
-    CamAttentionBase,
-    CamConnectorBase,
-    CamFfnBase,
-    CamSlot,
-    wait_until_idle,
-)
+from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBase, CamFfnBase, wait_until_idle
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
@@ -85,11 +84,6 @@ from afd_mrv2.work import Work
 NAME = "camasync"
 NAMESPACE = "umdk_cam_op_lib"
 KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
-
-
-@dataclass
-class _FfnSlot(CamSlot):
-    placeholder: torch.Tensor | None = None
 
 
 class CamAsyncConnector(CamConnectorBase):
@@ -131,8 +125,12 @@ class CamAsyncConnector(CamConnectorBase):
             install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
         )
         self.cam = CamAsyncOps.of(self.ops)
+        # An item is alive at most while it holds an input or an output buffer slot,
+        # so at most inputs + outputs items are in flight per executor (depth
+        # "auto" allocates, and may choose up to, the most of each).
+        in_flight = sum(config.multistream.buffer_counts)
         #: how many transfers may be parked between items
-        self.fifo_limit = 4 * self.stages * max(1, self.num_attention) * config.multistream.depth
+        self.fifo_limit = 4 * self.stages * max(1, self.num_attention) * in_flight
 
     @property
     def world_rank(self) -> int:
@@ -206,21 +204,21 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
     """FFN rank: recv = async_dispatch_recv (parking early arrivals), send = async_combine_send."""
 
     recv_ops, send_ops = ("async_dispatch_recv",), ("async_combine_send",)
-    slot_type = _FfnSlot
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self._arrived: PendingFifo[AFDAsyncTransferState] = PendingFifo(
+        self._arrived: PendingFifo[tuple[AFDAsyncTransferState, CamAsyncRows]] = PendingFifo(
             "camasync arrivals ahead of the schedule", limit=self.fifo_limit
         )
         self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
         #: observability: arrivals parked ahead of the schedule, placeholder rows sent
         self.stats = {"parked": 0, "placeholders": 0}
 
-    def _pending(self) -> tuple[PendingFifo[AFDAsyncTransferState], ...]:
+    def _pending(self) -> tuple[PendingFifo[tuple[AFDAsyncTransferState, CamAsyncRows]], ...]:
         return (self._arrived,)
 
-    def _receive(self, work: Work, stream: Stream) -> AFDAsyncTransferState:
+    def _receive(self, work: Work, stream: Stream) -> tuple[AFDAsyncTransferState, CamAsyncRows]:
+        """One arrival: its transfer state and the rows it carried."""
         m = self.model
         sizes = (self.comm_id, self.max_seq_len, m.hidden_size, m.topk, *self._common())
         out = self.cam.dispatch_recv(stream, self._recv_placeholder, self.comm_args, *sizes, *self._quant())
@@ -234,7 +232,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             )
         stage = self._ordinal[(src, layer)] % self.stages
         self._ordinal[(src, layer)] += 1
-        return AFDAsyncTransferState(
+        state = AFDAsyncTransferState(
             batch_size=self.max_seq_len,
             hidden_size=m.hidden_size,
             topk=m.topk,
@@ -244,59 +242,63 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             source_tokens=batch,
             num_routed=routed,
             num_shared=num_shared,
-            expand_x=expand_x[:routed],
             token_nums_rankid_layeridx=header,
             expert_token_nums_shared=shared_counts,
             group_list=expert_counts,
             dynamic_scales=None if scales is None else scales[:routed],
-            expand_x_shared=shared[:num_shared],
             dynamic_scales_shared=None if scales_shared is None else scales_shared[:num_shared],
         )
+        return state, CamAsyncRows(expand_x[:routed], shared[:num_shared])
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
-        slot = self._slot(work)
         want = StageKey(work.item.layer_idx, work.item.stage_idx)
         while True:
-            state = self._arrived.pop_or_none(want)
-            if state is None:
+            arrival = self._arrived.pop_or_none(want)
+            if arrival is None:
                 work.raise_if_cancelled()
-                state = self._receive(work, stream)
+                arrival = self._receive(work, stream)
+            state, rows = arrival
             if StageKey(state.layer_idx, state.stage_idx) == want:
-                slot.transfer = state
+                work.transfer[TRANSFER], work.inputs.state = state, rows
                 return
-            self._arrived.push(StageKey(state.layer_idx, state.stage_idx), state)
+            self._arrived.push(StageKey(state.layer_idx, state.stage_idx), arrival)
             self.stats["parked"] += 1
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        slot: _FfnSlot = work.slot.state
-        s = slot.transfer
+        s: AFDAsyncTransferState = work.transfer[TRANSFER]
+        rows: CamAsyncRows = work.inputs.state
         dtype = self.model.dtype
         batch = CamAsyncFfnBatch(
             s.layer_idx,
-            dequantize(s.expand_x, s.dynamic_scales, dtype),
+            dequantize(rows.routed, s.dynamic_scales, dtype),
             s.group_list[: self.expert_per_rank],
-            dequantize(s.expand_x_shared, s.dynamic_scales_shared, dtype),
+            dequantize(rows.shared, s.dynamic_scales_shared, dtype),
         )
         out = compute(work.item, batch)
         if not isinstance(out, CamAsyncFfnOutput) or out.routed.shape[0] != s.num_routed:
             raise PluginError(f"camasync: FFN compute must return CamAsyncFfnOutput with {s.num_routed} routed rows")
         if out.shared is not None and out.shared.shape[0] != s.num_shared:
             raise PluginError(f"camasync: FFN compute returned {out.shared.shape[0]} shared rows for {s.num_shared}")
-        slot.outputs = out
+        if work.outputs.state is None:
+            work.outputs.state = CamAsyncFfnSend()
+        send: CamAsyncFfnSend = work.outputs.state
+        routed = out.routed
+        if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
+            if send.placeholder is None or send.placeholder.dtype != routed.dtype:
+                send.placeholder = routed.new_zeros((1, s.hidden_size))
+            routed = send.placeholder
+            self.stats["placeholders"] += 1
+        send.routed = routed
+        send.shared = out.shared if out.shared is not None and s.num_shared else routed
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        slot: _FfnSlot = work.slot.state
-        s, out = slot.transfer, slot.outputs
-        routed = out.routed
-        if s.num_routed == 0:  # CAM combine-send cannot take an empty routed result: one zero row instead
-            if slot.placeholder is None or slot.placeholder.dtype != routed.dtype:
-                slot.placeholder = routed.new_zeros((1, s.hidden_size))
-            routed = slot.placeholder
-            self.stats["placeholders"] += 1
-        shared = out.shared if out.shared is not None and s.num_shared else routed
+        s: AFDAsyncTransferState = work.transfer[TRANSFER]
+        send: CamAsyncFfnSend = work.outputs.state
         sizes = (s.batch_size, s.hidden_size, s.topk, *self._common(), self.tp_size)
         header = s.token_nums_rankid_layeridx
-        self.cam.combine_send(stream, routed, shared, self.comm_args, header, self.comm_id, *sizes, self.group_name)
+        self.cam.combine_send(
+            stream, send.routed, send.shared, self.comm_args, header, self.comm_id, *sizes, self.group_name
+        )

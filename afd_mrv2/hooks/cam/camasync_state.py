@@ -39,10 +39,12 @@ class AFDAsyncTransferState:
     (the FFN side passes its capacity, ``max_seq_len``, as afd-plugin does;
     ``source_tokens`` is what the source actually dispatched);
     ``token_nums_rankid_layeridx`` routes the combine back to its source;
-    ``group_list`` (rows per local expert), ``dynamic_scales``, ``expand_x_shared``,
-    ``dynamic_scales_shared`` and ``expert_token_nums_shared`` are the FFN compute
-    payload; ``topk_ids`` / ``topk_weights`` / ``reference`` are what the attention
-    side combines with.
+    ``group_list`` (rows per local expert), ``dynamic_scales``,
+    ``dynamic_scales_shared`` and ``expert_token_nums_shared`` are the metadata of
+    the FFN compute payload (the rows themselves are :class:`CamAsyncRows`, in the
+    item's input slot); ``topk_ids`` / ``topk_weights`` / ``reference`` are what
+    the attention side combines with.  Per-item transfer state: it travels in
+    ``work.transfer`` and is never shared between items.
     """
 
     batch_size: int = 1
@@ -54,16 +56,35 @@ class AFDAsyncTransferState:
     source_tokens: int = 0
     num_routed: int = 0
     num_shared: int = 0
-    expand_x: torch.Tensor | None = None
     token_nums_rankid_layeridx: torch.Tensor | None = None
     expert_token_nums_shared: torch.Tensor | None = None
     group_list: torch.Tensor | None = None
     dynamic_scales: torch.Tensor | None = None
-    expand_x_shared: torch.Tensor | None = None
     dynamic_scales_shared: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     reference: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CamAsyncRows:
+    """The rows one FFN item received (its input slot): routed and shared, as sent (int8 with dynamicQuant)."""
+
+    routed: torch.Tensor  # expand_x[:num_routed]
+    shared: torch.Tensor  # expand_x_shared[:num_shared]
+
+
+@dataclass
+class CamAsyncFfnSend:
+    """An FFN output slot: what compute wrote for combine-send, and the slot's one-row placeholder.
+
+    ``placeholder`` is the slot's preallocated zero row, made once (per dtype) and
+    reused: CAM combine-send cannot take an empty routed result.
+    """
+
+    routed: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+    placeholder: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

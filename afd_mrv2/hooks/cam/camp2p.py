@@ -1,7 +1,10 @@
 """``camp2p``: the Ascend CAMP2P connector (``torch.ops.afd_ascend.a2e`` / ``e2a``) as hooks.
 
 Only operator invocation and transfer state are CAMP2P-specific; streams,
-events, slots, ordering and cleanup are the shared executor's.
+events, slots, ordering and cleanup are the shared executor's.  Which buffer each
+phase uses is :mod:`afd_mrv2.hooks.cam.common`'s rule; here the FFN's input slot
+holds a2e's received rows, its output slot the (padded) FFN output e2a sends, and
+the :class:`CAMP2PTransferState` travels in ``work.transfer``.
 
 Operator contract (learned from afd-plugin ``csrc/npu/torch_extension``)::
 
@@ -46,7 +49,7 @@ import torch
 
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam.common import CamAttentionBase, CamConnectorBase, CamFfnBase, CamSlot
+from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBase, CamFfnBase
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
@@ -84,7 +87,8 @@ class CAMP2PTransferState:
     ``atten_batch_size`` (rows per attention rank, from a2e) tells e2a how to
     split the FFN output back; ``x_active_mask`` marks real rows;
     ``cam_p2p_ep_name`` is the FFN's expert-parallel HCCL group; ``group_ep`` the
-    stage's AFD group the transfer used (e2a must use the same one).
+    stage's AFD group the transfer used (e2a must use the same one);
+    ``num_real`` (FFN) the rows actually received (``batch_size`` is at least 1).
     """
 
     layer_idx: int
@@ -98,10 +102,6 @@ class CAMP2PTransferState:
     x_active_mask: torch.Tensor | None = None
     cam_p2p_ep_name: str | None = None
     reference: torch.Tensor | None = None  # attention: the dispatched hidden states (e2a's shape reference)
-
-
-@dataclass
-class _FfnSlot(CamSlot):
     num_real: int = 0
 
 
@@ -204,7 +204,6 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
     """FFN rank: recv = a2e, compute on the real rows, send = e2a."""
 
     recv_ops, send_ops = ("a2e",), ("e2a",)
-    slot_type = _FfnSlot
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -213,10 +212,11 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
         self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
         self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)
         self._empty_scales = torch.empty((0,), dtype=torch.float32, device=self.device)
+        #: observability: items that received zero tokens and sent e2a's one placeholder row
+        self.stats = {"placeholders": 0}
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
-        slot: _FfnSlot = self._slot(work)
         counts = list(self.token_counts(work.item))
         if len(counts) != self.num_attention:
             raise PluginError(
@@ -226,23 +226,23 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
         state = self._state(work.item, max(1, sum(mine)))  # the operator needs at least one row
         out = self._a2e(stream, self._empty, self._empty_ids, self._empty_scales, state)
         expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
-        state.cam_p2p_ep_name = self.ep_group
-        slot.transfer, slot.num_real, slot.inputs = state, sum(mine), expand_x[: sum(mine)]
+        state.cam_p2p_ep_name, state.num_real = self.ep_group, sum(mine)
+        work.transfer[TRANSFER] = state
+        work.inputs.state = expand_x[: state.num_real]
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        slot: _FfnSlot = work.slot.state
-        out = compute(work.item, slot.inputs)
-        state = slot.transfer
-        if out.shape != (slot.num_real, self.model.hidden_size):
-            raise PluginError(f"camp2p: FFN compute returned {tuple(out.shape)} for {slot.num_real} tokens")
-        if slot.num_real != state.batch_size:  # zero tokens: e2a still sends its one placeholder row
+        state: CAMP2PTransferState = work.transfer[TRANSFER]
+        out = compute(work.item, work.inputs.state)
+        if out.shape != (state.num_real, self.model.hidden_size):
+            raise PluginError(f"camp2p: FFN compute returned {tuple(out.shape)} for {state.num_real} tokens")
+        if state.num_real != state.batch_size:  # zero tokens: e2a still sends its one placeholder row
             padded = out.new_zeros((state.batch_size, out.shape[1]))
-            padded[: slot.num_real] = out
+            padded[: state.num_real] = out
             out = padded
-        slot.outputs = out
+            self.stats["placeholders"] += 1
+        work.outputs.state = out
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        slot: _FfnSlot = work.slot.state
-        self._e2a(stream, slot.outputs, slot.transfer)
+        self._e2a(stream, work.outputs.state, work.transfer[TRANSFER])

@@ -4,7 +4,25 @@ Everything connector-specific lives in :mod:`camp2p` / :mod:`camasync` (their
 options in :mod:`~afd_mrv2.hooks.cam.options`); this module only holds the
 pieces both need to start up the same way: read the runtime resources, resolve
 the operators (or take the explicit test doubles) and run the start-up checks,
-all before any communication happens.
+all before any communication happens, and the phase hooks of the attention
+side, which both families share.
+
+Buffers and transfer state (the executor's contract, :mod:`afd_mrv2.work`):
+
+* input slot (``work.inputs.state``): what recv produced and compute reads, the
+  combined hidden states (attention) or the received rows (FFN);
+* output slot (``work.outputs.state``): what compute produced and send reads, the
+  hidden states or dispatch to send (attention) or the FFN output (and CAMAsync's
+  one-row placeholder);
+* ``work.transfer[TRANSFER]``: the operators' per-item transfer state (CAMP2P's
+  a2e results, CAMAsync's header, group list and dynamic scales, the dispatch an
+  attention item combines), valid until the item's send returned, never shared.
+
+These operators allocate their results, so the slots hold the operators' own
+tensors rather than copies in preallocated buffers.  A slot keeps its reference
+until the next item bound to it overwrites it, which the executor orders after
+this item's consumer finished (compute for an input slot, send for an output
+slot): that is what keeps a tensor read on another stream alive long enough.
 """
 
 from __future__ import annotations
@@ -64,13 +82,8 @@ def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
         time.sleep(poll_s)
 
 
-@dataclass
-class CamSlot:
-    """Per-item transfer state that crosses phases; role classes add their own fields."""
-
-    transfer: Any = None
-    inputs: Any = None
-    outputs: Any = None
+#: ``work.transfer`` key of the connector's per-item transfer state (see the module docstring)
+TRANSFER = "cam"
 
 
 class CamConnectorBase(ABC):
@@ -91,7 +104,6 @@ class CamConnectorBase(ABC):
     #: the operators this role's recv / send phases call (start-up capability check)
     recv_ops: ClassVar[tuple[str, ...]] = ()
     send_ops: ClassVar[tuple[str, ...]] = ()
-    slot_type: ClassVar[type[CamSlot]] = CamSlot
 
     def __new__(cls, context: ConnectorContext) -> CamConnectorBase:
         role = context.config.role
@@ -161,13 +173,8 @@ class CamConnectorBase(ABC):
         self._check_depth(stages)
 
     def _check_depth(self, stages: int) -> None:
-        """Role-specific check of ``afd.multistream.depth`` against the stage count (the FFN side has none)."""
+        """Role-specific check of the buffer counts against the stage count (the FFN side has none)."""
         del stages
-
-    def _slot(self, work: Work) -> Any:
-        """This item's :class:`CamSlot` (of :attr:`slot_type`), made on first use."""
-        slot = work.slot.state = work.slot.state or self.slot_type()
-        return slot
 
     def _pending(self) -> tuple[PendingFifo[Any], ...]:
         """Transfer state parked between items; dropped on cleanup."""
@@ -190,7 +197,8 @@ class CamConnectorBase(ABC):
     @hookimpl
     def on_cleanup(self, work: Work, error: BaseException) -> None:
         del error
-        work.slot.state = None
+        work.transfer.pop(TRANSFER, None)
+        work.inputs.state = work.outputs.state = None  # the executor has stopped: nothing reuses them
         for fifo in self._pending():
             fifo.clear()
 
@@ -220,32 +228,35 @@ class CamAttentionBase(CamConnectorBase):
         """Send compute's ``outputs`` for this item and park what the combine needs in ``self._sent``."""
 
     def _check_depth(self, stages: int) -> None:
-        check_attention_depth(self.config.multistream.depth, stages, pipelined=self.pipelined)
+        multistream = self.config.multistream
+        key = "afd.multistream.depth" if multistream.buffers is None else "afd.multistream.buffers"
+        check_attention_depth(multistream.buffer_counts, stages, pipelined=self.pipelined, key=key)
 
     def _pending(self) -> tuple[PendingFifo[Any], ...]:
         return (self._sent,)
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
-        slot, item = self._slot(work), work.item
+        item = work.item
         if item.layer_idx == 0:
-            slot.transfer, slot.inputs = None, self.source(item)
+            work.inputs.state = self.source(item)
             return
-        slot.transfer = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
-        slot.inputs = self._combine(stream, slot.transfer)
+        # the dispatch this item combines: per-item transfer state, kept (with the
+        # operator arguments it holds) until this item's send returned
+        sent = work.transfer[TRANSFER] = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
+        work.inputs.state = self._combine(stream, sent)
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        slot = work.slot.state
-        slot.outputs = compute(work.item, slot.inputs)
+        work.outputs.state = compute(work.item, work.inputs.state)
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        slot, item = work.slot.state, work.item
+        item, outputs = work.item, work.outputs.state
         if item.layer_idx == self.model.num_layers:
-            self.sink(item, slot.outputs)
+            self.sink(item, outputs)
             return
-        self._dispatch(work, stream, slot.outputs)
+        self._dispatch(work, stream, outputs)
 
 
 class CamFfnBase(CamConnectorBase):

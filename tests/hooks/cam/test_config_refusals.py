@@ -60,7 +60,8 @@ def refused(config_or_fn, match: str, **kwargs) -> ConfigError:
     return info.value
 
 
-MS = {"enabled": True, "roles": ["attention", "ffn"], "depth": 2, "backend": "host"}
+# depth 1: one input and one output buffer, the counts a pipelined attention side with two stages needs
+MS = {"enabled": True, "roles": ["attention", "ffn"], "depth": 1, "backend": "host"}
 MOE = {"enabled": True, "split": "token"}
 
 
@@ -78,9 +79,9 @@ def test_supported_defaults_build() -> None:
         (
             lambda: camasync(async_moe=MOE, multistream={**MS, "depth": 3}),
             "afd.multistream.depth",
-            "must equal the number of stages (2), got 3",
+            "must be at most the number of stages (2); got 3 + 3",
         ),
-        (lambda: camasync(multistream=MS), "afd.multistream.depth", "must equal the number of stages (1), got 2"),
+        (lambda: camasync(multistream=MS), "afd.multistream.depth", "with one stage no counts do"),
         (
             lambda: camasync(connector_extra_config={"async_moe_split": "token"}),
             "afd.connector_extra_config.async_moe_split",
@@ -104,9 +105,14 @@ def test_supported_defaults_build() -> None:
             "only quant_mode 0",
         ),
         (
-            lambda: camp2p(multistream={**MS, "depth": 1}),
+            lambda: camp2p(multistream={**MS, "depth": 2}),
             "afd.multistream.depth",
-            "must equal the number of stages (2), got 1",
+            "must be at most the number of stages (2); got 2 + 2; use depth 1",
+        ),
+        (
+            lambda: camp2p(multistream={**MS, "buffers": {"in": 1, "out": 2}}),
+            "afd.multistream.buffers",
+            "got 1 + 2",
         ),
     ],
 )

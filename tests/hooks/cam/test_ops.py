@@ -164,10 +164,11 @@ def test_host_reads_poll_the_stream_and_honour_cancellation() -> None:
     from afd_mrv2.errors import PipelineAborted
     from afd_mrv2.hooks.cam.common import wait_until_idle
     from afd_mrv2.items import WorkItem
-    from afd_mrv2.work import Slot, SlotEvents, Work
+    from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
 
     cancel = threading.Event()
-    work = Work(WorkItem(0, 0, 0), Slot(0, SlotEvents(None, None, None)), cancel)
+    slots = (BufferSlot(INPUT, 0, None, None), BufferSlot(OUTPUT, 0, None, None))  # events unused here
+    work = Work(WorkItem(0, 0, 0), *slots, cancel)
     native = _Native(busy=3)
     wait_until_idle(_Stream(native), work, poll_s=0)
     assert native.busy == -1  # polled until idle

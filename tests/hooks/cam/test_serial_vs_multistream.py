@@ -3,7 +3,8 @@
 Covers zero routed tokens (the toy model starves each FFN rank in one layer),
 out-of-order completion (fabric delays that make later transfers overtake
 earlier ones), dynamic quantization, both stream backends that run real
-threads (host) or check orderings (recording + happens-before).
+threads (host) or check orderings (recording + happens-before), and input and
+output buffer counts set apart (3 in / 2 out, 2 in / 3 out).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from afd_mrv2.devices import RecordingBackend
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
 from afd_mrv2.testing.cam_fabric import DelayChannel, DelayEveryOther
-from afd_mrv2.testing.happens_before import check_happens_before
+from afd_mrv2.testing.happens_before import _Clocks, check_happens_before
 from tests.hooks.cam.harness import MODEL, assert_matches_reference, run
 
 CAMP2P = ClusterSpec("camp2p", num_attention=2, num_ffn=2, batches=((5, 3, 4), (9,)), split="token")
@@ -97,3 +98,104 @@ def test_recording_backend_proves_the_edges(spec: ClusterSpec) -> None:
             assert len(submits) == 3 * items, key
     for rank, out in outputs[False].items():
         assert torch.equal(out, outputs[True][rank])
+
+
+# ---------------------------------------------------------------- separate input and output buffer counts
+#
+# The FFN ranks run input and output buffer counts set apart (issue 10); the
+# attention ranks run the only counts that pair combine with dispatch, one of
+# each (ClusterSpec; afd_mrv2.ubatch.pairing), so the asymmetric counts are
+# exercised where they are allowed.
+
+ASYMMETRIC = [(3, 2), (2, 3)]
+
+
+def run_mode(spec: ClusterSpec, multistream: bool, **kwargs):
+    """One run; on the recording backend every rank's op log must prove the executor's edges."""
+    mode = ClusterSpec(**{**spec.__dict__, "multistream": multistream})
+    backends = {key: RecordingBackend() for key in ranks(mode)} if mode.backend == "recording" else None
+    result = run(mode, backends=backends, **kwargs)
+    for key, backend in (backends or {}).items():
+        check_happens_before(backend.log)
+        check_happens_before(backend.log, host_edges=False)  # device edges alone suffice
+        multistream_config = mode.config(key[0]).multistream
+        if multistream_config.active_for(key[0]):  # every input and output slot was used
+            submits = [op for op in backend.log if op.kind == "submit" and op.slots is not None]
+            used = (len({op.slots[0] for op in submits}), len({op.slots[1] for op in submits}))
+            assert used == multistream_config.buffer_counts == ((1, 1) if key[0] == "attention" else mode.buffers), key
+            if key[0] == "attention":
+                assert_dispatch_before_combine(backend.log, mode.num_stages)
+    return result
+
+
+def assert_dispatch_before_combine(log, num_stages: int) -> None:
+    """The pairing edge, proven from device edges alone: send(k - S) completes before recv(k) starts."""
+    clocks = _Clocks(log, host_edges=False)
+    phase = {(op.name, op.item.seq): i for i, op in enumerate(log) if op.kind == "submit" and op.item is not None}
+    seqs = sorted(seq for name, seq in phase if name == "recv")
+    for seq in seqs[num_stages:]:
+        assert clocks.before(log, phase[("send", seq - num_stages)], phase[("recv", seq)]), seq
+
+
+def serial_equals_multistream(spec: ClusterSpec, **kwargs):
+    serial, multi = run_mode(spec, False, **kwargs), run_mode(spec, True, **kwargs)
+    for rank, out in serial.outputs().items():
+        assert torch.equal(out, multi.outputs()[rank]), f"attention rank {rank}: serialized != multistream"
+    assert_matches_reference(multi.outputs(), spec)
+    return serial, multi
+
+
+@pytest.mark.parametrize("backend", ["host", "recording"])
+@pytest.mark.parametrize("buffers", ASYMMETRIC, ids=lambda b: f"{b[0]}in-{b[1]}out")
+def test_camasync_separate_counts_with_zero_tokens_and_overtaking(buffers: tuple[int, int], backend: str) -> None:
+    spec = ClusterSpec(**{**CAMASYNC.__dict__, "batches": ((5, 3, 4), (2, 7)), "buffers": buffers, "backend": backend})
+    serial, multi = serial_equals_multistream(spec, delay=DelayEveryOther("dispatch", 0.02))
+    for result in (serial, multi):
+        ffn = result.connectors("ffn")
+        assert all(c.stats["placeholders"] >= 2 for c in ffn), "each FFN rank sent placeholders in its starved layer"
+        assert result.fabric.overtakes > 0
+        if backend == "host":
+            assert sum(c.stats["parked"] for c in ffn) > 0, "some arrival overtook the schedule and was parked"
+
+
+@pytest.mark.parametrize("backend", ["host", "recording"])
+@pytest.mark.parametrize("buffers", ASYMMETRIC, ids=lambda b: f"{b[0]}in-{b[1]}out")
+def test_camp2p_separate_counts_with_a_slow_stage_group(buffers: tuple[int, int], backend: str) -> None:
+    spec = ClusterSpec(**{**CAMP2P.__dict__, "buffers": buffers, "backend": backend})
+    serial, multi = serial_equals_multistream(spec, delay=DelayChannel((("a2e", "afd0"), ("e2a", "afd0")), 0.02))
+    assert serial.fabric.late_deliveries > 0 and multi.fabric.late_deliveries > 0
+
+
+@pytest.mark.parametrize("backend", ["host", "recording"])
+@pytest.mark.parametrize("buffers", ASYMMETRIC, ids=lambda b: f"{b[0]}in-{b[1]}out")
+def test_camp2p_separate_counts_with_an_ffn_rank_that_receives_zero_tokens(
+    buffers: tuple[int, int], backend: str
+) -> None:
+    # attention rank 1 has no tokens, so FFN rank 1 (which serves it) receives none and
+    # e2a sends its one placeholder row; one stage: the attention ranks stay serialized
+    spec = ClusterSpec(
+        "camp2p", num_attention=2, num_ffn=2, batches=((4, 3, 2), ()), split=None, buffers=buffers, backend=backend
+    )
+    serial, multi = serial_equals_multistream(spec, delay=DelayChannel((("a2e", "afd0"),), 0.02))
+    for result in (serial, multi):
+        placeholders = [c.stats["placeholders"] for c in result.connectors("ffn")]
+        assert placeholders == [0, MODEL.spec.num_layers], placeholders
+
+
+@pytest.mark.parametrize("buffers", [(2, 1), (1, 2), (2, 2)], ids=lambda b: f"{b[0]}in-{b[1]}out")
+def test_attention_counts_over_the_stage_count_lose_the_pairing_edge(
+    buffers: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why check_attention_depth refuses them: with inputs + outputs > stages the device
+    edges no longer order dispatch(L-1, s) before combine(L-1, s) (the recording backend
+    still runs the hooks in issue order, so the run itself completes)."""
+    from afd_mrv2.hooks.cam import common
+    from afd_mrv2.probe import cluster
+
+    monkeypatch.setattr(common, "check_attention_depth", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cluster, "attention_buffers", lambda stages: buffers)
+    spec = ClusterSpec(**{**CAMP2P.__dict__, "multistream": True, "backend": "recording"})
+    backends = {key: RecordingBackend() for key in ranks(spec)}
+    run(spec, backends=backends)
+    with pytest.raises(AssertionError):
+        assert_dispatch_before_combine(backends[("attention", 0)].log, spec.num_stages)
