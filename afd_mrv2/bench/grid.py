@@ -4,9 +4,10 @@ Every cell runs the same items through the simulated-link connector (recv and se
 are sleeps of the scenario's transfer times, compute is a calibrated matmul on one
 thread) and reports makespan, flow-shop lower bound, efficiency, hidden
 communication and speedup over the serialized run of the same scenario, measured
-in the same process.  Each cell also carries the analytic model's prediction made
-from that cell's own measured per-phase medians, so the model is checked on what
-it claims (the schedule), not on timer calibration.
+in the same process.  Each cell also carries the analytic model's prediction,
+made from the per-item phase times measured in the scenario's SERIALIZED run
+(never from the run it predicts), so the model is checked as it is used: phase
+times from a serialized run in, the pipelined makespan out.
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ class Cell:
     speedup: float
     predicted_ms: float
     model_error: float  # |predicted - measured| / measured
-    model_depth: int  # the depth the model chooses from this cell's phase times
+    model_depth: int  # the depth the model chooses from the serialized run's phase times
     phase_ms: tuple[tuple[float, float, float], ...]  # measured (recv, compute, send) per item, issue order
     decided: bool = True  # for "auto": whether it made its choice during the run
     depth_in: int = 0  # input buffers the cell ran with (for "auto": the chosen count)
     depth_out: int = 0  # output buffers
     buffers: dict[str, Any] = field(default_factory=dict)  # buffer_block: counts and bytes measured
-    model_buffers: tuple[int, int] = (0, 0)  # the (in, out) the model chooses from this cell's phase times
+    model_buffers: tuple[int, int] = (0, 0)  # the (in, out) the model chooses from the serialized phase times
 
     @property
     def label(self) -> str:
@@ -72,17 +73,22 @@ class Cell:
         return asdict(self)
 
 
-def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized_ms: float) -> Cell:
+def _phase_ms(result: ModeResult) -> tuple[tuple[float, float, float], ...]:
+    return tuple((r / 1e6, c / 1e6, s / 1e6) for r, c, s in stage_times(result.trace.spans))
+
+
+def _cell(scenario: Scenario, mode: str, result: ModeResult, serialized: ModeResult) -> Cell:
     trace = result.trace
     metrics = trace.metrics()
-    phase_ms = tuple((r / 1e6, c / 1e6, s / 1e6) for r, c, s in stage_times(trace.spans))
-    per_item = [PhaseTimes(*t) for t in phase_ms]
+    phase_ms = _phase_ms(result)
+    # The model's inputs: the per-item phase times of the serialized run only.
+    per_item = [PhaseTimes(*t) for t in _phase_ms(serialized)]
     items = metrics.items
+    serialized_ms = serialized.trace.metrics().makespan_ns / 1e6
     depth_in, depth_out = result.depth_in, result.depth_out
-    # The model replays the schedule from the measured per-item phase times, with
-    # the cell's own (depth_in, depth_out).  "auto" runs its window with more
-    # buffers, then the chosen counts: never slower than the chosen counts
-    # throughout, which is what the model predicts for it.
+    # The model replays the schedule with the cell's own (depth_in, depth_out).
+    # "auto" runs its window with more buffers, then the chosen counts: never
+    # slower than the chosen counts throughout, which is what the model predicts.
     predicted = predict_makespan(
         per_item, items, depth_in, depth_out=depth_out, streams=SERIALIZED if mode == "serialized" else None
     )
@@ -157,6 +163,5 @@ def run_grid(
                     )
                 )
         chosen = [sorted(rs, key=lambda r: r.trace.metrics().makespan_ns)[len(rs) // 2] for rs in runs.values()]
-        serial_ms = chosen[0].trace.metrics().makespan_ns / 1e6
-        cells += [_cell(scenario, mode, result, serial_ms) for (mode, _, _), result in zip(modes, chosen, strict=True)]
+        cells += [_cell(scenario, mode, result, chosen[0]) for (mode, _, _), result in zip(modes, chosen, strict=True)]
     return cells

@@ -37,6 +37,10 @@ class Overhead:
         return self.wall_s / self.items * 1e6
 
 
+def _no_compute(item: WorkItem, *payload: object) -> None:
+    """The no-op connector never calls compute; the executor still needs one."""
+
+
 def measure(backend: str, *, pipelined: bool, items: int = 2000, depth: int = 2) -> Overhead:
     """Time one run of ``items`` no-op items; refuses to report a run that skipped a hook call."""
     connector = NoopConnector()
@@ -44,7 +48,7 @@ def measure(backend: str, *, pipelined: bool, items: int = 2000, depth: int = 2)
         plugins_for(connector),
         make_backend(backend),
         MultistreamConfig(enabled=pipelined, depth=depth),
-        compute=None,
+        compute=_no_compute,
     )
     try:
         start = time.perf_counter()

@@ -124,6 +124,7 @@ class Executor:
         self._cursor = 0  # slot binding counter (restarts when auto depth decides)
         self._last_seq: int | None = None
         self._report: CloseReport | None = None
+        self._retired: list[BufferSlot] = []  # slots auto depth stopped using, still holding buffers
 
     # ------------------------------------------------------------------ set-up
 
@@ -302,6 +303,10 @@ class Executor:
             choice = self._tuner.decide(sizes.per_input, sizes.per_output)
             self.depth_in, self.depth_out = choice.depth_in, choice.depth_out
             self._cursor = 0
+            # Slots beyond the chosen counts are never bound again: their buffers are
+            # dropped as soon as the item last bound to them is released.
+            self._retired = self.inputs[self.depth_in :] + self.outputs[self.depth_out :]
+            self._drop_retired()
 
     # ------------------------------------------------------------------ waiting and release
 
@@ -313,6 +318,14 @@ class Executor:
     def _release(self, seq: int) -> None:
         self._in_flight.release(seq)
         self._spans.release(seq)
+        if self._retired:
+            self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        for slot in list(self._retired):
+            if slot.item is None or slot.item.seq not in self._in_flight:
+                slot.state = None
+                self._retired.remove(slot)
 
     def _wait_all(self, deadline: float | None) -> bool:
         """Wait for every issued item's send, in issue order; False at ``deadline``."""

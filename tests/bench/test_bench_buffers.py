@@ -25,6 +25,7 @@ def test_grid_cells_carry_their_buffer_counts_bytes_and_a_model_on_those_counts(
         ("pipelined", 2, 2),
         ("pipelined", 3, 1),
     ]
+    serialized = [PhaseTimes(*t) for t in cells[0].phase_ms]  # the model's only input
     for cell in cells:
         b = cell.buffers
         assert (b["in"], b["out"]) == (cell.depth_in, cell.depth_out)
@@ -33,12 +34,11 @@ def test_grid_cells_carry_their_buffer_counts_bytes_and_a_model_on_those_counts(
             assert all(n in (0, SLOT) for n in b["input_bytes"] + b["output_bytes"])
             continue
         assert b["input_bytes"] == [SLOT] * cell.depth_in and b["output_bytes"] == [SLOT] * cell.depth_out
-        per_item = [PhaseTimes(*t) for t in cell.phase_ms]
         streams = SERIALIZED if cell.mode == "serialized" else None
-        expected = predict_makespan(per_item, len(per_item), cell.depth_in, depth_out=cell.depth_out, streams=streams)
+        expected = predict_makespan(serialized, 8, cell.depth_in, depth_out=cell.depth_out, streams=streams)
         assert cell.predicted_ms == pytest.approx(expected)
     auto = cells[-1]
-    expected = predict_makespan([PhaseTimes(*t) for t in auto.phase_ms], 8, auto.depth_in, depth_out=auto.depth_out)
+    expected = predict_makespan(serialized, 8, auto.depth_in, depth_out=auto.depth_out)
     assert auto.predicted_ms == pytest.approx(expected)
 
 

@@ -149,6 +149,12 @@ def test_auto_depth_decides_once_and_keeps_the_schedule_proven(caplog: pytest.Lo
     assert slots_after <= {(0, 0), (1, 1)}
     check_happens_before(backend.log)
     check_happens_before(backend.log, host_edges=False)
+    # the slots auto depth stopped using gave their buffers back; the kept ones hold theirs
+    retired = executor.inputs[2:] + executor.outputs[2:]
+    assert len(retired) == 12 and all(slot.state is None for slot in retired)
+    held = executor.buffer_bytes()
+    assert all(n > 0 for n in held.inputs[:2])  # (the outputs are the inputs here: compute returns them)
+    assert held.inputs[2:] == held.outputs[2:] == (0,) * 6
 
 
 def test_auto_depth_on_threads_picks_the_model_depth() -> None:
@@ -185,13 +191,16 @@ def test_bench_json(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # ty
     result = json.loads(capsys.readouterr().out)
     modes = [(c["mode"], c["depth"]) for c in result["cells"]]
     assert modes[:3] == [("serialized", 1), ("pipelined", 1), ("pipelined", 3)] and modes[3][0] == "auto"
+    # the model's only input: the per-item phase times measured in the serialized run
+    per_item = [PhaseTimes(*t) for t in result["cells"][0]["phase_ms"]]
+    assert len(per_item) == 8
     for cell in result["cells"]:
         assert 0 < cell["efficiency"] <= 1.05 and cell["makespan_ms"] > 0
-        # the model's figures are what schedule_model makes of the cell's own measured phase times
-        per_item = [PhaseTimes(*t) for t in cell["phase_ms"]]
-        assert len(per_item) == 8
+        assert len(cell["phase_ms"]) == 8
         streams = SERIALIZED if cell["mode"] == "serialized" else None
-        predicted = predict_makespan(per_item, len(per_item), cell["depth"], streams=streams)
+        predicted = predict_makespan(
+            per_item, len(per_item), cell["depth_in"], depth_out=cell["depth_out"], streams=streams
+        )
         measured = cell["makespan_ms"]
         assert cell["predicted_ms"] == pytest.approx(predicted, rel=1e-12, abs=0)
         assert cell["model_error"] == pytest.approx(abs(predicted - measured) / measured, rel=1e-12, abs=0)
