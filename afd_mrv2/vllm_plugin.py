@@ -1,98 +1,58 @@
 """The vLLM general plugin: ``[project.entry-points."vllm.general_plugins"] afd_mrv2``.
 
-How ``register()`` sees the config (a decision, from reading vLLM 0.30.0 / 0.33.0)
----------------------------------------------------------------------------------
-vLLM calls every general plugin with **no arguments** (``vllm.plugins.load_general_plugins``)
-in every process: while the front end parses arguments (``EngineArgs``, before a
-``VllmConfig`` exists), at the top of ``EngineCore.__init__`` and in
-``WorkerWrapperBase.init_worker`` (before the worker is built;
-``set_current_vllm_config`` is entered only later, in ``load_model``).  At none of
-these points can a plugin reach ``VllmConfig.additional_config``.  So:
+vLLM calls every general plugin's entry point with **no arguments**, in every
+process it starts (front end, engine core, each worker), possibly more than once,
+and before any ``VllmConfig`` exists in that process.  So ``register()``:
 
-* ``register()`` (no arguments, as vLLM calls it) only marks the plugin loaded:
-  idempotent, touches nothing, imports neither vllm nor torch, never raises;
-* the validation runs where the config is in hand, **before any communication
-  resource exists**: the Attention runner's constructor (and afd-mrv2's worker
-  factory) call :func:`validate` with ``vllm_config.additional_config`` before
-  constructing the upstream runner.  ``register(additional_config)`` is the same
-  check, for callers that have the config (tests, launchers, a CI step).
+* registers afd-mrv2's out-of-tree replacement of vLLM's ``RoutedExperts`` layer
+  (:func:`afd_mrv2.mrv2.experts.register_routed_experts`), idempotently; the
+  layer itself reads ``additional_config["afd"]`` when vLLM constructs it and is
+  exactly upstream without an ``afd`` section;
+* does that only where vLLM is importable: with no vLLM installed it imports
+  nothing and does nothing; where vLLM lacks the seam (another version), or
+  another plugin already replaced ``RoutedExperts``, it logs a warning and leaves
+  vLLM as it is: it never raises for an environment it does not serve.
 
-No ``afd`` section: nothing happens (vLLM loads every installed general plugin,
-so this plugin must be harmless for deployments it does not serve).
+``register(additional_config)`` additionally validates an ``afd`` section
+(:func:`afd_mrv2.validation.validate`), for callers that hold the config
+(launchers, tests, a CI step).
+
+This module sits above :mod:`afd_mrv2.mrv2` (it registers a class from there);
+the validation it shares with the runners lives below, in :mod:`afd_mrv2.validation`
+(re-exported here for existing callers).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from afd_mrv2.compat import CompatRefused, Decision, check_runtime
-from afd_mrv2.config import AfdConfig, parse_afd_config
-from afd_mrv2.errors import PluginError
-from afd_mrv2.plugins import entry_points, require_installed
+from afd_mrv2.config import AfdConfig
+from afd_mrv2.validation import Gate, connector_capability, required_capabilities, validate
+
+__all__ = ["Gate", "connector_capability", "register", "required_capabilities", "validate"]
 
 log = logging.getLogger(__name__)
 
-Gate = Callable[[tuple[str, ...]], Decision]
 
-_registered = False
-
-
-def connector_capability(name: str) -> str | None:
-    """The runtime-pair capability the installed connector ``name`` declares, if any.
-
-    A connector factory declares it as the class attribute ``required_capability``
-    (a capability name of :mod:`afd_mrv2.compat`, or None); built-in and
-    third-party connectors alike.  Loading the entry point imports the connector's
-    module, nothing more: no connector object is built.
-    """
-    point = entry_points().get(name)
-    if point is None:
-        return None
+def _register_moe_seam() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        return  # no vLLM here: nothing to register
     try:
-        factory = point.load()
-    except Exception as exc:
-        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
-    capability = getattr(factory, "required_capability", None)  # optional: most connectors need none
-    if capability is not None and not isinstance(capability, str):
-        raise PluginError(f"connector {name!r}: required_capability must be a capability name or None")
-    return capability
-
-
-def required_capabilities(config: AfdConfig) -> tuple[str, ...]:
-    """What the runtime pair must grant for ``config``."""
-    caps = ["mrv2"]
-    if config.multistream.active_for(config.role):
-        caps.append("multistream_ffn")
-    needed = connector_capability(config.connector)
-    if needed is not None:
-        caps.append(needed)
-    return tuple(caps)
-
-
-def validate(additional_config: object, *, gate: Gate | None = None) -> AfdConfig | None:
-    """Parse and check the ``afd`` section; None when there is none.
-
-    Raises :class:`~afd_mrv2.errors.ConfigError` (bad config, naming the key),
-    :class:`~afd_mrv2.errors.PluginError` (connector not installed) or
-    :class:`~afd_mrv2.compat.CompatRefused` (runtime pair refused), in that order,
-    and creates nothing.
-    """
-    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
-        return None
-    config = parse_afd_config(additional_config["afd"])
-    require_installed(entry_points(), config.connector, "connector", key="afd.connector")
-    decision = (gate or check_runtime)(required_capabilities(config))
-    if not decision.accepted:
-        raise CompatRefused(decision)
-    return config
+        from afd_mrv2.mrv2.experts import register_routed_experts
+    except ImportError as exc:  # a vLLM without the seam this release needs
+        log.warning("afd-mrv2: vLLM's RoutedExperts seam is not available (%s); AFD is off in this process", exc)
+        return
+    outcome = register_routed_experts()
+    if outcome.startswith("owned by"):
+        log.warning("afd-mrv2: RoutedExperts is already replaced (%s); AFD is off in this process", outcome)
+    else:
+        log.debug("afd-mrv2: RoutedExperts replacement %s", outcome)
 
 
 def register(additional_config: Mapping[str, object] | None = None) -> AfdConfig | None:
     """vLLM's entry point (called with no arguments); see the module docstring."""
-    global _registered
     config = validate(additional_config) if additional_config is not None else None
-    if not _registered:
-        _registered = True
-        log.debug("afd-mrv2 general plugin loaded; AFD config is validated when the model runner is built")
+    _register_moe_seam()
     return config

@@ -8,7 +8,7 @@ copies no upstream code:
 
 ``__init__(vllm_config, device, ...)``
     validates ``additional_config["afd"]`` and the runtime pair
-    (:func:`afd_mrv2.vllm_plugin.validate`) **before** calling the upstream
+    (:func:`afd_mrv2.validation.validate`) **before** calling the upstream
     constructor, so a bad config or a refused pair fails before any upstream
     state, stream or communication resource exists.
 ``initialize_kv_cache(kv_cache_config, *args, **kwargs)``
@@ -43,7 +43,7 @@ from afd_mrv2.mrv2.ubatch_runner import UBATCH_ROLES, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import Plugins, load_plugins
-from afd_mrv2.vllm_plugin import Gate, validate
+from afd_mrv2.validation import Gate, validate
 
 
 @dataclass

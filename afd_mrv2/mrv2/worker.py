@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from afd_mrv2.mrv2.upstream import Upstream, load_upstream
-from afd_mrv2.vllm_plugin import Gate
+from afd_mrv2.validation import Gate
 
 
 def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None = None) -> type:

@@ -1,0 +1,96 @@
+"""Validation of ``additional_config["afd"]`` against the installed connectors and runtime pair.
+
+Shared by everything that holds a vLLM config: the Attention runner
+(:mod:`afd_mrv2.mrv2.runner`), the worker factory (:mod:`afd_mrv2.mrv2.worker`),
+the model-side MoE seam (:mod:`afd_mrv2.mrv2.experts`) and the general plugin's
+``register(additional_config)`` (:mod:`afd_mrv2.vllm_plugin`).  It sits below
+:mod:`afd_mrv2.mrv2` so that the plugin entry point can sit above it (the plugin
+registers the MoE-seam layer class that lives in ``mrv2``).
+
+Everything here runs before any stream, thread or communication resource exists:
+a bad config raises :class:`~afd_mrv2.errors.ConfigError` naming the key, a
+connector that is not installed :class:`~afd_mrv2.errors.PluginError`, a refused
+runtime pair :class:`~afd_mrv2.compat.CompatRefused`, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from afd_mrv2.compat import CompatRefused, Decision, check_runtime
+from afd_mrv2.config import AfdConfig, parse_afd_config
+from afd_mrv2.errors import PluginError
+from afd_mrv2.plugins import entry_points, require_installed
+
+#: The compat decision for a tuple of required capabilities (``check_runtime`` by default; tests pass their own).
+Gate = Callable[[tuple[str, ...]], Decision]
+
+
+def afd_section(additional_config: object) -> object | None:
+    """The raw ``afd`` section of ``additional_config``, or None when there is none."""
+    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
+        return None
+    return additional_config["afd"]
+
+
+def connector_capability(name: str) -> str | None:
+    """The runtime-pair capability the installed connector ``name`` declares, if any.
+
+    A connector factory declares it as the class attribute ``required_capability``
+    (a capability name of :mod:`afd_mrv2.compat`, or None); built-in and
+    third-party connectors alike.  Loading the entry point imports the connector's
+    module, nothing more: no connector object is built.
+    """
+    point = entry_points().get(name)
+    if point is None:
+        return None
+    try:
+        factory = point.load()
+    except Exception as exc:
+        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+    capability = getattr(factory, "required_capability", None)  # optional: most connectors need none
+    if capability is not None and not isinstance(capability, str):
+        raise PluginError(f"connector {name!r}: required_capability must be a capability name or None")
+    return capability
+
+
+def required_capabilities(config: AfdConfig) -> tuple[str, ...]:
+    """What the runtime pair must grant for ``config`` on the V2-runner path."""
+    caps = ["mrv2"]
+    if config.multistream.active_for(config.role):
+        caps.append("multistream_ffn")
+    needed = connector_capability(config.connector)
+    if needed is not None:
+        caps.append(needed)
+    return tuple(caps)
+
+
+def parse_installed(additional_config: object) -> AfdConfig | None:
+    """Parse the ``afd`` section and check its connector is installed; None when there is none.
+
+    No runtime-pair decision: for callers whose capability needs are decided elsewhere
+    (the model-side MoE seam runs under whatever runner vLLM chose).
+    """
+    raw = afd_section(additional_config)
+    if raw is None:
+        return None
+    config = parse_afd_config(raw)
+    require_installed(entry_points(), config.connector, "connector", key="afd.connector")
+    return config
+
+
+def validate(additional_config: object, *, gate: Gate | None = None) -> AfdConfig | None:
+    """Parse and check the ``afd`` section, then the runtime pair; None when there is none.
+
+    Raises :class:`~afd_mrv2.errors.ConfigError` (bad config, naming the key),
+    :class:`~afd_mrv2.errors.PluginError` (connector not installed) or
+    :class:`~afd_mrv2.compat.CompatRefused` (runtime pair refused), in that order,
+    and creates nothing.
+    """
+    config = parse_installed(additional_config)
+    if config is None:
+        return None
+    decision = (gate or check_runtime)(required_capabilities(config))
+    if not decision.accepted:
+        raise CompatRefused(decision)
+    return config
