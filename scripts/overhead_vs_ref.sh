@@ -12,7 +12,8 @@ trap 'git worktree remove --force "$old"' EXIT
 probe='
 import json, sys
 from afd_mrv2.bench.overhead import per_item_us
-print(json.dumps({f"{b} {\"pipelined\" if p else \"serialized\"}": per_item_us(b, pipelined=p, items=2000)
+names = {False: "serialized", True: "pipelined"}
+print(json.dumps({b + " " + names[p]: per_item_us(b, pipelined=p, items=2000)
                   for b in ("recording", "host") for p in (False, True)}))
 '
 results_old=(); results_new=()
