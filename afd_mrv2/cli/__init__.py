@@ -22,6 +22,7 @@ COMMANDS = {
     "compat": "afd_mrv2.cli.compat",
     "probe": "afd_mrv2.cli.probe",
     "make-model": "afd_mrv2.cli.make_model",
+    "serve": "afd_mrv2.cli.serve",
 }
 
 

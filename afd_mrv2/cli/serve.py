@@ -1,0 +1,112 @@
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
+
+Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
+each on its own port) and serves one OpenAI-compatible endpoint in front of
+them.  See docs/serve.md and :mod:`afd_mrv2.serve`.
+
+Everything after ``--`` goes to every role's command line; an
+``--additional-config JSON`` there is merged into each role's own config (its
+``afd`` section under ``--afd`` and the flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from afd_mrv2.cli import add_command
+from afd_mrv2.errors import AfdError
+from afd_mrv2.serve import RoleCommands, ServeOptions, runtime_gate, serve
+from afd_mrv2.serve.app import Gate
+from afd_mrv2.serve.plan import DEFAULT_CONNECTOR, DEFAULT_PORT
+from afd_mrv2.serve.proxy import BALANCE
+
+SUMMARY = "serve a model with AFD: A vLLM Attention engines + F FFN processes behind one OpenAI endpoint"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Parses what follows MODEL; a bad option is one AfdError line (exit 2), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise AfdError(message)
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", type=int, metavar="A", help="Attention ranks: independent vLLM engines")
+    parser.add_argument("--ffn", type=int, metavar="F", help="FFN ranks; must divide A")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="the endpoint's port on 127.0.0.1; Attention rank i listens on PORT+1+i (default %(default)s)",
+    )
+    parser.add_argument("--depth", metavar="D|auto", help="run the FFN side multistream with this depth (1..8 or auto)")
+    parser.add_argument("--connector", metavar="NAME", help=f"afd.connector (default {DEFAULT_CONNECTOR})")
+    parser.add_argument("--afd", metavar="JSON", help="a base afd section (JSON object) under the flags above")
+    parser.add_argument(
+        "--balance", choices=BALANCE, default=BALANCE[0], help="how the endpoint picks an engine (default %(default)s)"
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=900.0, metavar="S", help="seconds for every role to get ready"
+    )
+    parser.add_argument(
+        "--stop-grace", type=float, default=5.0, metavar="S", help="SIGTERM-to-SIGKILL grace (default %(default)s)"
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub,
+        "serve",
+        SUMMARY,
+        SUMMARY + ". Everything after -- goes to every role (vLLM engine arguments). "
+        "Prints 'afd-mrv2 serve: ready at http://127.0.0.1:PORT/v1' once when every role is ready.",
+    )
+    _add_options(parser)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS] [-- EXTRA VLLM ARGS]")
+    parser.set_defaults(handler=run)
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """MODEL, the options after it and the EXTRA VLLM ARGS after ``--`` (argparse alone cannot split them)."""
+    rest = list(args.rest)
+    head, extra = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
+    inner = _OneLineParser(prog="afd-mrv2 serve", add_help=False)
+    inner.add_argument("model")
+    _add_options(inner)
+    if not head:
+        raise AfdError("the MODEL argument is required (a model directory or name)")
+    inner.parse_args(head, namespace=args)
+    for flag in ("attention", "ffn"):
+        if getattr(args, flag) is None:
+            raise AfdError(f"--{flag} is required")
+    return ServeOptions(
+        model=args.model,
+        attention=args.attention,
+        ffn=args.ffn,
+        port=args.port,
+        depth=args.depth,
+        connector=args.connector,
+        afd_json=args.afd,
+        extra=tuple(extra),
+        balance=args.balance,
+        ready_timeout_s=args.ready_timeout,
+        stop_grace_s=args.stop_grace,
+    )
+
+
+def run(args: argparse.Namespace, *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> int:
+    return serve(options_from_args(args), commands=commands, gate=gate)
+
+
+def main(argv: list[str], *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> int:
+    """``afd-mrv2 serve ARGV`` with other role commands or runtime gate (what the tests start)."""
+    parser = argparse.ArgumentParser(prog="afd-mrv2")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *argv])
+    try:
+        return run(args, commands=commands, gate=gate)
+    except AfdError as exc:
+        print(f"afd-mrv2 serve: error: {exc}", file=sys.stderr)
+        return 2

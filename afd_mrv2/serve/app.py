@@ -1,0 +1,53 @@
+"""``serve()``: check everything, then run the supervisor.
+
+Nothing starts before the plan (the ``afd`` section, ``--depth``, topology,
+connector), the runtime gate and the ports passed; each refusal is one
+:class:`~afd_mrv2.errors.AfdError` line (the command line turns it into exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from afd_mrv2.compat import check_runtime
+from afd_mrv2.errors import AfdError
+from afd_mrv2.serve.plan import Plan, RoleCommands, ServeOptions, build_plan, check_ports_free
+from afd_mrv2.serve.supervisor import Supervisor
+
+#: Decides, before anything starts, whether this runtime may serve ``plan``; raises AfdError if not.
+Gate = Callable[[Plan], None]
+
+
+def runtime_gate(plan: Plan) -> None:
+    """The compat gate: the installed vLLM pair must be accepted (``mrv2`` granted when the V2 runner is selected)."""
+    require = ("mrv2",) if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else ()
+    decision = check_runtime(require)
+    if not decision.accepted:
+        reasons = "; ".join(decision.reasons) or "refused"
+        raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")
+
+
+def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> Plan:
+    """Every check that runs before a process starts: plan, runtime gate (None skips it), ports."""
+    plan = build_plan(opts, commands)
+    if gate is not None:
+        gate(plan)
+    check_ports_free([p for r in plan.roles if (p := r.port) is not None] + [int(plan.afd["port"])])
+    return plan
+
+
+def serve(
+    opts: ServeOptions,
+    *,
+    commands: RoleCommands | None = None,
+    gate: Gate | None = runtime_gate,
+    out: TextIO | None = None,
+    log: TextIO | None = None,
+) -> int:
+    """Run ``afd-mrv2 serve`` until a signal or a role's death; returns the exit code (AfdError: refused up front)."""
+    plan = prepare(opts, commands=commands, gate=gate)
+    return asyncio.run(Supervisor(plan, out=out or sys.stdout, log=log or sys.stderr).run())

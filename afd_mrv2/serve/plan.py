@@ -1,0 +1,264 @@
+"""What ``afd-mrv2 serve`` will start, decided before anything starts.
+
+:func:`build_plan` turns the command line into a :class:`Plan`: one
+:class:`RoleSpec` per process (FFN ranks first, the order the handshake needs),
+each with its own ``afd`` section, port and argv.  Every check that can fail
+runs here, so a bad ``afd`` section, ``--depth``, topology or port is a one-line
+:class:`~afd_mrv2.errors.AfdError` before any process exists.
+
+The role command lines are data: a :class:`RoleCommands` pair of builders, each
+taking the :class:`RoleContext` of one rank.  The defaults start vLLM's OpenAI
+server for an Attention rank and ``afd_mrv2.mrv2.ffn_role`` for an FFN rank;
+tests pass builders that start fake roles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.errors import AfdError, ConfigError
+from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.plugins import entry_points
+
+HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_CONNECTOR = "torch_p2p"
+#: The key serve adds to each role's ``afd`` section: the rank within its role.
+RANK_KEY = "rank"
+#: An FFN role is ready once it prints a line containing this, or once its ready file exists.
+FFN_READY_MARKER = "afd-mrv2 ffn: ready"
+ADDITIONAL_CONFIG = "--additional-config"
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """Everything a role command builder may put on one rank's command line."""
+
+    model: str
+    role: str
+    rank: int
+    #: The Attention engine's HTTP port (None for an FFN rank).
+    port: int | None
+    #: The ``--additional-config`` JSON of this rank (its own ``afd`` section inside).
+    additional_config: str
+    #: The EXTRA VLLM ARGS after ``--`` (every role gets them).
+    extra: tuple[str, ...]
+    #: The FFN rank's ready file (None for an Attention rank).
+    ready_file: str | None
+
+
+RoleCommand = Callable[[RoleContext], list[str]]
+
+
+def attention_command(ctx: RoleContext) -> list[str]:
+    """One Attention rank: an independent vLLM OpenAI server (DP=1) on its own loopback port."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        ctx.model,
+        "--host",
+        HOST,
+        "--port",
+        str(ctx.port),
+        ADDITIONAL_CONFIG,
+        ctx.additional_config,
+        *ctx.extra,
+    ]
+
+
+def ffn_command(ctx: RoleContext) -> list[str]:
+    """One FFN rank: ``python -m afd_mrv2.mrv2.ffn_role``; ready when it prints
+    :data:`FFN_READY_MARKER` or creates ``--ready-file``."""
+    return [
+        sys.executable,
+        "-m",
+        "afd_mrv2.mrv2.ffn_role",
+        "--model",
+        ctx.model,
+        ADDITIONAL_CONFIG,
+        ctx.additional_config,
+        "--ready-file",
+        str(ctx.ready_file),
+        *ctx.extra,
+    ]
+
+
+@dataclass(frozen=True)
+class RoleCommands:
+    attention: RoleCommand = attention_command
+    ffn: RoleCommand = ffn_command
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The parsed command line of ``afd-mrv2 serve``."""
+
+    model: str
+    attention: int
+    ffn: int
+    port: int = DEFAULT_PORT
+    depth: str | None = None
+    connector: str | None = None
+    #: A base ``afd`` section (JSON text), merged under the flags.
+    afd_json: str | None = None
+    extra: tuple[str, ...] = ()
+    balance: str = "least-outstanding"
+    ready_timeout_s: float = 900.0
+    stop_grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    role: str
+    rank: int
+    argv: tuple[str, ...]
+    afd: Mapping[str, Any]
+    port: int | None = None
+    ready_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``attention 0``: the log prefix and the name in messages."""
+        return f"{self.role} {self.rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    options: ServeOptions
+    #: Launch order: every FFN rank, then every Attention rank.
+    roles: tuple[RoleSpec, ...]
+    run_dir: str
+    afd: Mapping[str, Any] = field(default_factory=dict)
+
+    def of(self, role: str) -> tuple[RoleSpec, ...]:
+        return tuple(r for r in self.roles if r.role == role)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(f"http://{HOST}:{r.port}" for r in self.of(ATTENTION))
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AfdError(f"{what}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise AfdError(f"{what}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def split_additional_config(extra: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Take ``--additional-config JSON`` (or ``=JSON``) out of the EXTRA VLLM ARGS: serve rewrites it per role."""
+    rest: list[str] = []
+    found: dict[str, Any] = {}
+    args = iter(extra)
+    for arg in args:
+        if arg == ADDITIONAL_CONFIG:
+            text = next(args, None)
+            if text is None:
+                raise AfdError(f"{ADDITIONAL_CONFIG} needs a JSON value")
+            found = _json_object(text, ADDITIONAL_CONFIG)
+        elif arg.startswith(ADDITIONAL_CONFIG + "="):
+            found = _json_object(arg.split("=", 1)[1], ADDITIONAL_CONFIG)
+        else:
+            rest.append(arg)
+    return found, tuple(rest)
+
+
+def _depth_value(depth: str) -> int | str:
+    return int(depth) if depth.strip().lstrip("-").isdigit() else depth
+
+
+def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``afd`` section every role shares: the extra args' section, then ``--afd``, then the flags."""
+    base = from_extra.get("afd", {})
+    if not isinstance(base, dict):
+        raise ConfigError("afd", f"expected a mapping, got {type(base).__name__}")
+    afd = dict(base)
+    if opts.afd_json is not None:
+        afd.update(_json_object(opts.afd_json, "--afd"))
+    for key, flag, value in (
+        ("num_attention_ranks", "--attention", opts.attention),
+        ("num_ffn_ranks", "--ffn", opts.ffn),
+    ):
+        if key in afd and afd[key] != value:
+            raise ConfigError(f"afd.{key}", f"{afd[key]!r} conflicts with {flag} {value}")
+        afd[key] = value
+    for key in ("role", RANK_KEY):
+        if key in afd:
+            raise ConfigError(f"afd.{key}", "set per process by afd-mrv2 serve; leave it out")
+    if opts.connector is not None:
+        afd["connector"] = opts.connector
+    afd.setdefault("connector", DEFAULT_CONNECTOR)
+    if opts.depth is not None:
+        multistream = afd.get("multistream") or {}
+        if not isinstance(multistream, dict):
+            raise ConfigError("afd.multistream", f"expected a mapping, got {type(multistream).__name__}")
+        afd["multistream"] = {**multistream, "enabled": True, "depth": _depth_value(opts.depth)}
+    afd.setdefault("host", HOST)
+    afd.setdefault("port", opts.port + opts.attention + 1)
+    return afd
+
+
+def _check_connector(name: object) -> None:
+    points = entry_points()
+    if isinstance(name, str) and name not in points:
+        raise ConfigError(
+            "afd.connector", f"{name!r} is not installed; installed connectors: {', '.join(sorted(points)) or 'none'}"
+        )
+
+
+def check_ports_free(ports: Sequence[int]) -> None:
+    """Refuse a port some other process holds on the loopback address (before anything starts)."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((HOST, port))
+            except OSError as exc:
+                raise AfdError(f"port {port} on {HOST} is not free ({exc.strerror})") from None
+
+
+def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
+    """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
+    commands = commands or RoleCommands()
+    if opts.attention < 1 or opts.ffn < 1:
+        raise AfdError(f"--attention and --ffn must be >= 1, got {opts.attention} and {opts.ffn}")
+    if not 1 <= opts.port <= 65535 - opts.attention - 1:
+        raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
+    from_extra, extra = split_additional_config(opts.extra)
+    afd = _base_afd(opts, from_extra)
+    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, once, with the one options parser
+    _check_connector(afd["connector"])
+    # created by the supervisor when it starts (nothing is written before the checks passed)
+    run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
+    specs: list[RoleSpec] = []
+    for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention)):
+        for rank in range(count):
+            section = {**afd, "role": role, RANK_KEY: rank}
+            port = opts.port + 1 + rank if role == ATTENTION else None
+            ready = str(Path(run_dir) / f"ffn-{rank}.ready") if role == FFN else None
+            ctx = RoleContext(
+                model=opts.model,
+                role=role,
+                rank=rank,
+                port=port,
+                additional_config=json.dumps({**from_extra, "afd": section}, sort_keys=True),
+                extra=extra,
+                ready_file=ready,
+            )
+            build = commands.attention if role == ATTENTION else commands.ffn
+            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready))
+    return Plan(opts, tuple(specs), run_dir, afd)

@@ -1,0 +1,221 @@
+"""The one OpenAI-compatible endpoint in front of the Attention engines: a small balancing proxy on aiohttp.
+
+* ``GET /health`` is answered here: 200 once every role is ready, 503 while
+  starting or stopping.
+* Every other path (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+  ...) goes to one Attention engine, picked by least outstanding requests (ties
+  broken round robin) or plain round robin.  Method, path, query, headers
+  (less hop-by-hop ones), body and status pass through; the response body is
+  copied chunk by chunk as it arrives, so ``"stream": true`` server-sent events
+  reach the client unbuffered.
+* A backend that fails before its response started gives the client a 502 with
+  an OpenAI-style error body; one that fails mid-stream ends the event stream
+  with a ``data: {"error": ...}`` event (no ``[DONE]``), as vLLM reports errors
+  inside a stream.  :meth:`Proxy.fail_all` (serve calls it when a role died)
+  breaks every in-flight exchange at once, so no client waits on a dead system.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+BALANCE = ("least-outstanding", "round-robin")
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+class ProxyDown(Exception):
+    """Raised into in-flight exchanges by :meth:`Proxy.fail_all`."""
+
+
+BACKEND_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, ProxyDown)
+T = TypeVar("T")
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    outstanding: int = 0
+    served: int = 0
+
+
+def error_body(status: int, message: str) -> dict[str, object]:
+    kind = "BadGateway" if status == 502 else "ServiceUnavailable" if status == 503 else "ProxyError"
+    return {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
+
+
+class Proxy:
+    """Balance requests over ``backends`` (``(name, base_url)`` pairs)."""
+
+    def __init__(self, backends: Sequence[tuple[str, str]], *, balance: str = BALANCE[0], log: TextIO) -> None:
+        if balance not in BALANCE:
+            raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+        self.backends = [Backend(name, url) for name, url in backends]
+        self.balance = balance
+        self.log = log
+        self.ready = False
+        self.down: str | None = None
+        self._turn = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._down: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on ``host:port`` (503 for everything until :attr:`ready`)."""
+        self._down = asyncio.get_running_loop().create_future()
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self._health)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            auto_decompress=False,
+        )
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+
+    async def fail_all(self, reason: str) -> None:
+        """Refuse new requests and break every in-flight backend exchange (their clients get an error)."""
+        self.down = reason
+        if self._down is not None and not self._down.done():
+            self._down.set_result(None)
+        await asyncio.sleep(0)  # let the broken exchanges answer their clients
+
+    async def _unless_down(self, step: Awaitable[T]) -> T:
+        """Await one backend step, or raise :class:`ProxyDown` as soon as :meth:`fail_all` ran."""
+        task: asyncio.Future[T] = asyncio.ensure_future(step)
+        assert self._down is not None
+        waits: set[asyncio.Future[Any]] = {task, self._down}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *BACKEND_ERRORS):
+            await task
+        raise ProxyDown(self.down)
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------ routing
+
+    def pick(self) -> Backend:
+        turn = next(self._turn)
+        n = len(self.backends)
+        order = [self.backends[(turn + i) % n] for i in range(n)]
+        if self.balance == "round-robin":
+            return order[0]
+        return min(order, key=lambda b: b.outstanding)  # min() keeps the first of equals: round robin on ties
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.ready and self.down is None:
+            return web.Response(status=200)
+        return web.json_response(error_body(503, self.down or "starting"), status=503)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if not self.ready or self.down is not None or self._session is None:
+            return web.json_response(error_body(503, self.down or "afd-mrv2 serve is starting"), status=503)
+        backend = self.pick()
+        backend.outstanding += 1
+        try:
+            return await self._relay(request, backend, self._session)
+        finally:
+            backend.outstanding -= 1
+            backend.served += 1
+
+    async def _relay(
+        self, request: web.Request, backend: Backend, session: aiohttp.ClientSession
+    ) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        try:
+            upstream = await self._unless_down(
+                session.request(
+                    request.method, backend.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                )
+            )
+        except BACKEND_ERRORS as exc:
+            return self._failed(backend, exc)
+        try:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in HOP_BY_HOP:
+                    resp.headers.add(key, value)
+            if upstream.content_length is not None:
+                resp.content_length = upstream.content_length
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await self._unless_down(upstream.content.readany())
+                except BACKEND_ERRORS as exc:
+                    await self._failed_midway(request, resp, upstream, backend, exc)
+                    return resp
+                if not chunk:
+                    break
+                try:
+                    await resp.write(chunk)
+                except ConnectionError:  # the client went away: release (closes) the upstream exchange
+                    return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            upstream.release()
+
+    def _message(self, backend: Backend, exc: BaseException) -> str:
+        if isinstance(exc, ProxyDown):
+            return f"{self.down}; request to {backend.name} abandoned"
+        cause = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if self.down is not None:
+            return f"{self.down} (request to {backend.name} broken: {cause})"
+        return f"{backend.name} failed: {cause}"
+
+    def _failed(self, backend: Backend, exc: BaseException) -> web.Response:
+        message = self._message(backend, exc)
+        print(f"[proxy] 502: {message}", file=self.log, flush=True)
+        return web.json_response(error_body(502, message), status=502)
+
+    async def _failed_midway(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        backend: Backend,
+        exc: BaseException,
+    ) -> None:
+        message = self._message(backend, exc)
+        print(f"[proxy] broken response: {message}", file=self.log, flush=True)
+        if upstream.content_type == "text/event-stream":
+            event = f"data: {json.dumps(error_body(502, message))}\n\n"
+            with contextlib.suppress(ConnectionError):
+                await resp.write(event.encode())
+                await resp.write_eof()
+        elif request.transport is not None:  # a truncated body: close so the client sees it cut short
+            request.transport.close()

@@ -1,0 +1,183 @@
+"""One role process: started in a process group of its own, its output prefixed, its readiness and exit watched.
+
+Each role runs in a new session (``start_new_session``), so its process id is
+also its process-group id and the whole tree it spawns (vLLM's engine-core
+process, for one) is signalled with one ``killpg``.  Its stdout and stderr are
+merged and copied line by line to serve's stderr as ``[attention 0] ...``.
+
+Readiness:
+
+* FFN rank: it prints a line containing :data:`~afd_mrv2.serve.plan.FFN_READY_MARKER`
+  or creates its ready file, whichever comes first;
+* Attention rank: ``GET /health`` on its port answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+import aiohttp
+
+from afd_mrv2.items import ATTENTION
+from afd_mrv2.serve.plan import FFN_READY_MARKER, HOST, RoleSpec
+
+POLL_S = 0.1
+LINE_LIMIT = 1 << 20
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the role leader gets SIGKILL should serve itself die without stopping it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group ``pgid`` is alive (zombies, which only wait to be reaped, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class RoleProcess:
+    """One started role; ``ready`` is set once it is ready, ``on_exit`` is called once when its leader exits."""
+
+    def __init__(self, spec: RoleSpec, log: TextIO, on_exit: Callable[[RoleProcess], None]) -> None:
+        self.spec = spec
+        self.log = log
+        self.on_exit = on_exit
+        self.ready = asyncio.Event()
+        self.proc: asyncio.subprocess.Process | None = None
+        self.returncode: int | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else -1
+
+    def describe(self) -> str:
+        return f"{self.spec.role} rank {self.spec.rank} (pid {self.pid})"
+
+    async def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.spec.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+            env=env,
+            limit=LINE_LIMIT,
+        )
+        self._say(f"started pid {self.proc.pid}: {' '.join(self.spec.argv[:6])} ...")
+        self._tasks = [asyncio.ensure_future(self._pump()), asyncio.ensure_future(self._wait())]
+        if self.spec.role == ATTENTION:
+            self._tasks.append(asyncio.ensure_future(self._poll_health()))
+        elif self.spec.ready_file is not None:
+            self._tasks.append(asyncio.ensure_future(self._poll_ready_file(Path(self.spec.ready_file))))
+
+    def _say(self, text: str) -> None:
+        print(f"[{self.spec.name}] {text}", file=self.log, flush=True)
+
+    async def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        stream = self.proc.stdout
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over LINE_LIMIT: take what is buffered
+                raw = await stream.read(LINE_LIMIT)
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            self._say(line)
+            if self.spec.role != ATTENTION and FFN_READY_MARKER in line:
+                self.ready.set()
+
+    async def _wait(self) -> None:
+        # Polled, not ``await proc.wait()``: that also waits for the output pipe to close, which a
+        # grandchild still holding it (vLLM's engine core) delays for as long as it lives.
+        assert self.proc is not None
+        while (code := self.proc.returncode) is None:
+            await asyncio.sleep(POLL_S)
+        self.returncode = code
+        self.on_exit(self)
+
+    async def _poll_ready_file(self, path: Path) -> None:
+        while not self.ready.is_set():
+            if path.exists():
+                self.ready.set()
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _poll_health(self) -> None:
+        url = f"http://{HOST}:{self.spec.port}/health"
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not self.ready.is_set():
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with session.get(url) as resp:
+                        if resp.status == 200:
+                            self.ready.set()
+                            return
+                await asyncio.sleep(POLL_S * 2)
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the role's whole process group (the leader may be gone, its children not)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def alive(self) -> bool:
+        return self.proc is not None and group_alive(self.proc.pid)
+
+    async def close(self, drain_s: float = 0.5) -> None:
+        """Stop the watchers; give the log pump ``drain_s`` to copy the last lines."""
+        if not self._tasks:
+            return
+        pump, *watchers = self._tasks
+        for task in watchers:
+            task.cancel()
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(pump, drain_s)
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,176 @@
+"""Start the roles in handshake order, front them with the proxy, stop everything together.
+
+Order: the proxy binds its port (503 until ready), every FFN rank starts and
+becomes ready, then every Attention engine starts and becomes ready; then the
+proxy takes requests and exactly one stdout line says so::
+
+    afd-mrv2 serve: ready at http://127.0.0.1:PORT/v1
+
+From then on serve waits for SIGINT/SIGTERM or for any role to exit.  Either
+way it breaks in-flight requests (their clients get an error response), sends
+SIGTERM to every role's process group, SIGKILL to those still alive after the
+grace, and exits: 0 after a signal, 1 when a role died (one line naming role,
+rank, pid and how it ended) or a role did not get ready in time.  A second
+SIGINT/SIGTERM skips the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from afd_mrv2.errors import AfdError
+from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
+from afd_mrv2.serve.proxy import Proxy
+from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
+
+READY_PREFIX = "afd-mrv2 serve: ready at"
+KILL_WAIT_S = 2.0
+EXIT_STOPPED, EXIT_FAILED = 0, 1
+
+
+class Supervisor:
+    def __init__(self, plan: Plan, *, out: TextIO, log: TextIO) -> None:
+        self.plan = plan
+        self.out = out
+        self.log = log
+        self.roles: list[RoleProcess] = []
+        self.stopping = False
+        self.death: RoleProcess | None = None
+        self.failure: str | None = None
+        self.signal: int | None = None
+        self._stop = asyncio.Event()
+        self._kill_now = asyncio.Event()
+
+    def _say(self, text: str) -> None:
+        print(f"[serve] {text}", file=self.log, flush=True)
+
+    # ------------------------------------------------------------ events
+
+    def _on_exit(self, role: RoleProcess) -> None:
+        if self.stopping or self.death is not None:
+            return
+        self.death = role
+        self._stop.set()
+
+    def _on_signal(self, sig: int) -> None:
+        if self.signal is None:
+            self.signal = sig
+            self._say(f"{signal.Signals(sig).name}: stopping every role")
+            self._stop.set()
+        else:
+            self._say(f"{signal.Signals(sig).name} again: killing every role now")
+            self._kill_now.set()
+
+    # ------------------------------------------------------------ the run
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        opts = self.plan.options
+        names = [(r.name, url) for r, url in zip(self.plan.of(ATTENTION), self.plan.backends, strict=True)]
+        proxy = Proxy(names, balance=opts.balance, log=self.log)
+        try:
+            try:
+                await proxy.start(HOST, opts.port)
+            except OSError as exc:
+                await proxy.close()
+                raise AfdError(f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}") from None
+            Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
+            try:
+                if await self._start(self.plan.of(FFN)) and await self._start(self.plan.of(ATTENTION)):
+                    proxy.ready = True
+                    print(f"{READY_PREFIX} http://{HOST}:{opts.port}/v1", file=self.out, flush=True)
+                    await self._stop.wait()
+            finally:
+                self.stopping = True
+                await proxy.fail_all(self._reason())
+                await self._stop_roles()
+                await proxy.close()
+                shutil.rmtree(self.plan.run_dir, ignore_errors=True)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        return self._report()
+
+    def _reason(self) -> str:
+        if self.death is not None:
+            return f"{self.death.describe()} died"
+        if self.signal is not None:
+            return f"afd-mrv2 serve is stopping ({signal.Signals(self.signal).name})"
+        return self.failure or "afd-mrv2 serve is stopping"
+
+    def _report(self) -> int:
+        if self.death is not None:
+            how = describe_exit(self.death.returncode if self.death.returncode is not None else -1)
+            print(
+                f"afd-mrv2 serve: error: {self.death.describe()} exited ({how}); stopped every role",
+                file=self.log,
+                flush=True,
+            )
+            return EXIT_FAILED
+        if self.failure is not None:
+            print(f"afd-mrv2 serve: error: {self.failure}; stopped every role", file=self.log, flush=True)
+            return EXIT_FAILED
+        name = signal.Signals(self.signal).name if self.signal is not None else "stop"
+        self._say(f"stopped every role ({name})")
+        return EXIT_STOPPED
+
+    async def _start(self, specs: Sequence[RoleSpec]) -> bool:
+        """Start ``specs`` and wait until all are ready; False when stopped, a role died or time ran out."""
+        started = []
+        for spec in specs:
+            role = RoleProcess(spec, self.log, self._on_exit)
+            try:
+                await role.start()
+            except OSError as exc:
+                self.failure = f"cannot start {spec.name}: {exc}"
+                return False
+            self.roles.append(role)
+            started.append(role)
+        ready: asyncio.Future[list[bool]] = asyncio.ensure_future(asyncio.gather(*(r.ready.wait() for r in started)))
+        stop: asyncio.Future[bool] = asyncio.ensure_future(self._stop.wait())
+        remaining = self.plan.options.ready_timeout_s
+        waits: set[asyncio.Future[Any]] = {ready, stop}
+        done, pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if ready in done and not self._stop.is_set():
+            self._say(f"{', '.join(r.describe() for r in started)} ready")
+            return True
+        if not done:
+            late = [r.describe() for r in started if not r.ready.is_set()]
+            self.failure = f"{', '.join(late)} not ready after {remaining:g} s"
+        return False
+
+    async def _wait_dead(self, roles: Sequence[RoleProcess], timeout: float) -> list[RoleProcess]:
+        """Wait up to ``timeout`` (less on a second signal) for ``roles``' groups to end; return the survivors."""
+        deadline = time.monotonic() + timeout
+        alive = [r for r in roles if r.alive()]
+        while alive and time.monotonic() < deadline and not self._kill_now.is_set():
+            await asyncio.sleep(POLL_S / 2)
+            alive = [r for r in alive if r.alive()]
+        return alive
+
+    async def _stop_roles(self) -> None:
+        for role in self.roles:
+            role.signal_group(signal.SIGTERM)
+        survivors = await self._wait_dead(self.roles, self.plan.options.stop_grace_s)
+        for role in survivors:
+            self._say(f"{role.describe()} still running after SIGTERM: SIGKILL")
+            role.signal_group(signal.SIGKILL)
+        self._kill_now.clear()
+        for role in await self._wait_dead(survivors, KILL_WAIT_S):
+            self._say(f"{role.describe()}: process group still alive after SIGKILL")
+        for role in self.roles:
+            await role.close()

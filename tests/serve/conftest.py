@@ -1,0 +1,134 @@
+"""Run ``afd-mrv2 serve`` with fake roles (tests/serve/serve_harness.py) as a child process and watch it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HARNESS = str(Path(__file__).with_name("serve_harness.py"))
+READY = "afd-mrv2 serve: ready at"
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port block")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class Serve:
+    """One ``serve`` child: stdout and stderr lines with arrival times, the role pids it logged."""
+
+    def __init__(self, args: list[str], behaviour: dict[str, object] | None = None) -> None:
+        env = dict(os.environ, FAKE_ROLE=json.dumps(behaviour or {}), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, HARNESS, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.out: list[tuple[float, str]] = []
+        self.err: list[tuple[float, str]] = []
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream: object, into: list[tuple[float, str]]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _, line in self.out:
+                if line.startswith(READY):
+                    return line.split()[-1]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"serve not ready (rc {self.proc.poll()}):\n" + "\n".join(self.err_lines()))
+
+    def err_lines(self) -> list[str]:
+        return [line for _, line in self.err]
+
+    def out_lines(self) -> list[str]:
+        return [line for _, line in self.out]
+
+    def pids(self) -> dict[str, int]:
+        """``{"ffn 0": pid, "attention 1": pid, "grandchild of ffn 0": pid}`` from the fakes' log lines."""
+        found: dict[str, int] = {}
+        for line in self.err_lines():
+            if "] pid " in line:
+                role, rank, pid = line.split("] pid ", 1)[1].split()
+                found[f"{role} {rank}"] = int(pid)
+            elif "] grandchild " in line:
+                name = line[1 : line.index("]")]
+                found[f"grandchild of {name}"] = int(line.rsplit(" ", 1)[1])
+        return found
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        rc = self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(5)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def start_serve() -> Iterator[object]:
+    started: list[Serve] = []
+
+    def start(attention: int, ffn: int, behaviour: dict[str, object] | None = None, *extra: str) -> tuple[Serve, int]:
+        port = free_port_block(attention + 2)
+        serve = Serve(
+            ["/models/fake", "--attention", str(attention), "--ffn", str(ffn), "--port", str(port), *extra], behaviour
+        )
+        started.append(serve)
+        return serve, port
+
+    yield start
+    for serve in started:
+        pids = serve.pids()
+        serve.kill()
+        for pid in pids.values():  # never leave a fake behind, whatever the test did
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,118 @@
+"""A fake role process for the serve tests (no vLLM): ``fake_role.py ROLE RANK [--port P] [--ready-file F] ...``.
+
+Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
+
+* ``ready_delay`` (s, default 0.2) before it is ready; ``ffn_ready``: ``"line"`` (prints the
+  marker) or ``"file"`` (creates ``--ready-file``);
+* ``grandchild``: spawn a ``sleep`` child in the same process group (serve must stop it too);
+* ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
+* ``exit_after`` (s): exit with code 3 after this long;
+* ``token_delay`` (s, default 0.05): delay between streamed tokens.
+
+An Attention fake serves ``/health``, ``/v1/models`` and ``/v1/completions`` (a JSON body,
+or SSE chunks with ``"stream": true``) with aiohttp; the completion names the rank and pid.
+A prompt ``"die"`` makes the process SIGKILL itself in the middle of the response.
+Every fake prints ``pid <ROLE> <RANK> <PID>`` (and ``grandchild <PID>``) so tests can check them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+MARKER = "afd-mrv2 ffn: ready"
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def completion(rank: int, text: str) -> dict[str, object]:
+    return {
+        "id": f"cmpl-{rank}-{time.monotonic_ns()}",
+        "object": "text_completion",
+        "model": "fake",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "rank": rank,
+        "pid": os.getpid(),
+    }
+
+
+def attention_app(rank: int, behaviour: dict[str, object]) -> web.Application:
+    delay = float(behaviour.get("token_delay", 0.05))  # type: ignore[arg-type]
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        tokens = int(body.get("max_tokens", 4))
+        die = body.get("prompt") == "die"
+        if body.get("bad"):
+            return web.json_response({"error": {"message": "bad request", "code": 400}}, status=400)
+        if not body.get("stream"):
+            for i in range(tokens):
+                if die and i == tokens // 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                await asyncio.sleep(delay)
+            return web.json_response(completion(rank, " tok" * tokens))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(tokens):
+            if die and i == tokens // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            await resp.write(f"data: {json.dumps(completion(rank, f' t{i}'))}\n\n".encode())
+            await asyncio.sleep(delay)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def main(argv: list[str]) -> None:
+    role, rank = argv[0], int(argv[1])
+    behaviour = json.loads(os.environ.get("FAKE_ROLE", "{}"))
+    if behaviour.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"pid {role} {rank} {os.getpid()}", flush=True)
+    print(f"argv {json.dumps(argv)}", flush=True)
+    if behaviour.get("grandchild"):
+        child = subprocess.Popen(["sleep", "600"])
+        print(f"grandchild {child.pid}", flush=True)
+    await asyncio.sleep(float(behaviour.get("ready_delay", 0.2)))
+    if role == "ffn":
+        ready_file = _opt(argv, "--ready-file")
+        if behaviour.get("ffn_ready", "line") == "file" and ready_file:
+            Path(ready_file).write_text("ready\n")
+        else:
+            print(f"{MARKER} (fake rank {rank})", flush=True)
+    else:
+        runner = web.AppRunner(attention_app(rank, behaviour), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
+        print(f"listening on {_opt(argv, '--port')}", flush=True)
+    if "exit_after" in behaviour:
+        await asyncio.sleep(float(behaviour["exit_after"]))
+        print("exiting on purpose", flush=True)
+        sys.exit(3)
+    await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1:]))

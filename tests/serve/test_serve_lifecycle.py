@@ -1,0 +1,149 @@
+"""``afd-mrv2 serve`` with fake roles: start order, the ready line, signals, faults."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.serve.conftest import pid_alive
+
+STOP_BUDGET_S = 10.0
+
+
+def post(url: str, body: dict[str, object], timeout: float = 20.0) -> tuple[int, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, ConnectionError) as exc:  # transport-level error: also an error response
+        return -1, repr(exc)
+
+
+def index_of(lines: list[str], text: str) -> int:
+    return next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("ffn_ready", ["line", "file"])
+def test_ready_line_once_after_every_role_is_ready(start_serve, ffn_ready):
+    serve, port = start_serve(2, 2, {"ready_delay": 0.8, "ffn_ready": ffn_ready})
+    url = serve.wait_ready()
+    assert url == f"http://127.0.0.1:{port}/v1"
+    ready_at = next(t for t, line in serve.out if line.startswith("afd-mrv2 serve: ready at"))
+    err = serve.err_lines()
+    # FFN ranks first, every one ready before the first Attention engine starts
+    assert index_of(err, "[serve] ffn rank 0") < index_of(err, "[attention 0] started")
+    assert "ffn rank 1" in err[index_of(err, "[serve] ffn rank 0")]
+    # every Attention engine was listening before the ready line
+    listening = [t for t, line in serve.err if "] listening on " in line]
+    assert len(listening) == 2 and max(listening) <= ready_at
+    # each role got its own afd section with its role and rank
+    argvs = {line.split("]")[0][1:]: json.loads(line.split("] argv ", 1)[1]) for line in err if "] argv " in line}
+    assert set(argvs) == {"ffn 0", "ffn 1", "attention 0", "attention 1"}
+    for name, argv in argvs.items():
+        afd = json.loads(argv[argv.index("--additional-config") + 1])["afd"]
+        assert (afd["role"], afd["rank"]) == (name.split()[0], int(name.split()[1]))
+        assert (afd["num_attention_ranks"], afd["num_ffn_ranks"]) == (2, 2)
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+    assert [line for line in serve.out_lines() if line.strip()] == [f"afd-mrv2 serve: ready at {url}"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_process_within_10s(start_serve, sig):
+    serve, _ = start_serve(2, 1, {"grandchild": True})
+    serve.wait_ready()
+    pids = serve.pids()
+    assert len(pids) == 6, pids  # 3 roles + a grandchild each
+    t0 = time.monotonic()
+    serve.signal(sig)
+    assert serve.wait() == 0
+    elapsed = time.monotonic() - t0
+    assert elapsed < STOP_BUDGET_S
+    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+    print(f"stop latency ({sig.name}): {elapsed:.2f} s")
+
+
+def test_sigterm_ignored_escalates_to_sigkill(start_serve):
+    serve, _ = start_serve(1, 1, {"ignore_term": True}, "--stop-grace", "1")
+    serve.wait_ready()
+    pids = serve.pids()
+    t0 = time.monotonic()
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+    assert time.monotonic() - t0 < STOP_BUDGET_S
+    assert any("still running after SIGTERM: SIGKILL" in line for line in serve.err_lines())
+    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+
+
+def _in_flight(url: str, n: int, stream: bool) -> tuple[list[tuple[int, str]], list[threading.Thread]]:
+    results: list[tuple[int, str]] = []
+    body = {"prompt": "x", "max_tokens": 200, "stream": stream}
+    threads = [threading.Thread(target=lambda: results.append(post(url + "/completions", body))) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+@pytest.mark.parametrize("victim", ["ffn 0", "attention 1"])
+def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_serve, victim):
+    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True})
+    url = serve.wait_ready()
+    pids = serve.pids()
+    plain, plain_threads = _in_flight(url, 4, stream=False)
+    streamed, stream_threads = _in_flight(url, 4, stream=True)
+    time.sleep(1.0)  # mid-generation: 200 tokens take 10 s
+    t0 = time.monotonic()
+    signal_pid = pids[victim]
+    import os
+
+    os.kill(signal_pid, signal.SIGKILL)
+    rc = serve.wait()
+    elapsed = time.monotonic() - t0
+    for t in plain_threads + stream_threads:
+        t.join(10)
+        assert not t.is_alive(), "a client hangs"
+    assert rc != 0 and elapsed < STOP_BUDGET_S
+    role, rank = victim.split()
+    last = serve.err_lines()[-1]
+    assert (
+        last
+        == f"afd-mrv2 serve: error: {role} rank {rank} (pid {signal_pid}) exited (signal SIGKILL); stopped every role"
+    )
+    assert len(plain) == 4 and all(status != 200 for status, _ in plain), plain
+    # streams started with 200; each ends with an error event and never with [DONE]
+    assert len(streamed) == 4
+    for status, text in streamed:
+        assert status != 200 or ('"error"' in text and "[DONE]" not in text), text
+    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+    print(f"fault ({victim}) -> serve exit: {elapsed:.2f} s")
+
+
+def test_backend_dying_mid_response_gives_error_not_hang(start_serve):
+    serve, _ = start_serve(1, 1, {"token_delay": 0.02})
+    url = serve.wait_ready()
+    status, text = post(url + "/completions", {"prompt": "die", "max_tokens": 20, "stream": True}, timeout=15)
+    assert status == 200 and '"error"' in text and "[DONE]" not in text
+    assert serve.wait() == 1
+    assert "attention rank 0" in serve.err_lines()[-1]
+
+
+def test_role_dying_during_startup(start_serve):
+    serve, _ = start_serve(1, 1, {"exit_after": 0.1, "ready_delay": 0.1})
+    rc = serve.wait()
+    assert rc == 1
+    assert [line for line in serve.out_lines() if line.strip()] == []
+    assert "afd-mrv2 serve: error: ffn rank 0" in serve.err_lines()[-1] and "exit code 3" in serve.err_lines()[-1]
+
+
+def test_ready_timeout(start_serve):
+    serve, _ = start_serve(1, 1, {"ready_delay": 30}, "--ready-timeout", "1")
+    assert serve.wait() == 1
+    assert "not ready after 1 s" in serve.err_lines()[-1]
