@@ -138,9 +138,14 @@ class AttentionSide(Side):
         result = compute(item, combined)
         if result is None:
             return
-        hidden, topk_ids, topk_weights = self._check_result(item, result)
+        self._pack(work, self._outputs(work), *self._check_result(item, result))
+
+    def _pack(
+        self, work: Work, slot: _Outputs, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> None:
+        """Pack, per FFN rank, the rows routed to its experts into ``slot``; record the dispatch."""
+        item = work.item
         owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
-        slot = self._outputs(work)
         dispatch = work.transfer["dispatch"] = _Dispatch(hidden.shape[0], [], [])
         for f, ffn in enumerate(self.peers):
             index = (owners == f).any(dim=1).nonzero().squeeze(1)

@@ -25,13 +25,20 @@ Resources (``ConnectorContext.resources``):
     built by the owner on its process group before any executor (it pre-posts the
     control channel, which must outlive every executor of the process).
     ``model``: a :class:`~afd_mrv2.hooks.p2p.common.P2pShape`.
+    ``source`` / ``sink`` (attention role, optional): an owner that hands each item
+    over and waits for its result (the :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
+    contract, e.g. a vLLM MoE layer) provides both and gets the round-trip side
+    (:mod:`afd_mrv2.hooks.p2p.roundtrip`); without them the attention side is
+    layer-pipelined (:mod:`afd_mrv2.hooks.p2p.attention`).
 
 Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
 ``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``).
 
 The owner's ``compute`` (the executor's ``compute=``):
-    attention role: ``compute(item, combined) -> (hidden, topk_ids, topk_weights) | None``
+    attention role, pipelined: ``compute(item, combined) -> (hidden, topk_ids, topk_weights) | None``
     (see :mod:`afd_mrv2.hooks.p2p.attention`);
+    attention role, round trip: ``compute(item, (hidden, topk_ids, topk_weights)) -> the same triple``
+    (see :mod:`afd_mrv2.hooks.p2p.roundtrip`);
     FFN role: ``compute(item, hidden, topk_ids, topk_weights) -> partial_output``
     (see :mod:`afd_mrv2.hooks.p2p.ffn`).
 
@@ -57,6 +64,7 @@ from afd_mrv2.hooks.p2p.attention import AttentionSide
 from afd_mrv2.hooks.p2p.common import P2pShape, parse_options
 from afd_mrv2.hooks.p2p.ffn import FfnSide
 from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hooks.p2p.roundtrip import RoundTripAttentionSide
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.topology import ATTENTION
@@ -81,9 +89,14 @@ class TorchP2pConnector:
                 f"torch_p2p: afd.role is {role!r} but global rank {link.rank} is {link.topology.describe(link.rank)}"
             )
         options = parse_options(context.config.extra)
-        self.side: AttentionSide | FfnSide = (
-            AttentionSide(link, shape, options) if role == ATTENTION else FfnSide(link, shape, options)
-        )
+        self.side: AttentionSide | FfnSide
+        if role != ATTENTION:
+            self.side = FfnSide(link, shape, options)
+        elif "sink" in context.resources:  # an exchange owner: each item is one round trip
+            source, sink = context.resource("source"), context.resource("sink")
+            self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=sink)
+        else:  # the owner drives the layer loop: layer l-1's combine arrives in item l's recv
+            self.side = AttentionSide(link, shape, options)
 
     @hookimpl
     def on_recv(self, work: Work) -> None:

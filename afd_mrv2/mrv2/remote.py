@@ -1,0 +1,205 @@
+"""Attention role, model side: each routed-experts call of a vLLM MoE layer as one AFD transfer.
+
+This module holds no vLLM import: :mod:`afd_mrv2.mrv2.experts` (the vLLM layer)
+registers its MoE layers here while the model is constructed and calls
+:func:`remote_routed_experts` from its stand-in quant method's ``apply``.
+
+One :class:`RemoteExperts` per Attention process (``attach`` creates it with the
+first AFD layer).  On the first call (vLLM's warm-up forward, or the first request
+when warm-up is off) it builds what every AFD role builds: the ``p2p_link``
+(:mod:`afd_mrv2.mrv2.p2p_link`), the shared executor (role attention) with the
+configured connector, and a :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
+whose ``source`` / ``sink`` the connector reads and fills.  Each call is then
+``exchange(ordinal, (x, topk_ids, topk_weights))``: one work item
+``(ordinal, 0, seq)``, where ``ordinal`` is the layer's position among the MoE
+layers (the FFN numbers its items the same way: item ``k`` is MoE layer
+``k % L``) and stage 0 (no microbatching on this path).
+
+:func:`remote_routed_experts` is a ``torch.library.custom_op``: Dynamo and
+Inductor see one opaque node (its fake implementation returns ``empty_like(x)``),
+so vLLM's ``torch.compile`` of the Attention model neither traces into the
+transport (which would be a fatal graph break under vLLM's fullgraph compile) nor
+runs it while tracing; every compiled execution runs the real transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from afd_mrv2.config import AfdConfig
+from afd_mrv2.devices import make_backend
+from afd_mrv2.errors import ConfigError
+from afd_mrv2.hooks.p2p import P2pShape, PeerLink
+from afd_mrv2.items import ATTENTION, WorkItem
+from afd_mrv2.mrv2.exchange import UBatchExchange
+from afd_mrv2.mrv2.p2p_link import open_peer_link
+from afd_mrv2.pipeline.executor import CloseReport, Executor
+from afd_mrv2.plugins import load_plugins
+from afd_mrv2.topology import Topology
+
+OP_NAME = "afd_mrv2::remote_routed_experts"
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What the transfer needs to know of a MoE layer (read from its vLLM ``FusedMoEConfig``)."""
+
+    hidden_size: int
+    top_k: int
+    num_experts: int
+
+
+def check_vllm_path(config: AfdConfig) -> None:
+    """Refuse, in one line naming the key, what the vLLM MoE seam cannot do (yet)."""
+    if not config.compute_gate_on_attention:
+        raise ConfigError(
+            "afd.compute_gate_on_attention",
+            "expected true on the vLLM path: vLLM's MoE runner computes the router on the attention side "
+            "before the routed-experts seam, so the FFN receives top-k ids and weights, got false",
+        )
+    if config.num_attention_ranks != 1:
+        raise ConfigError(
+            "afd.num_attention_ranks",
+            f"expected 1 on the vLLM path (one Attention engine per FFN role, 1A1F), got {config.num_attention_ranks}",
+        )
+
+
+def _identity(item: WorkItem, routed: Any) -> Any:
+    """The Attention executor's compute: nothing between the router and the dispatch."""
+    del item
+    return routed
+
+
+@dataclass
+class _Session:
+    link: PeerLink
+    executor: Executor
+    exchange: UBatchExchange
+
+
+class RemoteExperts:
+    """The Attention process's AFD side; see the module docstring.
+
+    :param config: the parsed ``afd`` section (role attention).
+    :param max_tokens: the most tokens one forward hands a MoE layer (vLLM's
+        ``max_num_batched_tokens``): sizes the connector's buffers.
+    """
+
+    def __init__(self, config: AfdConfig, *, max_tokens: int) -> None:
+        check_vllm_path(config)
+        self.config = config
+        self.max_tokens = max_tokens
+        self._layers: dict[int, MoeShape] = {}  # model layer index -> shape, as constructed
+        self._order: list[int] = []  # model layer indices, sorted (set on the first call)
+        self._session: _Session | None = None
+        self._lock = threading.Lock()
+        self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
+
+    def add_layer(self, layer_index: int, shape: MoeShape) -> None:
+        """Register a MoE layer at construction (every layer before the first call)."""
+        if self._session is not None:
+            raise RuntimeError(f"MoE layer {layer_index} constructed after the AFD transfers started")
+        first = next(iter(self._layers.values()), shape)
+        if shape != first:
+            raise ValueError(f"MoE layer {layer_index} has shape {shape}, the others {first}: AFD needs one shape")
+        self._layers[layer_index] = shape
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def calls(self) -> int:
+        return sum(self.tokens.values())
+
+    def exchange(
+        self, layer_index: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output for ``x``, computed by the FFN role."""
+        session = self._open()
+        ordinal = self._order.index(layer_index)
+        out = session.exchange.exchange(ordinal, (x, topk_ids, topk_weights))
+        tokens = x.shape[0]
+        self.tokens[tokens] += 1
+        return out.to(device=x.device, dtype=x.dtype)
+
+    def _open(self) -> _Session:
+        with self._lock:
+            if self._session is None:
+                self._session = self._build()
+            return self._session
+
+    def _build(self) -> _Session:
+        if not self._layers:
+            raise RuntimeError("no MoE layer was registered before the first AFD transfer")
+        self._order = sorted(self._layers)
+        moe = next(iter(self._layers.values()))
+        config = self.config
+        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts)
+        link = open_peer_link(topology, topology.global_rank(ATTENTION, 0), host=config.host, port=config.port)
+        shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
+        exchange = UBatchExchange(lambda: 0)  # stage 0: no microbatching on this path
+        plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
+        backend = make_backend(config.multistream.backend)
+        executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
+        exchange.bind(executor)
+        return _Session(link, executor, exchange)
+
+    def close(self, deadline_s: float | None = None) -> CloseReport | None:
+        """Stop the executor (tests and orderly shutdown); the FFN sees this rank leave."""
+        session, self._session = self._session, None
+        return None if session is None else session.executor.close(deadline_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "moe_layers": self._order or sorted(self._layers),
+            "calls": self.calls,
+            "tokens_per_call": dict(sorted(self.tokens.items())),
+        }
+
+
+_PROCESS: RemoteExperts | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def attach(config: AfdConfig, *, max_tokens: int) -> RemoteExperts:
+    """This process's :class:`RemoteExperts`, created by the first AFD layer."""
+    global _PROCESS
+    with _PROCESS_LOCK:
+        if _PROCESS is None:
+            _PROCESS = RemoteExperts(config, max_tokens=max_tokens)
+        elif _PROCESS.config != config:
+            raise ConfigError("afd", "one process serves one afd section; a second, different one was given")
+        return _PROCESS
+
+
+def attached() -> RemoteExperts | None:
+    """This process's :class:`RemoteExperts`, or None when no AFD layer was built here."""
+    return _PROCESS
+
+
+def _require() -> RemoteExperts:
+    if _PROCESS is None:
+        raise RuntimeError(f"{OP_NAME} called in a process where no AFD MoE layer was constructed")
+    return _PROCESS
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def remote_routed_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_index: int
+) -> torch.Tensor:
+    """The routed experts' output for ``x`` from the FFN role (one AFD round trip)."""
+    return _require().exchange(layer_index, x, topk_weights, topk_ids)
+
+
+@remote_routed_experts.register_fake
+def _remote_routed_experts_fake(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_index: int
+) -> torch.Tensor:
+    del topk_weights, topk_ids, layer_index
+    return torch.empty_like(x)

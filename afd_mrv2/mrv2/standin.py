@@ -1,0 +1,117 @@
+"""Stand-in quant methods for routed-experts layers that hold no expert weights.
+
+vLLM's ``RoutedExperts.__init__`` asks its quant method to create the expert
+parameters, and the checkpoint loader fills them by name: through
+``RoutedExperts.load_weights`` (``param.weight_loader(param=..., ...,
+return_success=True)``) or, in model-specific loaders such as DeepSeek-V2's,
+``params_dict[name].weight_loader(param, weight, name, shard_id=..., expert_id=...,
+return_success=True)``.  A layer that must not hold the weights therefore keeps
+parameters **named as upstream's** (``w13_weight``, ``w2_weight``, plus
+``w13_bias`` / ``w2_bias`` when the MoE has biases) but with 0 elements, whose
+loader reads nothing, keeps nothing and reports success for both call styles.
+
+The MoE runner reads the quant method around the seam (``is_monolithic``,
+``topk_indices_dtype``, ``mk_can_overlap_shared_experts``, ...); all derive from
+``moe_kernel``, which stays None here, so the runner routes on this process,
+runs the shared experts itself and calls ``forward_modular`` -> ``apply``.
+
+* :class:`RemoteExpertsMethod`: the Attention role; ``apply`` is one AFD round
+  trip through the opaque ``afd_mrv2::remote_routed_experts`` op.
+* :class:`ZeroExpertsMethod`: TEST ONLY (sensitivity checks): the routed experts
+  contribute zeros.  Selected only by the test-only environment variable
+  :data:`afd_mrv2.mrv2.experts.ZERO_ENV`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from afd_mrv2.mrv2 import remote  # registers the afd_mrv2::remote_routed_experts op
+
+#: Parameter names upstream's unquantized method creates (biases only when ``moe.has_bias``).
+WEIGHT_NAMES = ("w13_weight", "w2_weight")
+BIAS_NAMES = ("w13_bias", "w2_bias")
+
+
+def discard_weight(
+    param: torch.nn.Parameter,
+    loaded_weight: torch.Tensor,
+    weight_name: str | None = None,
+    shard_id: str | None = None,
+    expert_id: int | None = None,
+    return_success: bool = False,
+) -> bool | None:
+    """A ``weight_loader`` that drops the checkpoint tensor (this process holds no routed experts)."""
+    del param, loaded_weight, weight_name, shard_id, expert_id
+    return True if return_success else None
+
+
+class WeightlessExpertsMethod(FusedMoEMethodBase):
+    """A quant method whose layer holds 0-element placeholders instead of expert weights."""
+
+    def __init__(self, moe: FusedMoEConfig, layer_index: int) -> None:
+        super().__init__(moe)
+        self.layer_index = layer_index
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        del num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs
+        names = WEIGHT_NAMES + (BIAS_NAMES if self.moe.has_bias else ())
+        for name in names:
+            placeholder = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(placeholder, {"weight_loader": discard_weight})
+            layer.register_parameter(name, placeholder)
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+        del layer
+        return FusedMoEQuantConfig.make()
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        del layer  # nothing was loaded
+
+
+class RemoteExpertsMethod(WeightlessExpertsMethod):
+    """Attention role: the routed experts run on the FFN role (one AFD round trip per call)."""
+
+    def apply(  # type: ignore[override]
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # The shared experts already ran in the MoE runner (moe_kernel is None, so no kernel
+        # overlaps them); the runner adds their output to what this returns.
+        del layer, shared_experts, shared_experts_input
+        assert remote.OP_NAME == "afd_mrv2::remote_routed_experts"
+        return torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)
+
+
+class ZeroExpertsMethod(WeightlessExpertsMethod):
+    """TEST ONLY: routed experts that contribute nothing (see the module docstring)."""
+
+    def apply(  # type: ignore[override]
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        del layer, topk_weights, topk_ids, shared_experts, shared_experts_input
+        return torch.zeros_like(x)

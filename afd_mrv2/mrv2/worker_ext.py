@@ -1,0 +1,86 @@
+"""Methods afd-mrv2 adds to vLLM's worker, reachable through ``collective_rpc``.
+
+Named by vLLM's ``worker_extension_cls`` (``--worker-extension-cls`` /
+``LLM(worker_extension_cls=...)``): vLLM's worker wrapper mixes this class into
+its worker class, in the worker process, before building the worker.  Upstream
+does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
+
+``afd_ffn_serve()``
+    the FFN role: after vLLM loaded the model the normal way (its loader, its
+    quant method, its MoE kernel), serve the routed experts of every MoE layer to
+    the Attention role until it leaves (:func:`afd_mrv2.mrv2.ffn_server.serve_ffn`).
+    The engine core is blocked in this call for the whole session; the FFN engine
+    serves no requests of its own.
+``afd_routed_expert_bytes()``
+    bytes held by the parameters of the process's routed-experts layers
+    (0 on the Attention role: it holds only 0-element placeholders).
+``afd_attention_stats()``
+    the Attention role's transfer counters (None where no AFD layer was built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.models.utils import extract_layer_index
+
+from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.remote import MoeShape, attached
+from afd_mrv2.validation import afd_section
+
+
+def routed_experts_layers(model: torch.nn.Module) -> list[RoutedExperts]:
+    """The model's routed-experts layers, in model-layer order."""
+    layers = {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, RoutedExperts)}
+    return [layers[index] for index in sorted(layers)]
+
+
+def _modular(layer: RoutedExperts) -> ExpertsFn:
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = layer.forward_modular(x, topk_weights, topk_ids)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{layer.layer_name}: forward_modular returned {type(out).__name__}, not a finished tensor")
+        return out
+
+    return run
+
+
+class AfdWorkerExtension:
+    """Mixed into vLLM's worker class; see the module docstring."""
+
+    # provided by the vLLM worker this class is mixed into
+    vllm_config: Any
+    model_runner: Any
+
+    def afd_ffn_serve(self) -> dict[str, Any]:
+        raw = afd_section(self.vllm_config.additional_config)
+        if not isinstance(raw, Mapping):
+            raise RuntimeError("afd_ffn_serve: this engine has no additional_config['afd'] section of role ffn")
+        config = ffn_serving_config(raw)
+        layers = routed_experts_layers(self.model_runner.get_model())
+        if not layers:
+            raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")
+        moe = layers[0].moe_config
+        first = next(layers[0].parameters())
+        report = serve_ffn(
+            config,
+            [_modular(layer) for layer in layers],
+            MoeShape(moe.hidden_dim, moe.experts_per_token, moe.num_experts),
+            max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
+            dtype=self.vllm_config.model_config.dtype,
+            device=first.device,
+        )
+        summary = report.as_dict()
+        summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
+        return summary
+
+    def afd_routed_expert_bytes(self) -> int:
+        layers = routed_experts_layers(self.model_runner.get_model())
+        return sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+
+    def afd_attention_stats(self) -> dict[str, Any] | None:
+        remote = attached()
+        return None if remote is None else remote.stats()

@@ -1,0 +1,81 @@
+"""One vLLM engine run for tests/vllm (a subprocess per engine: each gets a fresh vLLM).
+
+    python tests/vllm/engine.py MODEL OUT.json [--afd JSON] [--n 16] [--max-tokens 12]
+
+Builds an offline ``LLM`` on MODEL (fp32, seed 0) with afd-mrv2's worker
+extension (methods reachable through ``collective_rpc``; harmless without an
+``afd`` section), generates greedily with logprobs for fixed prompts, asks the
+worker for its routed-expert parameter bytes and AFD counters, and writes
+everything as JSON.  The environment decides the rest (VLLM_PLUGINS,
+VLLM_CPU_OMP_THREADS_BIND, the test-only zero switch, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "one two three",
+    "mixture of experts",
+    "this is a tiny model",
+    "seven eight nine",
+    "routes tokens to",
+    "the lazy dog",
+    "attention ffn",
+    "four five six",
+    "quick brown",
+    "over the lazy",
+    "tiny model for",
+    "experts routes",
+    "hello",
+    "ten nine eight seven",
+]
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--afd", default=None, help="the afd section (JSON)")
+    parser.add_argument("--n", type=int, default=len(PROMPTS))
+    parser.add_argument("--max-tokens", type=int, default=12)
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+
+    extra = {"additional_config": {"afd": json.loads(args.afd)}} if args.afd else {}
+    start = time.time()
+    llm = LLM(model=args.model, worker_extension_cls="afd_mrv2.mrv2.worker_ext.AfdWorkerExtension", **ENGINE_ARGS, **extra)
+    started = time.time()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[: args.n], params)
+    generated = time.time()
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        logprobs = [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)]
+        results.append({"prompt": output.prompt, "tokens": list(completion.token_ids), "logprobs": logprobs})
+    (expert_bytes,) = llm.collective_rpc("afd_routed_expert_bytes")
+    (afd_stats,) = llm.collective_rpc("afd_attention_stats")
+    report = {
+        "startup_s": started - start,
+        "generate_s": generated - started,
+        "routed_expert_bytes": expert_bytes,
+        "afd_stats": afd_stats,
+        "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"engine.py: startup {started - start:.1f}s generate {generated - started:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
