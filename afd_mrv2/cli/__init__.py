@@ -33,6 +33,26 @@ def add_command(
     return sub.add_parser(name, help=summary, description=description or summary)
 
 
+def add_buffer_options(group: argparse._ActionsContainer, *, depth_flag: str, default: str, what: str = "run") -> None:
+    """``depth_flag`` (depths d = d input + d output buffers) and ``--buffers IN OUT`` (repeatable)."""
+    group.add_argument(
+        depth_flag,
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"depths to {what}, each d input + d output buffers (default {default}, or none with --buffers)",
+    )
+    group.add_argument(
+        "--buffers",
+        type=int,
+        nargs=2,
+        action="append",
+        metavar=("IN", "OUT"),
+        default=[],
+        help=f"also {what} IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afd-mrv2",

@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 
+from afd_mrv2.cli import add_buffer_options
 from afd_mrv2.reference.buffer_report import buffers_cell, counts_label
 from afd_mrv2.table import format_table
 
@@ -27,22 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--scenario", nargs="+", choices=[s.name for s in SCENARIOS], help="scenarios (default: all)")
-    parser.add_argument(
-        "--depths",
-        type=int,
-        nargs="+",
-        default=None,
-        help="depths, each d input + d output buffers (default 1 2 3 4, or none when --buffers is given)",
-    )
-    parser.add_argument(
-        "--buffers",
-        type=int,
-        nargs=2,
-        action="append",
-        metavar=("IN", "OUT"),
-        default=[],
-        help="also run IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
-    )
+    add_buffer_options(parser, depth_flag="--depths", default="1 2 3 4", what="run")
     parser.add_argument("--items", type=int, default=24, help="work items per run (default 24)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
     parser.add_argument("--chart", default="out/bench.png", help="PNG chart path (default out/bench.png)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from afd_mrv2.cli import add_buffer_options
 from afd_mrv2.reference.buffer_report import buffers_cell
 from afd_mrv2.table import format_table
 
@@ -21,22 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--items", type=int, default=32, help="work items per run (default 32)")
-    parser.add_argument(
-        "--depth",
-        type=int,
-        nargs="+",
-        default=None,
-        help="in-flight depths to run, each d input + d output buffers (default 2 3, or none with --buffers)",
-    )
-    parser.add_argument(
-        "--buffers",
-        type=int,
-        nargs=2,
-        action="append",
-        metavar=("IN", "OUT"),
-        default=[],
-        help="also run IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
-    )
+    add_buffer_options(parser, depth_flag="--depth", default="2 3", what="run")
     parser.add_argument("--phase-ms", type=float, default=5.0, help="time of each phase in ms (default 5)")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON (Perfetto) of all runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

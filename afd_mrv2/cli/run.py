@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from afd_mrv2.cli import add_buffer_options
 from afd_mrv2.errors import AfdError
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
@@ -67,23 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
     topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
     topo.add_argument("--warmup", type=int, default=1, help="warm-up batches per mode (default 1)")
-    topo.add_argument(
-        "--depth",
-        type=int,
-        nargs="+",
-        default=None,
-        help="multistream depths to run after serialized, each d input + d output buffers "
-        "(default 3, or none when --buffers is given)",
-    )
-    topo.add_argument(
-        "--buffers",
-        type=int,
-        nargs=2,
-        action="append",
-        metavar=("IN", "OUT"),
-        default=[],
-        help="also run multistream with IN input + OUT output buffers (repeatable: --buffers 2 2 --buffers 3 2)",
-    )
+    add_buffer_options(topo, depth_flag="--depth", default="3", what="run multistream with")
     topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=int, default=ModelSpec.hidden_size, help="hidden size (default %(default)s)")
