@@ -1,0 +1,173 @@
+"""Bad input fails before any process starts: one line, exit 2, no child spawned; the plan each role gets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from afd_mrv2.cli import serve as serve_cli
+from afd_mrv2.errors import AfdError
+from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
+from afd_mrv2.serve import roles as roles_module
+from afd_mrv2.serve.plan import RANK_KEY
+from tests.serve.conftest import free_port_block
+
+BAD = [
+    (["--depth", "0"], "afd.multistream.depth"),
+    (["--depth", "9"], "afd.multistream.depth"),
+    (["--depth", "deep"], "afd.multistream.depth"),
+    (["--afd", '{"multistream": {"depth": 99}}'], "afd.multistream.depth"),
+    (["--afd", '{"multistream": {"bogus": 1}}'], "afd.multistream.bogus"),
+    (["--afd", '{"no_such_key": 1}'], "afd.no_such_key"),
+    (["--afd", "{not json"], "--afd: not valid JSON"),
+    (["--afd", '{"role": "ffn"}'], "afd.role"),
+    (["--afd", '{"num_ffn_ranks": 2}'], "afd.num_ffn_ranks"),
+    (["--connector", "nope"], "afd.connector"),
+    (["--", "--additional-config", '{"afd": {"async": "yes"}}'], "afd.async"),
+    (["--", "--additional-config", "[1]"], "--additional-config: expected a JSON object"),
+    (["--nope"], "unrecognized arguments: --nope"),
+]
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if serve ever tries to start a process; returns the role commands it built."""
+    built: list[list[str]] = []
+
+    async def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(roles_module.asyncio, "create_subprocess_exec", refuse)
+
+    def record(ctx):
+        built.append([ctx.role, str(ctx.rank)])
+        return ["true"]
+
+    return RoleCommands(attention=record, ffn=record), built
+
+
+@pytest.mark.parametrize(("args", "key"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exit_2_one_line_nothing_started(args, key, no_spawn, capsys):
+    commands, built = no_spawn
+    port = free_port_block(3)
+    head = [a for a in args if a != "--"] if "--" not in args else args[: args.index("--")]
+    tail = args[args.index("--") :] if "--" in args else []
+    argv = ["/models/m", "--attention", "2", "--ffn", "1", "--port", str(port), *head, *tail]
+    rc = serve_cli.main(argv, commands=commands, gate=None)
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("afd-mrv2 serve: error: ") and key in lines[0], lines
+    assert built == []
+
+
+def test_indivisible_topology(no_spawn, capsys):
+    commands, built = no_spawn
+    rc = serve_cli.main(["/m", "--attention", "3", "--ffn", "2"], commands=commands, gate=None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "afd.num_ffn_ranks" in err[0] and built == []
+
+
+def test_refused_runtime_exit_2_one_line(no_spawn, capsys):
+    commands, _ = no_spawn
+
+    def refuse(plan):
+        raise AfdError("runtime refused: vLLM is not installed")
+
+    rc = serve_cli.main(
+        ["/m", "--attention", "1", "--ffn", "1", "--port", str(free_port_block(3))], commands=commands, gate=refuse
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["afd-mrv2 serve: error: runtime refused: vLLM is not installed"]
+
+
+def test_busy_port_exit_2(no_spawn, capsys):
+    commands, _ = no_spawn
+    port = free_port_block(3)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port + 1))  # attention rank 0's port
+        holder.listen()
+        rc = serve_cli.main(["/m", "--attention", "1", "--ffn", "1", "--port", str(port)], commands=commands, gate=None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"port {port + 1}" in err[0]
+
+
+def _vllm_installed() -> bool:
+    from afd_mrv2.compat import check_runtime
+
+    return check_runtime().accepted
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--depth", "0"], ["--afd", '{"multistream": {"depth": "x"}}'], []],
+    ids=["bad-depth", "bad-afd", "refused-runtime"],
+)
+def test_real_command_refuses_before_starting(args, tmp_path):
+    if not args and _vllm_installed():
+        pytest.skip("an accepted vLLM runtime is installed: the gate would pass")
+    port = free_port_block(3)
+    cmd = [sys.executable, "-m", "afd_mrv2.cli", "serve", str(tmp_path), "--attention", "1", "--ffn", "1"]
+    proc = subprocess.run([*cmd, "--port", str(port), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("afd-mrv2 serve: error: "), lines
+    assert "runtime refused" in lines[0] if not args else "afd.multistream.depth" in lines[0]
+
+
+def test_plan_roles_ports_and_commands():
+    opts = ServeOptions(
+        model="/models/m",
+        attention=4,
+        ffn=2,
+        port=9000,
+        depth="auto",
+        connector="simlink",
+        afd_json='{"multistream": {"trace": true}}',
+        extra=("--load-format", "dummy", "--additional-config", '{"afd": {"observers": []}, "other": 1}'),
+    )
+    plan = build_plan(opts, run_dir="/run/x")
+    assert [r.name for r in plan.roles] == [
+        "ffn 0",
+        "ffn 1",
+        "attention 0",
+        "attention 1",
+        "attention 2",
+        "attention 3",
+    ]
+    assert plan.backends == tuple(f"http://127.0.0.1:{9001 + i}" for i in range(4))
+    assert plan.afd["port"] == 9005  # the AFD rendezvous port, above the engines
+    for spec in plan.roles:
+        assert spec.afd["role"] == spec.role and spec.afd[RANK_KEY] == spec.rank
+        assert spec.afd["multistream"] == {"trace": True, "enabled": True, "depth": "auto"}
+        assert spec.afd["connector"] == "simlink" and spec.afd["observers"] == []
+        config = json.loads(spec.argv[spec.argv.index("--additional-config") + 1])
+        assert config["other"] == 1 and config["afd"] == dict(spec.afd)
+        assert spec.argv.count("--additional-config") == 1  # serve's own, the extra one folded in
+        assert spec.argv[-2:] == ("--load-format", "dummy")
+    attention = plan.of("attention")[2]
+    assert attention.argv[:3] == (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+    assert attention.argv[attention.argv.index("--port") + 1] == "9003"
+    assert attention.argv[attention.argv.index("--model") + 1] == "/models/m"
+    ffn = plan.of("ffn")[1]
+    assert ffn.argv[:3] == (sys.executable, "-m", "afd_mrv2.mrv2.ffn_role")
+    assert ffn.argv[ffn.argv.index("--ready-file") + 1] == "/run/x/ffn-1.ready" == ffn.ready_file
+
+
+def test_role_commands_are_data():
+    seen = []
+
+    def fake(ctx):
+        seen.append((ctx.role, ctx.rank, ctx.port))
+        return ["fake", ctx.role]
+
+    plan = build_plan(ServeOptions("m", 2, 1, port=9000), RoleCommands(attention=fake, ffn=ffn_command))
+    assert seen == [("attention", 0, 9001), ("attention", 1, 9002)]
+    assert plan.of("attention")[0].argv == ("fake", "attention")
+    assert RoleCommands().attention is attention_command
