@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -102,8 +103,6 @@ def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_se
     time.sleep(1.0)  # mid-generation: 200 tokens take 10 s
     t0 = time.monotonic()
     signal_pid = pids[victim]
-    import os
-
     os.kill(signal_pid, signal.SIGKILL)
     rc = serve.wait()
     elapsed = time.monotonic() - t0
