@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -27,10 +28,13 @@ def test_register_as_vllm_calls_it_twice_is_harmless() -> None:
         "ep = next(e for e in importlib.metadata.entry_points(group='vllm.general_plugins') if e.name == 'afd_mrv2')\n"
         "fn = ep.load(); n = threading.active_count()\n"
         "print(fn(), fn(), threading.active_count() == n, "
-        "sorted(m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules))\n"
+        "sorted(m for m in ('vllm', 'vllm_ascend', 'torch_npu', 'afd_mrv2.mrv2.experts') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "None None True []"
+    if importlib.util.find_spec("vllm") is None:  # the unit-test venv: no runtime, not the MoE seam either
+        assert out.stdout.strip() == "None None True []"
+    else:  # .venv-vllm: the RoutedExperts replacement is registered (twice is harmless)
+        assert out.stdout.strip() == "None None True ['afd_mrv2.mrv2.experts', 'vllm']"
 
 
 def test_no_afd_section_does_nothing() -> None:
@@ -76,16 +80,17 @@ def test_valid_config_on_a_refused_runtime_is_refused_clearly() -> None:
         vllm_plugin.validate({"afd": {"connector": "simlink", "role": "attention"}}, gate=no_vllm)
     text = str(info.value)
     assert "vLLM is not installed" in text and "cuda-vllm-0.33.0" in text
-    assert len(asked) == 1 and "mrv2" in asked[0]  # the gate decided, on what the config requires
+    assert len(asked) == 1 and "moe_seam" in asked[0]  # the gate decided, on what the config requires
 
 
 def test_required_capabilities_follow_the_config() -> None:
     from afd_mrv2.config import parse_afd_config
 
     plain = parse_afd_config({"connector": "simlink", "role": "attention"})
-    assert vllm_plugin.required_capabilities(plain) == ("mrv2",)
+    assert vllm_plugin.required_capabilities(plain) == ("moe_seam",)  # the vLLM path needs the MoE seam
+    assert vllm_plugin.required_capabilities(plain, v2_runner=True) == ("moe_seam", "mrv2")  # mrv2 only on V2
     ffn = parse_afd_config({"connector": "camp2p", "role": "ffn", "multistream": {"enabled": True}})
-    assert vllm_plugin.required_capabilities(ffn) == ("mrv2", "multistream_ffn", "camp2p")
+    assert vllm_plugin.required_capabilities(ffn) == ("moe_seam", "multistream_ffn", "camp2p")
 
 
 THIRD_PARTY_CONNECTORS = """
@@ -115,6 +120,7 @@ class PlainLink(FabricLink):
 def test_a_third_party_connector_gets_the_capability_it_declares(tmp_path, monkeypatch) -> None:
     import importlib
 
+    from afd_mrv2.compat import V2_RUNNER_ENV
     from afd_mrv2.config import parse_afd_config
     from tests.test_plugins import make_distribution
 
@@ -123,8 +129,9 @@ def test_a_third_party_connector_gets_the_capability_it_declares(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     fabric = parse_afd_config({"connector": "tp_fabric", "role": "attention"})
-    assert vllm_plugin.required_capabilities(fabric) == ("mrv2", "camasync")
-    assert vllm_plugin.required_capabilities(parse_afd_config({"connector": "tp_plain", "role": "ffn"})) == ("mrv2",)
+    assert vllm_plugin.required_capabilities(fabric) == ("moe_seam", "camasync")
+    plain = parse_afd_config({"connector": "tp_plain", "role": "ffn"})
+    assert vllm_plugin.required_capabilities(plain) == ("moe_seam",)
     from afd_mrv2.compat import decide, detect_runtime
 
     asked: list[tuple[str, ...]] = []
@@ -133,6 +140,11 @@ def test_a_third_party_connector_gets_the_capability_it_declares(tmp_path, monke
         asked.append(require)
         return decide(detect_runtime({"torch": "2.13.0"}.get, python="3.12.4", cann_files=[]), require=require, env={})
 
+    monkeypatch.delenv(V2_RUNNER_ENV, raising=False)
     with pytest.raises(CompatRefused):
         vllm_plugin.validate({"afd": {"connector": "tp_fabric", "role": "attention"}}, gate=gate)
-    assert asked == [("mrv2", "camasync")]  # validate asks the gate for the declared capability
+    assert asked == [("moe_seam", "camasync")]  # validate asks the gate for the declared capability
+    monkeypatch.setenv(V2_RUNNER_ENV, "1")  # the V2 runner selected: mrv2 too
+    with pytest.raises(CompatRefused):
+        vllm_plugin.validate({"afd": {"connector": "tp_fabric", "role": "attention"}}, gate=gate)
+    assert asked[-1] == ("moe_seam", "mrv2", "camasync")

@@ -151,9 +151,17 @@ class RemoteExperts:
         return _Session(link, executor, exchange)
 
     def close(self, deadline_s: float | None = None) -> CloseReport | None:
-        """Stop the executor (tests and orderly shutdown); the FFN sees this rank leave."""
+        """End the AFD session: stop the executor, then tell the FFN ranks this rank left.
+
+        The FFN ranks end their serving loop with that reason (a process that
+        simply exits is noticed too: its connections close).
+        """
         session, self._session = self._session, None
-        return None if session is None else session.executor.close(deadline_s)
+        if session is None:
+            return None
+        report = session.executor.close(deadline_s)
+        session.link.abort("the attention rank closed its AFD session")
+        return report
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -12,7 +12,7 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
     The engine core is blocked in this call for the whole session; the FFN engine
     serves no requests of its own.
 ``afd_routed_expert_bytes()``
-    bytes held by the parameters of the process's routed-experts layers
+    (also in ``afd_ffn_serve``'s report) bytes held by the parameters of the process's routed-experts layers
     (0 on the Attention role: it holds only 0-element placeholders).
 ``afd_attention_stats()``
     the Attention role's transfer counters (None where no AFD layer was built).
@@ -75,6 +75,7 @@ class AfdWorkerExtension:
         )
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
+        summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()
         return summary
 
     def afd_routed_expert_bytes(self) -> int:

@@ -53,7 +53,9 @@ def main() -> None:
 
     extra = {"additional_config": {"afd": json.loads(args.afd)}} if args.afd else {}
     start = time.time()
-    llm = LLM(model=args.model, worker_extension_cls="afd_mrv2.mrv2.worker_ext.AfdWorkerExtension", **ENGINE_ARGS, **extra)
+    llm = LLM(
+        model=args.model, worker_extension_cls="afd_mrv2.mrv2.worker_ext.AfdWorkerExtension", **ENGINE_ARGS, **extra
+    )
     started = time.time()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
     outputs = llm.generate(PROMPTS[: args.n], params)

@@ -1,0 +1,161 @@
+"""Real vLLM engines for tests/vllm: each engine is a subprocess (a fresh vLLM per engine).
+
+* :func:`make_model`: a ``afd-mrv2 make-model`` checkpoint;
+* :func:`run_engines`: one or more :mod:`tests.vllm.engine` runs at once, each pinned
+  to its own core (``VLLM_CPU_OMP_THREADS_BIND``), results read back as JSON;
+* :class:`FfnRole`: ``python -m afd_mrv2.mrv2.ffn_role`` started before the Attention
+  engine, its ``ready`` / ``done`` lines parsed.
+
+Environment for every engine: ``HF_HUB_OFFLINE=1`` (nothing is downloaded) and
+``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).  On a 2-core machine vLLM's automatic thread
+binding puts every engine on core 0; the two engines of a pair are pinned apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENGINE = Path(__file__).with_name("engine.py")
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENGINE_TIMEOUT_S = 600
+ZERO_ENV = "AFD_MRV2_TEST_ZERO_ROUTED_EXPERTS"  # afd_mrv2.mrv2.experts.ZERO_ENV (not imported: needs vLLM)
+
+
+def cores() -> tuple[str, str]:
+    """Two CPU ids to pin a pair of engines to (the same one twice on a 1-core machine)."""
+    available = sorted(os.sched_getaffinity(0))
+    return str(available[0]), str(available[-1])
+
+
+def make_model(folder: Path, arch: str) -> Path:
+    cmd = [sys.executable, "-m", "afd_mrv2.cli", "make-model", str(folder), "--arch", arch]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return folder
+
+
+@dataclass
+class EngineRun:
+    """One engine.py run to start: its output file, afd section and extra environment."""
+
+    name: str
+    afd: dict[str, Any] | None = None
+    env: dict[str, str] | None = None
+
+
+def _env(extra: dict[str, str] | None, core: str) -> dict[str, str]:
+    env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": core}
+    env.pop(ZERO_ENV, None)  # the test-only switch reaches only the runs that ask for it
+    env.update(extra or {})
+    return env
+
+
+def run_engines(
+    model: Path, out_dir: Path, runs: list[EngineRun], *, core_list: list[str] | None = None
+) -> dict[str, Any]:
+    """Run ``runs`` concurrently (one core each); returns name -> the engine's JSON report."""
+    core_list = core_list or list(cores())
+    procs = []
+    for i, run in enumerate(runs):
+        out, log = out_dir / f"{run.name}.json", out_dir / f"{run.name}.log"
+        cmd = [sys.executable, str(ENGINE), str(model), str(out)]
+        if run.afd is not None:
+            cmd += ["--afd", json.dumps(run.afd)]
+        with open(log, "w") as f:
+            procs.append(
+                (
+                    run,
+                    out,
+                    log,
+                    subprocess.Popen(
+                        cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(run.env, core_list[i % len(core_list)])
+                    ),
+                )
+            )
+    reports = {}
+    for run, out, log, proc in procs:
+        try:
+            code = proc.wait(ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        if code != 0:
+            tail = log.read_text()[-3000:]
+            raise AssertionError(f"engine {run.name!r} exited {code}; log {log} ends:\n{tail}")
+        reports[run.name] = json.loads(out.read_text())
+    return reports
+
+
+class FfnRole:
+    """An FFN role process (``python -m afd_mrv2.mrv2.ffn_role``), started and waited for."""
+
+    def __init__(self, model: Path, afd: dict[str, Any], log: Path, core: str) -> None:
+        self.log = log
+        cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", str(model), "--afd", json.dumps(afd)]
+        cmd += ["--engine-args", json.dumps(ENGINE_ARGS)]
+        self._file = open(log, "w")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=_env(None, core))
+
+    def wait_ready(self, timeout_s: float = ENGINE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "afd-mrv2 ffn: ready" in self.log.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"FFN role exited {self.proc.returncode} before ready:\n{self.log.read_text()[-3000:]}"
+                )
+            time.sleep(1)
+        raise AssertionError(f"FFN role not ready within {timeout_s} s")
+
+    def wait(self, timeout_s: float = 120) -> dict[str, Any]:
+        """Wait for the FFN role to end (its Attention engine left); returns its report."""
+        try:
+            code = self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._file.close()
+        text = self.log.read_text()
+        done = [line for line in text.splitlines() if line.startswith("afd-mrv2 ffn: done ")]
+        assert code == 0 and done, f"FFN role exited {code} without a report:\n{text[-3000:]}"
+        return json.loads(done[-1].removeprefix("afd-mrv2 ffn: done "))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._file.close()
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Greedy results of two engine reports side by side."""
+    ra, rb = a["results"], b["results"]
+    assert [r["prompt"] for r in ra] == [r["prompt"] for r in rb]
+    pairs = list(zip(ra, rb, strict=True))
+    tokens = sum(len(x["tokens"]) for x, _ in pairs)
+    differing = sum(t != u for x, y in pairs for t, u in zip(x["tokens"], y["tokens"], strict=True))
+    identical = sum(x["tokens"] == y["tokens"] for x, y in pairs)
+    logprob = max(
+        (
+            abs(p - q)
+            for x, y in pairs
+            if x["tokens"] == y["tokens"]
+            for p, q in zip(x["logprobs"], y["logprobs"], strict=True)
+        ),
+        default=float("nan"),
+    )
+    return {
+        "completions": len(pairs),
+        "identical": identical,
+        "tokens": tokens,
+        "differing": differing,
+        "max_logprob_diff": logprob,
+    }
