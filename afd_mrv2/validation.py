@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from afd_mrv2.compat import CompatRefused, Decision, check_runtime
+from afd_mrv2.compat import CompatRefused, Decision, check_runtime, v2_runner_selected, vllm_path_capabilities
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import PluginError
 from afd_mrv2.plugins import entry_points, require_installed
@@ -54,9 +54,13 @@ def connector_capability(name: str) -> str | None:
     return capability
 
 
-def required_capabilities(config: AfdConfig) -> tuple[str, ...]:
-    """What the runtime pair must grant for ``config`` on the V2-runner path."""
-    caps = ["mrv2"]
+def required_capabilities(config: AfdConfig, *, v2_runner: bool = False) -> tuple[str, ...]:
+    """What the runtime pair must grant for ``config`` on the vLLM path.
+
+    ``moe_seam`` always, ``mrv2`` only with the V2 runner (:func:`afd_mrv2.compat.vllm_path_capabilities`),
+    then multistream and the connector's own capability.
+    """
+    caps = list(vllm_path_capabilities(v2_runner=v2_runner))
     if config.multistream.active_for(config.role):
         caps.append("multistream_ffn")
     needed = connector_capability(config.connector)
@@ -79,8 +83,11 @@ def parse_installed(additional_config: object) -> AfdConfig | None:
     return config
 
 
-def validate(additional_config: object, *, gate: Gate | None = None) -> AfdConfig | None:
+def validate(additional_config: object, *, gate: Gate | None = None, v2_runner: bool | None = None) -> AfdConfig | None:
     """Parse and check the ``afd`` section, then the runtime pair; None when there is none.
+
+    ``v2_runner``: whether ModelRunner V2 is selected (then ``mrv2`` is required); None
+    reads ``VLLM_USE_V2_MODEL_RUNNER`` (:func:`afd_mrv2.compat.v2_runner_selected`).
 
     Raises :class:`~afd_mrv2.errors.ConfigError` (bad config, naming the key),
     :class:`~afd_mrv2.errors.PluginError` (connector not installed) or
@@ -90,7 +97,8 @@ def validate(additional_config: object, *, gate: Gate | None = None) -> AfdConfi
     config = parse_installed(additional_config)
     if config is None:
         return None
-    decision = (gate or check_runtime)(required_capabilities(config))
+    v2 = v2_runner_selected() if v2_runner is None else v2_runner
+    decision = (gate or check_runtime)(required_capabilities(config, v2_runner=v2))
     if not decision.accepted:
         raise CompatRefused(decision)
     return config

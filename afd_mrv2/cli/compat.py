@@ -85,6 +85,12 @@ def run_contracts(args: argparse.Namespace) -> int:
         print(f"source: {report.source}")
         if report.versions:
             print("versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
+        for package, dist in report.providers.items():
+            print(f"{package} shipped by the {dist} distribution: platform {report.platform}")
+        if report.versions and report.platform is None:
+            print("platform: unknown (no vllm dist-info): every seam checked")
+        if report.skipped:
+            print(f"skipped (other platforms): {'; '.join(report.skipped)}")
         for dist, count in report.checked.items():
             print(f"{dist}: {count} seams checked")
         for dist in report.absent:

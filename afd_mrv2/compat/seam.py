@@ -1,0 +1,28 @@
+"""One upstream seam, declared as data (see :mod:`afd_mrv2.compat.seams` for the lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Seam:
+    distribution: str  # "vllm" | "vllm-ascend"
+    module: str
+    qualname: str
+    why: str
+    params: tuple[str, ...] | None = None  # required parameter names in order (self/cls excluded)
+    assigns: tuple[str, ...] = ()  # attributes the function assigns on self
+    bases: tuple[str, ...] = ()  # base class names (last dotted component)
+    fields: tuple[str, ...] = ()  # annotated class-level fields
+    constant: tuple[str, str] | None = None  # module-level NAME = "value"
+    capability: str | None = None
+    platforms: frozenset[str] | None = None  # vLLM platforms it applies to (None: every one)
+    names: tuple[str, ...] = ()  # module-level names the module (qualname "") must bind
+    uses: tuple[str, ...] = ()  # identifiers the definition's body must reference (names, attributes, imports)
+    decorators: tuple[str, ...] = ()  # decorator names, e.g. ("property",)
+    runnable: bool = False  # the module has an ``if __name__ == "__main__":`` block (``python -m``)
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.qualname}" if self.qualname else self.module
