@@ -114,7 +114,8 @@ def test_malformed_multistream_gives_one_line_naming_the_key(section: dict, key:
 
 def test_unknown_key_lists_the_accepted_ones() -> None:
     with pytest.raises(
-        ConfigError, match="accepted keys: auto_window, backend, buffers, close_timeout_s, depth, enabled, phases, roles, trace"
+        ConfigError,
+        match="accepted keys: auto_window, backend, buffers, close_timeout_s, depth, enabled, phases, roles, trace",
     ):
         parse_multistream({"depht": 3})
 
