@@ -64,7 +64,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_installed_plugin_without_afd_section_is_plain_vllm(runs: dict[str, Any]) -> None:
     result = compare(runs["plain"], runs["disabled"])
     assert result["identical"] == result["completions"], result
-    assert result["max_logprob_diff"] == 0.0, result
+    # the bound plain vLLM meets against itself (DeepSeek-V2's MLA path on CPU is not bit-reproducible: ~1e-6)
+    assert result["max_logprob_diff"] <= 1e-5, result
     assert runs["plain"]["routed_expert_bytes"] == runs["disabled"]["routed_expert_bytes"] > 0
 
 
