@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 
-from afd_mrv2.cli import add_buffer_options
+from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.reference.buffer_report import buffers_cell, counts_label
 from afd_mrv2.table import format_table
 
@@ -17,10 +17,11 @@ BEST_NOISE = 0.02
 def register(sub: argparse._SubParsersAction) -> None:
     from afd_mrv2.bench.grid import SCENARIOS
 
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "bench",
-        help="scenario grid x depth x schedule: efficiency, hidden communication, model, auto depth",
-        description=(
+        "scenario grid x depth x schedule: efficiency, hidden communication, model, auto depth",
+        (
             "Runs each scenario (communication-bound, compute-bound, balanced, unequal recv/send) "
             "serialized, pipelined at each depth, and with depth auto, on the simulated link; "
             "reports makespan, flow-shop bound, efficiency, hidden communication, speedup and the "

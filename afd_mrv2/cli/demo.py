@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from afd_mrv2.cli import add_buffer_options
+from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.reference.buffer_report import buffers_cell
 from afd_mrv2.table import format_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "demo",
-        help="run the shared pipeline on the simulated link: serialized vs pipelined",
-        description=(
+        "run the shared pipeline on the simulated link: serialized vs pipelined",
+        (
             "Runs the same work items through the simulated-link connector serialized and "
             "pipelined (recv and send each sleep --phase-ms, compute does about --phase-ms of "
             "matmul on one thread) and prints makespan, flow-shop lower bound, efficiency, "

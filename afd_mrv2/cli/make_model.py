@@ -6,14 +6,17 @@ import argparse
 import dataclasses
 import json
 
+from afd_mrv2.cli import add_command
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from afd_mrv2.checkpoints.archs import ARCHS
 
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "make-model",
-        help="write a tiny seeded MoE checkpoint (config, tokenizer, safetensors) into DIR",
-        description=(
+        "write a tiny seeded MoE checkpoint (config, tokenizer, safetensors) into DIR",
+        (
             "Writes config.json, generation_config.json, a locally trained tokenizer (tokenizer.json) and "
             "model.safetensors with weights drawn from N(0, 0.08) (norms are ones) by a seeded generator: "
             "the same arguments give the same bytes.  The model depends on its routed-expert output, so "

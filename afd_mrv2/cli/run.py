@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from afd_mrv2.cli import add_buffer_options
+from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.errors import AfdError
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
@@ -27,10 +27,11 @@ DEFAULT_SPLIT_REQUESTS = 4
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "run",
-        help="run the embedded AFD deployment: attention + FFN processes, serialized vs multistream",
-        description=(
+        "run the embedded AFD deployment: attention + FFN processes, serialized vs multistream",
+        (
             "Launches A attention and F FFN processes (torch.distributed gloo, torch_p2p connector), runs the "
             "same prefill batches of a tiny DeepSeek-V2-style MoE model through L layers serialized and "
             "multistream, and reports per-layer latency, speedup, overlap efficiency, max |diff| against a "
