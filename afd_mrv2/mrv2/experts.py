@@ -39,7 +39,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.remote import MoeShape, attach
 from afd_mrv2.mrv2.standin import RemoteExpertsMethod, ZeroExpertsMethod
-from afd_mrv2.validation import parse_installed
+from afd_mrv2.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class AfdRoutedExperts(RoutedExperts):
             log.warning("%s=1 (test only): the routed experts of %s contribute zeros", ZERO_ENV, prefix)
             return ZeroExpertsMethod(moe_config, extract_layer_index(prefix))
         vllm_config = get_current_vllm_config()
-        config = parse_installed(vllm_config.additional_config)
+        # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
+        config = validate(vllm_config.additional_config, v2_runner=vllm_config.use_v2_model_runner)
         if config is None or config.role != ATTENTION:
             return super()._get_quant_method(prefix, quant_config, moe_config)
         remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
