@@ -307,24 +307,24 @@ def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
     environment = installed_versions()
     operators: dict[str, OpEvidence] = {}
     comparisons: dict[str, Any] = {}
-    for module, measure in ((camp2p, _camp2p), (camasync, _camasync)):
-        resolved = resolve_torch_ops(module.NAMESPACE, module.OPS)
+    for family, measure in ((camp2p.CAMP2P, _camp2p), (camasync.CAMASYNC, _camasync)):
+        resolved = resolve_torch_ops(family.namespace, family.ops)
         if not all(me.gather(all(fn is not None for fn in resolved.values()))):
             for name, fn in resolved.items():
-                operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(f"{module.NAMESPACE}.{name}", fn is not None)
-            comparisons[module.NAME] = {"skipped": "operators not registered on every rank"}
+                operators[f"{family.namespace}.{name}"] = OpEvidence(f"{family.namespace}.{name}", fn is not None)
+            comparisons[family.name] = {"skipped": "operators not registered on every rank"}
             continue
         found, safe = measure(me, resolved)
         per_rank_found, per_rank_safe = me.gather(found), me.gather(safe)
-        for name in module.OPS:
+        for name in family.ops:
             stream, detail = _behaviour([r.get(name, {}) for r in per_rank_found])
             home = "default" if stream is StreamBehaviour.FOREIGN else None
-            operators[f"{module.NAMESPACE}.{name}"] = OpEvidence(
-                f"{module.NAMESPACE}.{name}", True, stream, home, all(per_rank_safe), detail
+            operators[f"{family.namespace}.{name}"] = OpEvidence(
+                f"{family.namespace}.{name}", True, stream, home, all(per_rank_safe), detail
             )
         partial = f"{out}.rank{rank}.partial.json"
         Evidence(environment, operators).write(partial)
-        comparisons[module.NAME] = _compare(me, module.NAME, partial)
+        comparisons[family.name] = _compare(me, family.name, partial)
     if rank == 0:
         Evidence(environment, operators, comparisons).write(out)
     me.barrier()

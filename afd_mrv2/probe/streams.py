@@ -22,16 +22,16 @@ from collections.abc import Callable
 from afd_mrv2.devices.base import DeviceBackend
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 
-Check = Callable[[], bool]
+ProbeCheck = Callable[[], bool]
 
 
 def classify_late(
-    backend: DeviceBackend, run: Callable[[], Check], *, timeout_s: float = 30.0
+    backend: DeviceBackend, run: Callable[[], ProbeCheck], *, timeout_s: float = 30.0
 ) -> tuple[StreamBehaviour, str]:
     """Run ``run()`` (which calls the operator and returns an effect check) on a probe stream."""
     stream = backend.new_stream("probe")
     event = backend.new_event()
-    box: dict[str, Check] = {}
+    box: dict[str, ProbeCheck] = {}
     stream.submit(lambda: box.__setitem__("check", run()))
     stream.record(event)
     if not event.synchronize(timeout=timeout_s):

@@ -35,7 +35,7 @@ import torch
 from afd_mrv2.testing.doubles_base import CamDoubles, operator
 
 
-def route(topk_ids: torch.Tensor, ffn_rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_rows(topk_ids: torch.Tensor, ffn_rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat (token*k) positions routed to ``ffn_rank``, grouped by local expert, and their local expert ids."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     local = flat - ffn_rank * experts_per_rank
@@ -52,7 +52,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: the geometry every async operator takes, in the operators' order (after ``comm_id``, or ``max_seq_len`` in dispatch_send)
-SIZES = ("batch_size", "hidden_size", "topk", "ffn_size", "attn_size", "expert_per_rank", "rank", "world_size")
+CAMASYNC_SIZES = ("batch_size", "hidden_size", "topk", "ffn_size", "attn_size", "expert_per_rank", "rank", "world_size")
 
 
 class CamAsyncDoubles(CamDoubles):
@@ -71,7 +71,7 @@ class CamAsyncDoubles(CamDoubles):
         "comm_args",
         "comm_id",
         "max_seq_len",
-        *SIZES,
+        *CAMASYNC_SIZES,
         "layer_idx",
         "tp_size",
         "dynamic_quant",
@@ -93,7 +93,7 @@ class CamAsyncDoubles(CamDoubles):
 
         def send() -> None:
             for f in range(a.ffn_size):
-                positions, local = route(topk_ids, f, a.expert_per_rank)
+                positions, local = route_rows(topk_ids, f, a.expert_per_rank)
                 routed = x[positions // topk]
                 shared = x if f == rank % a.ffn_size else x[:0]
                 payload = {"tokens": batch, "group_list": torch.bincount(local, minlength=a.expert_per_rank)}
@@ -109,7 +109,7 @@ class CamAsyncDoubles(CamDoubles):
 
         self._run("async_dispatch_send", rank, send)
 
-    @operator("placeholder", "comm_args", "comm_id", *SIZES, "tp_size", "dynamic_quant", "group_name")
+    @operator("placeholder", "comm_args", "comm_id", *CAMASYNC_SIZES, "tp_size", "dynamic_quant", "group_name")
     def async_dispatch_recv(self, a: SimpleNamespace) -> tuple[torch.Tensor, ...]:
         batch, hidden = a.batch_size, a.hidden_size
         capacity = batch * a.topk
@@ -142,7 +142,16 @@ class CamAsyncDoubles(CamDoubles):
         self._run("async_dispatch_recv", a.rank, receive)
         return expand_x, shared, scales, shared_scales, header, expert_counts, shared_counts
 
-    @operator("routed", "shared", "comm_args", "token_nums_rankid_layeridx", "comm_id", *SIZES, "tp_size", "group_name")
+    @operator(
+        "routed",
+        "shared",
+        "comm_args",
+        "token_nums_rankid_layeridx",
+        "comm_id",
+        *CAMASYNC_SIZES,
+        "tp_size",
+        "group_name",
+    )
     def async_combine_send(self, a: SimpleNamespace) -> None:
         routed, shared, rank = a.routed, a.shared, a.rank
         if routed.dim() != 2 or routed.shape[0] == 0 or routed.shape[1] != a.hidden_size:
@@ -167,7 +176,7 @@ class CamAsyncDoubles(CamDoubles):
 
         self._run("async_combine_send", rank, send)
 
-    @operator("placeholder", "topk_ids", "topk_weights", "comm_args", "comm_id", *SIZES, "group_name")
+    @operator("placeholder", "topk_ids", "topk_weights", "comm_args", "comm_id", *CAMASYNC_SIZES, "group_name")
     def async_combine_recv(self, a: SimpleNamespace) -> torch.Tensor:
         topk_ids, topk_weights, rank = a.topk_ids, a.topk_weights, a.rank
         with self._lock:
@@ -196,7 +205,7 @@ class CamAsyncDoubles(CamDoubles):
                     dst=rank,
                     match=lambda m, f=f: m.src == a.attn_size + f and m.tag == (layer,),
                 )
-                positions, _ = route(topk_ids, f, a.expert_per_rank)
+                positions, _ = route_rows(topk_ids, f, a.expert_per_rank)
                 rows = m.payload["routed"].to(torch.float32) * weights[positions].reshape(-1, 1)
                 acc.index_add_(0, positions // k, rows)
                 if m.payload["shared"].shape[0]:

@@ -26,7 +26,16 @@ import torch
 from afd_mrv2.testing.doubles_base import CamDoubles, operator
 
 #: the arguments a2e and e2a share, in the operators' order (after their tensors)
-SIZES = ("batch_size", "hidden_size", "topk", "expert_rank_size", "attention_rank_size", "rank", "group_ep", "aiv_num")
+CAMP2P_SIZES = (
+    "batch_size",
+    "hidden_size",
+    "topk",
+    "expert_rank_size",
+    "attention_rank_size",
+    "rank",
+    "group_ep",
+    "aiv_num",
+)
 
 
 class CamP2PDoubles(CamDoubles):
@@ -41,7 +50,7 @@ class CamP2PDoubles(CamDoubles):
             )
         return attention // ffn
 
-    @operator("x", "expert_ids", "scales", *SIZES, "compute_gate")
+    @operator("x", "expert_ids", "scales", *CAMP2P_SIZES, "compute_gate")
     def a2e(self, a: SimpleNamespace) -> list[torch.Tensor]:
         x, rank, batch, hidden = a.x, a.rank, a.batch_size, a.hidden_size
         ffn, attention = a.expert_rank_size, a.attention_rank_size
@@ -90,7 +99,7 @@ class CamP2PDoubles(CamDoubles):
             mask,
         ]
 
-    @operator("expand_x", "atten_batch_size", *SIZES)
+    @operator("expand_x", "atten_batch_size", *CAMP2P_SIZES)
     def e2a(self, a: SimpleNamespace) -> torch.Tensor:
         expand_x, rank = a.expand_x, a.rank
         ffn, attention = a.expert_rank_size, a.attention_rank_size

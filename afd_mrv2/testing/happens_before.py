@@ -37,7 +37,7 @@ from afd_mrv2.devices.recording import Op
 
 
 @dataclass(frozen=True)
-class Violation:
+class OrderingViolation:
     rule: str
     message: str
 
@@ -45,7 +45,7 @@ class Violation:
 class HappensBeforeError(AssertionError):
     """The op log does not guarantee one of the executor's ordering rules."""
 
-    def __init__(self, violations: list[Violation]) -> None:
+    def __init__(self, violations: list[OrderingViolation]) -> None:
         shown = "\n".join(f"  [{v.rule}] {v.message}" for v in violations[:10])
         more = f"\n  ... and {len(violations) - 10} more" if len(violations) > 10 else ""
         super().__init__(f"{len(violations)} happens-before violation(s):\n{shown}{more}")
@@ -86,7 +86,7 @@ def _join(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(max(p, q) for p, q in zip(x, y, strict=False))
 
 
-def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Violation]:
+def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[OrderingViolation]:
     """Every executor ordering rule the log fails to guarantee (empty: all proven)."""
     clocks = _Clocks(log, host_edges=host_edges)
     phases: dict[tuple, dict[str, int]] = {}
@@ -100,11 +100,11 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Viola
             issue_order.append(key)
         phases[key][op.name] = i
 
-    violations: list[Violation] = []
+    violations: list[OrderingViolation] = []
 
     def require(rule: str, a: int | None, b: int | None, message: str) -> None:
         if a is not None and b is not None and not clocks.before(log, a, b):
-            violations.append(Violation(rule, message))
+            violations.append(OrderingViolation(rule, message))
 
     for key in issue_order:
         item, _slots = key

@@ -14,7 +14,7 @@ import torch
 
 from afd_mrv2.devices import HostBackend
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
-from afd_mrv2.probe.streams import Check, classify_late
+from afd_mrv2.probe.streams import ProbeCheck, classify_late
 from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
 from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
 from afd_mrv2.testing.doubles_base import CamDoubles
@@ -23,7 +23,7 @@ _H, _K, _E, _T = 4, 2, 4, 3
 
 
 def _evidence(
-    doubles: CamDoubles, ops: tuple[str, ...], ranks: tuple[int, ...], runs: tuple[Callable[[], Check], ...]
+    doubles: CamDoubles, ops: tuple[str, ...], ranks: tuple[int, ...], runs: tuple[Callable[[], ProbeCheck], ...]
 ) -> Evidence:
     """Classify each step (operator ``ops[i]`` called by ``runs[i]`` on world rank ``ranks[i]``), in order.
 
@@ -51,19 +51,19 @@ def probe_camp2p(d: CamP2PDoubles) -> Evidence:
     x, y, box = torch.randn(_T, _H), torch.randn(_T, _H), {}
     sizes = dict(hidden_size=_H, topk=_K, expert_rank_size=1, attention_rank_size=1, group_ep="probe", aiv_num=8)
 
-    def send_a2e() -> Check:
+    def send_a2e() -> ProbeCheck:
         d.a2e(x, None, None, batch_size=_T, rank=1, compute_gate=0, **sizes)
         return lambda: d.fabric.peek(channel=("a2e", "probe"), dst=0)
 
-    def recv_a2e() -> Check:
+    def recv_a2e() -> ProbeCheck:
         box["a2e"] = out = d.a2e(x[:0], None, None, batch_size=_T, rank=0, compute_gate=0, **sizes)
         return lambda: bool(out[4].all()) and torch.equal(out[0], x)
 
-    def send_e2a() -> Check:
+    def send_e2a() -> ProbeCheck:
         d.e2a(y, box["a2e"][3], batch_size=_T, rank=0, **sizes)
         return lambda: d.fabric.peek(channel=("e2a", "probe"), dst=1)
 
-    def recv_e2a() -> Check:
+    def recv_e2a() -> ProbeCheck:
         out = d.e2a(x, torch.zeros(1, dtype=torch.int32), batch_size=_T, rank=1, **sizes)
         return lambda: torch.equal(out, y)
 
@@ -87,13 +87,13 @@ def probe_camasync(d: CamAsyncDoubles) -> Evidence:
         group_name="probe",
     )
 
-    def dispatch_send() -> Check:
+    def dispatch_send() -> ProbeCheck:
         d.async_dispatch_send(
             x, ids, None, max_seq_len=8, batch_size=_T, rank=0, layer_idx=0, tp_size=1, dynamic_quant=0, **common
         )
         return lambda: d.fabric.peek(channel=("dispatch", "probe", 0), dst=1)
 
-    def dispatch_recv() -> Check:
+    def dispatch_recv() -> ProbeCheck:
         box["recv"] = out = d.async_dispatch_recv(
             x[:1], None, batch_size=8, rank=1, tp_size=1, dynamic_quant=0, **common
         )
@@ -101,11 +101,11 @@ def probe_camasync(d: CamAsyncDoubles) -> Evidence:
         expected = torch.cat([x, x])
         return lambda: int(out[4][1]) == 0 and torch.equal(out[0][: _T * _K], expected)
 
-    def combine_send() -> Check:
+    def combine_send() -> ProbeCheck:
         d.async_combine_send(routed_out, x, None, box["recv"][4], batch_size=8, rank=1, tp_size=1, **common)
         return lambda: d.fabric.peek(channel=("combine", "probe", 0), dst=0)
 
-    def combine_recv() -> Check:
+    def combine_recv() -> ProbeCheck:
         out = d.async_combine_recv(x[:1], ids, weights, None, batch_size=_T, rank=0, **common)
         expected = 0.5 * routed_out[:_T] + 0.5 * routed_out[_T:] + x
         return lambda: torch.allclose(out, expected)

@@ -61,7 +61,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.camasync_state import (
-    OPS,
+    CAMASYNC_OPS,
     AFDAsyncTransferState,
     CamAsyncDispatch,
     CamAsyncFfnBatch,
@@ -73,7 +73,7 @@ from afd_mrv2.hooks.cam.camasync_state import (
 )
 from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBase, CamFfnBase, wait_until_idle
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
-from afd_mrv2.hooks.cam.ops import OpSet
+from afd_mrv2.hooks.cam.ops import OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.plugins import ConnectorContext
@@ -81,9 +81,8 @@ from afd_mrv2.topology import ATTENTION
 from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
 from afd_mrv2.work import Work
 
-NAME = "camasync"
-NAMESPACE = "umdk_cam_op_lib"
-KNOWN = {name: (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`") for name in OPS}
+_UNPROBED = (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`")
+CAMASYNC = OperatorFamily("camasync", "umdk_cam_op_lib", CAMASYNC_OPS, dict.fromkeys(CAMASYNC_OPS, _UNPROBED))
 
 
 class CamAsyncConnector(CamConnectorBase):
@@ -92,7 +91,7 @@ class CamAsyncConnector(CamConnectorBase):
     Holds what both roles set up alike (options, sizes, operators).
     """
 
-    name = NAME
+    name = CAMASYNC.name
     required_capability = "camasync"
 
     def __init__(self, context: ConnectorContext) -> None:
@@ -120,8 +119,8 @@ class CamAsyncConnector(CamConnectorBase):
         self._recv_placeholder = torch.empty((1,), dtype=self.model.dtype, device=self.device)
         self.ops: OpSet = self._ops(
             context,
-            namespace=NAMESPACE,
-            known=KNOWN,
+            namespace=CAMASYNC.namespace,
+            known=CAMASYNC.known,
             install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",
         )
         self.cam = CamAsyncOps.of(self.ops)

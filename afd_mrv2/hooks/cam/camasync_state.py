@@ -14,7 +14,7 @@ import torch
 from afd_mrv2.errors import PluginError
 from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
 
-OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
+CAMASYNC_OPS = ("async_dispatch_send", "async_dispatch_recv", "async_combine_send", "async_combine_recv")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class CamAsyncOps:
 
     @classmethod
     def of(cls, ops: OpSet) -> CamAsyncOps:
-        return cls(*(ops[name] for name in OPS))
+        return cls(*(ops[name] for name in CAMASYNC_OPS))
 
 
 @dataclass

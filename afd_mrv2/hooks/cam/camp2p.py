@@ -51,7 +51,7 @@ from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBase, CamFfnBase
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
-from afd_mrv2.hooks.cam.ops import BoundOp, OpSet
+from afd_mrv2.hooks.cam.ops import BoundOp, OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
@@ -60,11 +60,10 @@ from afd_mrv2.topology import FFN
 from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
 from afd_mrv2.work import Work
 
-NAME = "camp2p"
-NAMESPACE = "afd_ascend"
-OPS = ("a2e", "e2a")
 _SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"
-KNOWN = {name: (StreamBehaviour.CURRENT, _SOURCE_BASIS) for name in OPS}
+CAMP2P = OperatorFamily(
+    "camp2p", "afd_ascend", ("a2e", "e2a"), {name: (StreamBehaviour.CURRENT, _SOURCE_BASIS) for name in ("a2e", "e2a")}
+)
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ class CamP2PConnector(CamConnectorBase):
     Holds what both roles set up alike (options, HCCL groups, operators).
     """
 
-    name = NAME
+    name = CAMP2P.name
     required_capability = "camp2p"
 
     def __init__(self, context: ConnectorContext) -> None:
@@ -149,8 +148,8 @@ class CamP2PConnector(CamConnectorBase):
         self.ep_group: str | None = context.resources.get("ffn_ep_group")
         self.ops: OpSet = self._ops(
             context,
-            namespace=NAMESPACE,
-            known=KNOWN,
+            namespace=CAMP2P.namespace,
+            known=CAMP2P.known,
             install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
         )
         self.cam = CamP2POps.of(self.ops)

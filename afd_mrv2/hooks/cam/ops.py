@@ -259,3 +259,15 @@ def installed_versions(*distributions: str) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+@dataclass(frozen=True)
+class OperatorFamily:
+    """One CAM connector's operators: its entry-point name, its ``torch.ops`` namespace,
+    the operator names, and what is known of each operator's stream behaviour
+    (behaviour, basis) before any probe ran."""
+
+    name: str
+    namespace: str
+    ops: tuple[str, ...]
+    known: Mapping[str, tuple[StreamBehaviour, str]]

@@ -123,7 +123,7 @@ class AttentionSide(Side):
         for ffn, buffer, count in zip(self.peers, inbox.buffers, inbox.counts, strict=True):
             expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, sent, count)
             got = wire.Header.read(wire.header_view(buffer))
-            wire.validate(got, expected, peer_name=self.link.describe(ffn), what="combine")
+            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine")
         charge_link(self.options, work, "recv", inbox.pendings)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:

@@ -83,7 +83,9 @@ class FfnSide(Side):
         for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
             expected = wire.item_header(wire.KIND_DISPATCH, peer, link.rank, item, tokens=0)
-            wire.validate(got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity)
+            wire.validate_header(
+                got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity
+            )
             counts.append(got.tokens)
         payloads = [
             link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")

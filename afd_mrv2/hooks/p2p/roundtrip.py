@@ -42,7 +42,7 @@ from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
 
-Source = Callable[[WorkItem], Any]
+RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, torch.Tensor], None]
 
 
@@ -56,7 +56,9 @@ class _RoundTripOutputs(_Outputs):
 class RoundTripAttentionSide(AttentionSide):
     """Phase logic of an attention rank whose caller waits for each item; see the module docstring."""
 
-    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions, *, source: Source, sink: Sink) -> None:
+    def __init__(
+        self, link: PeerLink, shape: P2pShape, options: P2pOptions, *, source: RoutedSource, sink: Sink
+    ) -> None:
         super().__init__(link, shape, options)
         self.source = source
         self.sink = sink
@@ -103,7 +105,7 @@ class RoundTripAttentionSide(AttentionSide):
         for ffn, buffer, count, index in zip(self.peers, slot.inbox, dispatch.counts, dispatch.indices, strict=True):
             expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, item, count)
             got = wire.Header.read(wire.header_view(buffer))
-            wire.validate(got, expected, peer_name=self.link.describe(ffn), what="combine")
+            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine")
             if count:
                 combined.index_add_(0, index, wire.combine_rows(buffer, hidden_size, count))
         self.sink(item, combined)

@@ -86,7 +86,7 @@ def header_view(buffer: torch.Tensor) -> torch.Tensor:
     return buffer[:HEADER_BYTES].view(torch.int64)
 
 
-def validate(got: Header, expected: Header, *, peer_name: str, what: str, max_tokens: int | None = None) -> None:
+def validate_header(got: Header, expected: Header, *, peer_name: str, what: str, max_tokens: int | None = None) -> None:
     """Raise :class:`ProtocolError` unless ``got`` matches ``expected`` field by field.
 
     With ``max_tokens`` the token count is only range-checked (``0..max_tokens``),

@@ -21,7 +21,7 @@ import torch
 
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.testing.cam_fabric import DelayEveryOther, Fabric, FabricAborted, ForeignWorker, Message
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles, quantize, route
+from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles, quantize, route_rows
 from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
 from afd_mrv2.testing.probe_doubles import probe_camasync, probe_camp2p
 
@@ -226,7 +226,7 @@ def test_quantize_and_route_helpers() -> None:
         assert torch.all((q[row].float() * step - x[row]).abs() <= step / 2 + 1e-6)
     ids = torch.randint(0, F * E_R, (6, K), generator=g)
     for f in range(F):
-        positions, local = route(ids, f, E_R)
+        positions, local = route_rows(ids, f, E_R)
         expected = [(t * K + k, e) for e in range(E_R) for t in range(6) for k in range(K) if ids[t, k] == f * E_R + e]
         assert list(zip(positions.tolist(), local.tolist(), strict=True)) == expected
     # the same contract through the operators: an int8 dispatch arrives with its scales

@@ -21,7 +21,7 @@ def roundtrip(header: wire.Header) -> wire.Header:
 
 def test_header_roundtrip() -> None:
     assert roundtrip(EXPECTED) == EXPECTED
-    wire.validate(roundtrip(EXPECTED), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
+    wire.validate_header(roundtrip(EXPECTED), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_header_roundtrip() -> None:
 def test_each_bad_field_is_named(field: str, value: int, needle: str) -> None:
     bad = dataclasses.replace(EXPECTED, **{field: value})
     with pytest.raises(ProtocolError) as info:
-        wire.validate(roundtrip(bad), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
+        wire.validate_header(roundtrip(bad), EXPECTED, peer_name="attention rank 1 (global rank 1)", what="dispatch")
     err = info.value
     assert err.field == field and err.peer == 1
     assert f"field {field!r}" in str(err) and needle in str(err)
@@ -49,11 +49,15 @@ def test_each_bad_field_is_named(field: str, value: int, needle: str) -> None:
 
 def test_token_count_is_range_checked_when_learned_from_the_header() -> None:
     ok = dataclasses.replace(EXPECTED, tokens=64)
-    wire.validate(ok, EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+    wire.validate_header(ok, EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
     with pytest.raises(ProtocolError, match=r"expected 0\.\.64 \(the per-stage capacity\), got 65"):
-        wire.validate(dataclasses.replace(EXPECTED, tokens=65), EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+        wire.validate_header(
+            dataclasses.replace(EXPECTED, tokens=65), EXPECTED, peer_name="p", what="dispatch", max_tokens=64
+        )
     with pytest.raises(ProtocolError, match="got -1"):
-        wire.validate(dataclasses.replace(EXPECTED, tokens=-1), EXPECTED, peer_name="p", what="dispatch", max_tokens=64)
+        wire.validate_header(
+            dataclasses.replace(EXPECTED, tokens=-1), EXPECTED, peer_name="p", what="dispatch", max_tokens=64
+        )
 
 
 def test_dispatch_layout_round_trips_rows() -> None:
