@@ -147,9 +147,6 @@ SEAMS: tuple[Seam, ...] = (
     ),
 )
 
-#: Every seam: the V2-runner seams above, then the vLLM path's.
-ALL_SEAMS: tuple[Seam, ...] = SEAMS + MOE_SEAMS
-
 #: Upstream symbols the vLLM-path code uses beyond :data:`MOE_SEAMS` (afd_mrv2/mrv2/experts.py,
 #: standin.py, worker_ext.py, ffn_role.py and tests/vllm), appended by the vLLM-path work.
 VLLM_PATH_SEAMS: tuple[Seam, ...] = (
@@ -212,4 +209,5 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
     ),
 )
 
-ALL_SEAMS = ALL_SEAMS + VLLM_PATH_SEAMS
+#: Every seam: the V2-runner seams above, then the vLLM path's.
+ALL_SEAMS: tuple[Seam, ...] = SEAMS + MOE_SEAMS + VLLM_PATH_SEAMS
