@@ -1,4 +1,4 @@
-"""Start an FFN role process: ``python -m afd_mrv2.mrv2.ffn_role MODEL --afd JSON [--engine-args JSON]``.
+"""Start an FFN role process: ``python -m afd_mrv2.mrv2.ffn_role MODEL [--afd JSON] [--engine-args JSON] [-- VLLM ARGS]``.
 
 Builds a vLLM engine (offline ``LLM``) on MODEL with ``additional_config={"afd":
 AFD}`` (role ``ffn``) and afd-mrv2's worker extension, so vLLM loads the
@@ -14,14 +14,23 @@ already reaches the FFN (docs/vllm.md).  Output, one line each on stdout::
 
 ``--engine-args`` is a JSON object of extra ``LLM(...)`` keyword arguments
 (``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ...), the same the
-Attention engine gets.  ``enforce_eager`` defaults to true here: the FFN engine
-runs no model forward of its own beyond vLLM's start-up.
-Exit status: 0 after a session, 2 for a bad ``--afd`` (one line, nothing started).
+Attention engine gets.  VLLM ARGS after ``--`` are vLLM engine arguments as
+``vllm serve`` takes them (``--dtype float32 --max-model-len 256 ...``, what
+``afd-mrv2 serve`` passes every role), parsed by vLLM's own parser
+(``EngineArgs.add_cli_args``); the ones given explicitly become ``LLM(...)``
+keyword arguments under ``--engine-args``; arguments that are not engine
+arguments (front-end ones such as ``--api-key``) are ignored with a line on
+stderr.  The ``afd`` section is ``--afd``, else the ``afd`` key of an
+``--additional-config`` among VLLM ARGS (whose other keys are kept).
+``enforce_eager`` defaults to true here: the FFN engine runs no model forward
+of its own beyond vLLM's start-up.
+Exit status: 0 after a session, 2 for a bad ``--afd`` or VLLM ARGS (one line, nothing started).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,23 +52,50 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
     return value
 
 
+def vllm_engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
+    """The engine arguments given explicitly in ``vllm_args`` (``vllm serve`` syntax), as ``LLM(...)`` keywords."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="afd-mrv2 ffn: VLLM ARGS"))
+    given, unknown = parser.parse_known_args(vllm_args)
+    if unknown:
+        print(f"afd-mrv2 ffn: not engine arguments, ignored here: {' '.join(unknown)}", file=sys.stderr, flush=True)
+    default = vars(parser.parse_known_args([])[0])
+    return {
+        f.name: getattr(given, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if hasattr(given, f.name) and getattr(given, f.name) != default.get(f.name)
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m afd_mrv2.mrv2.ffn_role", description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, vllm_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="python -m afd_mrv2.mrv2.ffn_role", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("model", help="the checkpoint folder (or model name) the Attention engine serves")
-    parser.add_argument("--afd", required=True, help='the afd section as JSON, role "ffn"')
+    parser.add_argument("--afd", help='the afd section as JSON, role "ffn" (default: the one in VLLM ARGS)')
     parser.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as a JSON object")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(head)
     try:
-        afd = _json_object(args.afd, "--afd")
-        ffn_serving_config(afd)  # fail before any engine exists
-        engine_args = _json_object(args.engine_args, "--engine-args")
+        engine_args = vllm_engine_kwargs(vllm_args) if vllm_args else {}
+        engine_args.update(_json_object(args.engine_args, "--engine-args"))
+        additional = dict(engine_args.pop("additional_config", None) or {})
+        if args.afd is not None:
+            additional["afd"] = _json_object(args.afd, "--afd")
+        if not isinstance(additional.get("afd"), dict):
+            raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
+        ffn_serving_config(additional["afd"])  # fail before any engine exists
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2
     from vllm import LLM
 
     engine_args.setdefault("enforce_eager", True)
-    llm = LLM(model=args.model, additional_config={"afd": afd}, worker_extension_cls=EXTENSION, **engine_args)
+    engine_args.pop("model", None)
+    llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=EXTENSION, **engine_args)
     print(f"afd-mrv2 ffn: ready pid={os.getpid()}", flush=True)
     (report,) = llm.collective_rpc("afd_ffn_serve")
     print(f"afd-mrv2 ffn: done {json.dumps(report)}", flush=True)

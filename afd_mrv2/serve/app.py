@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import TextIO
 
 from afd_mrv2.compat import check_runtime
+from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
+from afd_mrv2.items import ATTENTION
 from afd_mrv2.serve.plan import Plan, RoleCommands, ServeOptions, build_plan, check_ports_free
 from afd_mrv2.serve.supervisor import Supervisor
 
@@ -23,7 +25,12 @@ Gate = Callable[[Plan], None]
 
 
 def runtime_gate(plan: Plan) -> None:
-    """The compat gate: the installed vLLM pair must be accepted (``mrv2`` granted when the V2 runner is selected)."""
+    """The gate of the vLLM roles: the ``afd`` section must be one the vLLM MoE seam serves
+    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`) and the installed vLLM pair must be accepted
+    (``mrv2`` granted when the V2 runner is selected)."""
+    from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
+
+    check_vllm_path(parse_afd_config({**plan.afd, "role": ATTENTION}))
     require = ("mrv2",) if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else ()
     decision = check_runtime(require)
     if not decision.accepted:

@@ -32,8 +32,12 @@ from afd_mrv2.plugins import entry_points
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_CONNECTOR = "torch_p2p"
-#: The key serve adds to each role's ``afd`` section: the rank within its role.
+#: The key serve adds to each role's ``afd`` section: the rank within its role (``AfdConfig.rank``).
 RANK_KEY = "rank"
+#: vLLM's CPU thread binding; serve pins each role to its own cores unless the environment sets it.
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+#: Every role's environment defaults (serve's own environment wins): nothing is downloaded, 1 GiB of CPU KV cache.
+ROLE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: An FFN role is ready once it prints a line containing this, or once its ready file exists.
 FFN_READY_MARKER = "afd-mrv2 ffn: ready"
 ADDITIONAL_CONFIG = "--additional-config"
@@ -78,18 +82,20 @@ def attention_command(ctx: RoleContext) -> list[str]:
 
 
 def ffn_command(ctx: RoleContext) -> list[str]:
-    """One FFN rank: ``python -m afd_mrv2.mrv2.ffn_role``; ready when it prints
-    :data:`FFN_READY_MARKER` or creates ``--ready-file``."""
+    """One FFN rank: ``python -m afd_mrv2.mrv2.ffn_role MODEL -- --additional-config JSON EXTRA...``.
+
+    ``ffn_role`` parses the vLLM arguments after ``--`` with vLLM's own engine-argument
+    parser and takes its ``afd`` section from ``--additional-config``; it is ready when
+    it prints :data:`FFN_READY_MARKER`.
+    """
     return [
         sys.executable,
         "-m",
         "afd_mrv2.mrv2.ffn_role",
-        "--model",
         ctx.model,
+        "--",
         ADDITIONAL_CONFIG,
         ctx.additional_config,
-        "--ready-file",
-        str(ctx.ready_file),
         *ctx.extra,
     ]
 
@@ -126,6 +132,8 @@ class RoleSpec:
     afd: Mapping[str, Any]
     port: int | None = None
     ready_file: str | None = None
+    #: Environment defaults for this process (serve's own environment wins over them).
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -202,6 +210,8 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     if opts.connector is not None:
         afd["connector"] = opts.connector
     afd.setdefault("connector", DEFAULT_CONNECTOR)
+    # vLLM's MoE runner computes the router on the Attention side: the only value its seam accepts
+    afd.setdefault("compute_gate_on_attention", True)
     if opts.depth is not None:
         multistream = afd.get("multistream") or {}
         if not isinstance(multistream, dict):
@@ -231,6 +241,25 @@ def check_ports_free(ports: Sequence[int]) -> None:
                 raise AfdError(f"port {port} on {HOST} is not free ({exc.strerror})") from None
 
 
+def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value for each of ``count`` processes: disjoint
+    blocks of ``cores`` when there are enough of them, else one core each, round robin."""
+    cores = sorted(cores)
+    if not cores:
+        return [""] * count
+    if len(cores) < count:
+        return [str(cores[i % len(cores)]) for i in range(count)]
+    size = len(cores) // count
+    return [",".join(str(c) for c in cores[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def _available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
     """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
     commands = commands or RoleCommands()
@@ -240,14 +269,21 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
-    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, once, with the one options parser
+    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, with the one options parser
     _check_connector(afd["connector"])
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     specs: list[RoleSpec] = []
+    # Attention ranks take the first core blocks, FFN ranks the next ones
+    binds = iter(cpu_binds(opts.attention + opts.ffn, _available_cores()))
+    bind = {ATTENTION: [next(binds) for _ in range(opts.attention)], FFN: [next(binds) for _ in range(opts.ffn)]}
     for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention)):
         for rank in range(count):
             section = {**afd, "role": role, RANK_KEY: rank}
+            parse_afd_config(section)  # rank below its role's count
+            env = dict(ROLE_ENV)
+            if bind[role][rank]:
+                env[CPU_BIND_ENV] = bind[role][rank]
             port = opts.port + 1 + rank if role == ATTENTION else None
             ready = str(Path(run_dir) / f"ffn-{rank}.ready") if role == FFN else None
             ctx = RoleContext(
@@ -260,5 +296,5 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
                 ready_file=ready,
             )
             build = commands.attention if role == ATTENTION else commands.ffn
-            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready))
+            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env))
     return Plan(opts, tuple(specs), run_dir, afd)

@@ -95,7 +95,7 @@ class RoleProcess:
         return f"{self.spec.role} rank {self.spec.rank} (pid {self.pid})"
 
     async def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {**self.spec.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.spec.argv,
             stdin=asyncio.subprocess.DEVNULL,

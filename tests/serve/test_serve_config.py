@@ -10,10 +10,11 @@ import sys
 import pytest
 
 from afd_mrv2.cli import serve as serve_cli
-from afd_mrv2.errors import AfdError
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
 from afd_mrv2.serve import roles as roles_module
-from afd_mrv2.serve.plan import RANK_KEY
+from afd_mrv2.serve.plan import RANK_KEY, cpu_binds
 from tests.serve.conftest import free_port_block
 
 BAD = [
@@ -156,8 +157,31 @@ def test_plan_roles_ports_and_commands():
     assert attention.argv[attention.argv.index("--port") + 1] == "9003"
     assert attention.argv[attention.argv.index("--model") + 1] == "/models/m"
     ffn = plan.of("ffn")[1]
-    assert ffn.argv[:3] == (sys.executable, "-m", "afd_mrv2.mrv2.ffn_role")
-    assert ffn.argv[ffn.argv.index("--ready-file") + 1] == "/run/x/ffn-1.ready" == ffn.ready_file
+    # ffn_role MODEL -- VLLM ARGS: its afd section is the one in --additional-config
+    assert ffn.argv[:6] == (sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", "/models/m", "--", "--additional-config")
+    assert ffn.ready_file == "/run/x/ffn-1.ready"  # for role commands that prefer a ready file
+    for spec in plan.roles:
+        assert spec.env["HF_HUB_OFFLINE"] == "1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_each_role_is_pinned_to_its_own_cores():
+    assert cpu_binds(2, [0, 1]) == ["0", "1"]
+    assert cpu_binds(2, [4, 5, 6, 7, 8]) == ["4,5", "6,7"]
+    assert cpu_binds(3, [0, 1]) == ["0", "1", "0"]
+    assert cpu_binds(1, []) == [""]
+
+
+def test_rank_is_an_afd_option_checked_per_process():
+    assert parse_afd_config({"connector": "x", "role": "ffn", "rank": 0}).rank == 0
+    with pytest.raises(ConfigError, match=r"^afd\.rank: expected an integer in 0\.\.0 \(num_ffn_ranks is 1\), got 1$"):
+        parse_afd_config({"connector": "x", "role": "ffn", "rank": 1})
+    plan = build_plan(ServeOptions("m", 2, 1, port=9000), run_dir="/run/x")
+    assert {(r.role, parse_afd_config(r.afd).rank) for r in plan.roles} == {
+        ("ffn", 0),
+        ("attention", 0),
+        ("attention", 1),
+    }
+    assert plan.afd["compute_gate_on_attention"] is True  # the only value vLLM's MoE seam serves
 
 
 def test_role_commands_are_data():
