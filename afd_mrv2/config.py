@@ -20,13 +20,26 @@ hash).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import ATTENTION, FFN, PHASES
+from afd_mrv2.options import (
+    FLAG,
+    JSON,
+    NAMES,
+    TEXT,
+    Check,
+    integer,
+    number,
+    one_of,
+    option,
+    parse_section,
+    section,
+    subset_of,
+)
 
 ROLES = (ATTENTION, FFN)
 #: The communication phases (the first and last of the work item's three).

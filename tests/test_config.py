@@ -8,22 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_mrv2.config import (
-    TEXT,
-    MultistreamConfig,
-    accepted_keys,
-    integer,
-    number,
-    one_of,
-    option,
-    parse_afd_config,
-    parse_multistream,
-    parse_section,
-)
+from afd_mrv2.config import MultistreamConfig, parse_afd_config, parse_multistream
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.hooks.cam.options import CamAsyncOptions, CamP2POptions
 from afd_mrv2.hooks.p2p import P2pOptions, parse_options
 from afd_mrv2.hooks.simlink import LinkModel, SimLinkOptions
+from afd_mrv2.options import TEXT, accepted_keys, integer, number, one_of, option, parse_section
 
 
 def test_defaults_are_the_serialized_fallback() -> None:

@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from afd_mrv2.config import number, option, parse_section
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
+from afd_mrv2.options import number, option, parse_section
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.work import Work
 

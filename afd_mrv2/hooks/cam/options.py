@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from afd_mrv2.config import ANYTHING, AfdConfig, integer, option, parse_section
+from afd_mrv2.config import AfdConfig
+from afd_mrv2.options import ANYTHING, integer, option, parse_section
 from afd_mrv2.topology import ATTENTION
 
 KEY = "afd.connector_extra_config"

@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from afd_mrv2.config import integer, number, option, parse_section
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
+from afd_mrv2.options import integer, number, option, parse_section
 from afd_mrv2.work import Work
 
 _POSITIVE = number()
