@@ -18,7 +18,7 @@ from typing import NoReturn
 from afd_mrv2.cli import add_command
 from afd_mrv2.errors import AfdError
 from afd_mrv2.serve import RoleCommands, ServeOptions, runtime_gate, serve
-from afd_mrv2.serve.app import Gate
+from afd_mrv2.serve.app import PlanGate
 from afd_mrv2.serve.plan import DEFAULT_CONNECTOR, DEFAULT_PORT
 from afd_mrv2.serve.proxy import BALANCE
 
@@ -96,11 +96,11 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     )
 
 
-def run(args: argparse.Namespace, *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> int:
+def run(args: argparse.Namespace, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> int:
     return serve(options_from_args(args), commands=commands, gate=gate)
 
 
-def main(argv: list[str], *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> int:
+def main(argv: list[str], *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> int:
     """``afd-mrv2 serve ARGV`` with other role commands or runtime gate (what the tests start)."""
     parser = argparse.ArgumentParser(prog="afd-mrv2")
     register(parser.add_subparsers(dest="command", required=True))

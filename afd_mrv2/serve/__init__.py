@@ -12,7 +12,7 @@ See docs/serve.md.
 
 from __future__ import annotations
 
-from afd_mrv2.serve.app import Gate, prepare, runtime_gate, serve
+from afd_mrv2.serve.app import PlanGate, prepare, runtime_gate, serve
 from afd_mrv2.serve.plan import (
     FFN_READY_MARKER,
     Plan,
@@ -28,8 +28,8 @@ from afd_mrv2.serve.supervisor import READY_PREFIX
 __all__ = [
     "FFN_READY_MARKER",
     "READY_PREFIX",
-    "Gate",
     "Plan",
+    "PlanGate",
     "RoleCommands",
     "RoleContext",
     "ServeOptions",

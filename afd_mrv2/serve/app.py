@@ -21,7 +21,7 @@ from afd_mrv2.serve.plan import Plan, RoleCommands, ServeOptions, build_plan, ch
 from afd_mrv2.serve.supervisor import Supervisor
 
 #: Decides, before anything starts, whether this runtime may serve ``plan``; raises AfdError if not.
-Gate = Callable[[Plan], None]
+PlanGate = Callable[[Plan], None]
 
 
 def runtime_gate(plan: Plan) -> None:
@@ -38,7 +38,7 @@ def runtime_gate(plan: Plan) -> None:
         raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")
 
 
-def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: Gate | None = runtime_gate) -> Plan:
+def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:
     """Every check that runs before a process starts: plan, runtime gate (None skips it), ports."""
     plan = build_plan(opts, commands)
     if gate is not None:
@@ -51,7 +51,7 @@ def serve(
     opts: ServeOptions,
     *,
     commands: RoleCommands | None = None,
-    gate: Gate | None = runtime_gate,
+    gate: PlanGate | None = runtime_gate,
     out: TextIO | None = None,
     log: TextIO | None = None,
 ) -> int:
