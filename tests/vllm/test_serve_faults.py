@@ -1,0 +1,103 @@
+"""Faults of ``afd-mrv2 serve`` on real vLLM: each test starts a serve of its own.
+
+* a malformed ``afd`` section (or one the vLLM seam cannot serve): exit 2, one line, nothing started;
+* SIGKILL of the FFN process mid-generation: every in-flight request gets an error
+  response (no hang) and serve exits non-zero within 10 s naming the FFN role.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve.conftest import free_port_block, pid_alive
+from tests.vllm.harness import make_model
+from tests.vllm.serving import PROMPTS, Serve, body, complete, stream
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("faults-mixtral") / "model", "mixtral")
+
+
+@pytest.mark.parametrize(
+    ("afd", "key"),
+    [
+        ('{"multistream": {"depth": 0}}', "afd.multistream.depth"),
+        ('{"connectr": "torch_p2p"}', "afd.connectr"),
+        ('{"compute_gate_on_attention": false}', "afd.compute_gate_on_attention"),
+        ('{"rank": 0}', "afd.rank"),
+    ],
+    ids=["bad-depth", "unknown-key", "gate-on-ffn", "rank-given"],
+)
+def test_malformed_afd_section_exits_2_one_line_nothing_started(model: Path, afd: str, key: str) -> None:
+    exe = Path(sys.executable).with_name("afd-mrv2")
+    cmd = [str(exe), "serve", str(model), "--attention", "1", "--ffn", "1", "--port", str(free_port_block(3))]
+    start = time.monotonic()
+    proc = subprocess.run([*cmd, "--afd", afd], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    lines = proc.stderr.strip().splitlines()
+    print(f"\n[faults] --afd {afd}: exit {proc.returncode} in {took:.1f} s: {lines}", flush=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert len(lines) == 1 and lines[0].startswith(f"afd-mrv2 serve: error: {key}"), lines
+    assert "started pid" not in proc.stderr
+
+
+def test_ffn_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_ffn(
+    model: Path, tmp_path: Path
+) -> None:
+    serve = Serve(model, free_port_block(3), tmp_path / "serve.log")
+    try:
+        ready_s = serve.wait_ready()
+        ffn_pid = serve.role_pid("ffn 0")
+        results: list[Any] = [None] * 8
+        finished: list[float] = [0.0] * 8
+        first = threading.Event()
+
+        def client(i: int) -> None:
+            payload = body(model, PROMPTS[i], 200)
+            results[i] = stream(serve.url, payload, first=first) if i % 2 else complete(serve.url, payload)
+            finished[i] = time.monotonic()
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert first.wait(120), "no streamed token arrived"
+        time.sleep(0.5)  # mid-generation: 200 tokens each take far longer
+        killed = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(ffn_pid)], check=True)
+        code = serve.wait_exit(30)
+        exited = time.monotonic() - killed
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        answered = max(finished) - killed
+        log = serve.log_text()
+        last = log.strip().splitlines()[-1]
+        print(
+            f"\n[faults] ready after {ready_s:.1f} s; FFN pid {ffn_pid} SIGKILLed mid-generation: "
+            f"every client answered within {answered:.2f} s, serve exited {code} after {exited:.2f} s: {last}",
+            flush=True,
+        )
+        for i, (status, answer) in enumerate(results):
+            if i % 2:  # streamed: the stream ends with an error event, never with [DONE]
+                assert status in (-1, 200) and answer and answer[-1] != "[DONE]", (i, answer[-2:])
+                assert "error" in str(answer[-1]).lower(), (i, answer[-2:])
+            else:
+                assert status != 200, (i, answer)
+        assert code == 1
+        assert exited < 10
+        assert last.startswith(f"afd-mrv2 serve: error: ffn rank 0 (pid {ffn_pid}) exited (signal SIGKILL)"), last
+        assert not pid_alive(ffn_pid)
+        assert serve.stdout == [f"afd-mrv2 serve: ready at {serve.url}/v1"]
+    finally:
+        serve.stop()
