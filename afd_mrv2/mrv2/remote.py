@@ -141,7 +141,8 @@ class RemoteExperts:
         moe = next(iter(self._layers.values()))
         config = self.config
         topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts)
-        link = open_peer_link(topology, topology.global_rank(ATTENTION, 0), host=config.host, port=config.port)
+        rank = topology.global_rank(ATTENTION, config.rank)
+        link = open_peer_link(topology, rank, host=config.host, port=config.port)
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange(lambda: 0)  # stage 0: no microbatching on this path
         plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})

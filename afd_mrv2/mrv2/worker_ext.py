@@ -72,6 +72,7 @@ class AfdWorkerExtension:
             max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
             dtype=self.vllm_config.model_config.dtype,
             device=first.device,
+            index=config.rank,
         )
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
