@@ -94,7 +94,8 @@ class Serve:
         return time.monotonic() - self.started
 
     def log_text(self) -> str:
-        self._log_file.flush()
+        if not self._log_file.closed:
+            self._log_file.flush()
         return self.log.read_text(errors="replace")
 
     def role_pid(self, name: str) -> int:
