@@ -207,6 +207,23 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
         capability="moe_seam",
         platforms=frozenset({"cpu"}),
     ),
+    Seam(
+        "vllm",
+        "vllm.engine.arg_utils",
+        "EngineArgs.add_cli_args",
+        "ffn_role parses the VLLM ARGS afd-mrv2 serve hands every role with vLLM's own engine-argument parser",
+        params=("parser",),
+        decorators=("staticmethod",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.utils.argparse_utils",
+        "FlexibleArgumentParser",
+        "the parser class EngineArgs.add_cli_args extends (ffn_role builds one)",
+        bases=("ArgumentParser",),
+        capability="moe_seam",
+    ),
 )
 
 #: Every seam: the V2-runner seams above, then the vLLM path's.
