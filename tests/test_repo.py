@@ -12,11 +12,13 @@ def readme_commands() -> list[str]:
     return re.findall(r"```sh\n(.+?)\n```", (ROOT / "README.md").read_text())
 
 
-def test_ci_runs_exactly_the_readme_test_command() -> None:
-    main_job, tests = readme_commands()[:2]
+def test_ci_runs_exactly_the_readme_test_command_then_the_vllm_integration_command() -> None:
+    main_job, tests, integration = readme_commands()[:3]
     assert tests.endswith("python -m pytest")
+    assert integration.startswith("scripts/setup_vllm_cpu.sh && ") and "-m vllm_runtime tests/vllm" in integration
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci_lines[-1] == tests
+    commands = [line for line in ci_lines if line not in ("set -euo pipefail", "deactivate") and not line.startswith("cd ")]
+    assert commands == [tests, integration]
     setup = main_job.rsplit("&&", 1)[0]
     assert tests.startswith(setup + "&&")  # the same set-up, then the checks and the tests
 
