@@ -81,10 +81,6 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         del layer  # nothing was loaded
 
-
-class RemoteExpertsMethod(WeightlessExpertsMethod):
-    """Attention role: the routed experts run on the FFN role (one AFD round trip per call)."""
-
     def apply(  # type: ignore[override]
         self,
         layer: torch.nn.Module,
@@ -97,6 +93,17 @@ class RemoteExpertsMethod(WeightlessExpertsMethod):
         # The shared experts already ran in the MoE runner (moe_kernel is None, so no kernel
         # overlaps them); the runner adds their output to what this returns.
         del layer, shared_experts, shared_experts_input
+        return self.routed(x, topk_weights, topk_ids)
+
+    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' combined output for ``x`` (``[T, H]``)."""
+        raise NotImplementedError
+
+
+class RemoteExpertsMethod(WeightlessExpertsMethod):
+    """Attention role: the routed experts run on the FFN role (one AFD round trip per call)."""
+
+    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         assert remote.OP_NAME == "afd_mrv2::remote_routed_experts"
         return torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)
 
@@ -104,14 +111,6 @@ class RemoteExpertsMethod(WeightlessExpertsMethod):
 class ZeroExpertsMethod(WeightlessExpertsMethod):
     """TEST ONLY: routed experts that contribute nothing (see the module docstring)."""
 
-    def apply(  # type: ignore[override]
-        self,
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        shared_experts: Any,
-        shared_experts_input: torch.Tensor | None,
-    ) -> torch.Tensor:
-        del layer, topk_weights, topk_ids, shared_experts, shared_experts_input
+    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        del topk_weights, topk_ids
         return torch.zeros_like(x)

@@ -29,24 +29,6 @@ from tests.vllm.harness import BASE_ENV, cores
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
 READY = "afd-mrv2 serve: ready at"
 START_TIMEOUT_S = 600
-PROMPTS = [
-    "the quick brown fox",
-    "hello world",
-    "one two three",
-    "mixture of experts",
-    "this is a tiny model",
-    "seven eight nine",
-    "routes tokens to",
-    "the lazy dog",
-    "attention ffn",
-    "four five six",
-    "quick brown",
-    "over the lazy",
-    "tiny model for",
-    "experts routes",
-    "hello",
-    "ten nine eight seven",
-]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

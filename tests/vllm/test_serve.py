@@ -26,7 +26,8 @@ import pytest
 
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import make_model
-from tests.vllm.serving import PROMPTS, READY, PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
+from tests.vllm.engine import PROMPTS
+from tests.vllm.serving import READY, PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1200)]
 

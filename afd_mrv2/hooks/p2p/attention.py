@@ -177,13 +177,17 @@ class AttentionSide(Side):
             inbox.sent, inbox.tokens = item, dispatch.tokens
             inbox.counts, inbox.indices = dispatch.counts, dispatch.indices
             inbox.cond.notify_all()
+        self._dispatch(work, slot, dispatch.counts)
+
+    def _dispatch(self, work: Work, slot: _Outputs, counts: list[int]) -> None:
+        """Send each FFN rank its header and, for n > 0 rows, its payload; wait for the sends."""
         sends = []
         for f, ffn in enumerate(self.peers):
             sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
-            if dispatch.counts[f]:
-                payload = slot.staging[f][: self.layout.nbytes(dispatch.counts[f])]
+            if counts[f]:
+                payload = slot.staging[f][: self.layout.nbytes(counts[f])]
                 sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
-        self.wait(sends, work, "send", f"dispatching {item}")
+        self.wait(sends, work, "send", f"dispatching {work.item}")
         charge_link(self.options, work, "send", sends)
 
     def on_cleanup(self, work: Work) -> None:

@@ -91,14 +91,7 @@ class RoundTripAttentionSide(AttentionSide):
             )
             for ffn, buffer, count in zip(self.peers, slot.inbox, dispatch.counts, strict=True)
         ]
-        sends = []
-        for f, ffn in enumerate(self.peers):
-            sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
-            if dispatch.counts[f]:
-                payload = slot.staging[f][: self.layout.nbytes(dispatch.counts[f])]
-                sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
-        self.wait(sends, work, "send", f"dispatching {item}")
-        charge_link(self.options, work, "send", sends)
+        self._dispatch(work, slot, dispatch.counts)
         self.wait(receives, work, "recv", f"receiving the combine of {item}")
         charge_link(self.options, work, "recv", receives)
         combined = torch.zeros(dispatch.tokens, hidden_size)
