@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from tests.serve.conftest import free_port_block
-from tests.vllm.harness import make_model
 from tests.vllm.engine import PROMPTS
+from tests.vllm.harness import make_model
 from tests.vllm.serving import READY, PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1200)]

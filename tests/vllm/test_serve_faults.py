@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.serve.conftest import free_port_block, pid_alive
-from tests.vllm.harness import make_model
 from tests.vllm.engine import PROMPTS
+from tests.vllm.harness import make_model
 from tests.vllm.serving import Serve, body, complete, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
