@@ -17,8 +17,10 @@ def test_ci_runs_exactly_the_readme_test_command_then_the_vllm_integration_comma
     assert tests.endswith("python -m pytest")
     assert integration.startswith("scripts/setup_vllm_cpu.sh && ") and "-m vllm_runtime tests/vllm" in integration
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
-    commands = [line for line in ci_lines if line not in ("set -euo pipefail", "deactivate") and not line.startswith("cd ")]
-    assert commands == [tests, integration]
+    # each command stops CI on failure (set -e does not stop inside an && chain)
+    commands = [line.removesuffix(" || exit 1") for line in ci_lines if line.endswith(" || exit 1")]
+    assert commands == ['cd "$(dirname "$0")/.."', tests, integration]
+    assert "set -e" not in (ROOT / ".ci/run").read_text().replace("`set -e`", "")
     setup = main_job.rsplit("&&", 1)[0]
     assert tests.startswith(setup + "&&")  # the same set-up, then the checks and the tests
 
