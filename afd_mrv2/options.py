@@ -214,3 +214,16 @@ def _freeze(value: Any, key: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise ConfigError(key, f"expected a JSON value (mapping, list, string, number, bool, null), got {_show(value)}")
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object (a command-line ``afd`` section, say); one-line errors naming ``what``."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(what, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(what, f"expected a JSON object, got {type(value).__name__}")
+    return value

@@ -38,18 +38,9 @@ from typing import Any
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
+from afd_mrv2.options import json_object
 
 EXTENSION = "afd_mrv2.mrv2.worker_ext.AfdWorkerExtension"
-
-
-def _json_object(text: str, flag: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise AfdError(f"{flag}: not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise AfdError(f"{flag}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def vllm_engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
@@ -61,11 +52,11 @@ def vllm_engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
     given, unknown = parser.parse_known_args(vllm_args)
     if unknown:
         print(f"afd-mrv2 ffn: not engine arguments, ignored here: {' '.join(unknown)}", file=sys.stderr, flush=True)
-    default = vars(parser.parse_known_args([])[0])
+    default, parsed = vars(parser.parse_known_args([])[0]), vars(given)
     return {
-        f.name: getattr(given, f.name)
+        f.name: parsed[f.name]
         for f in dataclasses.fields(EngineArgs)
-        if hasattr(given, f.name) and getattr(given, f.name) != default.get(f.name)
+        if f.name in parsed and parsed[f.name] != default.get(f.name)
     }
 
 
@@ -81,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(head)
     try:
         engine_args = vllm_engine_kwargs(vllm_args) if vllm_args else {}
-        engine_args.update(_json_object(args.engine_args, "--engine-args"))
+        engine_args.update(json_object(args.engine_args, "--engine-args"))
         additional = dict(engine_args.pop("additional_config", None) or {})
         if args.afd is not None:
-            additional["afd"] = _json_object(args.afd, "--afd")
+            additional["afd"] = json_object(args.afd, "--afd")
         if not isinstance(additional.get("afd"), dict):
             raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
         ffn_serving_config(additional["afd"])  # fail before any engine exists

@@ -27,6 +27,7 @@ from typing import Any
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.options import json_object
 from afd_mrv2.plugins import entry_points
 
 HOST = "127.0.0.1"
@@ -157,16 +158,6 @@ class Plan:
         return tuple(f"http://{HOST}:{r.port}" for r in self.of(ATTENTION))
 
 
-def _json_object(text: str, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise AfdError(f"{what}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(value, dict):
-        raise AfdError(f"{what}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def split_additional_config(extra: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Take ``--additional-config JSON`` (or ``=JSON``) out of the EXTRA VLLM ARGS: serve rewrites it per role."""
     rest: list[str] = []
@@ -177,9 +168,9 @@ def split_additional_config(extra: Sequence[str]) -> tuple[dict[str, Any], tuple
             text = next(args, None)
             if text is None:
                 raise AfdError(f"{ADDITIONAL_CONFIG} needs a JSON value")
-            found = _json_object(text, ADDITIONAL_CONFIG)
+            found = json_object(text, ADDITIONAL_CONFIG)
         elif arg.startswith(ADDITIONAL_CONFIG + "="):
-            found = _json_object(arg.split("=", 1)[1], ADDITIONAL_CONFIG)
+            found = json_object(arg.split("=", 1)[1], ADDITIONAL_CONFIG)
         else:
             rest.append(arg)
     return found, tuple(rest)
@@ -196,7 +187,7 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
         raise ConfigError("afd", f"expected a mapping, got {type(base).__name__}")
     afd = dict(base)
     if opts.afd_json is not None:
-        afd.update(_json_object(opts.afd_json, "--afd"))
+        afd.update(json_object(opts.afd_json, "--afd"))
     for key, flag, value in (
         ("num_attention_ranks", "--attention", opts.attention),
         ("num_ffn_ranks", "--ffn", opts.ffn),
