@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,13 +94,7 @@ class Serve:
 
     def stop(self) -> int | None:
         """SIGTERM (then SIGKILL the whole group after 30 s); returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _terminate(self.proc, lambda: self.proc.send_signal(signal.SIGTERM))
         self._log_file.close()
         return self.proc.returncode
 
@@ -134,14 +129,19 @@ class PlainServer:
         raise AssertionError("plain server not ready in time")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _terminate(self.proc, lambda: os.killpg(self.proc.pid, signal.SIGTERM))
         self._log_file.close()
+
+
+def _terminate(proc: subprocess.Popen[bytes], term: Callable[[], None]) -> None:
+    """If ``proc`` runs: ``term()``, then SIGKILL its whole process group after 30 s."""
+    if proc.poll() is None:
+        term()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
