@@ -1,0 +1,514 @@
+"""Shared by scripts/bench_serve.py and scripts/vllm_matrix.py: servers, clients, comparison.
+
+* :class:`PlainServer`: plain vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+  as a child process group, pinned with ``VLLM_CPU_OMP_THREADS_BIND``;
+* :class:`ServeServer`: ``afd-mrv2 serve MODEL --attention A --ffn F ...`` (stdout read for the ready
+  line, stderr to a log file; the FFN roles' ``afd-mrv2 ffn: done {...}`` reports read back from it);
+* :func:`run_requests`: R completions from C concurrent clients, timed;
+* :func:`greedy` / :func:`compare`: token ids and logprobs of greedy answers, and their comparison.
+
+Every child runs in a session of its own (so Ctrl-C in the terminal reaches only the script,
+which stops them) and gets ``PR_SET_PDEATHSIG`` (SIGTERM) so it does not outlive a script that was
+itself killed.  Use the servers as context managers, or call ``stop()`` in a ``finally``.
+
+The client and comparison helpers mirror tests/vllm/serving.py (scripts do not import tests/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+#: Engine arguments both sides get unless the command line says otherwise (fp32: exact comparisons).
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
+#: Every engine's environment defaults (the caller's environment wins): nothing downloaded, 1 GiB KV cache.
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+READY = "afd-mrv2 serve: ready at"
+SERVE_ERROR = "afd-mrv2 serve: error:"
+FFN_DONE = "afd-mrv2 ffn: done "
+START_TIMEOUT_S = 900
+REQUEST_TIMEOUT_S = 600
+STOP_GRACE_S = 30
+
+Greedy = tuple[list[int], list[float]]
+
+
+class UsageError(Exception):
+    """Bad input on the command line: one line on stderr, exit 2."""
+
+
+class ServerError(Exception):
+    """A server did not become ready (or failed): one line, the log names the rest."""
+
+
+# --- input checks -----------------------------------------------------------------------------------------
+
+
+def check_vllm() -> None:
+    """Refuse a Python that cannot import vLLM (without importing it: that takes seconds)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError(f"vLLM is not importable by {sys.executable}; run with .venv-vllm/bin/python")
+
+
+def check_model(path: str) -> Path:
+    model = Path(path)
+    if not (model / "config.json").is_file():
+        raise UsageError(
+            f"MODEL: {path} is not a checkpoint folder (no config.json); make one with afd-mrv2 make-model"
+        )
+    return model.resolve()
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0``, ``0,1``, ``0-3`` -> core ids; each must be one this process may run on."""
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise UsageError(f"expected a CPU list such as 0 or 0,1 or 0-3, got {text!r}") from None
+    available = os.sched_getaffinity(0)
+    if not cores or not set(cores) <= available:
+        raise UsageError(f"CPU list {text!r}: expected cores among {sorted(available)}")
+    return sorted(set(cores))
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise ServerError("no free block of ports on 127.0.0.1")
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+# --- processes --------------------------------------------------------------------------------------------
+
+
+def _pdeathsig() -> None:
+    """In the child: SIGTERM when the script dies (Linux), so no server outlives it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM to the script behaves like Ctrl-C: the ``finally`` blocks stop every server."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every live descendant (from /proc)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+            parent[int(entry.name)] = int(fields[1])
+    found, frontier = [root], {root}
+    while frontier:
+        kids = {pid for pid, ppid in parent.items() if ppid in frontier}
+        found += sorted(kids)
+        frontier = kids
+    return found
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and its live descendants."""
+    ticks = 0
+    for pid in _tree(root):
+        if (fields := _stat(pid)) is not None:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def role_binds(pids: dict[str, int]) -> dict[str, str]:
+    """Each role's ``VLLM_CPU_OMP_THREADS_BIND``, read from its environment in /proc."""
+    binds = {}
+    for name, pid in pids.items():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            binds[name] = "?"
+            continue
+        value = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(BIND_ENV.encode() + b"=")), "")
+        binds[name] = value or "unpinned"
+    return binds
+
+
+def count_cores(bind: str) -> int:
+    """Cores named by a ``VLLM_CPU_OMP_THREADS_BIND`` value (0 when it is not a plain CPU list)."""
+    try:
+        return len(parse_cpu_list(bind))
+    except UsageError:
+        return 0
+
+
+class _Child:
+    """A server process in its own session, its output in a log file."""
+
+    name = "server"
+    proc: subprocess.Popen[str]
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, *, stdout_pipe: bool) -> None:
+        self.log = log
+        self.cmd = cmd
+        self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        self._seen: set[tuple[int, str]] = set()  # (pid, start time) of every process seen in the tree
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else self._log_file,
+            stderr=self._log_file,
+            text=True,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_pdeathsig,
+        )
+
+    def log_text(self) -> str:
+        if not self._log_file.closed:
+            self._log_file.flush()
+        return self.log.read_text(errors="replace")
+
+    def track(self) -> list[int]:
+        """The pids of the server's process tree now (remembered, so :meth:`stop` can check them)."""
+        pids = _tree(self.proc.pid)
+        for pid in pids:
+            if (fields := _stat(pid)) is not None:
+                self._seen.add((pid, fields[19]))
+        return pids
+
+    def leftovers(self) -> list[int]:
+        """Processes seen in the server's tree that are still alive."""
+        alive = []
+        for pid, start in sorted(self._seen):
+            fields = _stat(pid)
+            if fields is not None and fields[19] == start and fields[0] not in ("Z", "X"):
+                alive.append(pid)
+        return alive
+
+    def _term(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def stop(self) -> int | None:
+        """SIGTERM, SIGKILL after 30 s, then SIGKILL anything of its tree still alive; returns the exit code."""
+        if self.proc.poll() is None:
+            self.track()
+            try:
+                self._term()
+                self.proc.wait(STOP_GRACE_S)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # an engine core whose parent died first
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.leftovers():  # anything else of its tree (a role in a session of its own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log_file.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> _Child:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {**BASE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(BIND_ENV, None)  # each side pins itself (plain: below; serve: per role)
+    env.update(extra)
+    return env
+
+
+def _wait_health(child: _Child, url: str, timeout_s: float) -> float:
+    deadline = child.started + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise ServerError(f"{child.name} exited {child.proc.returncode} before ready: {last_line(child)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - child.started
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise ServerError(f"{child.name} not ready within {timeout_s:.0f} s (log {child.log})")
+
+
+def last_line(child: _Child) -> str:
+    """serve's one-line error if it printed one, else the log's last non-empty line."""
+    lines = [line for line in child.log_text().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(SERVE_ERROR)]
+    return (errors or lines or [f"(empty log {child.log})"])[-1].strip()
+
+
+class PlainServer(_Child):
+    """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section), pinned to ``cores``."""
+
+    name = "plain vLLM"
+
+    def __init__(
+        self, model: Path, port: int, log: Path, engine_args: list[str], cores: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.cores = cores
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *engine_args]
+        super().__init__(cmd, _env({**(env or {}), BIND_ENV: cores}), log, stdout_pipe=False)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        return _wait_health(self, self.url, timeout_s)
+
+
+@dataclass
+class ServeTopology:
+    attention: int = 1
+    ffn: int = 1
+    depth: str | None = None
+
+    @property
+    def label(self) -> str:
+        depth = f"-d{self.depth}" if self.depth else ""
+        return f"{self.attention}a{self.ffn}f{depth}"
+
+    def ports(self) -> int:
+        """How many consecutive ports serve needs: endpoint, one per engine, the AFD rendezvous."""
+        return self.attention + 2
+
+
+@dataclass
+class FfnDone:
+    """One FFN role's ``afd-mrv2 ffn: done {...}`` report."""
+
+    rank: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class ServeServer(_Child):
+    """``afd-mrv2 serve`` (next to this Python) with the given topology and engine arguments."""
+
+    name = "afd-mrv2 serve"
+
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        log: Path,
+        topology: ServeTopology,
+        engine_args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.topology = topology
+        exe = Path(sys.executable).with_name("afd-mrv2")
+        cmd = [str(exe), "serve", str(model), "--attention", str(topology.attention), "--ffn", str(topology.ffn)]
+        cmd += ["--port", str(port)]
+        if topology.depth:
+            cmd += ["--depth", topology.depth]
+        cmd += ["--", *engine_args]
+        self.stdout: list[str] = []
+        self._lines = threading.Condition()
+        self.ready_at: float | None = None
+        super().__init__(cmd, _env(env or {}), log, stdout_pipe=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lines:
+                self.stdout.append(line.rstrip("\n"))
+                self._lines.notify_all()
+        with self._lines:
+            self._lines.notify_all()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Seconds to the ready line; :class:`ServerError` with serve's one-line error if it exits first."""
+        deadline = self.started + timeout_s
+        with self._lines:
+            while not any(line.startswith(READY) for line in self.stdout):
+                if self.proc.poll() is not None:
+                    self.proc.wait()
+                    raise ServerError(f"serve exited {self.proc.returncode}: {last_line(self)}")
+                if time.monotonic() > deadline:
+                    raise ServerError(f"serve not ready within {timeout_s:.0f} s (log {self.log})")
+                self._lines.wait(1.0)
+        self.ready_at = time.monotonic()
+        return self.ready_at - self.started
+
+    def role_pids(self) -> dict[str, int]:
+        """``attention 0`` / ``ffn 0`` -> pid, from serve's ``[ffn 0] started pid N:`` lines."""
+        pids = {}
+        for line in self.log_text().splitlines():
+            if line.startswith("[") and "] started pid " in line:
+                name, rest = line[1:].split("] started pid ", 1)
+                pids[name] = int(rest.split(":", 1)[0])
+        return pids
+
+    def _term(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # serve stops its roles itself (and reports how)
+
+    def ffn_reports(self) -> list[FfnDone]:
+        """Every ``[ffn N] afd-mrv2 ffn: done {JSON}`` line serve copied from its FFN roles, by rank."""
+        found = []
+        for line in self.log_text().splitlines():
+            if line.startswith("[ffn ") and FFN_DONE in line:
+                rank = int(line[len("[ffn ") :].split("]", 1)[0])
+                try:
+                    report = json.loads(line.split(FFN_DONE, 1)[1])
+                except ValueError:
+                    report = {"unparsed": line.split(FFN_DONE, 1)[1]}
+                found.append(FfnDone(rank, report))
+        return sorted(found, key=lambda d: d.rank)
+
+
+# --- clients ----------------------------------------------------------------------------------------------
+
+
+def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    """A greedy completion request that generates exactly ``max_tokens`` (``ignore_eos``)."""
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **more,
+    }
+
+
+def complete(url: str, payload: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, dict[str, Any] | str]:
+    """POST /v1/completions; (status, JSON body) or (status, text); status -1 when the connection failed."""
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        return -1, f"{type(exc).__name__}: {exc}"
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+@dataclass
+class Round:
+    """R requests answered by C concurrent clients."""
+
+    wall_s: float
+    answers: list[tuple[int, dict[str, Any] | str]]
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{status}: {str(a)[:200]}" for status, a in self.answers if status != 200 or not isinstance(a, dict)]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(int(a["usage"]["completion_tokens"]) for s, a in self.answers if s == 200 and isinstance(a, dict))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_requests(url: str, payloads: list[dict[str, Any]], clients: int) -> Round:
+    """Send ``payloads`` from ``clients`` concurrent client threads; wall time from the first send to the last answer."""
+    with ThreadPoolExecutor(max(1, min(clients, len(payloads)))) as pool:
+        start = time.perf_counter()
+        answers = list(pool.map(lambda p: complete(url, p), payloads))
+        wall = time.perf_counter() - start
+    return Round(wall, answers)
+
+
+def greedy(response: dict[str, Any]) -> Greedy:
+    """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
+    choice = response["choices"][0]
+    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def compare(a: list[Greedy], b: list[Greedy]) -> dict[str, Any]:
+    """identical completions, differing tokens (position by position) and the largest |logprob| difference
+    over the tokens of identical completions."""
+    identical = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
+    differing = sum(
+        sum(t != u for t, u in zip(x[0], y[0], strict=False)) + abs(len(x[0]) - len(y[0]))
+        for x, y in zip(a, b, strict=True)
+    )
+    diffs = [abs(p - q) for x, y in zip(a, b, strict=True) if x[0] == y[0] for p, q in zip(x[1], y[1], strict=True)]
+    return {
+        "completions": len(a),
+        "identical": identical,
+        "tokens": sum(len(x[0]) for x in a),
+        "differing": differing,
+        "max_logprob_diff": max(diffs, default=float("nan")),
+    }
+
+
+#: Fixed prompts (cycled when more requests are asked for).
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "one two three",
+    "mixture of experts",
+    "this is a tiny model",
+    "seven eight nine",
+    "routes tokens to",
+    "the lazy dog",
+    "attention ffn",
+    "four five six",
+    "quick brown",
+    "over the lazy",
+    "tiny model for",
+    "experts routes",
+    "hello",
+    "ten nine eight seven",
+]
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` prompts: the fixed ones, then numbered variants so every request differs."""
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" {i}") for i in range(n)]
