@@ -34,6 +34,11 @@ class FfnLoop:
                 self.executor.submit(WorkItem(layer, stage, next(self._seq)))
         self.steps += 1
 
+    @property
+    def submitted(self) -> int:
+        """Work items submitted so far (some may still be in flight)."""
+        return self.steps * self.num_layers * self.num_stages
+
     def run(self, steps: int) -> None:
         for _ in range(steps):
             self.step()

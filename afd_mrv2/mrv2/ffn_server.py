@@ -7,21 +7,41 @@ method and kernel), and this module runs what every AFD FFN rank runs: the
 ``p2p_link`` (:mod:`afd_mrv2.mrv2.p2p_link`), the executor (role ffn) with the
 configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.FfnLoop`.
 
-Work item ``k`` is MoE layer ``k % L`` (``L`` = number of MoE layers of the
-loaded model), stage 0, seq ``k``: the Attention side numbers its items the same
-way (:mod:`afd_mrv2.mrv2.remote`), and torch_p2p checks every header against it.
+One executor and loop per Attention rank.  On the vLLM path every Attention rank
+is an independent engine that steps on its own clock, so the FFN rank serves each
+one's items as they arrive: attention rank ``a``'s loop (its own thread, its own
+executor, the connector narrowed to that peer with the ``attention_peers``
+resource) never waits for another rank's item, and an idle Attention engine
+stalls nobody.  The expert computations of all loops take turns on one lock: the
+experts are one device's work (one compute stream, or the CPU's cores).
 
-The loop ends when the Attention rank leaves (its process exits or fails): the
-connector reports the lost peer, the executor stops, and :func:`serve_ffn`
-returns a :class:`FfnReport` saying why.
+Work item ``k`` of an Attention rank is MoE layer ``k % L`` (``L`` = number of MoE
+layers of the loaded model), stage 0, seq ``k``: the Attention side numbers its
+items the same way (:mod:`afd_mrv2.mrv2.remote`), and torch_p2p checks every
+header against it.
+
+Experts on several FFN ranks: FFN rank ``f`` owns the block
+``topology.experts_of(f)``.  Top-k entries outside the block weigh 0 here (the
+Attention side sums the ranks' partial outputs).  With ``local_experts_only`` the
+callables hold only the block's weights (the worker cut the others away after
+loading), so ids are also shifted into the block (``id - start``; entries outside
+it point at the block's first expert with weight 0).
+
+The session ends when an Attention rank leaves (its process exits or fails): the
+connector reports the lost peer, the executors stop, and :func:`serve_ffn`
+returns a :class:`FfnReport` saying why.  The other loops see the same loss
+within one wait slice; one that does not end within ``grace_s`` (a loop that
+failed on its own while its peer lives) is ended by aborting the link, which
+tells every peer why.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,11 +50,13 @@ from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
-from afd_mrv2.items import FFN, WorkItem
+from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S, open_peer_link
 from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
+from afd_mrv2.pipeline.metrics import busy_ns, hidden_comm_fraction
+from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.topology import Topology
 
@@ -63,27 +85,96 @@ def ffn_serving_config(raw_afd: Mapping[str, Any]) -> AfdConfig:
 
 @dataclass
 class FfnReport:
-    """How an FFN serving session went."""
+    """How an FFN serving session went (thread-safe: every loop records into it).
+
+    ``items``: work items served, all Attention ranks together (``items_per_attention``
+    per rank): one per MoE layer per Attention forward, whether or not a token of
+    it was routed here.  ``computed``: those with at least one token here (the
+    expert computations, ``busy_s`` long in all; ``tokens_per_item`` counts them
+    by token count).
+    """
 
     moe_layers: int
-    items: int = 0
+    computed: int = 0
     busy_s: float = 0.0
     end: str = ""
     tokens_per_item: Counter[int] = field(default_factory=Counter)
+    items_per_attention: Counter[int] = field(default_factory=Counter)
+    #: attention rank index -> why its loop ended
+    ends: dict[int, str] = field(default_factory=dict)
+    #: overlap figures from the loops' traces (``multistream.trace``), else None
+    overlap: dict[str, Any] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def items(self) -> int:
+        return sum(self.items_per_attention.values())
 
     def record(self, tokens: int, seconds: float) -> None:
-        self.items += 1
-        self.busy_s += seconds
-        self.tokens_per_item[tokens] += 1
+        with self._lock:
+            self.computed += 1
+            self.busy_s += seconds
+            self.tokens_per_item[tokens] += 1
+
+    def loop_ended(self, attention: int, served: int, end: str) -> None:
+        """Attention rank ``attention``'s loop ended after serving ``served`` items."""
+        with self._lock:
+            self.items_per_attention[attention] = served
+            self.ends[attention] = end
+            self.end = self.end or end  # the first loop's reason is the session's
+
+    def add_overlap(self, figures: dict[str, Any]) -> None:
+        self.overlap = figures
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "moe_layers": self.moe_layers,
             "items": self.items,
+            "items_per_attention": {str(a): n for a, n in sorted(self.items_per_attention.items())},
+            "computed": self.computed,
             "busy_s": round(self.busy_s, 6),
             "end": self.end,
+            "ends": {str(a): text for a, text in sorted(self.ends.items())},
             "tokens_per_item": dict(sorted(self.tokens_per_item.items())),
+            "overlap": self.overlap,
         }
+
+
+def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
+    """What the loops' traces say about overlap, all loops of the rank together.
+
+    ``hidden_comm_fraction``: the share of recv+send time during which an expert
+    computation ran (1.0: communication fully hidden; serialized loops of one
+    Attention rank score ~0, their own phases never overlap).  ``busy_ms``: per
+    stream, the time it ran a phase.  ``active_ms``: first to last span.
+    """
+    spans = [span for trace in traces for span in trace.spans]
+    if not spans:
+        return {"items": 0, "hidden_comm_fraction": 0.0, "busy_ms": {}, "active_ms": 0.0}
+    busy: dict[str, float] = {}
+    for trace in traces:
+        for stream, ns in busy_ns(trace.spans).items():
+            busy[stream] = busy.get(stream, 0.0) + ns / 1e6
+    active = max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
+    return {
+        "items": sum(1 for s in spans if s.name == "compute"),
+        "hidden_comm_fraction": round(hidden_comm_fraction(spans), 4),
+        "busy_ms": {k: round(v, 3) for k, v in sorted(busy.items())},
+        "active_ms": round(active / 1e6, 3),
+    }
+
+
+def local_routing(
+    topk_ids: torch.Tensor, weights: torch.Tensor, block: range, num_experts: int, *, shift: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and weights as this FFN rank computes them (see the module docstring)."""
+    if block.start == 0 and block.stop == num_experts:
+        return topk_ids, weights
+    mine = (topk_ids >= block.start) & (topk_ids < block.stop)
+    weights = weights * mine
+    if shift:
+        topk_ids = torch.where(mine, topk_ids - block.start, torch.zeros_like(topk_ids))
+    return topk_ids, weights
 
 
 def serve_ffn(
@@ -96,48 +187,88 @@ def serve_ffn(
     device: torch.device,
     index: int = 0,
     link: PeerLink | None = None,
+    local_experts_only: bool = False,
+    grace_s: float = 10.0,
 ) -> FfnReport:
     """Serve ``experts`` to the Attention ranks until they leave; see the module docstring.
 
     :param max_tokens: the most tokens one Attention forward hands a MoE layer.
     :param dtype: the dtype the experts compute in (the wire carries fp32).
     :param device: where the experts' weights live.
-    :param index: this FFN rank's index (experts outside its block get weight 0).
+    :param index: this FFN rank's index.
     :param link: an already-open link (tests); by default one is opened on ``afd.host:afd.port``.
+    :param local_experts_only: the callables hold only this rank's expert block.
+    :param grace_s: how long the other loops may take to end after the first one ended.
     """
     if not experts:
         raise ValueError("the FFN role needs at least one MoE layer; the loaded model has none")
     topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts)
     if link is None:
         link = open_peer_link(topology, topology.global_rank(FFN, index), host=config.host, port=config.port)
-    local = topology.experts_of(index)
+    block = topology.experts_of(index)
     report = FfnReport(moe_layers=len(experts))
+    compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
 
     def compute(item: WorkItem, hidden: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if topology.num_ffn > 1:  # this rank's partial sum: the other ranks' experts count 0 here
-            weights = weights * ((topk_ids >= local.start) & (topk_ids < local.stop))
-        start = time.perf_counter()
-        with torch.inference_mode():
+        ids, w = local_routing(topk_ids, weights, block, shape.num_experts, shift=local_experts_only)
+        with compute_lock, torch.inference_mode():
+            start = time.perf_counter()
             out = experts[item.layer_idx](
-                hidden.to(device=device, dtype=dtype),
-                weights.to(device=device),
-                topk_ids.to(device=device, dtype=torch.int32),
+                hidden.to(device=device, dtype=dtype), w.to(device=device), ids.to(device=device, dtype=torch.int32)
             )
-        report.record(hidden.shape[0], time.perf_counter() - start)
+            report.record(hidden.shape[0], time.perf_counter() - start)
         return out
 
     p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
-    plugins = load_plugins(config, resources={"p2p_link": link, "model": p2p_shape})
-    executor = Executor(
-        plugins, make_backend(config.multistream.backend), config.multistream, compute=compute, role=FFN
-    )
-    loop = FfnLoop(executor, num_layers=len(experts), num_stages=1)
-    end = "stopped"
-    try:
-        while True:
-            loop.step()
-    except PipelineError as exc:
-        end = str(exc).splitlines()[0]
-    finally:
-        loop.close()
-    return replace(report, end=end)
+    traces: list[Trace] = []
+    loops: list[FfnLoop] = []
+    for a in range(topology.num_attention):
+        peer = topology.global_rank(ATTENTION, a)
+        resources = {"p2p_link": link, "model": p2p_shape, "attention_peers": [peer]}
+        trace = (
+            Trace(rank=link.rank, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
+        )
+        if trace is not None:
+            traces.append(trace)
+        executor = Executor(
+            load_plugins(config, resources=resources),
+            make_backend(config.multistream.backend),
+            config.multistream,
+            compute=compute,
+            role=FFN,
+            trace=trace,
+        )
+        loops.append(FfnLoop(executor, num_layers=len(experts), num_stages=1))
+    first_end = threading.Event()
+
+    def serve(a: int, loop: FfnLoop) -> None:
+        end, abandoned = "stopped", 0
+        try:
+            while True:
+                loop.step()
+        except PipelineError as exc:
+            end = str(exc).splitlines()[0]
+        finally:
+            try:
+                abandoned = len(loop.close().abandoned)
+            finally:
+                report.loop_ended(a, loop.submitted - abandoned, end)
+                first_end.set()
+
+    threads = [
+        threading.Thread(target=serve, args=(a, loop), name=f"afd-ffn{index}-serves-attention{a}", daemon=True)
+        for a, loop in enumerate(loops)
+    ]
+    for thread in threads:
+        thread.start()
+    first_end.wait()
+    deadline = time.monotonic() + grace_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        link.abort(f"FFN rank {index} stopped serving: {report.end}")
+        for thread in threads:
+            thread.join(grace_s)
+    if config.multistream.trace:
+        report.add_overlap(overlap_figures(traces))
+    return report

@@ -62,11 +62,6 @@ def check_vllm_path(config: AfdConfig) -> None:
             "expected true on the vLLM path: vLLM's MoE runner computes the router on the attention side "
             "before the routed-experts seam, so the FFN receives top-k ids and weights, got false",
         )
-    if config.num_attention_ranks != 1:
-        raise ConfigError(
-            "afd.num_attention_ranks",
-            f"expected 1 on the vLLM path (one Attention engine per FFN role, 1A1F), got {config.num_attention_ranks}",
-        )
 
 
 def _identity(item: WorkItem, routed: Any) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, local_routing, serve_ffn
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts, check_vllm_path
 
@@ -31,8 +31,6 @@ def test_gate_on_the_ffn_side_is_refused_on_the_vllm_path() -> None:
         check_vllm_path(parse_afd_config({**afd("attention"), "compute_gate_on_attention": False}))
     text = str(info.value)
     assert text.startswith("afd.compute_gate_on_attention: expected true on the vLLM path") and "\n" not in text
-    with pytest.raises(ConfigError, match=r"^afd\.num_attention_ranks: expected 1"):
-        RemoteExperts(parse_afd_config({**afd("attention"), "num_attention_ranks": 2}), max_tokens=8)
 
 
 def test_ffn_serving_config_waits_for_idle_attention_engines() -> None:
@@ -107,3 +105,101 @@ def test_round_trips_between_attention_and_ffn_roles(one_torch_thread: None) -> 
     assert report.items == remote.calls == 6
     assert dict(report.tokens_per_item) == {5: 2, 32: 2, 1: 2} == dict(remote.tokens)
     assert "the attention rank closed its AFD session" in report.end
+
+
+def _block_experts(layer: int, block: range) -> Any:
+    """An expert callable holding only ``block`` of layer ``layer``'s experts (ids already block-local)."""
+    weights = _expert_weights(layer)[block.start : block.stop]
+
+    def run(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert int(ids.min()) >= 0 and int(ids.max()) < len(block), "ids must be block-local"
+        out = torch.zeros_like(x)
+        for k in range(ids.shape[1]):
+            out += w[:, k : k + 1] * torch.einsum("th,thg->tg", x, weights[ids[:, k].long()])
+        return out
+
+    return run
+
+
+def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() -> None:
+    ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 0.25], [0.75, 1.0]])
+    got_ids, got_w = local_routing(ids, weights, range(2, 4), 4, shift=True)
+    assert got_ids.tolist() == [[0, 1], [0, 0]] and got_w.tolist() == [[0.0, 0.25], [0.75, 0.0]]
+    same_ids, masked = local_routing(ids, weights, range(2, 4), 4, shift=False)
+    assert same_ids is ids and masked.tolist() == got_w.tolist()
+    assert local_routing(ids, weights, range(0, 4), 4, shift=True) == (ids, weights)
+
+
+def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(one_torch_thread: None) -> None:
+    """Two Attention processes, two FFN processes (threads here), experts sharded 2 + 2 and held
+    block-local: attention rank 0 runs forwards while rank 1 sits idle between two bursts of
+    its own (a lockstep FFN would hang rank 0's second item); every output equals the
+    unsharded reference, and each FFN rank served exactly (MoE layers x forwards) items of
+    each Attention rank."""
+    port = _free_port()
+    topology = {"num_attention_ranks": 2, "num_ffn_ranks": 2}
+    done: dict[str, Any] = {}
+
+    def ffn(rank: int) -> None:
+        block = range(2 * rank, 2 * rank + 2)
+        try:
+            done[f"report{rank}"] = serve_ffn(
+                ffn_serving_config({**afd("ffn", port), **topology, "rank": rank}),
+                [_block_experts(layer, block) for layer in range(len(LAYERS))],
+                SHAPE,
+                max_tokens=32,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                index=rank,
+                local_experts_only=True,
+            )
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
+            done[f"error{rank}"] = exc
+
+    remotes = [
+        RemoteExperts(parse_afd_config({**afd("attention", port), **topology, "rank": a}), max_tokens=32)
+        for a in range(2)
+    ]
+    for remote in remotes:
+        for layer in LAYERS:
+            remote.add_layer(layer, SHAPE)
+    forwards = {0: (5, 32, 1, 7, 3), 1: (4, 9)}
+    rank1_may_go_on = threading.Event()
+
+    def attention(a: int) -> None:
+        gen = torch.Generator().manual_seed(10 + a)
+        try:
+            for n, tokens in enumerate(forwards[a]):
+                if a == 1 and n == 1:  # idle while rank 0 runs all its forwards
+                    assert rank1_may_go_on.wait(60), "attention rank 0 never finished"
+                for ordinal, layer in enumerate(LAYERS):
+                    x = torch.randn(tokens, SHAPE.hidden_size, generator=gen)
+                    weights = torch.rand(tokens, SHAPE.top_k, generator=gen)
+                    ids = torch.randint(0, SHAPE.num_experts, (tokens, SHAPE.top_k), generator=gen, dtype=torch.int32)
+                    out = remotes[a].exchange(layer, x, weights, ids)
+                    torch.testing.assert_close(out, _reference(ordinal, x, weights, ids), rtol=1e-5, atol=1e-5)
+            if a == 0:
+                rank1_may_go_on.set()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
+            done[f"attention-error{a}"] = exc
+            rank1_may_go_on.set()
+
+    threads = [threading.Thread(target=ffn, args=(f,), daemon=True) for f in range(2)]
+    threads += [threading.Thread(target=attention, args=(a,), daemon=True) for a in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads[2:]:
+        thread.join(120)
+    assert not any(t.is_alive() for t in threads[2:]) and not any("error" in k for k in done), done
+    for remote in remotes:
+        remote.close()
+    for thread in threads[:2]:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads[:2]) and not any("error" in k for k in done), done
+    calls = [remote.calls for remote in remotes]
+    assert calls == [len(LAYERS) * len(forwards[a]) for a in range(2)]
+    for f in range(2):
+        report: FfnReport = done[f"report{f}"]
+        assert dict(report.items_per_attention) == {0: calls[0], 1: calls[1]}, report.as_dict()
+        assert report.end and set(report.ends) == {0, 1}

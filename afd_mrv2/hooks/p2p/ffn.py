@@ -15,10 +15,16 @@ Work item ``(layer l, stage s)`` on FFN rank ``f``::
 An attention rank that routed no token here still sends a header (tokens = 0) and
 gets one back, so an FFN rank with zero tokens takes part in every item without
 any special case on the wire; with N = 0 the owner's compute is not called.
+
+``peers`` (default: every attention rank) narrows the side to some attention
+ranks: an owner whose attention ranks step on their own clocks (independent vLLM
+engines) runs one executor per attention rank, each with ``peers=[that rank]``,
+so that item ``k`` of one rank never waits for item ``k`` of another.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +51,19 @@ class _Inputs:
 class FfnSide(Side):
     """Phase logic of an FFN rank; see the module docstring."""
 
-    def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
+    def __init__(
+        self, link: PeerLink, shape: P2pShape, options: P2pOptions, *, peers: Sequence[int] | None = None
+    ) -> None:
         super().__init__(link, shape, options)
         local = link.topology.experts_of(link.index)
         self.local_experts = (local.start, local.stop)
+        if peers is not None:
+            unknown = sorted(set(peers) - set(self.peers))
+            if not peers or unknown or len(set(peers)) != len(peers):
+                raise ValueError(
+                    f"{link.me}: peers must be distinct attention ranks among global ranks {self.peers}, got {list(peers)}"
+                )
+            self.peers = list(peers)
 
     def _inputs(self, work: Work) -> _Inputs:
         if work.inputs.state is None:

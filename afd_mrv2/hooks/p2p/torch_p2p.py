@@ -30,6 +30,10 @@ Resources (``ConnectorContext.resources``):
     contract, e.g. a vLLM MoE layer) provides both and gets the round-trip side
     (:mod:`afd_mrv2.hooks.p2p.roundtrip`); without them the attention side is
     layer-pipelined (:mod:`afd_mrv2.hooks.p2p.attention`).
+    ``attention_peers`` (FFN role, optional): the global ranks of the attention
+    ranks this executor serves (default: all of them).  An owner whose attention
+    ranks are independent engines runs one executor per attention rank
+    (:mod:`afd_mrv2.mrv2.ffn_server`), so that none waits for another's items.
 
 Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
 ``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``).
@@ -91,7 +95,8 @@ class TorchP2pConnector:
         options = parse_options(context.config.extra)
         self.side: AttentionSide | FfnSide
         if role != ATTENTION:
-            self.side = FfnSide(link, shape, options)
+            peers = context.resources.get("attention_peers")
+            self.side = FfnSide(link, shape, options, peers=None if peers is None else list(peers))
         elif "sink" in context.resources:  # an exchange owner: each item is one round trip
             source, sink = context.resource("source"), context.resource("sink")
             self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=sink)
