@@ -1,8 +1,11 @@
 """Faults of ``afd-mrv2 serve`` on real vLLM: each test starts a serve of its own.
 
 * a malformed ``afd`` section (or one the vLLM seam cannot serve): exit 2, one line, nothing started;
-* SIGKILL of the FFN process mid-generation: every in-flight request gets an error
-  response (no hang) and serve exits non-zero within 10 s naming the FFN role.
+* SIGKILL of a role's process mid-generation, the FFN role's (``python -m afd_mrv2.mrv2.ffn_role``)
+  or the Attention engine's (the vLLM API server serve started, whose EngineCore child
+  lives on in the role's process group): every in-flight request gets an error response
+  (no hang) and serve exits 1 within 10 s naming the role, its rank and pid; nothing of
+  the killed role's process group survives.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from afd_mrv2.serve.roles import group_alive
 from tests.serve.conftest import free_port_block, pid_alive
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import make_model
@@ -53,13 +57,14 @@ def test_malformed_afd_section_exits_2_one_line_nothing_started(model: Path, afd
     assert "started pid" not in proc.stderr
 
 
-def test_ffn_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_ffn(
-    model: Path, tmp_path: Path
+@pytest.mark.parametrize("role", ["ffn", "attention"])
+def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_it(
+    model: Path, tmp_path: Path, role: str
 ) -> None:
     serve = Serve(model, free_port_block(3), tmp_path / "serve.log")
     try:
         ready_s = serve.wait_ready()
-        ffn_pid = serve.role_pid("ffn 0")
+        pid = serve.role_pid(f"{role} 0")  # the role's first process, leader of its process group
         results: list[Any] = [None] * 8
         finished: list[float] = [0.0] * 8
         first = threading.Event()
@@ -75,7 +80,7 @@ def test_ffn_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_nam
         assert first.wait(120), "no streamed token arrived"
         time.sleep(0.5)  # mid-generation: 200 tokens each take far longer
         killed = time.monotonic()
-        subprocess.run(["kill", "-KILL", str(ffn_pid)], check=True)
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)
         code = serve.wait_exit(30)
         exited = time.monotonic() - killed
         for t in threads:
@@ -85,7 +90,7 @@ def test_ffn_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_nam
         log = serve.log_text()
         last = log.strip().splitlines()[-1]
         print(
-            f"\n[faults] ready after {ready_s:.1f} s; FFN pid {ffn_pid} SIGKILLed mid-generation: "
+            f"\n[faults] ready after {ready_s:.1f} s; {role} pid {pid} SIGKILLed mid-generation: "
             f"every client answered within {answered:.2f} s, serve exited {code} after {exited:.2f} s: {last}",
             flush=True,
         )
@@ -97,8 +102,9 @@ def test_ffn_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_nam
                 assert status != 200, (i, answer)
         assert code == 1
         assert exited < 10
-        assert last.startswith(f"afd-mrv2 serve: error: ffn rank 0 (pid {ffn_pid}) exited (signal SIGKILL)"), last
-        assert not pid_alive(ffn_pid)
+        assert last.startswith(f"afd-mrv2 serve: error: {role} rank 0 (pid {pid}) exited (signal SIGKILL)"), last
+        assert not pid_alive(pid)
+        assert not group_alive(pid), f"a process of {role} 0's group survived (vLLM's EngineCore?)"
         assert serve.stdout == [f"afd-mrv2 serve: ready at {serve.url}/v1"]
     finally:
         serve.stop()
