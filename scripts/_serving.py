@@ -303,9 +303,12 @@ class PlainServer(_Child):
 
 @dataclass
 class ServeTopology:
+    """serve's topology flags, and a base ``afd`` section (``--afd``) when given."""
+
     attention: int = 1
     ffn: int = 1
     depth: str | None = None
+    afd: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -346,6 +349,8 @@ class ServeServer(_Child):
         cmd += ["--port", str(port)]
         if topology.depth:
             cmd += ["--depth", topology.depth]
+        if topology.afd:
+            cmd += ["--afd", json.dumps(topology.afd)]
         cmd += ["--", *engine_args]
         self.stdout: list[str] = []
         self._lines = threading.Condition()

@@ -67,6 +67,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--ffn", type=int, default=1, metavar="F", help="serve's FFN ranks (default 1)")
     parser.add_argument("--depth", metavar="D|auto", help="serve --depth (FFN multistream depth)")
     parser.add_argument("--plain-cores", metavar="LIST", help="cores for plain vLLM, e.g. 0 or 0,1 (default: 1 core)")
+    parser.add_argument(
+        "--no-trace", action="store_true", help="no afd.multistream.trace on serve (no overlap figures in the report)"
+    )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--logs", default="out/bench-serve", help="folder for the servers' logs (default %(default)s)")
     args = parser.parse_args(head)
@@ -76,11 +79,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, list(engine)
 
 
-def side_round(server: PlainServer | ServeServer, payloads: list[dict[str, Any]], clients: int) -> dict[str, Any]:
-    """One measured round on one server: throughput and the CPU time its process tree used."""
+def side_round(
+    server: PlainServer | ServeServer, payloads: list[dict[str, Any]], clients: int, roles: dict[str, int]
+) -> dict[str, Any]:
+    """One measured round on one server: throughput, and the CPU time its process tree (and each role's) used."""
     cpu0 = cpu_seconds(server.proc.pid)
+    role0 = {name: cpu_seconds(pid) for name, pid in roles.items()}
     result = run_requests(server.url, payloads, clients)
     cpu = cpu_seconds(server.proc.pid) - cpu0
+    role_cpu = {name: cpu_seconds(pid) - role0[name] for name, pid in roles.items()}
     server.track()
     if result.failures:
         raise ServerError(
@@ -92,27 +99,34 @@ def side_round(server: PlainServer | ServeServer, payloads: list[dict[str, Any]]
         "tokens_per_s": result.tokens_per_s,
         "cpu_s": cpu,
         "cores_busy": cpu / result.wall_s,
+        "roles_cores_busy": {name: c / result.wall_s for name, c in role_cpu.items()},
     }
 
 
-def ffn_rows(reports: list[dict[str, Any]], window_s: float) -> tuple[list[str], list[list[object]]]:
-    """One row per FFN rank: its report's keys (dicts as compact JSON), busy fraction first."""
-    keys: list[str] = []
-    for entry in reports:
-        keys += [k for k in entry["report"] if k not in keys and k not in ("busy_s", "items")]
-    headers = ["ffn rank", "items", "busy_s", "busy fraction", "tokens/item", *keys]
-    rows: list[list[object]] = []
+def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts one level deep as dotted keys; deeper values and lists as compact JSON."""
+    flat: dict[str, Any] = {}
+    for key, value in report.items():
+        if isinstance(value, dict) and not prefix:
+            flat.update(_flat(value, f"{key}.") if value else {key: "{}"})
+        elif isinstance(value, dict | list):
+            flat[prefix + key] = json.dumps(value, separators=(",", ":"))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def ffn_table(reports: list[dict[str, Any]], window_s: float) -> str:
+    """Every key of every FFN report (a row per key, a column per FFN rank), busy fraction first."""
+    flats = {}
     for entry in reports:
         report = entry["report"]
-        per_item = {int(k): int(v) for k, v in (report.get("tokens_per_item") or {}).items()}
-        mean = sum(k * v for k, v in per_item.items()) / max(1, sum(per_item.values()))
         busy = float(report.get("busy_s", 0.0))
-        cells: list[object] = [entry["rank"], report.get("items", "?"), busy, busy / window_s, round(mean, 1)]
-        for key in keys:
-            value = report.get(key, "")
-            cells.append(json.dumps(value, separators=(",", ":")) if isinstance(value, dict | list) else value)
-        rows.append(cells)
-    return headers, rows
+        flats[f"ffn {entry['rank']}"] = {"busy fraction (busy_s / serving window)": busy / window_s, **_flat(report)}
+    keys: list[str] = []
+    for flat in flats.values():
+        keys += [k for k in flat if k not in keys]
+    return format_table(["report key", *flats], [[k, *(flat.get(k, "") for flat in flats.values())] for k in keys])
 
 
 def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
@@ -121,11 +135,11 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
     available = sorted(os.sched_getaffinity(0))
     plain_cores = args.plain_cores or str(available[0])
     parse_cpu_list(plain_cores)
-    topology = ServeTopology(args.attention, args.ffn, args.depth)
+    afd = None if args.no_trace else {"multistream": {"trace": True}}
+    topology = ServeTopology(args.attention, args.ffn, args.depth, afd)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     payloads = [body(model, p, args.tokens) for p in prompts(args.requests)]
-    warm = [body(model, p, min(args.tokens, 8)) for p in prompts(min(args.requests, args.clients))]
     load_start = load_average()
     print(
         f"{PROG}: {model}, {args.clients} clients, {args.requests} requests x {args.tokens} tokens per round, "
@@ -145,12 +159,14 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         binds = role_binds(serve.role_pids())
         plain.track()
         serve.track()
-        for server in (plain, serve):  # compiles the batch shapes; not measured
-            side_round(server, warm, args.clients)
+        roles = {"plain": {}, "serve": serve.role_pids()}
+        sides: list[tuple[str, PlainServer | ServeServer]] = [("plain", plain), ("serve", serve)]
+        for name, server in sides:  # one unmeasured round each: batch shapes compiled, caches warm
+            side_round(server, payloads, args.clients, roles[name])
         rounds: list[dict[str, Any]] = []
         for i in range(args.rounds):
-            for name, server in (("plain", plain), ("serve", serve)):
-                rounds.append({"round": i + 1, "side": name, **side_round(server, payloads, args.clients)})
+            for name, server in sides:
+                rounds.append({"round": i + 1, "side": name, **side_round(server, payloads, args.clients, roles[name])})
                 print(
                     f"  round {i + 1} {name}: {rounds[-1]['tokens_per_s']:.1f} tok/s in {rounds[-1]['wall_s']:.2f} s",
                     flush=True,
@@ -171,6 +187,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         "requests": args.requests,
         "engine_args": engine_args,
         "topology": topology.label,
+        "serve_afd": afd,
         "cores": {
             "machine": len(available),
             "plain": {"bind": plain_cores, "count": count_cores(plain_cores)},
@@ -196,10 +213,10 @@ def report(result: dict[str, Any]) -> str:
         f"cores: plain vLLM pinned to {cores['plain']['count']} (cpu {cores['plain']['bind']}); "
         f"serve {result['topology']} pinned to {serve_cores} ({pins}); this machine: {cores['machine']}",
         "(the pin is vLLM's OpenMP compute threads; front ends, engine-core loops and serve's proxy float; "
-        "'cores busy' is the CPU time every process of that side used / wall time)",
+        "'cores busy' is the CPU time every process of that side used / wall time; 'per role': each serve role's own)",
         "",
         format_table(
-            ["round", "side", "output tokens", "wall s", "tok/s", "cores busy", "tok/s per busy core"],
+            ["round", "side", "output tokens", "wall s", "tok/s", "cores busy", "tok/s per busy core", "per role"],
             [
                 [
                     r["round"],
@@ -209,6 +226,7 @@ def report(result: dict[str, Any]) -> str:
                     r["tokens_per_s"],
                     r["cores_busy"],
                     r["tokens_per_s"] / max(r["cores_busy"], 1e-9),
+                    ", ".join(f"{n} {v:.2f}" for n, v in r["roles_cores_busy"].items()) or "-",
                 ]
                 for r in rounds
             ],
@@ -230,14 +248,16 @@ def report(result: dict[str, Any]) -> str:
     result["median_ratio"] = statistics.median(ratios)
     window = result["serving_window_s"]
     if result["ffn_reports"]:
-        headers, rows = ffn_rows(result["ffn_reports"], window)
         lines += [
             f"FFN side: each role's 'afd-mrv2 ffn: done' report after SIGTERM (serve exit {result['serve_exit']}); "
-            f"busy fraction = busy_s / serving window ({window:.1f} s from ready to SIGTERM, warm-up items included)",
-            format_table(headers, rows),
+            f"serving window = {window:.1f} s from serve's ready line to SIGTERM (warm-up items included)",
+            ffn_table(result["ffn_reports"], window),
         ]
     else:
-        lines.append(f"FFN side: no 'afd-mrv2 ffn: done' report in serve's log (serve exit {result['serve_exit']})")
+        lines.append(
+            f"FFN side: no 'afd-mrv2 ffn: done' report in serve's log (serve exit {result['serve_exit']}; "
+            "see its log): the per-role 'cores busy' above is the FFN's CPU share"
+        )
     serve_busy = [r["cores_busy"] for r in rounds if r["side"] == "serve"]
     plain_busy = [r["cores_busy"] for r in rounds if r["side"] == "plain"]
     load = result["load_average"]
