@@ -4,7 +4,8 @@
   (stdout read for the ready line, stderr to a log file);
 * :class:`PlainServer`: ``python -m vllm.entrypoints.openai.api_server`` on the same
   checkpoint with the same engine arguments and no ``afd`` section;
-* :func:`complete` / :func:`stream` / :func:`complete_all`: OpenAI completions over HTTP.
+* :func:`complete` / :func:`stream` / :func:`complete_all`: OpenAI completions over HTTP;
+* :func:`greedy_answers`: the 16 greedy prompts of tests/vllm/engine.py at once, as :func:`compare` takes them.
 
 Both servers get the engine arguments :data:`ENGINE_ARGS` (fp32 like tests/vllm/engine.py).
 """
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import BASE_ENV, cores
 
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
@@ -211,6 +213,18 @@ def greedy(response: dict[str, Any]) -> tuple[list[int], list[float]]:
     """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
     choice = response["choices"][0]
     return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def greedy_payloads(model: Path, max_tokens: int = 12) -> list[dict[str, Any]]:
+    """One greedy request per prompt of tests/vllm/engine.py, asking for what :func:`greedy` reads."""
+    return [body(model, p, max_tokens, logprobs=1, return_token_ids=True) for p in PROMPTS]
+
+
+def greedy_answers(url: str, model: Path, max_tokens: int = 12) -> list[tuple[list[int], list[float]]]:
+    """:func:`greedy_payloads` sent concurrently to ``url``; every answer must be a 200."""
+    answers = complete_all(url, greedy_payloads(model, max_tokens))
+    assert all(status == 200 for status, _ in answers), answers
+    return [greedy(a) for _, a in answers]  # type: ignore[arg-type]
 
 
 def compare(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
