@@ -11,3 +11,7 @@
 
 No module here assigns to an attribute of an upstream class or module.
 """
+
+#: afd-mrv2's vLLM worker extension (``--worker-extension-cls``), named here without
+#: importing it (it imports vLLM): every role process of ``afd-mrv2 serve`` gets it.
+WORKER_EXTENSION = "afd_mrv2.mrv2.worker_ext.AfdWorkerExtension"

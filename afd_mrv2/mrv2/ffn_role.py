@@ -37,10 +37,9 @@ import sys
 from typing import Any
 
 from afd_mrv2.errors import AfdError
+from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
 from afd_mrv2.options import json_object
-
-EXTENSION = "afd_mrv2.mrv2.worker_ext.AfdWorkerExtension"
 
 
 def vllm_engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
@@ -79,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(additional.get("afd"), dict):
             raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
         ffn_serving_config(additional["afd"])  # fail before any engine exists
+        other = engine_args.pop("worker_extension_cls", WORKER_EXTENSION)
+        if other != WORKER_EXTENSION:
+            raise AfdError(f"--worker-extension-cls: the FFN role needs {WORKER_EXTENSION}, got {other}")
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_args.setdefault("enforce_eager", True)
     engine_args.pop("model", None)
-    llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=EXTENSION, **engine_args)
+    llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=WORKER_EXTENSION, **engine_args)
     print(f"afd-mrv2 ffn: ready pid={os.getpid()}", flush=True)
     (report,) = llm.collective_rpc("afd_ffn_serve")
     print(f"afd-mrv2 ffn: done {json.dumps(report)}", flush=True)

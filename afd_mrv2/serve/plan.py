@@ -27,6 +27,7 @@ from typing import Any
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.options import json_object
 from afd_mrv2.plugins import entry_points
 
@@ -42,6 +43,10 @@ ROLE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: An FFN role is ready once it prints a line containing this, or once its ready file exists.
 FFN_READY_MARKER = "afd-mrv2 ffn: ready"
 ADDITIONAL_CONFIG = "--additional-config"
+#: Every Attention engine gets afd-mrv2's worker extension: its counters and parameter
+#: bytes are readable from inside the worker (``collective_rpc``; over HTTP with vLLM's
+#: ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc {"method": "afd_attention_stats"}``).
+WORKER_EXTENSION_FLAG = "--worker-extension-cls"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ def attention_command(ctx: RoleContext) -> list[str]:
         str(ctx.port),
         ADDITIONAL_CONFIG,
         ctx.additional_config,
+        WORKER_EXTENSION_FLAG,
+        WORKER_EXTENSION,
         *ctx.extra,
     ]
 

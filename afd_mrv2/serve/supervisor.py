@@ -8,8 +8,9 @@ proxy takes requests and exactly one stdout line says so::
 
 From then on serve waits for SIGINT/SIGTERM or for any role to exit.  Either
 way it breaks in-flight requests (their clients get an error response), sends
-SIGTERM to every role's process group, SIGKILL to those still alive after the
-grace, and exits: 0 after a signal, 1 when a role died (one line naming role,
+SIGTERM to every Attention engine's process group, lets the FFN ranks end their
+sessions (each prints its report) or sends them SIGTERM, SIGKILL to what is still
+alive after the grace, and exits: 0 after a signal, 1 when a role died (one line naming role,
 rank, pid and how it ended) or a role did not get ready in time.  A second
 SIGINT/SIGTERM skips the grace.
 """
@@ -33,6 +34,10 @@ from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 
 READY_PREFIX = "afd-mrv2 serve: ready at"
 KILL_WAIT_S = 2.0
+#: After the Attention engines are gone: how long an FFN rank may take to end its session itself,
+#: then how long it gets after SIGTERM.
+FFN_OWN_END_S = 2.0
+FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
 
 
@@ -163,9 +168,24 @@ class Supervisor:
         return alive
 
     async def _stop_roles(self) -> None:
-        for role in self.roles:
+        """Attention engines first, then the FFN ranks, all within about 10 s.
+
+        An FFN rank ends its session by itself once its Attention engines are gone
+        (it prints its ``afd-mrv2 ffn: done {...}`` report and exits), so it gets
+        :data:`FFN_OWN_END_S` for that before its SIGTERM; whatever is still alive
+        after its grace gets SIGKILL.
+        """
+        grace = self.plan.options.stop_grace_s
+        attention = [r for r in self.roles if r.spec.role == ATTENTION]
+        ffn = [r for r in self.roles if r.spec.role == FFN]
+        for role in attention:
             role.signal_group(signal.SIGTERM)
-        survivors = await self._wait_dead(self.roles, self.plan.options.stop_grace_s)
+        survivors = await self._wait_dead(attention, grace)
+        survivors += await self._wait_dead(ffn, FFN_OWN_END_S)
+        for role in survivors:
+            if role.spec.role == FFN:
+                role.signal_group(signal.SIGTERM)
+        survivors = await self._wait_dead(survivors, FFN_TERM_S)
         for role in survivors:
             self._say(f"{role.describe()} still running after SIGTERM: SIGKILL")
             role.signal_group(signal.SIGKILL)

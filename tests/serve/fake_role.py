@@ -6,6 +6,7 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
   marker) or ``"file"`` (creates ``--ready-file``);
 * ``grandchild``: spawn a ``sleep`` child in the same process group (serve must stop it too);
 * ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
+* ``report_term``: on SIGTERM print ``term <ROLE> <RANK>``, then exit 0;
 * ``exit_after`` (s): exit with code 3 after this long;
 * ``token_delay`` (s, default 0.05): delay between streamed tokens.
 
@@ -90,6 +91,13 @@ async def main(argv: list[str]) -> None:
     behaviour = json.loads(os.environ.get("FAKE_ROLE", "{}"))
     if behaviour.get("ignore_term"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif behaviour.get("report_term"):
+
+        def on_term(signum: int, frame: object) -> None:
+            print(f"term {role} {rank}", flush=True)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
     print(f"pid {role} {rank} {os.getpid()}", flush=True)
     print(f"argv {json.dumps(argv)}", flush=True)
     if behaviour.get("grandchild"):

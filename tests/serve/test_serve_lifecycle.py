@@ -72,6 +72,25 @@ def test_signal_stops_every_process_within_10s(start_serve, sig):
     print(f"stop latency ({sig.name}): {elapsed:.2f} s")
 
 
+def test_stop_order_attention_engines_first_then_ffn_ranks(start_serve):
+    """FFN ranks end their sessions (and print their reports) when their Attention engines
+    are gone, so serve stops the Attention engines first and gives the FFN ranks
+    FFN_OWN_END_S to end by themselves before their SIGTERM (these fakes never do)."""
+    from afd_mrv2.serve.supervisor import FFN_OWN_END_S
+
+    serve, _ = start_serve(2, 1, {"report_term": True})
+    serve.wait_ready()
+    t0 = time.monotonic()
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+    elapsed = time.monotonic() - t0
+    terms = [(at, line.split("] ", 1)[1]) for at, line in serve.err if "] term " in line]
+    assert [text for _, text in terms][-1] == "term ffn 0", terms
+    assert sorted(text for _, text in terms[:2]) == ["term attention 0", "term attention 1"], terms
+    assert terms[-1][0] - max(at for at, _ in terms[:2]) >= FFN_OWN_END_S - 0.2
+    assert elapsed < STOP_BUDGET_S
+
+
 def test_sigterm_ignored_escalates_to_sigkill(start_serve):
     serve, _ = start_serve(1, 1, {"ignore_term": True}, "--stop-grace", "1")
     serve.wait_ready()
