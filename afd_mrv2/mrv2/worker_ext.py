@@ -9,6 +9,8 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
     the FFN role: after vLLM loaded the model the normal way (its loader, its
     quant method, its MoE kernel), serve the routed experts of every MoE layer to
     the Attention role until it leaves (:func:`afd_mrv2.mrv2.ffn_server.serve_ffn`).
+    With several FFN ranks each keeps only its block of experts
+    (:func:`keep_expert_block`), right after loading and before serving.
     The engine core is blocked in this call for the whole session; the FFN engine
     serves no requests of its own.
 ``afd_routed_expert_bytes()``
@@ -16,6 +18,11 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
     (0 on the Attention role: it holds only 0-element placeholders).
 ``afd_attention_stats()``
     the Attention role's transfer counters (None where no AFD layer was built).
+``afd_runner_info()``
+    the model runner this worker really holds: its class and MRO (qualified names),
+    whether it is afd-mrv2's Attention composition and over which upstream runner,
+    and whether its AFD session is the MoE seam's.  Tests use it to prove the V2
+    composition from inside the worker rather than from a log line.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.remote import MoeShape, attached
+from afd_mrv2.mrv2.runner import runner_info
+from afd_mrv2.topology import Topology
 from afd_mrv2.validation import afd_section
 
 
@@ -36,6 +45,29 @@ def routed_experts_layers(model: torch.nn.Module) -> list[RoutedExperts]:
     """The model's routed-experts layers, in model-layer order."""
     layers = {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, RoutedExperts)}
     return [layers[index] for index in sorted(layers)]
+
+
+def keep_expert_block(layer: RoutedExperts, block: range) -> None:
+    """Keep only the routed experts ``block`` of ``layer``: each parameter whose leading
+    dimension is the global expert count (weights, biases, scales) is cut to the block.
+
+    Kernel-neutral: vLLM's modular kernel reads the local expert count from the
+    weights (``w1.shape[0]``), and :func:`~afd_mrv2.mrv2.ffn_server.local_routing`
+    shifts the ids into the block.  Each parameter's storage is replaced in place
+    (``Tensor.set_``), so objects that hold the parameter (the quant config holds
+    the biases) see the cut tensor.
+    """
+    total = layer.moe_config.num_experts
+    if block.start == 0 and block.stop == total:
+        return
+    for name, param in layer.named_parameters(recurse=False):
+        if param.dim() and param.shape[0] == total:
+            with torch.no_grad():  # in place: the Parameter object (and who holds it) stays the same
+                param.set_(param.detach()[block.start : block.stop].clone())
+        elif param.numel():
+            raise RuntimeError(
+                f"{layer.layer_name}.{name}: shape {list(param.shape)} is not per expert; cannot shard it"
+            )
 
 
 def _modular(layer: RoutedExperts) -> ExpertsFn:
@@ -64,6 +96,9 @@ class AfdWorkerExtension:
         if not layers:
             raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")
         moe = layers[0].moe_config
+        block = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts).experts_of(config.rank)
+        for layer in layers:  # this FFN rank holds only its experts
+            keep_expert_block(layer, block)
         first = next(layers[0].parameters())
         report = serve_ffn(
             config,
@@ -73,6 +108,7 @@ class AfdWorkerExtension:
             dtype=self.vllm_config.model_config.dtype,
             device=first.device,
             index=config.rank,
+            local_experts_only=True,
         )
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
@@ -82,6 +118,9 @@ class AfdWorkerExtension:
     def afd_routed_expert_bytes(self) -> int:
         layers = routed_experts_layers(self.model_runner.get_model())
         return sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+
+    def afd_runner_info(self) -> dict[str, Any]:
+        return runner_info(self.model_runner, self)
 
     def afd_attention_stats(self) -> dict[str, Any] | None:
         remote = attached()

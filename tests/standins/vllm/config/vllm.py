@@ -22,3 +22,4 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     additional_config: dict = field(default_factory=dict)
+    use_v2_model_runner: bool = True  # a property upstream (VLLM_USE_V2_MODEL_RUNNER)

