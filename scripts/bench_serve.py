@@ -104,16 +104,21 @@ def side_round(
 
 
 def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts one level deep as dotted keys; deeper values and lists as compact JSON."""
+    """Small dicts (up to 4 keys) one level deep as dotted keys; other dicts and lists as compact JSON; long texts cut."""
     flat: dict[str, Any] = {}
     for key, value in report.items():
-        if isinstance(value, dict) and not prefix:
+        if isinstance(value, dict) and not prefix and len(value) <= 4:
             flat.update(_flat(value, f"{key}.") if value else {key: "{}"})
         elif isinstance(value, dict | list):
-            flat[prefix + key] = json.dumps(value, separators=(",", ":"))
+            flat[prefix + key] = _short(json.dumps(value, separators=(",", ":")))
         else:
-            flat[prefix + key] = value
+            flat[prefix + key] = _short(value) if isinstance(value, str) else value
     return flat
+
+
+def _short(text: str, width: int = 70) -> str:
+    """Long texts (an end reason) cut for the table; the JSON output keeps them whole."""
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def ffn_table(reports: list[dict[str, Any]], window_s: float) -> str:
@@ -122,7 +127,13 @@ def ffn_table(reports: list[dict[str, Any]], window_s: float) -> str:
     for entry in reports:
         report = entry["report"]
         busy = float(report.get("busy_s", 0.0))
-        flats[f"ffn {entry['rank']}"] = {"busy fraction (busy_s / serving window)": busy / window_s, **_flat(report)}
+        per_item = {int(k): int(v) for k, v in (report.get("tokens_per_item") or {}).items()}
+        mean = sum(k * v for k, v in per_item.items()) / max(1, sum(per_item.values()))
+        flats[f"ffn {entry['rank']}"] = {
+            "busy fraction (busy_s / serving window)": f"{busy / window_s:.4f}",
+            "tokens per item (mean)": f"{mean:.1f}",
+            **_flat(report),
+        }
     keys: list[str] = []
     for flat in flats.values():
         keys += [k for k in flat if k not in keys]

@@ -213,7 +213,8 @@ def serve_row(
     row: dict[str, Any] = {}
     try:
         row["ready_s"] = serve.wait_ready()
-        why = runner_used(serve.log_text(), runner)
+        attention_log = "\n".join(line for line in serve.log_text().splitlines() if line.startswith("[attention "))
+        why = runner_used(attention_log, runner)
         if why is not None:
             raise RunnerUnavailable(why)
         row.update(compare(plain, greedy_round(serve, model)))
