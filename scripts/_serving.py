@@ -120,11 +120,13 @@ def _pdeathsig() -> None:
 
 
 def sigterm_as_interrupt() -> None:
-    """SIGTERM to the script behaves like Ctrl-C: the ``finally`` blocks stop every server."""
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so the ``finally`` blocks stop every server
+    (SIGINT explicitly: a background job of a non-interactive shell starts with SIGINT ignored)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, handler)
 
 
