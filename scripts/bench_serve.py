@@ -123,7 +123,7 @@ def _short(text: str, width: int = 70) -> str:
 
 def ffn_table(reports: list[dict[str, Any]], window_s: float) -> str:
     """Every key of every FFN report (a row per key, a column per FFN rank), busy fraction first."""
-    flats = {}
+    flats: dict[str, dict[str, Any]] = {}
     for entry in reports:
         report = entry["report"]
         busy = float(report.get("busy_s", 0.0))
@@ -137,7 +137,10 @@ def ffn_table(reports: list[dict[str, Any]], window_s: float) -> str:
     keys: list[str] = []
     for flat in flats.values():
         keys += [k for k in flat if k not in keys]
-    return format_table(["report key", *flats], [[k, *(flat.get(k, "") for flat in flats.values())] for k in keys])
+    table: str = format_table(
+        ["report key", *flats], [[k, *(flat.get(k, "") for flat in flats.values())] for k in keys]
+    )
+    return table
 
 
 def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:

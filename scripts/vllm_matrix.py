@@ -236,7 +236,13 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]
         print(f"  {row['arch']:<12} {row['runner']:<3} {row['config']:<8} {row['verdict']}", flush=True)
 
     for arch in args.archs:
-        model = make_model(models / arch, arch)
+        try:
+            model = make_model(models / arch, arch)
+        except (ServerError, UsageError) as exc:
+            for runner_name in args.runners:
+                for config_name in args.configs:
+                    add({"arch": arch, "runner": runner_name, "config": config_name, "verdict": f"FAILED: {exc}"})
+            continue
         for runner_name in args.runners:
             runner = RUNNERS[runner_name]
             base = {"arch": arch, "runner": runner_name}
