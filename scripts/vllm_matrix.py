@@ -108,14 +108,16 @@ class Runner:
 
 
 #: The runners.  v2: vLLM's Model Runner V2 on the CPU build, through the test-only triton "cpu"
-#: stand-in in tests/vllm/triton_cpu_standin (a sitecustomize; kernels in Triton's interpreter, eager).
+#: stand-in in tests/vllm/triton_cpu_standin (a sitecustomize; kernels in Triton's interpreter, eager),
+#: with afd-mrv2's CPU worker (it installs the Attention composition over V2's CPUModelRunner; without
+#: an afd section it is upstream's), as tests/vllm/harness.py runs V2.  Every side gets the same args.
 STANDIN = REPO / "tests" / "vllm" / "triton_cpu_standin"
 RUNNERS = {
     "v1": Runner(),
     "v2": Runner(
         env={"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "AFD_MRV2_TEST_TRITON_CPU_STANDIN": "1"},
         pythonpath=STANDIN,
-        engine_args=("--enforce-eager",),
+        engine_args=("--enforce-eager", "--worker-cls", "afd_mrv2.mrv2.worker.AfdCPUWorker"),
         requires=STANDIN / "sitecustomize.py",
         log_says="Using V2 Model Runner",
     ),
@@ -246,7 +248,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]
         for runner_name in args.runners:
             runner = RUNNERS[runner_name]
             base = {"arch": arch, "runner": runner_name}
-            args_here = [*engine_args, *(a for a in runner.engine_args if a not in engine_args)]
+            args_here = [*engine_args, *runner.engine_args]
             try:
                 why = runner.missing()
                 if why is not None:
