@@ -9,6 +9,13 @@
 Environment for every engine: ``HF_HUB_OFFLINE=1`` (nothing is downloaded) and
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).  On a 2-core machine vLLM's automatic thread
 binding puts every engine on core 0; the two engines of a pair are pinned apart.
+
+Runners: an engine runs vLLM's V1 CPU runner (the default) unless its environment
+comes from :func:`v2_env`: ``VLLM_USE_V2_MODEL_RUNNER=1`` plus the TEST-ONLY triton
+stand-in (:data:`TRITON_STANDIN`, on ``PYTHONPATH``, with ``TRITON_INTERPRET=1``) that
+vLLM's Model Runner V2 needs on vllm-cpu; V2 engines run eager (:data:`V2_ENGINE_ARGS`).
+The V2 variables are removed from every other engine's environment, so a developer's
+shell cannot turn the V1 runs into V2 ones.
 """
 
 from __future__ import annotations
@@ -27,6 +34,23 @@ ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "se
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE_TIMEOUT_S = 600
 ZERO_ENV = "AFD_MRV2_TEST_ZERO_ROUTED_EXPERTS"  # afd_mrv2.mrv2.experts.ZERO_ENV (not imported: needs vLLM)
+TRITON_STANDIN = Path(__file__).with_name("triton_cpu_standin")  # its sitecustomize.py; see its docstring
+STANDIN_ENV = "AFD_MRV2_TEST_TRITON_CPU_STANDIN"  # triton_cpu_standin/sitecustomize.py STANDIN_ENV
+V2_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", STANDIN_ENV)
+#: V2 on CPU runs eager (with the stand-in Inductor would look for a triton CPU target)
+V2_ENGINE_ARGS = {"enforce_eager": True}
+#: the Attention engine's worker: upstream's CPUWorker whose init_device installs afd-mrv2's runner under V2
+AFD_WORKER = {"worker_cls": "afd_mrv2.mrv2.worker.AfdCPUWorker"}
+V2_RUNNER = "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # vLLM's Model Runner V2 on CPU
+V1_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # vLLM's default CPU runner
+
+
+def v2_env() -> dict[str, str]:
+    """The environment additions that select Model Runner V2 on vllm-cpu (test-only triton stand-in)."""
+    if not (TRITON_STANDIN / "sitecustomize.py").is_file():
+        raise AssertionError(f"the triton stand-in is missing: {TRITON_STANDIN / 'sitecustomize.py'}")
+    path = os.pathsep.join(p for p in (str(TRITON_STANDIN), os.environ.get("PYTHONPATH", "")) if p)
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", STANDIN_ENV: "1", "PYTHONPATH": path}
 
 
 def cores() -> tuple[str, str]:
@@ -48,11 +72,13 @@ class EngineRun:
     name: str
     afd: dict[str, Any] | None = None
     env: dict[str, str] | None = None
+    engine_args: dict[str, Any] | None = None  # added to engine.py's ENGINE_ARGS
 
 
 def _env(extra: dict[str, str] | None, core: str) -> dict[str, str]:
     env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": core}
-    env.pop(ZERO_ENV, None)  # the test-only switch reaches only the runs that ask for it
+    for key in (ZERO_ENV, *V2_KEYS):  # the test-only switches reach only the runs that ask for them
+        env.pop(key, None)
     env.update(extra or {})
     return env
 
@@ -68,6 +94,8 @@ def run_engines(
         cmd = [sys.executable, str(ENGINE), str(model), str(out)]
         if run.afd is not None:
             cmd += ["--afd", json.dumps(run.afd)]
+        if run.engine_args:
+            cmd += ["--engine-args", json.dumps(run.engine_args)]
         with open(log, "w") as f:
             procs.append(
                 (
@@ -96,17 +124,29 @@ def run_engines(
 class FfnRole:
     """An FFN role process (``python -m afd_mrv2.mrv2.ffn_role``), started and waited for."""
 
-    def __init__(self, model: Path, afd: dict[str, Any], log: Path, core: str) -> None:
+    def __init__(
+        self,
+        model: Path,
+        afd: dict[str, Any],
+        log: Path,
+        core: str,
+        *,
+        env: dict[str, str] | None = None,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
         self.log = log
+        self.started = time.monotonic()
+        self.ready_s: float | None = None
         cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", str(model), "--afd", json.dumps(afd)]
-        cmd += ["--engine-args", json.dumps(ENGINE_ARGS)]
+        cmd += ["--engine-args", json.dumps({**ENGINE_ARGS, **(engine_args or {})})]
         self._file = open(log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=_env(None, core))
+        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=_env(env, core))
 
     def wait_ready(self, timeout_s: float = ENGINE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if "afd-mrv2 ffn: ready" in self.log.read_text():
+                self.ready_s = time.monotonic() - self.started
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(
