@@ -44,16 +44,27 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 class Serve:
     """``afd-mrv2 serve`` as a child process (its own process group)."""
 
-    def __init__(self, model: Path, port: int, log: Path, *args: str, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        log: Path,
+        *args: str,
+        extra: list[str] | None = None,
+        attention: int = 1,
+        ffn: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.port = port
         self.log = log
         exe = Path(sys.executable).with_name("afd-mrv2")
-        cmd = [str(exe), "serve", str(model), "--attention", "1", "--ffn", "1", "--port", str(port), *args]
-        cmd += ["--", *(ENGINE_ARGS if extra is None else extra)]
+        cmd = [str(exe), "serve", str(model), "--attention", str(attention), "--ffn", str(ffn), "--port", str(port)]
+        cmd += [*args, "--", *(ENGINE_ARGS if extra is None else extra)]
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=_env(), start_new_session=True
+            cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=_env(env), start_new_session=True
         )
         self.stdout: list[str] = []
         self._lines = threading.Condition()
@@ -104,12 +115,12 @@ class Serve:
 class PlainServer:
     """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section) on one core."""
 
-    def __init__(self, model: Path, port: int, log: Path) -> None:
+    def __init__(self, model: Path, port: int, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
-        env = _env({**BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores()[0]})
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *args]
+        env = _env({**BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cores()[0], **(env or {})})
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -144,6 +155,29 @@ def _terminate(proc: subprocess.Popen[bytes], term: Callable[[], None]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+#: vLLM's dev endpoints (``POST /collective_rpc``): what the tests read from inside the workers.
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def rpc(url: str, method: str, timeout: float = 60) -> list[Any]:
+    """``collective_rpc(method)`` on the vLLM OpenAI server at ``url`` (needs :data:`DEV_MODE`); one result per worker."""
+    req = urllib.request.Request(
+        url + "/collective_rpc", json.dumps({"method": method}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return list(json.loads(resp.read())["results"])
+
+
+def ffn_reports(log_text: str) -> dict[int, dict[str, Any]]:
+    """Each FFN rank's ``afd-mrv2 ffn: done {...}`` report, from serve's log (rank -> report)."""
+    found: dict[int, dict[str, Any]] = {}
+    for line in log_text.splitlines():
+        if line.startswith("[ffn ") and "] afd-mrv2 ffn: done " in line:
+            rank = int(line[len("[ffn ") : line.index("]")])
+            found[rank] = json.loads(line.split("] afd-mrv2 ffn: done ", 1)[1])
+    return found
 
 
 def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:

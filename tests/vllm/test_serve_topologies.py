@@ -1,0 +1,132 @@
+"""``afd-mrv2 serve`` with several Attention engines and FFN ranks (2A1F, 2A2F) on real vLLM.
+
+Mixtral-style checkpoint, V1 CPU runner; plain vLLM (afd-mrv2 installed, no ``afd``
+section) answers the same 32 greedy completions of 16 tokens twice (the plain-vs-plain
+figure), each topology once, all sent concurrently.  The proxy spreads the requests over
+two independent engines, so their batches differ from plain vLLM's single engine: the
+issue's bound is >= 31/32 token-identical with max |logprob diff| <= 1e-4.
+
+From inside the processes (vLLM's ``collective_rpc``, over HTTP with
+``VLLM_SERVER_DEV_MODE=1``; the FFN ranks' ``afd-mrv2 ffn: done`` reports):
+
+* each Attention engine holds 0 routed-expert parameter bytes; the FFN ranks together
+  hold exactly plain vLLM's (2F: each rank keeps its half of the experts);
+* every FFN rank served exactly (MoE layers x forwards) items of every Attention engine:
+  the engine's own count of routed-expert calls, warm-up included;
+* both engines served requests (the proxy balances), each on its own clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve.conftest import free_port_block
+from tests.vllm.engine import PROMPTS
+from tests.vllm.harness import make_model
+from tests.vllm.serving import DEV_MODE, PlainServer, Serve, body, compare, complete_all, ffn_reports, greedy, rpc
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+
+TOPOLOGIES = [(2, 1), (2, 2)]
+TOKENS = 16
+#: 32 prompts: the 16 of tests/vllm/engine.py and each once more with a suffix
+PROMPTS_32 = [*PROMPTS, *(f"{p} and then" for p in PROMPTS)]
+
+Answers = list[tuple[list[int], list[float]]]
+
+
+def answers(url: str, model: Path) -> Answers:
+    payloads = [body(model, p, TOKENS, logprobs=1, return_token_ids=True) for p in PROMPTS_32]
+    got = complete_all(url, payloads)
+    assert all(status == 200 for status, _ in got), got
+    return [greedy(a) for _, a in got]  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("topologies-mixtral") / "model", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    server = PlainServer(
+        model,
+        free_port_block(1),
+        tmp_path_factory.mktemp("plain") / "plain.log",
+        "--worker-extension-cls",
+        "afd_mrv2.mrv2.worker_ext.AfdWorkerExtension",
+        env=DEV_MODE,
+    )
+    try:
+        server.wait_ready()
+        first, again = answers(server.url, model), answers(server.url, model)
+        (expert_bytes,) = rpc(server.url, "afd_routed_expert_bytes")  # vLLM's endpoint sends scalars as text
+    finally:
+        server.stop()
+    return {"answers": first, "again": again, "routed_expert_bytes": int(expert_bytes)}
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
+def served(
+    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    a, f = request.param
+    port = free_port_block(a + 4)
+    serve = Serve(
+        model, port, tmp_path_factory.mktemp(f"serve-{a}a{f}f") / "serve.log", attention=a, ffn=f, env=DEV_MODE
+    )
+    try:
+        ready_s = serve.wait_ready()
+        got = answers(serve.url, model)
+        engines = [f"http://127.0.0.1:{port + 1 + rank}" for rank in range(a)]
+        stats = [rpc(url, "afd_attention_stats")[0] for url in engines]
+        attention_bytes = [int(rpc(url, "afd_routed_expert_bytes")[0]) for url in engines]
+    finally:
+        code = serve.stop()
+    reports = ffn_reports(serve.log_text())
+    yield {
+        "topology": (a, f),
+        "ready_s": ready_s,
+        "answers": got,
+        "stats": stats,
+        "attention_bytes": attention_bytes,
+        "ffn": reports,
+        "stop_code": code,
+    }
+
+
+def test_token_identical_to_plain_vllm_within_the_bound(served: dict[str, Any], plain: dict[str, Any]) -> None:
+    a, f = served["topology"]
+    versus_plain = compare(plain["answers"], served["answers"])
+    plain_again = compare(plain["answers"], plain["again"])
+    print(
+        f"\n[{a}A{f}F] ready after {served['ready_s']:.1f} s; vs plain: {json.dumps(versus_plain)}; "
+        f"plain vs plain: {json.dumps(plain_again)}",
+        flush=True,
+    )
+    assert plain_again["identical"] == len(PROMPTS_32)
+    assert versus_plain["identical"] >= len(PROMPTS_32) - 1
+    assert versus_plain["max_logprob_diff"] <= 1e-4
+
+
+def test_from_inside_weights_live_only_on_the_ffn_ranks_and_every_item_was_served(
+    served: dict[str, Any], plain: dict[str, Any]
+) -> None:
+    a, f = served["topology"]
+    reports, stats = served["ffn"], served["stats"]
+    print(f"\n[{a}A{f}F] attention stats {json.dumps(stats)}\n[{a}A{f}F] ffn reports {json.dumps(reports)}", flush=True)
+    assert served["stop_code"] == 0
+    assert served["attention_bytes"] == [0] * a
+    assert sorted(reports) == list(range(f)), "every FFN rank ends its session and reports"
+    assert sum(r["routed_expert_bytes"] for r in reports.values()) == plain["routed_expert_bytes"]
+    for rank, report in reports.items():
+        served_items = {int(k): n for k, n in report["items_per_attention"].items()}
+        assert served_items == {i: stats[i]["calls"] for i in range(a)}, (rank, served_items)
+    moe_layers = len(stats[0]["moe_layers"])
+    for s in stats:
+        assert s["calls"] % moe_layers == 0 and s["calls"] > moe_layers  # warm-up plus requests, whole forwards
