@@ -35,7 +35,7 @@ from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 READY_PREFIX = "afd-mrv2 serve: ready at"
 KILL_WAIT_S = 2.0
 #: After the Attention engines are gone: how long an FFN rank may take to end its session itself,
-#: then how long it gets after SIGTERM.
+#: then how long it gets after SIGTERM (both within the stop grace, see ``Supervisor._stop_roles``).
 FFN_OWN_END_S = 2.0
 FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
@@ -172,20 +172,26 @@ class Supervisor:
 
         An FFN rank ends its session by itself once its Attention engines are gone
         (it prints its ``afd-mrv2 ffn: done {...}`` report and exits), so it gets
-        :data:`FFN_OWN_END_S` for that before its SIGTERM; whatever is still alive
-        after its grace gets SIGKILL.
+        :data:`FFN_OWN_END_S` for that before its SIGTERM.  Every window lies within
+        the one grace: the FFN ranks get their SIGTERM at the latest :data:`FFN_TERM_S`
+        before it ends, and whatever is alive when it ends gets SIGKILL, so a stop takes
+        at most grace + KILL_WAIT_S however slowly the Attention engines go (a real
+        vLLM engine whose API server was killed takes seconds: its EngineCore waits for
+        its worker).
         """
         grace = self.plan.options.stop_grace_s
+        deadline = time.monotonic() + grace
         attention = [r for r in self.roles if r.spec.role == ATTENTION]
         ffn = [r for r in self.roles if r.spec.role == FFN]
         for role in attention:
             role.signal_group(signal.SIGTERM)
-        survivors = await self._wait_dead(attention, grace)
-        survivors += await self._wait_dead(ffn, FFN_OWN_END_S)
+        survivors = await self._wait_dead(attention, grace - FFN_TERM_S)
+        own_end = min(FFN_OWN_END_S, deadline - FFN_TERM_S - time.monotonic())
+        survivors += await self._wait_dead(ffn, own_end)
         for role in survivors:
             if role.spec.role == FFN:
                 role.signal_group(signal.SIGTERM)
-        survivors = await self._wait_dead(survivors, FFN_TERM_S)
+        survivors = await self._wait_dead(survivors, deadline - time.monotonic())
         for role in survivors:
             self._say(f"{role.describe()} still running after SIGTERM: SIGKILL")
             role.signal_group(signal.SIGKILL)
