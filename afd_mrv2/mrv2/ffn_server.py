@@ -41,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -143,22 +143,32 @@ class FfnReport:
 def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
     """What the loops' traces say about overlap, all loops of the rank together.
 
-    ``hidden_comm_fraction``: the share of recv+send time during which an expert
-    computation ran (1.0: communication fully hidden; serialized loops of one
-    Attention rank score ~0, their own phases never overlap).  ``busy_ms``: per
-    stream, the time it ran a phase.  ``active_ms``: first to last span.
+    Only spans that ran count (one opened for the item the session ended on never
+    started).  ``hidden_comm_fraction``: the share of recv+send time during which an
+    expert computation ran (1.0: communication fully hidden); ``send_hidden_fraction``
+    the same for sends alone.  A serving recv also waits, idle, for the engine's next
+    forward, so the recv share is a lower bound.  With one Attention engine nothing
+    can overlap on this path (the engine waits for each result before sending its
+    next item); with several, one engine's transfers run under another's compute.
+    ``busy_ms``: per stream, the time it ran a phase; ``compute_ms``: the union of
+    the compute spans; ``active_ms``: first to last span.
     """
-    spans = [span for trace in traces for span in trace.spans]
+    spans = [span for trace in traces for span in trace.spans if 0 < span.start_ns <= span.end_ns]
     if not spans:
-        return {"items": 0, "hidden_comm_fraction": 0.0, "busy_ms": {}, "active_ms": 0.0}
+        return {"items": 0}
     busy: dict[str, float] = {}
     for trace in traces:
-        for stream, ns in busy_ns(trace.spans).items():
+        ran = [span for span in trace.spans if 0 < span.start_ns <= span.end_ns]
+        for stream, ns in busy_ns(ran).items():
             busy[stream] = busy.get(stream, 0.0) + ns / 1e6
+    compute = [s for s in spans if s.name == "compute"]
+    sends = [s for s in spans if s.name == "send"]
     active = max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
     return {
-        "items": sum(1 for s in spans if s.name == "compute"),
+        "items": len(compute),
         "hidden_comm_fraction": round(hidden_comm_fraction(spans), 4),
+        "send_hidden_fraction": round(hidden_comm_fraction(compute + sends), 4),
+        "compute_ms": round(busy_ns([replace(s, stream_name="compute") for s in compute]).get("compute", 0) / 1e6, 3),
         "busy_ms": {k: round(v, 3) for k, v in sorted(busy.items())},
         "active_ms": round(active / 1e6, 3),
     }

@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
+from afd_mrv2.devices.base import Span
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, local_routing, serve_ffn
+from afd_mrv2.items import WorkItem
+from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, local_routing, overlap_figures, serve_ffn
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts, check_vllm_path
+from afd_mrv2.pipeline.trace import Trace
 
 SHAPE = MoeShape(hidden_size=16, top_k=2, num_experts=4)
 LAYERS = (3, 7)  # model layer indices of the MoE layers (not contiguous: ordinals 0 and 1)
@@ -203,3 +206,25 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(one_
         report: FfnReport = done[f"report{f}"]
         assert dict(report.items_per_attention) == {0: calls[0], 1: calls[1]}, report.as_dict()
         assert report.end and set(report.ends) == {0, 1}
+
+
+def test_overlap_figures_from_two_loops_traces_ignore_spans_that_never_ran() -> None:
+    """Loop 0 computes 10..20 ms while loop 1 sends 15..25 ms and receives 0..10 ms; a span
+    opened for the item the session ended on never started (start 0) and must not count."""
+    ms = 1_000_000
+
+    def span(name: str, start: int, end: int, seq: int) -> Span:
+        return Span(name, name, 0, WorkItem(0, 0, seq), (0, 0), start * ms, end * ms)
+
+    loop0, loop1 = Trace(role="ffn"), Trace(role="ffn")
+    for sp in (span("recv", 1000, 1010, 0), span("compute", 1010, 1020, 0), span("send", 1020, 1021, 0)):
+        loop0.add(sp)
+    for sp in (span("recv", 1000, 1010, 0), span("send", 1015, 1025, 0)):
+        loop1.add(sp)
+    loop1.add(Span("recv", "recv", 0, WorkItem(0, 0, 1), (0, 0)))  # never ran
+    got = overlap_figures([loop0, loop1])
+    assert got["items"] == 1 and got["active_ms"] == 25.0 and got["compute_ms"] == 10.0
+    assert got["send_hidden_fraction"] == round(5 / 11, 4)  # 5 of the 11 send ms under compute
+    assert got["hidden_comm_fraction"] == round(5 / 31, 4)  # recv 20 ms + send 11 ms
+    assert got["busy_ms"] == {"compute": 10.0, "recv": 20.0, "send": 11.0}
+    assert overlap_figures([]) == {"items": 0}
