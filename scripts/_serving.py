@@ -219,14 +219,19 @@ class _Child:
                 self._seen.add((pid, fields[19]))
         return pids
 
-    def leftovers(self) -> list[int]:
-        """Processes seen in the server's tree that are still alive."""
-        alive = []
-        for pid, start in sorted(self._seen):
-            fields = _stat(pid)
-            if fields is not None and fields[19] == start and fields[0] not in ("Z", "X"):
-                alive.append(pid)
-        return alive
+    def leftovers(self, settle_s: float = 3.0) -> list[int]:
+        """Processes seen in the server's tree that are still alive ``settle_s`` after the call
+        (a process SIGKILLed a moment ago is still listed until the kernel has torn it down)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            alive = []
+            for pid, start in sorted(self._seen):
+                fields = _stat(pid)
+                if fields is not None and fields[19] == start and fields[0] not in ("Z", "X"):
+                    alive.append(pid)
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.1)
 
     def _term(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
