@@ -16,10 +16,10 @@ real seeded fp32 weights, ``afd_mrv2/checkpoints/archs.py``):
   Attention side), raw top-k weights (``norm_topk_prob: false``: the FFN must apply the
   un-renormalized weights it is sent), q/k/v attention biases.
 
-Engines (module scope, tests/vllm/harness.py): ``plain`` (afd-mrv2 installed, no
-``afd`` section) and ``zero`` (TEST ONLY switch: routed experts give zeros) at once on
-two cores; then the FFN role (core 1) and the Attention engine (core 0, role
-``attention``).  Sixteen prompts, 12 greedy tokens each, V1 runner, compiled.
+Engines (module scope, tests/vllm/harness.py): the FFN role (core 1) starts, and while
+it does ``plain`` (afd-mrv2 installed, no ``afd`` section, core 0) and ``zero`` (TEST
+ONLY switch: routed experts give zeros, core 1) run; then the Attention engine (core 0,
+role ``attention``) against the FFN role.  Sixteen prompts, 12 greedy tokens each, V1 runner, compiled.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_model(folder / "model", ARCH)
     config = json.loads((model / "config.json").read_text())
     assert config["norm_topk_prob"] is False and config["shared_expert_intermediate_size"] > 0, config
-    reports = run_engines(model, folder, [EngineRun("plain"), EngineRun("zero", env={ZERO_ENV: "1"})])
     attention_core, ffn_core = cores()
     port = free_port_block(1)
-    ffn = FfnRole(model, afd_section("ffn", port), folder / "ffn.log", ffn_core)
+    ffn = FfnRole(model, afd_section("ffn", port), folder / "ffn.log", ffn_core)  # starts while plain and zero run
     try:
+        reports = run_engines(model, folder, [EngineRun("plain"), EngineRun("zero", env={ZERO_ENV: "1"})])
         ffn.wait_ready()
         reports |= run_engines(
             model, folder, [EngineRun("afd", afd=afd_section("attention", port))], core_list=[attention_core]
