@@ -21,8 +21,11 @@ Two upstream shapes, one composition (:func:`~afd_mrv2.mrv2.runner.attention_run
   the V1 runner the worker is upstream's unchanged (the MoE seam carries AFD there
   without any runner of afd-mrv2's).  ``--worker-cls afd_mrv2.mrv2.worker.AfdCPUWorker``.
 
-Inside vLLM the composition runs with ``moe_seam=True``: the model's MoE layers carry
-the transfers (see :mod:`afd_mrv2.mrv2.runner`).  Both names resolve lazily from the
+``AfdCPUWorker`` builds the composition with ``moe_seam=True``: the model's MoE layers
+carry the transfers (see :mod:`afd_mrv2.mrv2.runner`).  ``AfdWorker`` (CUDA, never run
+on a GPU here) still builds it with ``moe_seam=False``, i.e. a runner-owned executor
+for micro-batched transfers; how that meets the MoE seam on a GPU is open (issue 9).
+Both names resolve lazily from the
 installed runtime (the compat decision must accept it; Ascend is refused by every
 current pair).  The worker extension's ``afd_runner_info`` reports, from inside the
 worker, which runner it holds.
