@@ -8,17 +8,17 @@ connector), the runtime gate and the ports passed; each refusal is one
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from afd_mrv2.compat import check_runtime
+from afd_mrv2.compat import check_runtime, v2_runner_selected
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
-from afd_mrv2.items import ATTENTION
+from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.serve.plan import Plan, RoleCommands, ServeOptions, build_plan, check_ports_free
 from afd_mrv2.serve.supervisor import Supervisor
+from afd_mrv2.validation import required_capabilities
 
 #: Decides, before anything starts, whether this runtime may serve ``plan``; raises AfdError if not.
 PlanGate = Callable[[Plan], None]
@@ -26,13 +26,22 @@ PlanGate = Callable[[Plan], None]
 
 def runtime_gate(plan: Plan) -> None:
     """The gate of the vLLM roles: the ``afd`` section must be one the vLLM MoE seam serves
-    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`) and the installed vLLM pair must be accepted
-    (``mrv2`` granted when the V2 runner is selected)."""
+    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`) and the installed vLLM pair must grant what
+    every role's process will require (:func:`afd_mrv2.validation.required_capabilities`, the
+    check each process runs itself: ``moe_seam``, ``mrv2`` with the V2 runner,
+    ``multistream_ffn`` where multistream is on, the connector's own)."""
     from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
     check_vllm_path(parse_afd_config({**plan.afd, "role": ATTENTION}))
-    require = ("mrv2",) if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else ()
-    decision = check_runtime(require)
+    v2 = v2_runner_selected()
+    require = sorted(
+        {
+            cap
+            for role in (ATTENTION, FFN)
+            for cap in required_capabilities(parse_afd_config({**plan.afd, "role": role}), v2_runner=v2)
+        }
+    )
+    decision = check_runtime(tuple(require))
     if not decision.accepted:
         reasons = "; ".join(decision.reasons) or "refused"
         raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")

@@ -195,3 +195,33 @@ def test_role_commands_are_data():
     assert seen == [("attention", 0, 9001), ("attention", 1, 9002)]
     assert plan.of("attention")[0].argv == ("fake", "attention")
     assert RoleCommands().attention is attention_command
+
+
+@pytest.mark.parametrize(
+    ("args", "v2", "expected"),
+    [
+        ([], "0", ["moe_seam"]),
+        (["--depth", "2"], "0", ["moe_seam", "multistream_ffn"]),
+        (["--depth", "auto"], "1", ["moe_seam", "mrv2", "multistream_ffn"]),
+    ],
+    ids=["serialized", "depth-2", "auto-on-v2"],
+)
+def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch, args, v2, expected):
+    """The gate asks the runtime decision for exactly what each role's process checks itself
+    (afd_mrv2.validation.required_capabilities), so a pair that refuses a role refuses serve up front."""
+    from types import SimpleNamespace
+
+    from afd_mrv2.serve import app
+
+    asked: list[tuple[str, ...]] = []
+
+    def fake_check(require: tuple[str, ...] = ()) -> SimpleNamespace:
+        asked.append(tuple(require))
+        return SimpleNamespace(accepted=False, reasons=("multistream_ffn not granted",))
+
+    monkeypatch.setattr(app, "check_runtime", fake_check)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
+    plan = build_plan(ServeOptions("/m", 1, 1, port=free_port_block(3), depth=(args or [None, None])[1]))
+    with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted"):
+        app.runtime_gate(plan)
+    assert asked == [tuple(expected)]
