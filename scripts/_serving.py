@@ -36,6 +36,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from afd_mrv2.serve.client import Greedy as Greedy  # re-exported for the scripts
+from afd_mrv2.serve.client import body as body
+from afd_mrv2.serve.client import compare as compare
+from afd_mrv2.serve.client import complete
+from afd_mrv2.serve.client import greedy as greedy
+
 #: Engine arguments both sides get unless the command line says otherwise (fp32: exact comparisons).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
 #: Every engine's environment defaults (the caller's environment wins): nothing downloaded, 1 GiB KV cache.
@@ -47,8 +53,6 @@ FFN_DONE = "afd-mrv2 ffn: done "
 START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
 STOP_GRACE_S = 30
-
-Greedy = tuple[list[int], list[float]]
 
 
 class UsageError(Exception):
@@ -417,36 +421,6 @@ class ServeServer(_Child):
 # --- clients ----------------------------------------------------------------------------------------------
 
 
-def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
-    """A greedy completion request that generates exactly ``max_tokens`` (``ignore_eos``)."""
-    return {
-        "model": str(model),
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        **more,
-    }
-
-
-def complete(url: str, payload: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, dict[str, Any] | str]:
-    """POST /v1/completions; (status, JSON body) or (status, text); status -1 when the connection failed."""
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (urllib.error.URLError, OSError) as exc:
-        return -1, f"{type(exc).__name__}: {exc}"
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
 @dataclass
 class Round:
     """R requests answered by C concurrent clients."""
@@ -471,33 +445,9 @@ def run_requests(url: str, payloads: list[dict[str, Any]], clients: int) -> Roun
     """Send ``payloads`` from ``clients`` concurrent client threads; wall time from the first send to the last answer."""
     with ThreadPoolExecutor(max(1, min(clients, len(payloads)))) as pool:
         start = time.perf_counter()
-        answers = list(pool.map(lambda p: complete(url, p), payloads))
+        answers = list(pool.map(lambda p: complete(url, p, REQUEST_TIMEOUT_S), payloads))
         wall = time.perf_counter() - start
     return Round(wall, answers)
-
-
-def greedy(response: dict[str, Any]) -> Greedy:
-    """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
-    choice = response["choices"][0]
-    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
-
-
-def compare(a: list[Greedy], b: list[Greedy]) -> dict[str, Any]:
-    """identical completions, differing tokens (position by position) and the largest |logprob| difference
-    over the tokens of identical completions."""
-    identical = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
-    differing = sum(
-        sum(t != u for t, u in zip(x[0], y[0], strict=False)) + abs(len(x[0]) - len(y[0]))
-        for x, y in zip(a, b, strict=True)
-    )
-    diffs = [abs(p - q) for x, y in zip(a, b, strict=True) if x[0] == y[0] for p, q in zip(x[1], y[1], strict=True)]
-    return {
-        "completions": len(a),
-        "identical": identical,
-        "tokens": sum(len(x[0]) for x in a),
-        "differing": differing,
-        "max_logprob_diff": max(diffs, default=float("nan")),
-    }
 
 
 #: Fixed prompts (cycled when more requests are asked for).

@@ -26,6 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.serve.client import body as body  # re-exported for the tests
+from afd_mrv2.serve.client import compare as compare
+from afd_mrv2.serve.client import complete, greedy
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import BASE_ENV, cores
 
@@ -180,35 +183,6 @@ def ffn_reports(log_text: str) -> dict[int, dict[str, Any]]:
     return found
 
 
-def body(model: Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        **more,
-    }
-
-
-def complete(url: str, payload: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any] | str]:
-    """POST /v1/completions; (status, JSON body) or (status, text) for a non-JSON or cut-short body."""
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (urllib.error.URLError, OSError) as exc:  # connection cut: an error too, never a hang
-        return -1, f"{type(exc).__name__}: {exc}"
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
 def stream(
     url: str, payload: dict[str, Any], timeout: float = 300, first: threading.Event | None = None
 ) -> tuple[int, list[Any]]:
@@ -243,12 +217,6 @@ def complete_all(url: str, payloads: list[dict[str, Any]]) -> list[tuple[int, di
         return list(pool.map(lambda p: complete(url, p), payloads))
 
 
-def greedy(response: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
-    choice = response["choices"][0]
-    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
-
-
 def greedy_payloads(model: Path, max_tokens: int = 12) -> list[dict[str, Any]]:
     """One greedy request per prompt of tests/vllm/engine.py, asking for what :func:`greedy` reads."""
     return [body(model, p, max_tokens, logprobs=1, return_token_ids=True) for p in PROMPTS]
@@ -259,16 +227,3 @@ def greedy_answers(url: str, model: Path, max_tokens: int = 12) -> list[tuple[li
     answers = complete_all(url, greedy_payloads(model, max_tokens))
     assert all(status == 200 for status, _ in answers), answers
     return [greedy(a) for _, a in answers]  # type: ignore[arg-type]
-
-
-def compare(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
-    identical = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
-    differing = sum(t != u for x, y in zip(a, b, strict=True) for t, u in zip(x[0], y[0], strict=True))
-    diffs = [abs(p - q) for x, y in zip(a, b, strict=True) if x[0] == y[0] for p, q in zip(x[1], y[1], strict=True)]
-    return {
-        "completions": len(a),
-        "identical": identical,
-        "tokens": sum(len(x[0]) for x in a),
-        "differing": differing,
-        "max_logprob_diff": max(diffs, default=float("nan")),
-    }

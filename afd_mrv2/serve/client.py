@@ -1,0 +1,78 @@
+"""A small OpenAI-completions client for checking an endpoint against another (stdlib only).
+
+What the equivalence checks need, in one place for the tests (tests/vllm) and the
+scripts (scripts/vllm_matrix.py, scripts/bench_serve.py):
+
+* :func:`body`: a greedy request that generates exactly ``max_tokens`` (``ignore_eos``);
+* :func:`complete`: ``POST /v1/completions``; an error is a status, never an exception
+  or a hang (status -1 when the connection failed or was cut);
+* :func:`greedy`: the token ids and logprobs of an answer asked with ``logprobs: 1,
+  return_token_ids: true``;
+* :func:`compare`: two lists of such answers, side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+#: One greedy completion: its token ids and their logprobs.
+Greedy = tuple[list[int], list[float]]
+
+
+def body(model: str | Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    """A greedy completion request that generates exactly ``max_tokens`` tokens."""
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **more,
+    }
+
+
+def complete(url: str, payload: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any] | str]:
+    """POST ``url``/v1/completions; (status, JSON body), or (status, text) for a non-JSON or cut-short
+    body, or (-1, reason) when the connection failed."""
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:  # connection cut: an error too, never a hang
+        return -1, f"{type(exc).__name__}: {exc}"
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def greedy(response: dict[str, Any]) -> Greedy:
+    """Token ids and their logprobs of a completion asked with ``logprobs: 1, return_token_ids: true``."""
+    choice = response["choices"][0]
+    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def compare(a: list[Greedy], b: list[Greedy]) -> dict[str, Any]:
+    """Identical completions, differing tokens (position by position, plus any length difference)
+    and the largest |logprob| difference over the tokens of the identical completions."""
+    pairs = list(zip(a, b, strict=True))
+    identical = sum(x[0] == y[0] for x, y in pairs)
+    differing = sum(
+        sum(t != u for t, u in zip(x[0], y[0], strict=False)) + abs(len(x[0]) - len(y[0])) for x, y in pairs
+    )
+    diffs = [abs(p - q) for x, y in pairs if x[0] == y[0] for p, q in zip(x[1], y[1], strict=True)]
+    return {
+        "completions": len(a),
+        "identical": identical,
+        "tokens": sum(len(x[0]) for x in a),
+        "differing": differing,
+        "max_logprob_diff": max(diffs, default=float("nan")),
+    }
