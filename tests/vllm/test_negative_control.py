@@ -84,9 +84,8 @@ def answers(model: Path, site: Path, tmp_path_factory: pytest.TempPathFactory) -
     start (its FFN role on core 1 first, then its Attention engine on core 0), which saves ~30 s of CI.
     """
     folder = tmp_path_factory.mktemp("negative")
-    with pytest.MonkeyPatch.context() as env:  # Serve's environment is read when it starts
-        env.setenv("PYTHONPATH", with_site(site)["PYTHONPATH"])
-        serve = Serve(model, free_port_block(3), folder / "serve.log", "--connector", CONNECTOR)
+    site_path = {"PYTHONPATH": with_site(site)["PYTHONPATH"]}
+    serve = Serve(model, free_port_block(3), folder / "serve.log", "--connector", CONNECTOR, env=site_path)
     try:
         server = PlainServer(model, free_port_block(1), folder / "plain.log")
         try:
