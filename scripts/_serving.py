@@ -21,9 +21,7 @@ import ctypes
 import importlib.util
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +39,8 @@ from afd_mrv2.serve.client import body as body
 from afd_mrv2.serve.client import compare as compare
 from afd_mrv2.serve.client import complete
 from afd_mrv2.serve.client import greedy as greedy
+from afd_mrv2.serve.client import prompts as prompts
+from afd_mrv2.serve.plan import free_port_block as free_port_block
 
 #: Engine arguments both sides get unless the command line says otherwise (fp32: exact comparisons).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
@@ -94,20 +94,6 @@ def parse_cpu_list(text: str) -> list[int]:
     if not cores or not set(cores) <= available:
         raise UsageError(f"CPU list {text!r}: expected cores among {sorted(available)}")
     return sorted(set(cores))
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise ServerError("no free block of ports on 127.0.0.1")
 
 
 def load_average() -> tuple[float, float, float]:
@@ -448,29 +434,3 @@ def run_requests(url: str, payloads: list[dict[str, Any]], clients: int) -> Roun
         answers = list(pool.map(lambda p: complete(url, p, REQUEST_TIMEOUT_S), payloads))
         wall = time.perf_counter() - start
     return Round(wall, answers)
-
-
-#: Fixed prompts (cycled when more requests are asked for).
-PROMPTS = [
-    "the quick brown fox",
-    "hello world",
-    "one two three",
-    "mixture of experts",
-    "this is a tiny model",
-    "seven eight nine",
-    "routes tokens to",
-    "the lazy dog",
-    "attention ffn",
-    "four five six",
-    "quick brown",
-    "over the lazy",
-    "tiny model for",
-    "experts routes",
-    "hello",
-    "ten nine eight seven",
-]
-
-
-def prompts(n: int) -> list[str]:
-    """``n`` prompts: the fixed ones, then numbered variants so every request differs."""
-    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" {i}") for i in range(n)]

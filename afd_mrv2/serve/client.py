@@ -8,7 +8,8 @@ scripts (scripts/vllm_matrix.py, scripts/bench_serve.py):
   or a hang (status -1 when the connection failed or was cut);
 * :func:`greedy`: the token ids and logprobs of an answer asked with ``logprobs: 1,
   return_token_ids: true``;
-* :func:`compare`: two lists of such answers, side by side.
+* :func:`compare`: two lists of such answers, side by side;
+* :data:`PROMPTS` / :func:`prompts`: the fixed prompts the equivalence checks send.
 """
 
 from __future__ import annotations
@@ -21,6 +22,31 @@ from typing import Any
 
 #: One greedy completion: its token ids and their logprobs.
 Greedy = tuple[list[int], list[float]]
+
+#: The fixed prompts of the equivalence checks (short: the tiny checkpoints' tokenizers are small).
+PROMPTS = (
+    "the quick brown fox",
+    "hello world",
+    "one two three",
+    "mixture of experts",
+    "this is a tiny model",
+    "seven eight nine",
+    "routes tokens to",
+    "the lazy dog",
+    "attention ffn",
+    "four five six",
+    "quick brown",
+    "over the lazy",
+    "tiny model for",
+    "experts routes",
+    "hello",
+    "ten nine eight seven",
+)
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` prompts: :data:`PROMPTS`, then numbered variants so every request differs."""
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" {i}") for i in range(n)]
 
 
 def body(model: str | Path, prompt: str, max_tokens: int, **more: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -226,6 +227,19 @@ def _check_connector(name: object) -> None:
         raise ConfigError(
             "afd.connector", f"{name!r} is not installed; installed connectors: {', '.join(sorted(points)) or 'none'}"
         )
+
+
+def free_port_block(n: int, *, tries: int = 200) -> int:
+    """A port ``p`` with ``p .. p+n-1`` free on the loopback address now (serve needs
+    ``--port`` and the ports above it; see :func:`build_plan`)."""
+    for _ in range(tries):
+        base = random.randint(20000, 60000 - n)
+        try:
+            check_ports_free(range(base, base + n))
+        except AfdError:
+            continue
+        return base
+    raise AfdError(f"no block of {n} free ports on {HOST} after {tries} tries")
 
 
 def check_ports_free(ports: Sequence[int]) -> None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,22 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.serve.plan import free_port_block as free_port_block  # re-exported for the serve tests
+
 HARNESS = str(Path(__file__).with_name("serve_harness.py"))
 READY = "afd-mrv2 serve: ready at"
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block")
 
 
 def pid_alive(pid: int) -> bool:

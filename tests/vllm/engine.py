@@ -22,24 +22,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-PROMPTS = [
-    "the quick brown fox",
-    "hello world",
-    "one two three",
-    "mixture of experts",
-    "this is a tiny model",
-    "seven eight nine",
-    "routes tokens to",
-    "the lazy dog",
-    "attention ffn",
-    "four five six",
-    "quick brown",
-    "over the lazy",
-    "tiny model for",
-    "experts routes",
-    "hello",
-    "ten nine eight seven",
-]
+from afd_mrv2.serve.client import PROMPTS
+
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
 
 
