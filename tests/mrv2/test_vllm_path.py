@@ -206,6 +206,7 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(one_
         report: FfnReport = done[f"report{f}"]
         assert dict(report.items_per_attention) == {0: calls[0], 1: calls[1]}, report.as_dict()
         assert report.end and set(report.ends) == {0, 1}
+        assert report.executors == {a: {"pipelined": False, "buffers": [2, 2]} for a in range(2)}
 
 
 def test_overlap_figures_from_two_loops_traces_ignore_spans_that_never_ran() -> None:

@@ -1,6 +1,7 @@
 """``afd-mrv2 serve`` with several Attention engines and FFN ranks (2A1F, 2A2F) on real vLLM.
 
-Mixtral-style checkpoint, V1 CPU runner; plain vLLM (afd-mrv2 installed, no ``afd``
+Mixtral-style checkpoint, V1 CPU runner, 2A1F serialized and 2A2F with ``--depth auto``
+(multistream on every role); plain vLLM (afd-mrv2 installed, no ``afd``
 section) answers the same 32 greedy completions of 16 tokens twice (the plain-vs-plain
 figure), each topology once, all sent concurrently.  The proxy spreads the requests over
 two independent engines, so their batches differ from plain vLLM's single engine: the
@@ -32,7 +33,9 @@ from tests.vllm.serving import DEV_MODE, PlainServer, Serve, body, compare, comp
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
 
-TOPOLOGIES = [(2, 1), (2, 2)]
+#: (Attention engines, FFN ranks, serve's --depth): 2A2F runs multistream with depth auto on every
+#: role (what grants ``multistream_ffn`` on the CPU test vehicle), 2A1F serialized (the default)
+TOPOLOGIES = [(2, 1, None), (2, 2, "auto")]
 TOKENS = 16
 #: 32 prompts: the 16 of tests/vllm/engine.py and each once more with a suffix
 PROMPTS_32 = [*PROMPTS, *(f"{p} and then" for p in PROMPTS)]
@@ -71,15 +74,17 @@ def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     return {"answers": first, "again": again, "routed_expert_bytes": int(expert_bytes)}
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
+@pytest.fixture(
+    scope="module", params=TOPOLOGIES, ids=[f"{a}A{f}F" + (f"-depth-{d}" if d else "") for a, f, d in TOPOLOGIES]
+)
 def served(
     request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    a, f = request.param
+    a, f, depth = request.param
     port = free_port_block(a + 4)
-    serve = Serve(
-        model, port, tmp_path_factory.mktemp(f"serve-{a}a{f}f") / "serve.log", attention=a, ffn=f, env=DEV_MODE
-    )
+    log = tmp_path_factory.mktemp(f"serve-{a}a{f}f") / "serve.log"
+    args = ("--depth", depth) if depth else ()
+    serve = Serve(model, port, log, *args, attention=a, ffn=f, env=DEV_MODE)
     try:
         ready_s = serve.wait_ready()
         got = answers(serve.url, model)
@@ -91,6 +96,7 @@ def served(
     reports = ffn_reports(serve.log_text())
     yield {
         "topology": (a, f),
+        "depth": depth,
         "ready_s": ready_s,
         "answers": got,
         "stats": stats,
@@ -127,6 +133,8 @@ def test_from_inside_weights_live_only_on_the_ffn_ranks_and_every_item_was_serve
     for rank, report in reports.items():
         served_items = {int(k): n for k, n in report["items_per_attention"].items()}
         assert served_items == {i: stats[i]["calls"] for i in range(a)}, (rank, served_items)
+        pipelined = {info["pipelined"] for info in report["executors"].values()}
+        assert pipelined == {served["depth"] is not None}, (rank, report["executors"])
     moe_layers = len(stats[0]["moe_layers"])
     for s in stats:
         assert s["calls"] % moe_layers == 0 and s["calls"] > moe_layers  # warm-up plus requests, whole forwards
