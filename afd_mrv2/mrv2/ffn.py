@@ -25,6 +25,7 @@ class FfnLoop:
         self.num_layers = num_layers
         self.num_stages = num_stages
         self.steps = 0
+        self.submitted = 0  # items the executor accepted (a step may end half-way when the executor fails)
         self._seq = itertools.count()
 
     def step(self) -> None:
@@ -32,12 +33,8 @@ class FfnLoop:
         for layer in range(self.num_layers):
             for stage in range(self.num_stages):
                 self.executor.submit(WorkItem(layer, stage, next(self._seq)))
+                self.submitted += 1
         self.steps += 1
-
-    @property
-    def submitted(self) -> int:
-        """Work items submitted so far (some may still be in flight)."""
-        return self.steps * self.num_layers * self.num_stages
 
     def run(self, steps: int) -> None:
         for _ in range(steps):

@@ -75,3 +75,25 @@ def test_bad_shape_is_refused() -> None:
     loop, *_ = _loop("recording", 0)
     with pytest.raises(ValueError, match="num_layers and num_stages must be >= 1"):
         FfnLoop(loop.executor, num_layers=0, num_stages=2)
+
+
+def test_submitted_counts_the_items_the_executor_accepted_even_when_a_step_ends_half_way() -> None:
+    """A pipelined executor fails a later submit (an earlier item's recv failed); the items it
+    accepted before that are what the FFN report's served count starts from."""
+    from afd_mrv2.errors import PipelineError
+
+    class FailsOnFourthSubmit:
+        def __init__(self) -> None:
+            self.accepted: list[int] = []
+
+        def submit(self, item) -> None:
+            if len(self.accepted) == 3:  # the second item of the second step
+                raise PipelineError("on_recv failed for an earlier item")
+            self.accepted.append(item.seq)
+
+    executor = FailsOnFourthSubmit()
+    loop = FfnLoop(executor, num_layers=2, num_stages=1)  # type: ignore[arg-type]
+    loop.step()
+    with pytest.raises(PipelineError):
+        loop.step()
+    assert executor.accepted == [0, 1, 2] and loop.submitted == 3 and loop.steps == 1

@@ -134,14 +134,19 @@ def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() 
     assert local_routing(ids, weights, range(0, 4), 4, shift=True) == (ids, weights)
 
 
-def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(one_torch_thread: None) -> None:
+@pytest.mark.parametrize("multistream", [None, {"enabled": True, "depth": 2}], ids=["serialized", "depth-2"])
+def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
+    one_torch_thread: None, multistream: dict[str, Any] | None
+) -> None:
     """Two Attention processes, two FFN processes (threads here), experts sharded 2 + 2 and held
     block-local: attention rank 0 runs forwards while rank 1 sits idle between two bursts of
     its own (a lockstep FFN would hang rank 0's second item); every output equals the
     unsharded reference, and each FFN rank served exactly (MoE layers x forwards) items of
     each Attention rank."""
     port = _free_port()
-    topology = {"num_attention_ranks": 2, "num_ffn_ranks": 2}
+    topology: dict[str, Any] = {"num_attention_ranks": 2, "num_ffn_ranks": 2}
+    if multistream is not None:
+        topology["multistream"] = multistream
     done: dict[str, Any] = {}
 
     def ffn(rank: int) -> None:
@@ -206,7 +211,7 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(one_
         report: FfnReport = done[f"report{f}"]
         assert dict(report.items_per_attention) == {0: calls[0], 1: calls[1]}, report.as_dict()
         assert report.end and set(report.ends) == {0, 1}
-        assert report.executors == {a: {"pipelined": False, "buffers": [2, 2]} for a in range(2)}
+        assert report.executors == {a: {"pipelined": multistream is not None, "buffers": [2, 2]} for a in range(2)}
 
 
 def test_overlap_figures_from_two_loops_traces_ignore_spans_that_never_ran() -> None:
