@@ -24,23 +24,25 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from afd_mrv2.serve.client import Greedy as Greedy  # re-exported for the scripts
+from afd_mrv2.serve.client import LineReader, complete
 from afd_mrv2.serve.client import body as body
 from afd_mrv2.serve.client import compare as compare
-from afd_mrv2.serve.client import complete
 from afd_mrv2.serve.client import greedy as greedy
 from afd_mrv2.serve.client import prompts as prompts
 from afd_mrv2.serve.plan import free_port_block as free_port_block
+
+T = TypeVar("T")
 
 #: Engine arguments both sides get unless the command line says otherwise (fp32: exact comparisons).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
@@ -349,32 +351,21 @@ class ServeServer(_Child):
         if topology.afd:
             cmd += ["--afd", json.dumps(topology.afd)]
         cmd += ["--", *engine_args]
-        self.stdout: list[str] = []
-        self._lines = threading.Condition()
         self.ready_at: float | None = None
         super().__init__(cmd, _env(env or {}), log, stdout_pipe=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._out = LineReader(self.proc.stdout)  # type: ignore[arg-type]
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._lines:
-                self.stdout.append(line.rstrip("\n"))
-                self._lines.notify_all()
-        with self._lines:
-            self._lines.notify_all()
+    @property
+    def stdout(self) -> list[str]:
+        return self._out.lines
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds to the ready line; :class:`ServerError` with serve's one-line error if it exits first."""
-        deadline = self.started + timeout_s
-        with self._lines:
-            while not any(line.startswith(READY) for line in self.stdout):
-                if self.proc.poll() is not None:
-                    self.proc.wait()
-                    raise ServerError(f"serve exited {self.proc.returncode}: {last_line(self)}")
-                if time.monotonic() > deadline:
-                    raise ServerError(f"serve not ready within {timeout_s:.0f} s (log {self.log})")
-                self._lines.wait(1.0)
+        if not self._out.wait_for(READY, deadline=self.started + timeout_s, alive=lambda: self.proc.poll() is None):
+            if self.proc.poll() is not None:
+                self.proc.wait()
+                raise ServerError(f"serve exited {self.proc.returncode}: {last_line(self)}")
+            raise ServerError(f"serve not ready within {timeout_s:.0f} s (log {self.log})")
         self.ready_at = time.monotonic()
         return self.ready_at - self.started
 
@@ -434,3 +425,28 @@ def run_requests(url: str, payloads: list[dict[str, Any]], clients: int) -> Roun
         answers = list(pool.map(lambda p: complete(url, p, REQUEST_TIMEOUT_S), payloads))
         wall = time.perf_counter() - start
     return Round(wall, answers)
+
+
+def guarded(prog: str, body: Callable[[], T]) -> T | int:
+    """Run a script's ``body`` with the scripts' error contract: bad input -> one line, 2; a
+    server that failed -> one line, 1; Ctrl-C / SIGTERM -> 130 (every server already stopped)."""
+    sigterm_as_interrupt()
+    try:
+        return body()
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ServerError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; every server stopped", file=sys.stderr)
+        return 130
+
+
+def write_json(path: str | None, doc: Any) -> None:
+    """``doc`` as indented JSON at ``path`` (parents created), and a line saying where; nothing for None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"json: {path}")

@@ -42,12 +42,13 @@ from _serving import (
     count_cores,
     cpu_seconds,
     free_port_block,
+    guarded,
     load_average,
     parse_cpu_list,
     prompts,
     role_binds,
     run_requests,
-    sigterm_as_interrupt,
+    write_json,
 )
 
 from afd_mrv2.table import format_table
@@ -286,24 +287,15 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sigterm_as_interrupt()
-    try:
-        args, engine_args = parse_args(list(sys.argv[1:] if argv is None else argv))
-        result = run(args, engine_args)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except ServerError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; every server stopped", file=sys.stderr)
-        return 130
+    parsed = guarded(PROG, lambda: parse_args(list(sys.argv[1:] if argv is None else argv)))
+    if isinstance(parsed, int):
+        return parsed
+    args, engine_args = parsed
+    result = guarded(PROG, lambda: run(args, engine_args))
+    if isinstance(result, int):
+        return result
     print(report(result), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"json: {args.json}")
+    write_json(args.json, result)
     return 1 if result["residual_pids"] else 0
 
 

@@ -22,7 +22,6 @@ Exit 0 when every row passed, 1 otherwise, 2 for bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -45,10 +44,11 @@ from _serving import (
     compare,
     free_port_block,
     greedy,
+    guarded,
     load_average,
     prompts,
     run_requests,
-    sigterm_as_interrupt,
+    write_json,
 )
 
 from afd_mrv2.table import format_table
@@ -336,32 +336,21 @@ def report(rows: list[dict[str, Any]], engine_args: list[str], load: dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    sigterm_as_interrupt()
     started = time.monotonic()
-    try:
-        args, engine_args = parse_args(list(sys.argv[1:] if argv is None else argv))
-        load_start = load_average()
-        print(
-            f"{PROG}: archs {' '.join(args.archs)}, runners {' '.join(args.runners)}, configs {' '.join(args.configs)}"
-        )
-        rows = run(args, engine_args)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except ServerError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; every server stopped", file=sys.stderr)
-        return 130
+    parsed = guarded(PROG, lambda: parse_args(list(sys.argv[1:] if argv is None else argv)))
+    if isinstance(parsed, int):
+        return parsed
+    args, engine_args = parsed
+    load_start = load_average()
+    print(f"{PROG}: archs {' '.join(args.archs)}, runners {' '.join(args.runners)}, configs {' '.join(args.configs)}")
+    rows = guarded(PROG, lambda: run(args, engine_args))
+    if isinstance(rows, int):
+        return rows
     load = {"start": load_start, "end": load_average()}
     print(report(rows, engine_args, load))
     print(f"took {time.monotonic() - started:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"engine_args": engine_args, "completions": COMPLETIONS, "tokens": TOKENS, "load_average": load}
-        Path(args.json).write_text(json.dumps({**doc, "rows": rows}, indent=2) + "\n")
-        print(f"json: {args.json}")
+    doc = {"engine_args": engine_args, "completions": COMPLETIONS, "tokens": TOKENS, "load_average": load}
+    write_json(args.json, {**doc, "rows": rows})
     return 0 if all(r["verdict"] == "PASS" for r in rows) else 1
 
 

@@ -9,16 +9,21 @@ scripts (scripts/vllm_matrix.py, scripts/bench_serve.py):
 * :func:`greedy`: the token ids and logprobs of an answer asked with ``logprobs: 1,
   return_token_ids: true``;
 * :func:`compare`: two lists of such answers, side by side;
-* :data:`PROMPTS` / :func:`prompts`: the fixed prompts the equivalence checks send.
+* :data:`PROMPTS` / :func:`prompts`: the fixed prompts the equivalence checks send;
+* :class:`LineReader`: a child process's output lines, waitable (``afd-mrv2 serve``'s
+  one stdout line says when it is ready).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 #: One greedy completion: its token ids and their logprobs.
 Greedy = tuple[list[int], list[float]]
@@ -102,3 +107,30 @@ def compare(a: list[Greedy], b: list[Greedy]) -> dict[str, Any]:
         "differing": differing,
         "max_logprob_diff": max(diffs, default=float("nan")),
     }
+
+
+class LineReader:
+    """Every line a child process writes to ``pipe`` (text mode), collected by a daemon thread."""
+
+    def __init__(self, pipe: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
+
+    def _read(self, pipe: IO[str]) -> None:
+        for line in pipe:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, prefix: str, *, deadline: float, alive: Callable[[], bool]) -> bool:
+        """True once a line starts with ``prefix``; False when ``alive()`` turned false or
+        ``time.monotonic()`` passed ``deadline`` first."""
+        with self._changed:
+            while not any(line.startswith(prefix) for line in self.lines):
+                if not alive() or time.monotonic() > deadline:
+                    return False
+                self._changed.wait(1.0)
+        return True

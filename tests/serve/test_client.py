@@ -33,3 +33,21 @@ def test_greedy_reads_token_ids_and_logprobs_and_body_is_greedy() -> None:
 def test_complete_on_a_closed_port_is_an_error_value_not_an_exception() -> None:
     status, text = complete(f"http://127.0.0.1:{free_port_block(1)}", body("/m", "x", 1), timeout=5)
     assert status == -1 and "Connection refused" in str(text)
+
+
+def test_line_reader_waits_for_a_prefix_and_gives_up_when_the_writer_is_gone() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from afd_mrv2.serve.client import LineReader
+
+    code = "import time; print('starting', flush=True); time.sleep(0.3); print('ready at x', flush=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    reader = LineReader(proc.stdout)  # type: ignore[arg-type]
+    alive = lambda: proc.poll() is None  # noqa: E731
+    assert reader.wait_for("ready at", deadline=time.monotonic() + 30, alive=alive)
+    proc.wait()
+    assert reader.lines[:2] == ["starting", "ready at x"]
+    assert not reader.wait_for("never", deadline=time.monotonic() + 30, alive=alive)  # exited: no wait
+    assert not reader.wait_for("never", deadline=time.monotonic() - 1, alive=lambda: True)  # past the deadline

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.serve.client import LineReader, complete, greedy
 from afd_mrv2.serve.client import body as body  # re-exported for the tests
 from afd_mrv2.serve.client import compare as compare
-from afd_mrv2.serve.client import complete, greedy
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import BASE_ENV, cores
 
@@ -69,27 +69,17 @@ class Serve:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=_env(env), start_new_session=True
         )
-        self.stdout: list[str] = []
-        self._lines = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._out = LineReader(self.proc.stdout)  # type: ignore[arg-type]
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._lines:
-                self.stdout.append(line.rstrip("\n"))
-                self._lines.notify_all()
-        with self._lines:
-            self._lines.notify_all()
+    @property
+    def stdout(self) -> list[str]:
+        """serve's stdout lines so far (exactly one, the ready line, once it is ready)."""
+        return self._out.lines
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds from the start to the ready line; raises with the log's tail if it does not come."""
-        deadline = self.started + timeout_s
-        with self._lines:
-            while not any(line.startswith(READY) for line in self.stdout):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"serve not ready (exit {self.proc.poll()}):\n{self.log_text()[-4000:]}")
-                self._lines.wait(1.0)
+        if not self._out.wait_for(READY, deadline=self.started + timeout_s, alive=lambda: self.proc.poll() is None):
+            raise AssertionError(f"serve not ready (exit {self.proc.poll()}):\n{self.log_text()[-4000:]}")
         return time.monotonic() - self.started
 
     def log_text(self) -> str:
