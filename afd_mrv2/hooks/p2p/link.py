@@ -38,6 +38,7 @@ from afd_mrv2.topology import Topology
 from afd_mrv2.work import Work
 
 _SLICE_S = 0.05  # how often a wait re-checks cancellation, peers and its deadline
+_SETTLE_S = 0.25  # how long a lost peer's ABORT may take to be handed over (see _raise_if_it_said_why)
 
 
 class Pending:
@@ -173,6 +174,7 @@ class PeerLink:
                     )
             if pending.error is not None:
                 self._raise_earlier_loss(pending.done_at)
+                self._raise_if_it_said_why(pending.peer)
                 raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
 
     def check_peers(self) -> None:
@@ -189,6 +191,25 @@ class PeerLink:
             peer, text = aborted
             raise PeerAborted(
                 f"{self.me}: {self.describe(peer)} aborted the run: {text}", peer=peer, peer_name=self.describe(peer)
+            )
+
+    def _raise_if_it_said_why(self, peer: int, settle_s: float = _SETTLE_S) -> None:
+        """A peer whose connection closed after it sent ABORT said why it left (its reason names
+        the root cause, e.g. the rank it lost): raise that instead of a bare loss.
+
+        Its ABORT arrives before its connection closes, but the control channel's watcher may
+        not have handed it over yet when a data operation's failure is seen: wait up to
+        ``settle_s`` for it.  Without this, a rank that exchanges data only with the peer that
+        failed second (because of the first) named that peer, not the first, under load.
+        """
+        control = self._control.get(peer)
+        if control is None or not control.done.wait(settle_s) or control.error is not None:
+            return
+        if self._kind(control) == wire.KIND_ABORT:
+            raise PeerAborted(
+                f"{self.me}: {self.describe(peer)} aborted the run: {wire.decode_control_text(control.tensor)}",
+                peer=peer,
+                peer_name=self.describe(peer),
             )
 
     def _raise_earlier_loss(self, before: float) -> None:

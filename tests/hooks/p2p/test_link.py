@@ -1,0 +1,95 @@
+"""PeerLink naming the root cause, with a process group whose operations complete when the test says.
+
+The fake group stands in for gloo's ``ProcessGroup.send/recv``: each call returns a work
+object whose ``wait()`` blocks until the test completes it (filling a receive buffer) or
+fails it (``RuntimeError``, as gloo's "Connection closed by peer").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerLost
+from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.topology import Topology
+
+
+class _Work:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def complete(self, payload: torch.Tensor | None = None) -> None:
+        if payload is not None:
+            self.tensor[: payload.numel()].copy_(payload)
+        self._done.set()
+
+    def fail(self, text: str) -> None:
+        self._error = RuntimeError(text)
+        self._done.set()
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.recvs: dict[tuple[int, int], _Work] = {}
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        work = self.recvs[(src, tag)] = _Work(tensors[0])
+        return work
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        work = _Work(tensors[0])
+        work.complete()
+        return work
+
+
+def _abort_message(src: int, dst: int, text: str) -> torch.Tensor:
+    buffer = torch.zeros(wire.CONTROL_BYTES, dtype=torch.uint8)
+    header = wire.Header(kind=wire.KIND_ABORT, src=src, dst=dst, layer=-1, stage=-1, seq=-1, tokens=0)
+    wire.encode_control(buffer, header, text)
+    return buffer
+
+
+def _ffn_link() -> tuple[PeerLink, _Group]:
+    group = _Group()
+    return PeerLink(Topology(2, 1, 2), 2, group), group  # global rank 2: the FFN rank of 2A1F
+
+
+@pytest.mark.parametrize("abort_lag_s", [0.0, 0.1])
+def test_a_peer_that_said_why_before_its_connection_closed_is_named_with_its_reason(abort_lag_s: float) -> None:
+    """Attention rank 1 failed because it lost another rank, sent ABORT with that reason, and
+    exited; its ABORT reaches this rank up to ``abort_lag_s`` after the data receive failed."""
+    link, group = _ffn_link()
+    header = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    data = link.irecv(header, 1, wire.TAG_DISPATCH_HEADER, "dispatch header")
+    reason = "attention rank 1 (global rank 1): lost FFN rank 0 (global rank 2): its connection closed"
+    group.recvs[(1, wire.TAG_DISPATCH_HEADER)].fail("Connection closed by peer")
+    deliver = threading.Timer(abort_lag_s, group.recvs[(1, wire.TAG_CONTROL)].complete, [_abort_message(1, 2, reason)])
+    deliver.start()
+    with pytest.raises(PeerAborted) as info:
+        link.wait([data], timeout_s=5, work=None, action="receiving layer=0", option="recv_timeout_s")
+    deliver.join()
+    assert info.value.peer == 1 and reason in str(info.value)
+
+
+def test_a_peer_that_died_without_a_word_is_named_lost_after_the_settle_wait() -> None:
+    link, group = _ffn_link()
+    header = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    data = link.irecv(header, 0, wire.TAG_DISPATCH_HEADER, "dispatch header")
+    group.recvs[(0, wire.TAG_DISPATCH_HEADER)].fail("Connection closed by peer")
+    start = time.monotonic()
+    with pytest.raises(PeerLost) as info:
+        link.wait([data], timeout_s=5, work=None, action="receiving layer=0", option="recv_timeout_s")
+    assert info.value.peer == 0 and "attention rank 0 (global rank 0)" in str(info.value)
+    assert time.monotonic() - start < 2.0  # the settle wait is bounded
