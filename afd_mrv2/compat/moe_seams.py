@@ -251,6 +251,15 @@ MOE_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         "vllm",
+        "vllm.model_executor.layers.fused_moe.modular_kernel",
+        "FusedMoEKernelModularImpl.apply",
+        "an FFN rank keeps only its block of experts (worker_ext.keep_expert_block): the modular kernel must "
+        "take the local expert count from the weights it is handed (local_num_experts = w1.shape[0])",
+        uses=("w1", "local_num_experts", "global_num_experts"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
         "vllm.config.parallel",
         "ParallelConfig",
         "--worker-cls / worker_extension_cls select afd-mrv2's worker and the FFN extension",
