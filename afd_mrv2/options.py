@@ -23,6 +23,7 @@ translation layer over pydantic's error types, no smaller than these checks.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -218,8 +219,6 @@ def _freeze(value: Any, key: str) -> Any:
 
 def json_object(text: str, what: str) -> dict[str, Any]:
     """``text`` parsed as a JSON object (a command-line ``afd`` section, say); one-line errors naming ``what``."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

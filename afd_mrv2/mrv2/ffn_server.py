@@ -41,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ from afd_mrv2.mrv2.ffn import FfnLoop
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S, open_peer_link
 from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.pipeline.metrics import busy_ns, hidden_comm_fraction
+from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.topology import Topology
@@ -160,13 +160,13 @@ def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
     ``busy_ms``: per stream, the time it ran a phase; ``compute_ms``: the union of
     the compute spans; ``active_ms``: first to last span.
     """
-    spans = [span for trace in traces for span in trace.spans if 0 < span.start_ns <= span.end_ns]
+    ran = [[span for span in trace.spans if 0 < span.start_ns <= span.end_ns] for trace in traces]
+    spans = [span for loop in ran for span in loop]
     if not spans:
         return {"items": 0}
     busy: dict[str, float] = {}
-    for trace in traces:
-        ran = [span for span in trace.spans if 0 < span.start_ns <= span.end_ns]
-        for stream, ns in busy_ns(ran).items():
+    for loop in ran:  # per loop: each executor has streams of its own, under the same names
+        for stream, ns in busy_ns(loop).items():
             busy[stream] = busy.get(stream, 0.0) + ns / 1e6
     compute = [s for s in spans if s.name == "compute"]
     sends = [s for s in spans if s.name == "send"]
@@ -175,7 +175,7 @@ def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
         "items": len(compute),
         "hidden_comm_fraction": round(hidden_comm_fraction(spans), 4),
         "send_hidden_fraction": round(hidden_comm_fraction(compute + sends), 4),
-        "compute_ms": round(busy_ns([replace(s, stream_name="compute") for s in compute]).get("compute", 0) / 1e6, 3),
+        "compute_ms": round(covered_ns(compute) / 1e6, 3),
         "busy_ms": {k: round(v, 3) for k, v in sorted(busy.items())},
         "active_ms": round(active / 1e6, 3),
     }

@@ -49,12 +49,17 @@ def _overlap(interval: tuple[int, int], union: Sequence[tuple[int, int]]) -> int
     return total
 
 
+def covered_ns(spans: Iterable[Span]) -> int:
+    """ns during which at least one of ``spans`` ran (overlaps counted once)."""
+    return sum(b - a for a, b in _union((s.start_ns, s.end_ns) for s in spans))
+
+
 def busy_ns(spans: Iterable[Span]) -> dict[str, int]:
     """Stream name -> ns during which the stream ran at least one span."""
-    per_stream: dict[str, list[tuple[int, int]]] = {}
+    per_stream: dict[str, list[Span]] = {}
     for span in spans:
-        per_stream.setdefault(span.stream_name, []).append((span.start_ns, span.end_ns))
-    return {name: sum(b - a for a, b in _union(iv)) for name, iv in per_stream.items()}
+        per_stream.setdefault(span.stream_name, []).append(span)
+    return {name: covered_ns(group) for name, group in per_stream.items()}
 
 
 def hidden_comm_fraction(spans: Sequence[Span]) -> float:

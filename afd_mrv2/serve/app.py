@@ -32,16 +32,11 @@ def runtime_gate(plan: Plan) -> None:
     ``multistream_ffn`` where multistream is on, the connector's own)."""
     from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
-    check_vllm_path(parse_afd_config({**plan.afd, "role": ATTENTION}))
+    attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
+    check_vllm_path(attention)
     v2 = v2_runner_selected()
-    require = sorted(
-        {
-            cap
-            for role in (ATTENTION, FFN)
-            for cap in required_capabilities(parse_afd_config({**plan.afd, "role": role}), v2_runner=v2)
-        }
-    )
-    decision = check_runtime(tuple(require))
+    require = {cap for config in (attention, ffn) for cap in required_capabilities(config, v2_runner=v2)}
+    decision = check_runtime(tuple(sorted(require)))
     if not decision.accepted:
         reasons = "; ".join(decision.reasons) or "refused"
         raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.serve.client import compare as compare_greedy
+
 ENGINE = Path(__file__).with_name("engine.py")
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -176,26 +178,31 @@ class FfnRole:
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Greedy results of two engine reports side by side."""
+    """Greedy results of two engine reports side by side (:func:`afd_mrv2.serve.client.compare`)."""
     ra, rb = a["results"], b["results"]
     assert [r["prompt"] for r in ra] == [r["prompt"] for r in rb]
-    pairs = list(zip(ra, rb, strict=True))
-    tokens = sum(len(x["tokens"]) for x, _ in pairs)
-    differing = sum(t != u for x, y in pairs for t, u in zip(x["tokens"], y["tokens"], strict=True))
-    identical = sum(x["tokens"] == y["tokens"] for x, y in pairs)
-    logprob = max(
-        (
-            abs(p - q)
-            for x, y in pairs
-            if x["tokens"] == y["tokens"]
-            for p, q in zip(x["logprobs"], y["logprobs"], strict=True)
-        ),
-        default=float("nan"),
-    )
-    return {
-        "completions": len(pairs),
-        "identical": identical,
-        "tokens": tokens,
-        "differing": differing,
-        "max_logprob_diff": logprob,
-    }
+    return compare_greedy([(r["tokens"], r["logprobs"]) for r in ra], [(r["tokens"], r["logprobs"]) for r in rb])
+
+
+def afd_section(role: str, port: int) -> dict[str, Any]:
+    """The ``afd`` section of a 1A1F engine pair on ``port``."""
+    return {"connector": "torch_p2p", "role": role, "port": port, "compute_gate_on_attention": True}
+
+
+def assert_identical(result: dict[str, Any], max_logprob_diff: float = 1e-5) -> None:
+    """Every completion token-identical, logprobs within ``max_logprob_diff``."""
+    assert result["identical"] == result["completions"], result
+    assert result["max_logprob_diff"] <= max_logprob_diff, result
+
+
+def assert_experts_on_ffn_and_every_call_served(runs: dict[str, Any]) -> None:
+    """From inside the worker processes (collective_rpc): the Attention engine holds no routed-expert
+    bytes, the FFN role exactly plain vLLM's, and every MoE call of the Attention engine (warm-up
+    included) was one FFN item, whole forwards only."""
+    afd, ffn = runs["afd"], runs["ffn"]
+    assert afd["routed_expert_bytes"] == 0
+    assert ffn["routed_expert_bytes"] == runs["plain"]["routed_expert_bytes"] > 0
+    stats = afd["afd_stats"]
+    assert stats is not None and stats["calls"] > 0
+    assert ffn["items"] == stats["calls"]
+    assert ffn["items"] % ffn["moe_layers"] == 0

@@ -30,8 +30,18 @@ from typing import Any
 import pytest
 
 from tests.serve.conftest import free_port_block
-from tests.vllm.harness import ZERO_ENV, EngineRun, FfnRole, compare, cores, make_model, run_engines
-from tests.vllm.test_afd_in_vllm import afd_section
+from tests.vllm.harness import (
+    ZERO_ENV,
+    EngineRun,
+    FfnRole,
+    afd_section,
+    assert_experts_on_ffn_and_every_call_served,
+    assert_identical,
+    compare,
+    cores,
+    make_model,
+    run_engines,
+)
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
 
@@ -69,15 +79,8 @@ def test_qwen2_moe_checkpoint_is_sensitive_to_routed_experts(runs: dict[str, Any
 def test_qwen2_moe_1a1f_afd_is_token_identical_to_plain_vllm(runs: dict[str, Any]) -> None:
     result = compare(runs["plain"], runs["afd"])
     assert result["completions"] == 16, result
-    assert result["identical"] == result["completions"], result
-    assert result["max_logprob_diff"] <= 1e-5, result
+    assert_identical(result)
 
 
 def test_qwen2_moe_attention_holds_no_routed_experts_and_ffn_served_every_moe_call(runs: dict[str, Any]) -> None:
-    afd, ffn = runs["afd"], runs["ffn"]
-    assert afd["routed_expert_bytes"] == 0
-    assert ffn["routed_expert_bytes"] == runs["plain"]["routed_expert_bytes"] > 0
-    stats = afd["afd_stats"]
-    assert stats is not None and stats["calls"] > 0
-    assert ffn["items"] == stats["calls"]
-    assert ffn["items"] % ffn["moe_layers"] == 0
+    assert_experts_on_ffn_and_every_call_served(runs)

@@ -95,8 +95,7 @@ class TorchP2pConnector:
         options = parse_options(context.config.extra)
         self.side: AttentionSide | FfnSide
         if role != ATTENTION:
-            peers = context.resources.get("attention_peers")
-            self.side = FfnSide(link, shape, options, peers=None if peers is None else list(peers))
+            self.side = FfnSide(link, shape, options, peers=context.resources.get("attention_peers"))
         elif "sink" in context.resources:  # an exchange owner: each item is one round trip
             source, sink = context.resource("source"), context.resource("sink")
             self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=sink)
