@@ -11,7 +11,9 @@ two resources (the contract ``simlink`` documents):
 * ``sink(item, Tensor)``: where the connector delivers the item's result.
 
 The microbatch id comes from upstream's ``dbo_current_ubatch_id`` (through the
-typed adapter).
+typed adapter); ``num_stages`` (default 1) is how many microbatches a step has,
+which every item carries (``WorkItem.num_stages``) for the connector to put on
+the wire beside the id.
 
 Start and finish
 ----------------
@@ -96,8 +98,9 @@ class _Entry:
 class UBatchExchange:
     """The Attention side's AFD transfers; see the module docstring."""
 
-    def __init__(self, current_ubatch_id: Callable[[], int]) -> None:
+    def __init__(self, current_ubatch_id: Callable[[], int], *, num_stages: int = 1) -> None:
         self._current_ubatch_id = current_ubatch_id
+        self.num_stages = num_stages
         self._entries: dict[WorkItem, _Entry] = {}  # started, not finished (at most ``capacity``)
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -143,7 +146,7 @@ class UBatchExchange:
                     f"(the pool holds depth_in + depth_out = {self.capacity}): {open_items}; "
                     "finish a transfer before starting another"
                 )
-            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq))
+            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq), num_stages=self.num_stages)
             self._entries[item] = _Entry(hidden_states)
             self.items.append(item)
             try:

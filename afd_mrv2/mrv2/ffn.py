@@ -32,7 +32,7 @@ class FfnLoop:
         """Submit one step's work items; returns while they may still be in flight."""
         for layer in range(self.num_layers):
             for stage in range(self.num_stages):
-                self.executor.submit(WorkItem(layer, stage, next(self._seq)))
+                self.executor.submit(WorkItem(layer, stage, next(self._seq), num_stages=self.num_stages))
                 self.submitted += 1
         self.steps += 1
 

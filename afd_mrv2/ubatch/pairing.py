@@ -123,7 +123,7 @@ def attention_items(num_layers: int, num_stages: int, *, first_seq: int = 0) -> 
     seq = first_seq
     for layer in range(num_layers + 1):
         for stage in range(num_stages):
-            yield WorkItem(layer, stage, seq)
+            yield WorkItem(layer, stage, seq, num_stages=num_stages)
             seq += 1
 
 
@@ -133,7 +133,7 @@ def ffn_items(num_layers: int, num_stages: int, *, sources: int = 1, first_seq: 
     for layer in range(num_layers):
         for stage in range(num_stages):
             for _ in range(sources):
-                yield WorkItem(layer, stage, seq)
+                yield WorkItem(layer, stage, seq, num_stages=num_stages)
                 seq += 1
 
 

@@ -50,7 +50,7 @@ _SLICE_S = 0.05
 class _Outputs:
     """An output slot: what compute packs and send reads."""
 
-    headers: torch.Tensor  # [F, 8] int64, one dispatch header per FFN rank
+    headers: torch.Tensor  # [F, HEADER_WORDS] int64, one dispatch header per FFN rank
     staging: list[torch.Tensor]  # per FFN rank, uint8 [max_tokens * row_bytes]
 
 
@@ -123,7 +123,7 @@ class AttentionSide(Side):
         for ffn, buffer, count in zip(self.peers, inbox.buffers, inbox.counts, strict=True):
             expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, sent, count)
             got = wire.Header.read(wire.header_view(buffer))
-            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine")
+            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine", me=self.link.me)
         charge_link(self.options, work, "recv", inbox.pendings)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:

@@ -41,7 +41,7 @@ from afd_mrv2.work import Work
 class _Inputs:
     """An input slot: what recv fills and compute reads."""
 
-    headers: torch.Tensor  # [A, 8] int64, received dispatch headers
+    headers: torch.Tensor  # [A, HEADER_WORDS] int64, received dispatch headers
     staging: list[torch.Tensor]  # per attention rank, uint8 [max_tokens * row_bytes]
     hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated
     topk_ids: torch.Tensor  # [A * max_tokens, k] int64
@@ -99,7 +99,7 @@ class FfnSide(Side):
             got = wire.Header.read(slot.headers[a])
             expected = wire.item_header(wire.KIND_DISPATCH, peer, link.rank, item, tokens=0)
             wire.validate_header(
-                got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity
+                got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity, me=link.me
             )
             counts.append(got.tokens)
         payloads = [

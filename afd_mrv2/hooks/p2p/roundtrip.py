@@ -98,7 +98,7 @@ class RoundTripAttentionSide(AttentionSide):
         for ffn, buffer, count, index in zip(self.peers, slot.inbox, dispatch.counts, dispatch.indices, strict=True):
             expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, item, count)
             got = wire.Header.read(wire.header_view(buffer))
-            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine")
+            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine", me=self.link.me)
             if count:
                 combined.index_add_(0, index, wire.combine_rows(buffer, hidden_size, count))
         self.sink(item, combined)

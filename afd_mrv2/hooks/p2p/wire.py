@@ -9,7 +9,7 @@ validated.
 
 Messages per work item and (attention rank, FFN rank) pair::
 
-    attention -> FFN   TAG_DISPATCH_HEADER   header (8 x int64)
+    attention -> FFN   TAG_DISPATCH_HEADER   header (9 x int64)
                        TAG_DISPATCH_PAYLOAD  n rows of [hidden fp32 x H | weights fp32 x k | ids int32 x k]
                                              (only when n > 0; n comes from the validated header)
     FFN -> attention   TAG_COMBINE           [header | n rows of fp32 x H] in one message
@@ -17,11 +17,17 @@ Messages per work item and (attention rank, FFN rank) pair::
                                              post this receive before the FFN rank even has the data)
     any -> any         TAG_CONTROL           [header | UTF-8 text]: ABORT (with the reason) or BYE
 
-The header names the work item (layer, stage, seq), both ends (src, dst global
-ranks) and the token count.  :func:`validate` checks every field against what
-the receiver expects and raises :class:`ProtocolError` naming the peer and the
-first wrong field: a misrouted, reordered, duplicated or foreign message is an
-error, never silently used.
+The header names the work item (layer, stage, seq), the stage count of its step
+(``stages``: 1 for an unsplit step), both ends (src, dst global ranks) and the
+token count.  :func:`validate_header` checks every field against what the
+receiver expects and raises :class:`ProtocolError` naming the peer and the first
+wrong field: a misrouted, reordered, duplicated or foreign message is an error,
+never silently used.  A wrong ``stage`` or ``stages`` is a *stage identity*
+mismatch (one rank ran the step unsplit, the other in two stages; or the stages
+went out in another order): its error names both ranks and both identities
+(``sent layer=0 stage 0 of 2 ... expects layer=0 stage 0 of 1``).
+
+Version 2 (this one) added ``stages``; a version 1 peer fails the magic check.
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ import torch
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.items import WorkItem
 
-MAGIC = 0x4146_4432_5032_0001  # "AFD2" "P2" version 1
-FIELDS = ("magic", "kind", "src", "dst", "layer", "stage", "seq", "tokens")
+MAGIC = 0x4146_4432_5032_0002  # "AFD2" "P2" version 2 (version 1 had no ``stages``)
+VERSION = MAGIC & 0xFFFF
+FIELDS = ("magic", "kind", "src", "dst", "layer", "stage", "stages", "seq", "tokens")
+#: the fields that together are a message's stage identity (checked as one, named both sides)
+STAGE_FIELDS = ("stage", "stages")
 HEADER_WORDS = len(FIELDS)
 HEADER_BYTES = HEADER_WORDS * 8
 
@@ -64,6 +73,7 @@ class Header:
     stage: int
     seq: int
     tokens: int
+    stages: int = 1
     magic: int = MAGIC
 
     def write(self, out: torch.Tensor) -> None:
@@ -77,8 +87,14 @@ class Header:
 
 
 def item_header(kind: int, src: int, dst: int, item: WorkItem, tokens: int) -> Header:
-    """The header of ``item``'s ``kind`` message from global rank ``src`` to ``dst``."""
-    return Header(kind, src, dst, item.layer_idx, item.stage_idx, item.seq, tokens)
+    """The header of ``item``'s ``kind`` message from global rank ``src`` to ``dst``.
+
+    Carries ``item.num_stages`` as ``stages``; an item whose stage index is not
+    below its stage count is the owner's bug and raises here, before it reaches a peer.
+    """
+    if not 0 <= item.stage_idx < item.num_stages:
+        raise ValueError(f"work item {item} claims {item.stage_name}: the stage index must be in 0..num_stages-1")
+    return Header(kind, src, dst, item.layer_idx, item.stage_idx, item.seq, tokens, item.num_stages)
 
 
 def header_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -86,14 +102,31 @@ def header_view(buffer: torch.Tensor) -> torch.Tensor:
     return buffer[:HEADER_BYTES].view(torch.int64)
 
 
-def validate_header(got: Header, expected: Header, *, peer_name: str, what: str, max_tokens: int | None = None) -> None:
+def validate_header(
+    got: Header,
+    expected: Header,
+    *,
+    peer_name: str,
+    what: str,
+    max_tokens: int | None = None,
+    me: str = "the receiver",
+) -> None:
     """Raise :class:`ProtocolError` unless ``got`` matches ``expected`` field by field.
 
     With ``max_tokens`` the token count is only range-checked (``0..max_tokens``),
-    for receivers that learn the count from the header.
+    for receivers that learn the count from the header.  ``me`` names the
+    receiving rank in a stage identity mismatch (which names both sides).
     """
     for field in FIELDS:
         value, want = getattr(got, field), getattr(expected, field)
+        if field in STAGE_FIELDS and got.magic == expected.magic and value != want:
+            detail = (
+                f"stage identity mismatch: {peer_name} sent layer={got.layer} stage {got.stage} of {got.stages} "
+                f"(seq={got.seq}), but {me} expects layer={expected.layer} stage {expected.stage} of "
+                f"{expected.stages} (seq={expected.seq}); both sides must split the step into the same stages "
+                "and issue them in the same order"
+            )
+            raise _bad(expected.src, field, detail, peer_name, what)
         if field == "tokens" and max_tokens is not None:
             if not 0 <= value <= max_tokens:
                 raise _bad(
@@ -105,7 +138,11 @@ def validate_header(got: Header, expected: Header, *, peer_name: str, what: str,
                 )
             continue
         if value != want:
-            hint = " (not a torch_p2p v1 header: protocol mismatch or corrupted stream)" if field == "magic" else ""
+            hint = (
+                f" (not a torch_p2p v{VERSION} header: protocol mismatch or corrupted stream)"
+                if field == "magic"
+                else ""
+            )
             detail = f"expected {_show(field, want)}, got {_show(field, value)}{hint}"
             raise _bad(expected.src, field, detail, peer_name, what)
 

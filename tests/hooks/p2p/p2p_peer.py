@@ -13,6 +13,10 @@ Scenarios:
     silent-attention    the attention rank connects and never sends (FFN recv_timeout_s = 1)
     dead-attention      the attention rank exits right after start-up
     cancel              like silent-attention, but the FFN executor is closed after 0.5 s
+    stages-2-vs-1       both sides real: the attention rank splits every step into 2 stages,
+                        the FFN rank runs it unsplit (1 stage)
+    stages-swapped      both sides real, 2 stages each, but the attention rank issues each
+                        layer's stages in the other order (stage 1 first)
     concurrent          no executor: on both ranks a sender thread and a receiver thread push
                         messages through one PeerLink at the same time (the multistream
                         pattern: recv stream and send stream of one process), contents checked
@@ -55,7 +59,18 @@ def ffn_compute(item: WorkItem, hidden: torch.Tensor, ids: torch.Tensor, weights
     return hidden * 2
 
 
-def real_side(link: PeerLink, role: str, *, recv_timeout_s: float, cancel_after_s: float | None = None) -> int:
+def stage_items(scenario: str, role: str, layers: int) -> list[WorkItem]:
+    """The work items of ``role``: one stage per layer, or the stage scenarios' two."""
+    if not scenario.startswith("stages-") or (scenario == "stages-2-vs-1" and role == "ffn"):
+        return [WorkItem(layer, 0, layer) for layer in range(layers)]
+    swapped = scenario == "stages-swapped" and role == "attention"
+    order = (1, 0) if swapped else (0, 1)
+    return [WorkItem(layer, s, 2 * layer + i, num_stages=2) for layer in range(layers) for i, s in enumerate(order)]
+
+
+def real_side(
+    link: PeerLink, role: str, *, recv_timeout_s: float, cancel_after_s: float | None = None, scenario: str = ""
+) -> int:
     config = parse_afd_config(
         {
             "connector": "torch_p2p",
@@ -68,7 +83,7 @@ def real_side(link: PeerLink, role: str, *, recv_timeout_s: float, cancel_after_
     compute = attention_compute if role == "attention" else ffn_compute
     executor = Executor(plugins, make_backend("host"), config.multistream, compute=compute, role=role)
     layers = SHAPE.num_layers + (1 if role == "attention" else 0)
-    items = [WorkItem(layer, 0, layer) for layer in range(layers)]
+    items = stage_items(scenario, role, layers)
     start = time.monotonic()
     if cancel_after_s is not None:
         executor.submit(items[0])
@@ -183,11 +198,12 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(concurrent(link, rank))
     rogue_rank = 1 if scenario == "bad-combine-seq" else 0
-    if rank == rogue_rank:
+    if rank == rogue_rank and not scenario.startswith("stages-"):
         rogue_ffn() if rank == 1 else rogue_attention(scenario)
     role = "attention" if rank == 0 else "ffn"
     timeout = 1.0 if scenario in ("silent-attention",) else 30.0
-    code = real_side(link, role, recv_timeout_s=timeout, cancel_after_s=0.5 if scenario == "cancel" else None)
+    cancel = 0.5 if scenario == "cancel" else None
+    code = real_side(link, role, recv_timeout_s=timeout, cancel_after_s=cancel, scenario=scenario)
     sys.stdout.flush()
     os._exit(code)
 

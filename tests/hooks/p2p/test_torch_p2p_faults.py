@@ -48,6 +48,25 @@ def test_malformed_combine_header_is_a_clear_error() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("name", "sent", "expected", "field"),
+    [
+        ("stages-2-vs-1", "stage 0 of 2", "stage 0 of 1", "stages"),  # one rank split the step, the other did not
+        ("stages-swapped", "stage 1 of 2", "stage 0 of 2", "stage"),  # both split, stages issued in another order
+    ],
+)
+def test_a_stage_identity_mismatch_fails_naming_both_ranks_and_both_stages(
+    name: str, sent: str, expected: str, field: str
+) -> None:
+    """Both sides run the real connector; the FFN rank's header check catches the mismatch on the first item."""
+    outcome, _ = scenario(name, real_rank=1)
+    assert outcome["cause_type"] == "ProtocolError" and outcome["field"] == field and outcome["peer"] == 0
+    error = outcome["error"]
+    assert "on_recv failed for work item layer=0 stage=0 seq=0" in error
+    assert f"stage identity mismatch: attention rank 0 (global rank 0) sent layer=0 {sent} (seq=0)" in error
+    assert f"but FFN rank 0 (global rank 1) expects layer=0 {expected} (seq=0)" in error
+
+
 def test_silent_peer_fails_at_the_configured_deadline() -> None:
     outcome, _ = scenario("silent-attention", real_rank=1)
     assert outcome["cause_type"] == "PeerTimeout" and outcome["peer"] == 0

@@ -9,8 +9,9 @@ import torch
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.hooks.p2p import ProtocolError, parse_options, wire
+from afd_mrv2.items import WorkItem
 
-EXPECTED = wire.Header(kind=wire.KIND_DISPATCH, src=1, dst=4, layer=2, stage=1, seq=17, tokens=5)
+EXPECTED = wire.Header(kind=wire.KIND_DISPATCH, src=1, dst=4, layer=2, stage=1, stages=2, seq=17, tokens=5)
 
 
 def roundtrip(header: wire.Header) -> wire.Header:
@@ -32,7 +33,8 @@ def test_header_roundtrip() -> None:
         ("src", 0, "expected 1, got 0"),
         ("dst", 3, "expected 4, got 3"),
         ("layer", 7, "expected 2, got 7"),
-        ("stage", 0, "expected 1, got 0"),
+        ("stage", 0, "sent layer=2 stage 0 of 2 (seq=17), but the receiver expects layer=2 stage 1 of 2"),
+        ("stages", 3, "sent layer=2 stage 1 of 3 (seq=17), but the receiver expects layer=2 stage 1 of 2"),
         ("seq", 18, "expected 17, got 18"),
         ("tokens", 6, "expected 5, got 6"),
     ],
@@ -106,3 +108,41 @@ def test_bad_options_name_the_key(extra: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_options(extra)
     assert info.value.key == f"afd.connector_extra_config.{key}"
+
+
+def test_the_header_carries_the_stage_count_of_the_items_step() -> None:
+    item = WorkItem(3, 1, 9, num_stages=2)
+    header = wire.item_header(wire.KIND_DISPATCH, 0, 2, item, tokens=4)
+    assert (header.layer, header.stage, header.stages, header.seq) == (3, 1, 2, 9)
+    assert roundtrip(header) == header and wire.HEADER_WORDS == 9 and wire.VERSION == 2
+    with pytest.raises(ValueError, match="claims stage 1 of 1"):
+        wire.item_header(wire.KIND_DISPATCH, 0, 2, WorkItem(3, 1, 9), tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected", "identities"),
+    [
+        # one rank split the step in two stages, the other ran it unsplit
+        (WorkItem(0, 0, 0, num_stages=2), WorkItem(0, 0, 0, num_stages=1), ("stage 0 of 2", "stage 0 of 1")),
+        # both split it, but the stages went out in another order
+        (WorkItem(0, 1, 0, num_stages=2), WorkItem(0, 0, 0, num_stages=2), ("stage 1 of 2", "stage 0 of 2")),
+    ],
+)
+def test_a_stage_identity_mismatch_names_both_ranks_and_both_identities(
+    sent: WorkItem, expected: WorkItem, identities: tuple[str, str]
+) -> None:
+    got = wire.item_header(wire.KIND_DISPATCH, 0, 2, sent, tokens=3)
+    want = wire.item_header(wire.KIND_DISPATCH, 0, 2, expected, tokens=0)
+    with pytest.raises(ProtocolError) as info:
+        wire.validate_header(
+            roundtrip(got),
+            want,
+            peer_name="attention rank 0 (global rank 0)",
+            what="dispatch",
+            max_tokens=8,
+            me="FFN rank 0 (global rank 2)",
+        )
+    text = str(info.value)
+    assert info.value.field in wire.STAGE_FIELDS and info.value.peer == 0
+    assert f"attention rank 0 (global rank 0) sent layer=0 {identities[0]}" in text
+    assert f"FFN rank 0 (global rank 2) expects layer=0 {identities[1]}" in text
