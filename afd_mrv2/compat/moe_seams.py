@@ -266,6 +266,50 @@ MOE_SEAMS: tuple[Seam, ...] = (
         fields=("worker_cls", "worker_extension_cls"),
         capability=MOE,
     ),
+    # the support matrix on the vLLM path reads these (afd_mrv2.mrv2.deployment.deployment_of)
+    Seam(
+        "vllm",
+        "vllm.config.parallel",
+        "ParallelConfig",
+        "the support matrix reads the parallel sizes and the native micro-batching flags of the real VllmConfig",
+        fields=(
+            "enable_dbo",
+            "ubatch_size",
+            "data_parallel_size",
+            "tensor_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+        ),
+        capability=MOE,
+    ),
+    *(
+        Seam(
+            "vllm",
+            "vllm.config.parallel",
+            f"ParallelConfig.{name}",
+            f"the support matrix reads {name} (native micro-batching, sequence-parallel MoE)",
+            params=(),
+            decorators=("property",),
+            capability=MOE,
+        )
+        for name in ("use_ubatching", "num_ubatches", "use_sequence_parallel_moe")
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.model",
+        "ModelConfig",
+        "the support matrix reads enforce_eager (CAMAsync and multistream run eager only)",
+        fields=("enforce_eager",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.compilation",
+        "CompilationConfig",
+        "the support matrix counts compile mode and graph mode both NONE as eager",
+        fields=("mode", "cudagraph_mode", "pass_config"),
+        capability=MOE,
+    ),
     Seam(
         "vllm",
         "vllm.v1.worker.worker_base",

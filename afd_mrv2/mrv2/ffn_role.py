@@ -23,40 +23,28 @@ arguments (front-end ones such as ``--api-key``) are ignored with a line on
 stderr.  The ``afd`` section is ``--afd``, else the ``afd`` key of an
 ``--additional-config`` among VLLM ARGS (whose other keys are kept).
 ``enforce_eager`` defaults to true here: the FFN engine runs no model forward
-of its own beyond vLLM's start-up.
-Exit status: 0 after a session, 2 for a bad ``--afd`` or VLLM ARGS (one line, nothing started).
+of its own beyond vLLM's start-up.  Before it builds the engine, the support
+matrix is checked on the ``VllmConfig`` these arguments make
+(:func:`afd_mrv2.mrv2.deployment.check_vllm_deployment`).
+Exit status: 0 after a session, 2 for a bad ``--afd`` or VLLM ARGS or an
+unsupported combination (one line, nothing started).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-from typing import Any
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2 import WORKER_EXTENSION
+from afd_mrv2.mrv2.deployment import check_vllm_deployment
+from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
 from afd_mrv2.options import json_object
 
-
-def vllm_engine_kwargs(vllm_args: list[str]) -> dict[str, Any]:
-    """The engine arguments given explicitly in ``vllm_args`` (``vllm serve`` syntax), as ``LLM(...)`` keywords."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="afd-mrv2 ffn: VLLM ARGS"))
-    given, unknown = parser.parse_known_args(vllm_args)
-    if unknown:
-        print(f"afd-mrv2 ffn: not engine arguments, ignored here: {' '.join(unknown)}", file=sys.stderr, flush=True)
-    default, parsed = vars(parser.parse_known_args([])[0]), vars(given)
-    return {
-        f.name: parsed[f.name]
-        for f in dataclasses.fields(EngineArgs)
-        if f.name in parsed and parsed[f.name] != default.get(f.name)
-    }
+__all__ = ["main", "vllm_engine_kwargs"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +65,19 @@ def main(argv: list[str] | None = None) -> int:
             additional["afd"] = json_object(args.afd, "--afd")
         if not isinstance(additional.get("afd"), dict):
             raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
-        ffn_serving_config(additional["afd"])  # fail before any engine exists
+        config = ffn_serving_config(additional["afd"])  # fail before any engine exists
         other = engine_args.pop("worker_extension_cls", WORKER_EXTENSION)
         if other != WORKER_EXTENSION:
             raise AfdError(f"--worker-extension-cls: the FFN role needs {WORKER_EXTENSION}, got {other}")
+        engine_args = {**FFN_ENGINE_DEFAULTS, **engine_args}
+        engine_args.pop("model", None)
+        # the support matrix on the VllmConfig these arguments make, before the engine (and any link) exists
+        check_vllm_deployment(config, engine_config(args.model, engine_args, additional))
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2
     from vllm import LLM
 
-    engine_args.setdefault("enforce_eager", True)
-    engine_args.pop("model", None)
     llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=WORKER_EXTENSION, **engine_args)
     print(f"afd-mrv2 ffn: ready pid={os.getpid()}", flush=True)
     (report,) = llm.collective_rpc("afd_ffn_serve")

@@ -8,9 +8,11 @@ copies no upstream code:
 
 ``__init__(vllm_config, device, ...)``
     validates ``additional_config["afd"]`` and the runtime pair
-    (:func:`afd_mrv2.validation.validate`) **before** calling the upstream
-    constructor, so a bad config or a refused pair fails before any upstream
-    state, stream or communication resource exists.
+    (:func:`afd_mrv2.validation.validate`) and the support matrix on the real
+    ``VllmConfig`` (:func:`afd_mrv2.mrv2.deployment.check_vllm_deployment`)
+    **before** calling the upstream constructor, so a bad config, an unsupported
+    combination or a refused pair fails before any upstream state, stream or
+    communication resource exists.
 ``initialize_kv_cache(kv_cache_config, *args, **kwargs)``
     calls upstream (which builds ``self.ubatch_runner`` when microbatching is on),
     then builds the AFD side (plugins, device backend, executor, the exchange
@@ -49,6 +51,7 @@ from afd_mrv2.config import AfdConfig
 from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.items import WorkItem
+from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.exchange import UBatchExchange
 from afd_mrv2.mrv2.remote import RemoteExperts, attached
 from afd_mrv2.mrv2.ubatch_runner import UBATCH_ROLES, afd_ubatch_runner_class
@@ -100,6 +103,8 @@ class AfdAttentionRunnerMixin:
         config = validate(vllm_config.additional_config, gate=type(self)._afd_gate, v2_runner=True)
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
+        if config is not None:  # the support matrix, before upstream's constructor and any AFD resource
+            check_vllm_deployment(config, vllm_config, moe_seam=type(self)._afd_moe_seam)
         self.afd_config: AfdConfig | None = config
         self.afd: AttentionAfd | None = None
         self.afd_remote: RemoteExperts | None = None

@@ -8,15 +8,28 @@ connector), the runtime gate and the ports passed; each refusal is one
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 from afd_mrv2.compat import check_runtime, v2_runner_selected
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.serve.plan import Plan, RoleCommands, ServeOptions, build_plan, check_ports_free
+from afd_mrv2.serve.plan import (
+    ROLE_ENV,
+    Plan,
+    RoleCommands,
+    ServeOptions,
+    build_plan,
+    check_ports_free,
+    split_additional_config,
+)
 from afd_mrv2.serve.supervisor import Supervisor
 from afd_mrv2.validation import required_capabilities
 
@@ -24,12 +37,56 @@ from afd_mrv2.validation import required_capabilities
 PlanGate = Callable[[Plan], None]
 
 
+#: The check of the support matrix on each role's ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`).
+DEPLOYMENT_CHECK = (sys.executable, "-m", "afd_mrv2.mrv2.deployment")
+DEPLOYMENT_CHECK_TIMEOUT_S = 300.0
+
+
+def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT_S) -> None:
+    """The support matrix on the ``VllmConfig`` each role's engine arguments make, before any role starts.
+
+    Runs ``python -m afd_mrv2.mrv2.deployment`` once for both roles (rank 0 of each; the
+    ranks of a role differ only in ``afd.rank``), in a child with the roles' environment:
+    building a ``VllmConfig`` imports vLLM, which logs to stdout and adjusts its
+    process's environment, neither of which serve's own process may get.  Raises
+    :class:`AfdError` with the refusal's one line.
+    """
+    _, extra = split_additional_config(plan.options.extra)
+    sections = [json.dumps(dict(plan.of(role)[0].afd), sort_keys=True) for role in (ATTENTION, FFN)]
+    with tempfile.TemporaryDirectory(prefix="afd-mrv2-serve-check-") as folder:
+        out = Path(folder) / "deployment.json"
+        cmd = [*DEPLOYMENT_CHECK, plan.options.model, "--out", str(out)]
+        for section in sections:
+            cmd += ["--section", section]
+        try:
+            proc = subprocess.run(
+                [*cmd, "--", *extra],
+                env={**ROLE_ENV, **os.environ},
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            raise AfdError(f"the support-matrix check of the roles' vLLM configs took over {timeout_s:.0f} s") from None
+        if not out.is_file():
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise AfdError(
+                f"the support-matrix check of the roles' vLLM configs failed (exit {proc.returncode}): {tail}"
+            )
+        result = json.loads(out.read_text())
+    problem = result.get("refused") or result.get("failed")
+    if problem:
+        raise AfdError(problem)
+
+
 def runtime_gate(plan: Plan) -> None:
     """The gate of the vLLM roles: the ``afd`` section must be one the vLLM MoE seam serves
-    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`) and the installed vLLM pair must grant what
+    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`), the installed vLLM pair must grant what
     every role's process will require (:func:`afd_mrv2.validation.required_capabilities`, the
     check each process runs itself: ``moe_seam``, ``mrv2`` with the V2 runner,
-    ``multistream_ffn`` where multistream is on, the connector's own)."""
+    ``multistream_ffn`` where multistream is on, the connector's own), and the support
+    matrix must accept each role's real ``VllmConfig`` (:func:`check_deployments`)."""
     from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
     attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
@@ -40,6 +97,7 @@ def runtime_gate(plan: Plan) -> None:
     if not decision.accepted:
         reasons = "; ".join(decision.reasons) or "refused"
         raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")
+    check_deployments(plan)
 
 
 def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:

@@ -10,7 +10,7 @@ from afd_mrv2.compat import Runtime, decide
 from afd_mrv2.compat.contracts import DirectorySource, check_contracts
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.errors import PipelineError
+from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.mrv2 import remote
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
 from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, runner_info
@@ -104,10 +104,10 @@ def test_composition_refuses_a_model_without_afd_moe_layers(monkeypatch: pytest.
 
 
 def test_composition_refuses_microbatching_with_the_moe_seam(seam_layers: RemoteExperts) -> None:
-    runner = _worker(parallel=ParallelConfig())[0].model_runner  # stand-in default: DP 2 with ubatching
-    runner.load_model()
-    with pytest.raises(PipelineError, match=r"micro-batching .* with the vLLM MoE seam is not supported"):
-        runner.initialize_kv_cache({"kv": "cache"})
+    """Refused by the support matrix when the runner is constructed, before the model (and any link) exists."""
+    with pytest.raises(ConfigError, match=r"^afd: vLLM native micro-batching \(2 micro-batches per step") as info:
+        _worker(parallel=ParallelConfig())  # stand-in default: DP 2 with ubatching
+    assert "\n" not in str(info.value)
 
 
 def test_cpu_worker_seams_hold_on_the_stand_ins() -> None:

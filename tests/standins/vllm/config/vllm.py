@@ -7,9 +7,19 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ParallelConfig:
-    use_ubatching: bool = True
+    use_ubatching: bool = True  # properties upstream (enable_dbo / ubatch_size)
     data_parallel_size: int = 2
     num_ubatches: int = 2
+    # the support matrix reads these too (afd_mrv2.mrv2.deployment)
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    use_sequence_parallel_moe: bool = False  # a property upstream
+
+
+@dataclass
+class ModelConfig:
+    enforce_eager: bool = True
 
 
 @dataclass
@@ -20,6 +30,7 @@ class SchedulerConfig:
 @dataclass
 class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    model_config: ModelConfig = field(default_factory=ModelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     additional_config: dict = field(default_factory=dict)
     use_v2_model_runner: bool = True  # a property upstream (VLLM_USE_V2_MODEL_RUNNER)

