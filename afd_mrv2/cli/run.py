@@ -22,6 +22,7 @@ from afd_mrv2.errors import AfdError
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
 from afd_mrv2.ubatch import SPLITS
+from afd_mrv2.ubatch.layout import LAYOUTS
 
 DEFAULT_SPLIT_REQUESTS = 4
 
@@ -41,7 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     topo = parser.add_argument_group("topology and schedule")
     topo.add_argument("--attention", type=int, default=2, metavar="A", help="attention ranks (default 2)")
-    topo.add_argument("--ffn", type=int, default=1, metavar="F", help="FFN ranks; must divide A (default 1)")
+    topo.add_argument(
+        "--ffn",
+        type=int,
+        default=1,
+        metavar="F",
+        help="FFN ranks, any number >= 1; experts are sharded over them (default 1)",
+    )
     topo.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     topo.add_argument(
         "--stages",
@@ -60,10 +67,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     topo.add_argument(
         "--requests",
-        type=int,
+        type=_counts,
         default=None,
+        metavar="N[,N...]",
         help=f"with --async-moe-split: requests per batch (default {DEFAULT_SPLIT_REQUESTS}); "
-        "--requests 1 --min-len 96 --max-len 96 is one long prefill, which the token split cuts mid-request",
+        "--requests 1 --min-len 96 --max-len 96 is one long prefill, which the token split cuts mid-request; "
+        "a list N0,N1,... gives attention DP rank a in batch b N[(a + b) %% len] requests: with --attention 2, "
+        "--requests 4,4,1 splits batch 0 and runs batches 1 and 2 unsplit on every rank (one rank has 1 request, "
+        "which the request split cannot cut; the ranks decide together)",
+    )
+    topo.add_argument(
+        "--attention-tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="with --async-moe-split: T tensor-parallel processes per attention DP rank (default 1); each hands "
+        "the CAM boundary its shard of a stage (see --layout)",
+    )
+    topo.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="tp",
+        help="with --attention-tp: sp (sequence parallel: the residual is sharded, parent shards are converted "
+        "into stage shards and restored after the last layer) or tp (plain TP: replicated residual, sharded only "
+        "at the CAM boundary, the FFN output all-gathered) (default tp)",
     )
     topo.add_argument("--min-len", type=int, default=16, help="shortest request, tokens (default 16)")
     topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
@@ -118,7 +145,15 @@ def _batch_layout(args: argparse.Namespace) -> tuple[int, int]:
             "--async-moe-split plans each batch into the planner's two stages: give the batch size with --requests N, "
             "not --stages / --requests-per-stage"
         )
-    return 1, DEFAULT_SPLIT_REQUESTS if args.requests is None else args.requests
+    return 1, DEFAULT_SPLIT_REQUESTS if args.requests is None else max(args.requests)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,... (integers), got {text!r}") from None
+    return counts
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -137,6 +172,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                 seed=args.seed,
             ),
             async_moe_split=args.async_moe_split,
+            attention_tp=args.attention_tp,
+            layout=args.layout,
+            requests=args.requests if args.requests is not None and len(args.requests) > 1 else (),
             batch=BatchSpec(
                 stages=stages,
                 requests_per_stage=requests_per_stage,

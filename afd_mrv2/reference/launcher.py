@@ -75,7 +75,7 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     cfg = cfg.with_(out_dir=str(out))
     topology = cfg.topology
     port = free_port()
-    progress(f"starting {cfg.num_attention} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
+    progress(f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
     workers: list[_Worker] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()

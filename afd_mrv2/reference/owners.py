@@ -11,40 +11,58 @@ the last FFN output and applies the final norm.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from afd_mrv2.items import WorkItem
-from afd_mrv2.reference.batches import StageBatch, concat
+from afd_mrv2.reference.batches import StageBatch
 from afd_mrv2.reference.forward import attention_step, embed, final_norm
-from afd_mrv2.reference.kvcache import KvCache
 from afd_mrv2.reference.layers import moe_partial
 from afd_mrv2.reference.spec import ModelSpec
-from afd_mrv2.reference.staged import SplitBatch, new_cache, plan_batch, staged_attention_step
 from afd_mrv2.reference.weights import Weights
 from afd_mrv2.topology import ATTENTION, Topology
-from afd_mrv2.ubatch import NUM_STAGES, merge_tokens, split_tokens
 
 
 @dataclass(frozen=True)
 class Schedule:
+    """Work-item numbering: ``stages`` per batch, or ``per_batch[batch]`` where a batch differs.
+
+    A batch the async-MoE planner could not split (the rank-consistent fallback,
+    :func:`afd_mrv2.ubatch.layout.decide_split`) runs as one stage while its
+    neighbours run two: ``seq`` then counts on across batches of different stage
+    counts, and every item carries its batch's stage count (``num_stages``),
+    which torch_p2p sends in every header.
+    """
+
     num_layers: int
     stages: int
+    per_batch: Mapping[int, int] = field(default_factory=dict)
+
+    def stages_of(self, batch: int) -> int:
+        return self.per_batch.get(batch, self.stages)
+
+    def _first_seq(self, batch: int) -> int:
+        return sum((self.num_layers + 1) * self.stages_of(b) for b in range(batch))
 
     def seq(self, batch: int, layer: int, stage: int) -> int:
-        return (batch * (self.num_layers + 1) + layer) * self.stages + stage
+        return self._first_seq(batch) + layer * self.stages_of(batch) + stage
 
     def batch_of(self, item: WorkItem) -> int:
-        return item.seq // ((self.num_layers + 1) * self.stages)
+        batch, start = 0, 0
+        while item.seq >= start + (self.num_layers + 1) * self.stages_of(batch):
+            start += (self.num_layers + 1) * self.stages_of(batch)
+            batch += 1
+        return batch
 
     def items(self, role: str, batches: Iterable[int]) -> Iterator[WorkItem]:
         layers = self.num_layers + 1 if role == ATTENTION else self.num_layers
         for batch in batches:
+            stages = self.stages_of(batch)
             for layer in range(layers):
-                for stage in range(self.stages):
-                    yield WorkItem(layer, stage, self.seq(batch, layer, stage))
+                for stage in range(stages):
+                    yield WorkItem(layer, stage, self.seq(batch, layer, stage), num_stages=stages)
 
 
 @dataclass
@@ -79,7 +97,7 @@ class AttentionOwner:
         else:
             if combined is None:
                 raise ValueError(f"attention compute for {item}: the FFN output of the previous layer is missing")
-            h = self._residual.pop(key) + combined
+            h = self._combine(batch, item.stage_idx, self._residual.pop(key), combined)
         if item.layer_idx == self.spec.num_layers:
             self.outputs[key] = final_norm(self.weights, self.spec, h)
             self._finished(batch, item.stage_idx)
@@ -93,6 +111,10 @@ class AttentionOwner:
     def _embed(self, batch: int, stage: int) -> torch.Tensor:
         return embed(self.weights, self.batches[batch][stage].tokens)
 
+    def _combine(self, batch: int, stage: int, residual: torch.Tensor, combined: torch.Tensor) -> torch.Tensor:
+        """The residual after the previous layer's MoE: ``combined`` is the summed FFN output of this rank's rows."""
+        return residual + combined
+
     def _attention(
         self, batch: int, stage: int, layer: int, h: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,62 +126,6 @@ class AttentionOwner:
     def output(self, batch: int) -> torch.Tensor:
         """Final hidden states of the whole batch, its stages back in token order."""
         return torch.cat([self.outputs[(batch, s)] for s in range(self.schedule.stages)])
-
-
-@dataclass
-class SplitAttentionOwner(AttentionOwner):
-    """Attention-rank compute under ``--async-moe-split``: each batch planned into the planner's two stages.
-
-    ``batches`` holds each batch's requests (any grouping; they are concatenated)
-    and ``split`` the policy (``token`` or ``request``).  Stage ``s`` of a batch
-    runs :func:`~afd_mrv2.reference.staged.staged_attention_step` over the batch's
-    KV cache (created by stage 0 of layer 0, dropped after the last epilogue), so
-    a request the ``token`` split cuts continues in stage 2 with its stage-1
-    tokens as KV context.  Work items are computed in (layer, stage) order on one
-    compute stream, so stage 1 of layer l always wrote its K/V before stage 2 of
-    layer l reads them (the cache raises if not).
-    """
-
-    split: str = "token"
-    plans: dict[int, SplitBatch] = field(init=False)
-    tokens: dict[int, torch.Tensor] = field(init=False)
-    _caches: dict[int, KvCache] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.schedule.stages != NUM_STAGES:
-            raise ValueError(
-                f"the async-MoE split runs {NUM_STAGES} stages per batch, the schedule has {self.schedule.stages}"
-            )
-        self.plans, self.tokens = {}, {}
-        for batch, stages in self.batches.items():
-            whole = concat(stages)
-            plan = plan_batch(whole.lengths, split=self.split, seed=batch)
-            if plan is None:
-                raise ValueError(
-                    f"batch {batch}: the {self.split} split cannot form two stages from requests of {list(whole.lengths)} tokens "
-                    "(request: needs 2+ requests; token: needs 2+ tokens)"
-                )
-            self.plans[batch], self.tokens[batch] = plan, whole.tokens
-
-    def _embed(self, batch: int, stage: int) -> torch.Tensor:
-        if stage == 0:
-            self._caches[batch] = new_cache(self.spec, self.plans[batch])
-        return split_tokens(embed(self.weights, self.tokens[batch]), [self.plans[batch].stages[stage]])[0]
-
-    def _attention(
-        self, batch: int, stage: int, layer: int, h: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        cache = self._caches[batch]
-        return staged_attention_step(self.weights, self.spec, layer, h, self.plans[batch], stage, cache)
-
-    def _finished(self, batch: int, stage: int) -> None:
-        if stage == NUM_STAGES - 1:
-            self._caches.pop(batch, None)
-
-    def output(self, batch: int) -> torch.Tensor:
-        plan = self.plans[batch]
-        return merge_tokens([self.outputs[(batch, s)] for s in range(NUM_STAGES)], plan.stages)
 
 
 @dataclass

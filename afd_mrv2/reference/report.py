@@ -78,7 +78,10 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
     max_diff = max(m["max_abs_diff"] for m in modes)
     return {
         "topology": f"{cfg.num_attention}A{cfg.num_ffn}F",
-        "num_attention_ranks": cfg.num_attention,
+        "num_attention_ranks": cfg.attention_processes,
+        "attention_dp": cfg.num_attention,
+        "attention_tp": cfg.attention_tp,
+        "layout": cfg.layout if cfg.async_moe_split else None,
         "num_ffn_ranks": cfg.num_ffn,
         "layers": spec.num_layers,
         "stages": cfg.num_stages,
@@ -142,7 +145,7 @@ def _split_summary(cfg: RunConfig, attention: list[dict[str, Any]]) -> dict[str,
     if not cfg.async_moe_split:
         return None
     plans = [
-        {"rank": f"attention {r['index']}", "batch": b, **summary}
+        {"rank": f"attention {r['index']}", "batch": b, **summary, "layouts": r["layouts"][b]}
         for r in sorted(attention, key=lambda r: r["rank"])
         for b, summary in sorted(r["split"].items())
     ]
@@ -150,6 +153,7 @@ def _split_summary(cfg: RunConfig, attention: list[dict[str, Any]]) -> dict[str,
         "policy": cfg.async_moe_split,
         "batches": len(plans),
         "batches_with_a_continued_request": sum(bool(p["continued"]) for p in plans),
+        "unsplit_batches": sum(p.get("stages", 2) == 1 for p in plans),
         "plans": plans,
     }
 
@@ -197,6 +201,11 @@ def _split_lines(split: dict[str, Any], *, warmup: int, limit: int = 8) -> list[
     lines.append(
         f"{split['batches_with_a_continued_request']} of {split['batches']} batches have a request continued across the stages"
     )
+    if split.get("unsplit_batches"):
+        lines.append(
+            f"{split['unsplit_batches']} of {split['batches']} batches ran unsplit (1 stage): a rank of their DP group "
+            "had no two-stage plan, so every rank ran them unsplit"
+        )
     return lines
 
 
@@ -223,8 +232,11 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         if split
         else f"{report['stages']} stages x {report['requests_per_stage']} requests"
     )
+    attention = f"{report['num_attention_ranks']} attention"
+    if report.get("attention_tp", 1) > 1:
+        attention = f"{report['attention_dp']} attention DP x {report['attention_tp']} TP ({report['layout']} layout)"
     lines = [
-        f"AFD run: {report['num_attention_ranks']} attention + {report['num_ffn_ranks']} FFN ranks ({link_text}), "
+        f"AFD run: {attention} + {report['num_ffn_ranks']} FFN ranks ({link_text}), "
         f"{report['layers']} layers, {batching}, {report['batches']} batches, routing {report['routing']}",
         "",
     ]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
 from afd_mrv2.topology import Topology
 from afd_mrv2.ubatch import NUM_STAGES, SPLITS
+from afd_mrv2.ubatch.layout import LAYOUTS
 
 LINKS = ("gloo", "sim")
 CONFIG_ENV = "AFD_MRV2_RUN_CONFIG"
@@ -31,7 +32,13 @@ class RunConfig:
     rank concatenates a batch's requests (all ``batch.stages x
     batch.requests_per_stage`` of them) and runs the async-MoE planner's two
     stages instead of the BatchSpec micro-batches; see
-    :class:`~afd_mrv2.reference.owners.SplitAttentionOwner`.
+    :class:`~afd_mrv2.reference.split_owner.SplitAttentionOwner`.  A batch the
+    planner cannot split on some attention DP rank runs unsplit on all of them
+    (one collective per batch, :func:`afd_mrv2.ubatch.layout.decide_split`).
+    ``requests`` (split only): requests per batch by DP rank and batch, DP rank
+    ``a`` running ``requests[(a + b) % len(requests)]`` in batch ``b`` (empty: the
+    BatchSpec's count everywhere); ``attention_tp`` TP ranks per attention DP
+    rank in ``layout`` ``sp`` or ``tp`` (:mod:`afd_mrv2.ubatch.layout`).
     """
 
     num_attention: int = 2
@@ -50,6 +57,9 @@ class RunConfig:
     tolerance: float = 1e-5
     out_dir: str = "out/afd-run"
     async_moe_split: str | None = None
+    attention_tp: int = 1
+    layout: str = "tp"
+    requests: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -70,23 +80,19 @@ class RunConfig:
         self._check_split()
 
     def _check_split(self) -> None:
-        """Refuse a split the planner could not apply to every batch (it would return no plan)."""
+        """The split's own options; a batch the planner cannot split runs unsplit (no refusal)."""
         split = self.async_moe_split
-        if split is None:
-            return
-        if split not in SPLITS:
+        if split is not None and split not in SPLITS:
             raise ValueError(f"async_moe_split must be one of {', '.join(SPLITS)}, got {split!r}")
-        requests = self.requests_per_batch
-        if split == "request" and requests < NUM_STAGES:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.attention_tp < 1:
+            raise ValueError(f"attention_tp must be >= 1, got {self.attention_tp}")
+        if any(n < 1 for n in self.requests):
+            raise ValueError(f"each --requests count must be >= 1, got {list(self.requests)}")
+        if split is None and (self.attention_tp > 1 or self.requests):
             raise ValueError(
-                f"--async-moe-split request needs at least {NUM_STAGES} requests per batch, got {requests}: "
-                "the request split never cuts a request, so the planner has no plan for a single one "
-                "(use --async-moe-split token to split it mid-prefill)"
-            )
-        if split == "token" and requests * self.batch.min_len < NUM_STAGES:
-            raise ValueError(
-                f"--async-moe-split token needs at least {NUM_STAGES} tokens per batch, but {requests} request(s) "
-                f"of --min-len {self.batch.min_len} can have fewer: the planner would have no plan"
+                "--attention-tp and --requests shape the async-MoE stages: they need --async-moe-split token|request"
             )
 
     @property
@@ -96,7 +102,31 @@ class RunConfig:
 
     @property
     def requests_per_batch(self) -> int:
-        return self.batch.stages * self.batch.requests_per_stage
+        return max(self.requests) if self.requests else self.batch.stages * self.batch.requests_per_stage
+
+    def requests_for(self, dp_rank: int, batch: int) -> int:
+        """Requests of attention DP rank ``dp_rank`` in batch ``batch`` (see ``requests``)."""
+        if not self.requests:
+            return self.batch.stages * self.batch.requests_per_stage
+        return self.requests[(dp_rank + batch) % len(self.requests)]
+
+    def batch_spec_for(self, dp_rank: int, batch: int) -> BatchSpec:
+        """The BatchSpec that :func:`~afd_mrv2.reference.batches.make_batch` draws that batch from."""
+        if not self.async_moe_split:
+            return self.batch
+        return replace(self.batch, stages=1, requests_per_stage=self.requests_for(dp_rank, batch))
+
+    @property
+    def max_item_tokens(self) -> int:
+        """Rows one work item can carry: a stage, or under a split a whole (unsplit, padded) batch."""
+        if not self.async_moe_split:
+            return self.batch.max_tokens
+        return self.requests_per_batch * self.batch.max_len + self.attention_tp
+
+    @property
+    def attention_processes(self) -> int:
+        """Attention processes: DP ranks x TP ranks (each TP rank is an endpoint of the CAM boundary)."""
+        return self.num_attention * self.attention_tp
 
     @property
     def num_stages(self) -> int:
@@ -105,7 +135,7 @@ class RunConfig:
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.num_attention, self.num_ffn, self.model.num_experts)
+        return Topology(self.attention_processes, self.num_ffn, self.model.num_experts)
 
     @property
     def routed_model(self) -> ModelSpec:
@@ -121,6 +151,7 @@ class RunConfig:
         model["blocked_experts"] = tuple(model["blocked_experts"])
         raw["depths"] = tuple(raw["depths"])
         raw["buffers"] = tuple(tuple(p) for p in raw.get("buffers", ()))
+        raw["requests"] = tuple(raw.get("requests", ()))
         return cls(**raw, model=ModelSpec(**model), batch=BatchSpec(**batch))
 
     def with_(self, **changes: object) -> RunConfig:

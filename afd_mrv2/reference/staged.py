@@ -29,6 +29,7 @@ from afd_mrv2.reference.layers import moe_partial, rms_norm
 from afd_mrv2.reference.spec import ModelSpec
 from afd_mrv2.reference.weights import Weights
 from afd_mrv2.ubatch import Stage, StageMetadata, build_stage_metadata, merge_tokens, plan_stages, split_tokens
+from afd_mrv2.ubatch.layout import unsplit_stage
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ class SplitBatch:
 
     split: str
     lengths: tuple[int, ...]
-    stages: tuple[Stage, Stage]
-    metadata: tuple[StageMetadata, StageMetadata]
+    stages: tuple[Stage, ...]  # the planner's two, or one for a step that runs unsplit
+    metadata: tuple[StageMetadata, ...]
     layout: KvLayout
+    unsplit_why: str = ""  # why the step runs unsplit (one stage), "" when split
 
     def block_tables(self, stage: int) -> tuple[tuple[int, ...], ...]:
         """Block-table rows of the stage's requests (vLLM slices them by request_slice)."""
@@ -48,15 +50,19 @@ class SplitBatch:
     @property
     def continued(self) -> list[int]:
         """Parent indices of requests cut by the split (in both stages: only under ``token``)."""
+        if len(self.stages) < 2:
+            return []
         first, second = (s.request_slice for s in self.stages)
         return list(range(second.start, min(first.stop, second.stop)))
 
     def summary(self) -> dict[str, Any]:
         """The split as data (for reports): tokens and requests per stage, the continued request(s)."""
-        second = self.metadata[1]
-        offset = self.stages[1].request_slice.start
+        second = self.metadata[-1]
+        offset = self.stages[-1].request_slice.start
         return {
             "split": self.split,
+            "stages": len(self.stages),
+            "unsplit": self.unsplit_why,
             "lengths": list(self.lengths),
             "stage_tokens": [s.num_tokens for s in self.stages],
             "stage_requests": [[s.request_slice.start, s.request_slice.stop - 1] for s in self.stages],
@@ -81,6 +87,10 @@ def describe_summary(summary: dict[str, Any]) -> str:
     for index, (tokens, (r0, r1)) in enumerate(zip(summary["stage_tokens"], summary["stage_requests"], strict=True), 1):
         requests = f"request {r0}" if r0 == r1 else f"requests {r0}-{r1}"
         parts.append(f"stage {index} = {_tokens(tokens)} ({requests})")
+    if summary.get("stages", 2) == 1:
+        return (
+            f"{summary['split']} split: unsplit, 1 stage = {_tokens(summary['stage_tokens'][0])} ({summary['unsplit']})"
+        )
     text = f"{summary['split']} split: " + ", ".join(parts)
     for c in summary["continued"]:
         text += (
@@ -104,14 +114,21 @@ def plan_batch(
     sequence_parallel: bool = False,
     block_size: int = BLOCK_SIZE,
     seed: int = 0,
+    unsplit: tuple[int, str] | None = None,
 ) -> SplitBatch | None:
     """Plan a batch of fresh prefills (request ``r`` has ``lengths[r]`` tokens, no cached context).
 
     None when the planner cannot form two stages (``request`` with one request,
-    ``token`` with fewer than two tokens).
+    ``token`` with fewer than two tokens).  ``unsplit = (rows, why)`` plans the
+    step as ONE stage of ``rows`` physical rows instead (the rank-consistent
+    fallback: :func:`afd_mrv2.ubatch.layout.decide_split`).
     """
     lengths = tuple(int(n) for n in lengths)
-    stages = plan_stages(lengths, split=split, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    stages: tuple[Stage, ...] | None
+    if unsplit is not None:
+        stages = (unsplit_stage(lengths, physical_tokens=unsplit[0]),)
+    else:
+        stages = plan_stages(lengths, split=split, tp_size=tp_size, sequence_parallel=sequence_parallel)
     if stages is None:
         return None
     layout = KvLayout.allocate(lengths, block_size=block_size, seed=seed)
@@ -123,7 +140,7 @@ def plan_batch(
         "slot_mapping": layout.slot_mapping(positions),
     }
     metadata = tuple(build_stage_metadata(stage, **parent) for stage in stages)
-    return SplitBatch(split, lengths, stages, metadata, layout)  # type: ignore[arg-type]
+    return SplitBatch(split, lengths, stages, metadata, layout, unsplit[1] if unsplit else "")
 
 
 def new_cache(spec: ModelSpec, batch: SplitBatch) -> KvCache:
@@ -139,6 +156,14 @@ def staged_attention_step(
     weights: Weights, spec: ModelSpec, layer: int, h: torch.Tensor, batch: SplitBatch, stage: int, cache: KvCache
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer ``layer``'s attention half for one stage: (residual, MoE input, topk_ids, topk_weights)."""
+    h = staged_attention(weights, spec, layer, h, batch, stage, cache)
+    return (h, *moe_input(weights, spec, layer, h))
+
+
+def staged_attention(
+    weights: Weights, spec: ModelSpec, layer: int, h: torch.Tensor, batch: SplitBatch, stage: int, cache: KvCache
+) -> torch.Tensor:
+    """Layer ``layer``'s attention for one stage's physical rows, added to the residual ``h``."""
     w = weights.layers[layer]
     attn = chunked_self_attention(
         rms_norm(h, w.attn_norm, spec.rms_eps),
@@ -150,8 +175,7 @@ def staged_attention_step(
         cache,
         layer,
     )
-    h = h + attn
-    return (h, *moe_input(weights, spec, layer, h))
+    return h + attn
 
 
 def staged_forward(weights: Weights, spec: ModelSpec, tokens: torch.Tensor, batch: SplitBatch) -> torch.Tensor:

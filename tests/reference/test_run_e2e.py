@@ -151,11 +151,31 @@ def test_trace_shows_recv_compute_send_of_different_items_overlapping_on_an_ffn_
     assert report["speedup"] > 1.2, report["modes"]
 
 
+@pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (2, 3)], ids=["3A2F", "2A3F"])
+def test_free_topology_matches_the_reference(tmp_path: Path, attention: int, ffn: int) -> None:
+    """F need not divide A, nor be <= A: experts are sharded over the FFN ranks and every
+    FFN rank serves every attention rank (3A2F, 2A3F; 6 experts, 3 or 2 per FFN rank)."""
+    report = run_json(
+        tmp_path,
+        *("--attention", str(attention), "--ffn", str(ffn), "--experts", "6"),
+        *("--layers", "2", "--batches", "1", "--depth", "2"),
+    )
+    assert report["topology"] == f"{attention}A{ffn}F" and report["layers"] == 2
+    assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream 2in/2out"]
+    check_buffers(report)
+    for mode in report["modes"]:
+        names = sorted(mode["max_abs_diff_by_rank"])
+        assert [n.split(" (")[0] for n in names] == [f"attention rank {a}" for a in range(attention)], names
+        assert max(mode["max_abs_diff_by_rank"].values()) <= 1e-5, mode["max_abs_diff_by_rank"]
+        assert len(mode["tokens_per_ffn_rank"]) == ffn and all(t > 0 for t in mode["tokens_per_ffn_rank"])
+    assert report["ok"] is True and report["max_abs_diff"] <= 1e-5
+
+
 def test_bad_arguments_fail_before_starting_anything(tmp_path: Path) -> None:
-    proc = afd("run", "--attention", "3", "--ffn", "2", "--out", str(tmp_path))
+    proc = afd("run", "--attention", "3", "--ffn", "2", "--experts", "5", "--out", str(tmp_path))
     with running(proc):
         assert proc.wait(60) == 2
-    assert "num_ffn (2) must divide num_attention (3)" in proc.stderr
+    assert "num_experts (5) must be a multiple of num_ffn (2)" in proc.stderr
     assert not (tmp_path / "workers.json").exists()
 
 
@@ -201,8 +221,8 @@ def test_async_moe_token_split_of_one_long_prefill_mid_request(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--async-moe-split", "request", "--requests", "1"], "needs at least 2 requests per batch"),
-        (["--async-moe-split", "token", "--requests", "1", "--min-len", "1"], "needs at least 2 tokens per batch"),
+        (["--attention-tp", "2"], "--attention-tp and --requests shape the async-MoE stages"),
+        (["--async-moe-split", "token", "--requests", "4,0"], "each --requests count must be >= 1"),
         (["--async-moe-split", "token", "--stages", "2"], "give the batch size with --requests N"),
         (["--requests", "3"], "--requests only applies with --async-moe-split"),
     ],
@@ -224,6 +244,9 @@ def test_run_config_keeps_the_split_through_json() -> None:
     cfg = RunConfig(async_moe_split="token", batch=BatchSpec(stages=1, requests_per_stage=3))
     again = RunConfig.from_json(cfg.to_json())
     assert again == cfg and again.num_stages == 2 and again.requests_per_batch == 3
+    tp = RunConfig(async_moe_split="request", attention_tp=2, layout="sp", requests=(4, 1))
+    assert RunConfig.from_json(tp.to_json()) == tp and tp.topology.num_attention == 4
+    assert [tp.requests_for(a, b) for a in range(2) for b in range(2)] == [4, 1, 1, 4]
     pairs = RunConfig(depths=(2,), buffers=((3, 2),))
     assert RunConfig.from_json(pairs.to_json()) == pairs and pairs.modes == ((2, 2), (3, 2))
     with pytest.raises(ValueError, match="at least one"):

@@ -26,8 +26,9 @@ from afd_mrv2.reference.batches import StageBatch, concat, make_batch
 from afd_mrv2.reference.forward import reference_forward
 from afd_mrv2.reference.kvcache import KvCache, KvCacheError, KvLayout
 from afd_mrv2.reference.layers import self_attention
-from afd_mrv2.reference.owners import FfnOwner, Schedule, SplitAttentionOwner
+from afd_mrv2.reference.owners import FfnOwner, Schedule
 from afd_mrv2.reference.spec import BatchSpec, ModelSpec
+from afd_mrv2.reference.split_owner import SplitAttentionOwner
 from afd_mrv2.reference.staged import plan_batch, staged_attention_step, staged_forward
 from afd_mrv2.reference.weights import build_weights
 from afd_mrv2.topology import ATTENTION, Topology
@@ -266,9 +267,12 @@ def test_split_attention_owner_in_the_afd_dataflow_matches_the_reference(
         assert min(run()) > 100 * TOL  # the same check catches a split that drops the context
 
 
-def test_split_owner_refuses_a_batch_the_planner_cannot_split() -> None:
-    one = {0: [StageBatch(tokens=torch.zeros(8, dtype=torch.int64), lengths=(8,))]}
-    with pytest.raises(ValueError, match="request split cannot form two stages"):
+def test_split_owner_runs_a_batch_the_planner_cannot_split_unsplit_and_checks_the_schedule() -> None:
+    """Alone (no DP group decision), a rank whose batch has no two-stage plan runs it as one stage."""
+    one = {0: [StageBatch(tokens=torch.arange(8, dtype=torch.int64), lengths=(8,))]}
+    owner = SplitAttentionOwner(SPEC, WEIGHTS, Schedule(SPEC.num_layers, 2, {0: 1}), one, split="request")
+    assert (
+        len(owner.plans[0].stages) == 1 and "no two-stage plan (1 request(s), 8 token(s))" in owner.plans[0].unsplit_why
+    )
+    with pytest.raises(ValueError, match="the plan has 1 stage"):
         SplitAttentionOwner(SPEC, WEIGHTS, Schedule(SPEC.num_layers, 2), one, split="request")
-    with pytest.raises(ValueError, match="runs 2 stages per batch"):
-        SplitAttentionOwner(SPEC, WEIGHTS, Schedule(SPEC.num_layers, 3), one, split="token")
