@@ -1,9 +1,11 @@
 """``afd-mrv2 probe npu``: the CAM operator probe for hardware owners.
 
-Runs :mod:`afd_mrv2.probe.npu` on two local Ascend NPUs and writes the JSON
-evidence file a CAM connector reads through
-``connector_extra_config.stream_evidence``.  Exit codes: 0 evidence written,
-3 no usable NPU here (the message says what is missing), 2 bad arguments.
+Runs :mod:`afd_mrv2.probe.npu` on two local Ascend NPUs and writes the evidence
+document (schema ``afd-mrv2/evidence/v1``, :mod:`afd_mrv2.hooks.cam.evidence`) a
+CAM connector reads through ``connector_extra_config.stream_evidence``.  Without
+a usable NPU it writes the same document with every row ``skipped: no NPU: <why>``
+and exits 3: never a silent pass.  Exit codes: 0 every check passed, 1 a check
+failed, 3 no usable NPU here (the message says what is missing), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import sys
 
 from afd_mrv2.cli import add_command
 
+EXIT_FAILED = 1
 EXIT_NO_NPU = 3
 
 
 DESCRIPTION = (
     "Probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
     "are they present, do they run on the caller's current stream, are two in-flight transfers safe, "
-    "and do serialized and multistream runs of a toy MoE agree.  Writes a JSON evidence file."
+    "does stage identity survive the wire, and do serialized and multistream runs of a toy MoE agree.  "
+    "Writes the evidence document (schema afd-mrv2/evidence/v1; docs/ascend-deployment.md); without an NPU, "
+    "the same document with every check skipped, and exit 3."
 )
 
 
@@ -29,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "probe", summary, DESCRIPTION)
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     npu = targets.add_parser("npu", help="run on two local Ascend NPUs (needs torch_npu and CANN)")
-    npu.add_argument("--out", default="afd-mrv2-cam-evidence.json", help="evidence file to write")
+    npu.add_argument(
+        "--out", default="afd-mrv2-cam-evidence.json", help="evidence document to write (default %(default)s)"
+    )
     npu.add_argument(
         "--window-ms", type=float, default=200.0, help="how long the escape check keeps a stream busy (default 200)"
     )
@@ -39,18 +46,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_npu(args: argparse.Namespace) -> int:
     from afd_mrv2.hooks.cam.evidence import Evidence
-    from afd_mrv2.probe.npu import NoNpu, run_probe
+    from afd_mrv2.hooks.cam.ops import installed_versions
+    from afd_mrv2.probe.npu import NoNpu, run_probe, skipped_evidence
 
     if args.window_ms <= 0 or not 1 <= args.port <= 65535:
         raise SystemExit("afd-mrv2 probe npu: --window-ms must be > 0 and --port in 1..65535")
     try:
         path = run_probe(args.out, window_s=args.window_ms / 1e3, port=args.port)
     except NoNpu as exc:
-        print(f"afd-mrv2 probe npu: no usable Ascend NPU: {exc}; nothing was written", file=sys.stderr)
+        skipped = skipped_evidence(f"no NPU: {exc}", installed_versions()).write(args.out)
+        print(
+            f"afd-mrv2 probe npu: no usable Ascend NPU: {exc}; every check skipped (written to {skipped})",
+            file=sys.stderr,
+        )
         return EXIT_NO_NPU
-    evidence = Evidence.load(path)
-    summary = {name: op.stream.value for name, op in evidence.operators.items()}
-    print(
-        json.dumps({"evidence": str(path), "operators": summary, "comparisons": dict(evidence.comparisons)}, indent=2)
-    )
-    return 0
+    report = Evidence.load(path).report()
+    rows = {c.name: c.status for c in report.checks}
+    print(json.dumps({"evidence": str(path), "summary": report.summary, "checks": rows}, indent=2))
+    return EXIT_FAILED if report.failed else 0

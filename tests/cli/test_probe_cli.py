@@ -1,7 +1,8 @@
-"""``afd-mrv2 probe npu``: without an NPU it exits non-zero with a clear message and writes nothing."""
+"""``afd-mrv2 probe npu``: without an NPU it exits 3 with a clear message and writes every row skipped."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 
 from afd_mrv2.cli import main
 from afd_mrv2.cli.probe import EXIT_NO_NPU
-from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
+from afd_mrv2.hooks.cam.evidence import Evidence, Report, StreamBehaviour, validate
 from afd_mrv2.probe import npu as probe_npu
 
 
@@ -27,8 +28,14 @@ def test_console_script_without_npu(tmp_path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_NO_NPU
     assert "afd-mrv2 probe npu: no usable Ascend NPU: torch_npu is not installed" in done.stderr
-    assert "nothing was written" in done.stderr
-    assert not out.exists()
+    assert f"every check skipped (written to {out})" in done.stderr
+    raw = json.loads(out.read_text())
+    assert validate(raw) == [] and raw["producer"] == "afd-mrv2 probe npu"
+    assert raw["summary"]["pass"] == raw["summary"]["fail"] == 0 and raw["summary"]["skipped"] > 0
+    assert all(c["detail"].startswith("skipped: no NPU: torch_npu is not installed") for c in raw["checks"])
+    # a connector given this document keeps every operator unverified: nothing was established
+    evidence = Evidence.load(out)
+    assert evidence.operators and all(op.stream is StreamBehaviour.UNVERIFIED for op in evidence.operators.values())
 
 
 def fake_importlib(import_module) -> types.SimpleNamespace:
@@ -70,3 +77,5 @@ def test_probe_on_two_npus(tmp_path) -> None:
     assert all(op.stream is not StreamBehaviour.UNVERIFIED for op in evidence.operators.values())
     for result in evidence.comparisons.values():
         assert result.get("equal") is True, result
+    report = Report.load(path)
+    assert {c.name: c.status for c in report.checks if c.status != "pass"} == {}

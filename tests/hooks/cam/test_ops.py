@@ -1,15 +1,13 @@
-"""Operator resolution, capabilities from evidence, the fence, and the evidence file."""
+"""Operator resolution, capabilities from evidence, and the fence (the evidence file: test_evidence.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam.evidence import SCHEMA, Evidence, OpEvidence, StreamBehaviour
-from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, load_evidence, resolve_torch_ops, torch_opset
+from afd_mrv2.errors import PluginError
+from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
+from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, resolve_torch_ops, torch_opset
 
 _LIB = torch.library.Library("afd_mrv2_fake_ops", "DEF")
 _LIB.define("echo(Tensor x) -> Tensor")
@@ -97,51 +95,6 @@ def test_bound_op_fences_only_foreign_operators() -> None:
     assert current("recv") == 1 and current.home is None and current.fenced_calls == 0
     with pytest.raises(PluginError, match="no home stream is known"):
         BoundOp(OpCapability("ns.f", True, StreamBehaviour.FOREIGN, "probe"), lambda: 1)
-
-
-def test_evidence_round_trip(tmp_path) -> None:
-    evidence = Evidence(
-        {"torch": "2.10.0"},
-        {
-            "umdk_cam_op_lib.async_dispatch_recv": OpEvidence(
-                "umdk_cam_op_lib.async_dispatch_recv",
-                True,
-                StreamBehaviour.FOREIGN,
-                "default",
-                True,
-                "escaped the held stream",
-            ),
-            "umdk_cam_op_lib.async_combine_send": OpEvidence(
-                "umdk_cam_op_lib.async_combine_send", True, StreamBehaviour.CURRENT
-            ),
-        },
-        {"camasync": {"equal": True, "max_abs_diff": 0.0}},
-    )
-    path = evidence.write(tmp_path / "e.json")
-    raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA and raw["operators"]["umdk_cam_op_lib.async_dispatch_recv"]["stream"] == "foreign"
-    assert Evidence.load(path) == evidence
-    assert load_evidence({"stream_evidence": str(path)}, "k") == evidence
-    assert load_evidence({}, "k") is None
-
-
-@pytest.mark.parametrize(
-    ("document", "text"),
-    [
-        ({"schema": "other"}, "expected an evidence document"),
-        ({"schema": SCHEMA, "operators": {"a.b": {"stream": "sideways"}}}, "stream_evidence.operators.a.b.stream"),
-        ({"schema": SCHEMA, "operators": {"a.b": {"stream": "foreign"}}}, "a foreign operator needs a home"),
-    ],
-)
-def test_bad_evidence_is_a_config_error(tmp_path, document: dict, text: str) -> None:
-    path = tmp_path / "e.json"
-    path.write_text(json.dumps(document))
-    with pytest.raises(ConfigError, match=text):
-        Evidence.load(path)
-    with pytest.raises(ConfigError, match="cannot read evidence file"):
-        Evidence.load(tmp_path / "absent.json")
-    with pytest.raises(ConfigError, match="expected a path"):
-        load_evidence({"stream_evidence": 3}, "k")
 
 
 class _Native:
