@@ -14,25 +14,7 @@ group to coordinate.  For every operator the probe records:
 * ``concurrent_in_flight_safe``: two transfers issued back to back, without
   waiting (two stages' worth), both arrive intact.
 
-Stage identity (docs/ascend-deployment.md, "Stage identity on the CAM wire"):
-
-* ``stage-identity:camp2p``: each stage's transfers use the stage's own HCCL
-  group, so identity travels in the communicator; two stages in flight at once,
-  each on its own group, arrive on their own group intact (both directions);
-* ``stage-identity:camasync:dispatch-order``: the CAM header carries no stage, so
-  the FFN side infers a payload's stage from its ordinal among one source's
-  arrivals of one layer.  That holds when one source's dispatches reach the FFN
-  rank in issue order: over several rounds the attention rank dispatches stage 0
-  (``T`` tokens) then stage 1 (``T // 2`` tokens) and the FFN rank reads the
-  token counts back from the headers in arrival order;
-* ``stage-identity:camasync:combine-order``: the FFN rank combine-sends in
-  arrival order, stage 1's rows negated; the attention rank's combines must come
-  back in its dispatch order (cosine with its own input > 0.9 for stage 0, < -0.9
-  for stage 1; this assumes combine is a positive-weighted sum of the rows sent back);
-* ``stage-identity:camasync:layer-field``: the header's layer field returns the
-  value the sender passed (``2 * layer + stage``, up to 123): the premise of
-  carrying the stage in that field, the side channel proposed for steps whose
-  stage counts differ.
+Stage identity: :mod:`afd_mrv2.probe.stage_identity` (what is checked, and the verdicts).
 
 Then the toy MoE runs through the real connector and executor on the NPUs,
 serialized and multistream (with the stream behaviour just found), and the
@@ -61,34 +43,20 @@ import torch
 
 from afd_mrv2.hooks.cam.camasync import CAMASYNC
 from afd_mrv2.hooks.cam.camp2p import CAMP2P
-from afd_mrv2.hooks.cam.evidence import (
-    FAIL,
-    PASS,
-    SKIPPED,
-    Check,
-    Evidence,
-    OpEvidence,
-    StreamBehaviour,
-    environment_block,
+from afd_mrv2.hooks.cam.evidence import Check, Evidence, OpEvidence, StreamBehaviour, environment_block
+from afd_mrv2.probe.stage_identity import (
+    H,
+    K,
+    T,
+    camasync_stage_rows,
+    camasync_stages,
+    camp2p_stage_row,
+    skipped_rows,
 )
 
-H, K, T = 128, 2, 16
 OPTIONAL_LIBRARIES = ("umdk_cam_op_lib",)
 #: the CAM connectors the probe covers, with their operators
 FAMILIES = (CAMP2P, CAMASYNC)
-#: tokens each stage dispatches in the camasync stage-identity check: distinguishable in the CAM header
-STAGE_TOKENS = (T, T // 2)
-#: model layers whose header layer field the check sends as ``2 * layer + stage`` (61: DeepSeek-V3's last)
-STAGE_LAYERS = (0, 9, 26, 61)
-STAGE_CHECKS = {
-    "camp2p": ("stage-identity:camp2p",),
-    "camasync": (
-        "stage-identity:camasync:dispatch-order",
-        "stage-identity:camasync:combine-order",
-        "stage-identity:camasync:layer-field",
-    ),
-}
-COSINE = 0.9
 
 
 class NoNpu(RuntimeError):
@@ -344,122 +312,6 @@ def _compare(me: _Rank, connector: str, evidence_path: str) -> dict[str, Any]:
     return {"serialized": str(serial), "multistream": str(multi)}
 
 
-def _camasync_stages(me: _Rank, ops: dict[str, Any]) -> dict[str, Any]:
-    """Attention = rank 0, FFN = rank 1: per round, stage 0 then stage 1 of one layer, as the executor issues them.
-
-    Returns what this rank measured; :func:`camasync_stage_rows` judges both ranks' measurements.
-    """
-    experts, seq = 8, 256
-    comm_args = torch.empty((1,), dtype=torch.float16, device=me.device)
-    place = torch.empty((1,), dtype=torch.bfloat16, device=me.device)
-    common = (1, 1, experts)
-
-    def ids(n: int) -> torch.Tensor:
-        return (torch.arange(n * K).reshape(n, K) % experts).to(me.device, torch.int32)
-
-    if me.rank == 0:
-        cosines = []
-        for r, layer in enumerate(STAGE_LAYERS):
-            sent = []
-            for stage, n in enumerate(STAGE_TOKENS):
-                x, topk = me.data(100 + 2 * r + stage, rows=n), ids(n)
-                field = 2 * layer + stage
-                ops["async_dispatch_send"](x, topk, comm_args, 0, seq, n, H, K, *common, 0, 2, field, 1, 0, me.names[0])
-                sent.append((x, topk))
-            row = []
-            for n, (x, topk) in zip(STAGE_TOKENS, sent, strict=True):
-                weights = torch.full((n, K), 0.5, device=me.device)
-                out = ops["async_combine_recv"](place, topk, weights, comm_args, 0, n, H, K, *common, 0, 2, me.names[0])
-                row.append(torch.nn.functional.cosine_similarity(out.float().flatten(), x.float().flatten(), dim=0))
-            me.npu.synchronize()
-            cosines.append([float(c) for c in row])
-        return {"cosine": cosines}
-    headers = []
-    for _ in STAGE_LAYERS:
-        got = [
-            ops["async_dispatch_recv"](place, comm_args, 0, seq, H, K, *common, 1, 2, 1, 0, me.names[0])
-            for _ in STAGE_TOKENS
-        ]
-        for ordinal, (expand_x, shared, _, _, header, counts, _) in enumerate(got):  # arrival order
-            sign = 1.0 if ordinal == 0 else -1.0
-            rows = max(1, int(counts.sum()))
-            ops["async_combine_send"](
-                expand_x[:rows] * sign, shared * sign, comm_args, header, 0, seq, H, K, *common, 1, 2, 1, me.names[0]
-            )
-        me.npu.synchronize()
-        headers.append([[int(v) for v in out[4][:3].cpu().tolist()] for out in got])
-    return {"headers": headers}
-
-
-def camasync_stage_rows(attention: dict[str, Any], ffn: dict[str, Any]) -> list[Check]:
-    """The three camasync stage-identity rows from both ranks' measurements (:func:`_camasync_stages`).
-
-    ``ffn["headers"][round]`` holds ``[tokens, source rank, layer field]`` per arrival, in arrival
-    order; ``attention["cosine"][round]`` the cosine of each stage's combine with its own input.
-    """
-    rounds = len(STAGE_LAYERS)
-    headers, cosines = ffn.get("headers", []), attention.get("cosine", [])
-    sent_tokens = [list(STAGE_TOKENS)] * rounds
-    sent_fields = [[2 * layer + s for s in range(len(STAGE_TOKENS))] for layer in STAGE_LAYERS]
-    got_tokens = [[h[0] for h in rnd] for rnd in headers]
-    got_sources = sorted({h[1] for rnd in headers for h in rnd})
-    got_fields = [[h[2] for h in rnd] for rnd in headers]
-    order_ok = len(headers) == rounds and got_tokens == sent_tokens and got_sources == [0]
-    rows = [
-        Check(
-            STAGE_CHECKS["camasync"][0],
-            PASS if order_ok else FAIL,
-            {"sent_tokens": sent_tokens, "received_tokens": got_tokens, "sources": got_sources},
-            "one source's dispatches of one layer arrived in issue order (stage 0 then stage 1) in every round: "
-            "the FFN's ordinal stage inference holds"
-            if order_ok
-            else "arrivals out of issue order (or from an unexpected source): "
-            "a payload's ordinal does not give its stage on this stack",
-        )
-    ]
-    combine_ok = len(cosines) == rounds and all(len(c) == 2 and c[0] > COSINE and c[1] < -COSINE for c in cosines)
-    rows.append(
-        Check(
-            STAGE_CHECKS["camasync"][1],
-            PASS if combine_ok else FAIL,
-            {"cosine": cosines, "threshold": COSINE},
-            f"each stage's combine came back to its own dispatch (cosine > {COSINE} for stage 0, "
-            f"< -{COSINE} for stage 1, whose rows the FFN negated)"
-            if combine_ok
-            else "combines did not come back in dispatch order (or combine is not a positive-weighted sum "
-            "of the rows sent back, which this check assumes)",
-        )
-    )
-    fields_ok = len(headers) == rounds and got_fields == sent_fields
-    rows.append(
-        Check(
-            STAGE_CHECKS["camasync"][2],
-            PASS if fields_ok else FAIL,
-            {"sent": sent_fields, "received": got_fields},
-            "the header's layer field returned the value sent (2 * layer + stage): it can carry the stage"
-            if fields_ok
-            else "the header's layer field did not return the value sent: it cannot carry the stage",
-        )
-    )
-    return rows
-
-
-def camp2p_stage_row(arrived_on_own_group: bool, groups: int) -> Check:
-    """The camp2p stage-identity row: stage ``s`` travels on HCCL group ``s``."""
-    return Check(
-        STAGE_CHECKS["camp2p"][0],
-        PASS if arrived_on_own_group else FAIL,
-        {"groups": groups, "arrived_on_own_group": arrived_on_own_group},
-        "two stages in flight, each on its own HCCL group: each arrived intact on its own group, both directions"
-        if arrived_on_own_group
-        else "a stage's payload did not arrive intact on its own group",
-    )
-
-
-def skipped_rows(family: str, why: str) -> list[Check]:
-    return [Check(name, SKIPPED, None, f"skipped: {why}") for name in STAGE_CHECKS[family]]
-
-
 def skipped_evidence(why: str, versions: dict[str, str] | None = None) -> Evidence:
     """The probe's document where it could not run: every row it makes, ``skipped: <why>``."""
     operators: dict[str, OpEvidence] = {}
@@ -510,7 +362,7 @@ def probe_rank(rank: int, port: int, out: str, window_s: float) -> None:
         if family is CAMP2P:  # its in-flight check sends each stage on its own group
             identity.append(camp2p_stage_row(all(per_rank_safe), len(me.names)))
         else:
-            attention, ffn = me.gather(_camasync_stages(me, resolved))
+            attention, ffn = me.gather(camasync_stages(me, resolved))
             identity += camasync_stage_rows(attention, ffn)
         partial = f"{out}.rank{rank}.partial.json"
         Evidence(environment, operators).write(partial)
