@@ -22,6 +22,11 @@ as it unpacks them):
 
 Ordering: CAM is FIFO per (source, destination, layer); transfers of different
 layers or sources may overtake each other (use the fabric's delays to make them).
+
+Stage identity: not an operator argument (the real wire format has none); the
+send operators put what their rank stamped on ``doubles.stage_tags`` into each
+message's payload metadata and the receive operators hand it back there (see
+:mod:`afd_mrv2.testing.doubles_base`).
 """
 
 from __future__ import annotations
@@ -90,13 +95,18 @@ class CamAsyncDoubles(CamDoubles):
             )
         with self._lock:
             self._outstanding[(a.group_name, a.comm_id, rank)].append((a.layer_idx, batch, topk))
+        stage = self.stage_tags.claim(rank)
 
         def send() -> None:
             for f in range(a.ffn_size):
                 positions, local = route_rows(topk_ids, f, a.expert_per_rank)
                 routed = x[positions // topk]
                 shared = x if f == rank % a.ffn_size else x[:0]
-                payload = {"tokens": batch, "group_list": torch.bincount(local, minlength=a.expert_per_rank)}
+                payload = {
+                    "tokens": batch,
+                    "group_list": torch.bincount(local, minlength=a.expert_per_rank),
+                    "stage": stage,
+                }
                 if a.dynamic_quant:
                     (payload["routed"], payload["scales"]), (payload["shared"], payload["shared_scales"]) = (
                         quantize(routed),
@@ -138,6 +148,7 @@ class CamAsyncDoubles(CamDoubles):
             with self._lock:
                 self._receipts[(a.group_name, a.comm_id, a.rank, m.src, m.tag[0])].append((n, ns))
             header.copy_(torch.tensor([p["tokens"], m.src, m.tag[0]]))
+            self.stage_tags.delivered(a.rank, m)
 
         self._run("async_dispatch_recv", a.rank, receive)
         return expand_x, shared, scales, shared_scales, header, expert_counts, shared_counts
@@ -161,6 +172,7 @@ class CamAsyncDoubles(CamDoubles):
             )
         if routed.dtype == torch.int8:
             raise RuntimeError("combine_send double: CAM cannot combine an int8 routed output")
+        stage = self.stage_tags.claim(rank)
 
         def send() -> None:
             _tokens, src, layer = (int(v) for v in a.token_nums_rankid_layeridx.tolist())
@@ -171,7 +183,7 @@ class CamAsyncDoubles(CamDoubles):
                     f"combine_send double: {routed.shape[0]} routed / {shared.shape[0]} shared rows for a "
                     f"dispatch of {n} / {ns} rows (a zero-row dispatch takes exactly one placeholder row)"
                 )
-            payload = {"routed": routed[:n].clone(), "shared": shared[:ns].clone()}
+            payload = {"routed": routed[:n].clone(), "shared": shared[:ns].clone(), "stage": stage}
             self._post(channel=("combine", a.group_name, a.comm_id), src=rank, dst=src, tag=(layer,), payload=payload)
 
         self._run("async_combine_send", rank, send)
@@ -205,6 +217,7 @@ class CamAsyncDoubles(CamDoubles):
                     dst=rank,
                     match=lambda m, f=f: m.src == a.attn_size + f and m.tag == (layer,),
                 )
+                self.stage_tags.delivered(rank, m)
                 positions, _ = route_rows(topk_ids, f, a.expert_per_rank)
                 rows = m.payload["routed"].to(torch.float32) * weights[positions].reshape(-1, 1)
                 acc.index_add_(0, positions // k, rows)

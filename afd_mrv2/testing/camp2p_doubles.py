@@ -12,6 +12,11 @@ attention ranks ``r*g .. r*g+g-1`` (``g = A / F``) over the HCCL group
 * FFN ``e2a(expand_x, atten_batch_size, ...)`` splits the rows back to the
   attention ranks; attention ``e2a(ref, ...)`` receives ``ref.shape[0]`` rows.
 
+Stage identity: not an operator argument (the real wire format has none; the
+real stages are the per-stage HCCL groups); the send calls put what their rank
+stamped on ``doubles.stage_tags`` into each message's payload metadata and the
+receive calls hand it back there (see :mod:`afd_mrv2.testing.doubles_base`).
+
 Deviations, on purpose: the real operators produce bf16; the doubles keep the
 input dtype so float32 tests can compare exactly.  More than ``batch_size``
 received rows is an error here (the real kernel would overrun its buffer).
@@ -60,9 +65,11 @@ class CamP2PDoubles(CamDoubles):
             dst = (rank - ffn) // g
             if tuple(x.shape) != (x.shape[0], hidden):
                 raise RuntimeError(f"a2e double: x must be (tokens, {hidden}), got {tuple(x.shape)}")
+            stage = self.stage_tags.claim(rank)
 
             def send() -> None:
-                self._post(channel=("a2e", a.group_ep), src=rank, dst=dst, tag=(), payload={"x": x.clone()})
+                payload = {"x": x.clone(), "stage": stage}
+                self._post(channel=("a2e", a.group_ep), src=rank, dst=dst, tag=(), payload=payload)
 
             self._run("a2e", rank, send)
             return [
@@ -81,6 +88,7 @@ class CamP2PDoubles(CamDoubles):
             row = 0
             for i, src in enumerate(sources):
                 message = self.fabric.take(channel=("a2e", a.group_ep), dst=rank, match=lambda m, s=src: m.src == s)
+                self.stage_tags.delivered(rank, message)
                 rows = message.payload["x"]
                 if row + rows.shape[0] > batch:
                     raise RuntimeError(f"a2e double: {row + rows.shape[0]} rows received for batch_size {batch}")
@@ -105,11 +113,12 @@ class CamP2PDoubles(CamDoubles):
         ffn, attention = a.expert_rank_size, a.attention_rank_size
         g = self._group(ffn, attention)
         if rank < ffn:  # FFN: split the rows back to its attention ranks
+            stage = self.stage_tags.claim(rank)
 
             def send() -> None:
                 row = 0
                 for i, n in enumerate(a.atten_batch_size.tolist()):
-                    payload = {"x": expand_x[row : row + n].clone()}
+                    payload = {"x": expand_x[row : row + n].clone(), "stage": stage}
                     self._post(channel=("e2a", a.group_ep), src=rank, dst=ffn + rank * g + i, tag=(), payload=payload)
                     row += n
 
@@ -119,7 +128,9 @@ class CamP2PDoubles(CamDoubles):
         src = (rank - ffn) // g
 
         def receive() -> None:
-            rows = self.fabric.take(channel=("e2a", a.group_ep), dst=rank, match=lambda m: m.src == src).payload["x"]
+            message = self.fabric.take(channel=("e2a", a.group_ep), dst=rank, match=lambda m: m.src == src)
+            self.stage_tags.delivered(rank, message)
+            rows = message.payload["x"]
             if rows.shape[0] != out.shape[0]:
                 raise RuntimeError(f"e2a double: received {rows.shape[0]} rows for a {out.shape[0]}-row reference")
             out.copy_(rows)

@@ -11,6 +11,19 @@ Each operator's argument list is declared once, in the real operator's order, by
 :func:`operator`: the double accepts the arguments positionally (as a connector
 calls it) or by the real names (as a test may), and a wrong argument list fails
 as a ``TypeError`` naming the operator.
+
+Stage identity (a side channel, not part of the operators' contract): the real
+operators' wire format has no stage field, so the doubles do not take one as
+an argument either.  Instead every double set carries a :class:`PayloadStageTags`
+(``doubles.stage_tags``, also its ``OpSet.stage_tags``), the
+:class:`~afd_mrv2.hooks.cam.stage_tags.StageTags` side channel the connectors
+stamp before each send operator and take from after each receive operator.  A
+send operator claims the identity its rank stamped (at call time, on the
+caller's thread) and puts it in the payload metadata of every message it posts
+(``payload["stage"]``); a receive operator, when it delivers a message, hands that
+identity to the side channel for the receiving rank to take, in delivery order
+per (receiver, sender).  A message posted without a stamp carries none (the
+probes call the operators directly) and delivers nothing to take.
 """
 
 from __future__ import annotations
@@ -18,13 +31,60 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
 from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, OpSet
-from afd_mrv2.testing.cam_fabric import Fabric, ForeignWorker
+from afd_mrv2.hooks.cam.stage_tags import StageId
+from afd_mrv2.testing.cam_fabric import Fabric, ForeignWorker, Message
+
+
+class PayloadStageTags:
+    """The doubles' stage-identity side channel: stamped identities ride in the payload metadata.
+
+    Implements :class:`~afd_mrv2.hooks.cam.stage_tags.StageTags` for the
+    connectors (``stamp``, ``take``) and gives the doubles' operators the two
+    ends of the payload metadata (``claim`` when a send operator is called,
+    ``delivered`` when a receive operator delivers a message).
+    """
+
+    def __init__(self) -> None:
+        self._stamped: dict[int, StageId] = {}
+        self._delivered: dict[tuple[int, int], deque[StageId]] = defaultdict(deque)
+        self._lock = threading.Lock()
+        self.taken = 0  # identities the connectors took (checked)
+
+    def stamp(self, sender: int, stage: StageId) -> None:
+        with self._lock:
+            self._stamped[sender] = stage
+
+    def claim(self, sender: int) -> StageId | None:
+        """What ``sender`` stamped for the send operator it is calling now (None: nothing); used once."""
+        with self._lock:
+            return self._stamped.pop(sender, None)
+
+    def delivered(self, receiver: int, message: Message) -> None:
+        """A receive operator of ``receiver`` delivered ``message``: its identity, if any, can be taken."""
+        stage = message.payload.get("stage")
+        if stage is not None:
+            with self._lock:
+                self._delivered[(receiver, message.src)].append(stage)
+
+    def take(self, receiver: int, sender: int) -> StageId | None:
+        with self._lock:
+            queue = self._delivered.get((receiver, sender))
+            if not queue:
+                return None
+            self.taken += 1
+            return queue.popleft()
+
+    def pending(self) -> int:
+        """Identities delivered and not taken (0 after a run whose receivers checked every transfer)."""
+        with self._lock:
+            return sum(len(q) for q in self._delivered.values())
 
 
 def operator(*names: str) -> Callable[[Callable[[Any, SimpleNamespace], Any]], Callable[..., Any]]:
@@ -60,6 +120,8 @@ class CamDoubles:
         if unknown:
             raise ValueError(f"unknown operators for {self.NAMESPACE}: {sorted(unknown)}")
         self.lag_s = lag_s
+        #: the stage-identity side channel (see the module docstring)
+        self.stage_tags = PayloadStageTags()
         self._workers: dict[Hashable, ForeignWorker] = {}
         self._worker_lock = threading.Lock()
 
@@ -91,7 +153,7 @@ class CamDoubles:
             fn: Callable[..., Any] = getattr(self, name)
             home = self.worker(rank) if stream is StreamBehaviour.FOREIGN else None
             ops[name] = BoundOp(OpCapability(qualname, True, stream, basis), fn, home)
-        return OpSet(f"test double {type(self).__module__}.{type(self).__name__}", ops)
+        return OpSet(f"test double {type(self).__module__}.{type(self).__name__}", ops, self.stage_tags)
 
     def close(self) -> None:
         for worker in self._workers.values():

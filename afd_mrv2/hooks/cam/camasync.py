@@ -37,17 +37,24 @@ Hooks per role (work item ``(L, s)``):
 
 * FFN: recv = async_dispatch_recv until the payload of (L, s) arrived (earlier
   arrivals of other (layer, stage) wait in a pending FIFO keyed by (layer, stage);
-  a payload's stage is its ordinal among the (source, layer) arrivals), compute =
+  a payload's stage identity, stage i of n, comes from the stage-tag side channel
+  (:mod:`afd_mrv2.hooks.cam.stage_tags`) and must equal the item's: a rank that
+  split the step differently raises :class:`StageMismatch` naming both sides;
+  without a side channel it is inferred, unchecked, as the payload's ordinal
+  among the (source, layer) arrivals modulo this rank's stage count), compute =
   ``compute(item, CamAsyncFfnBatch) -> CamAsyncFfnOutput``, send =
   async_combine_send.  A rank that received no routed tokens sends a one-row
   zero placeholder: CAM combine-send cannot take an empty (or int8) routed output.
 * attention: recv = async_combine_recv of (L-1, s) with that dispatch's top-k ids
   and weights from the pending FIFO (layer 0: resource ``source``), compute =
   ``compute(item, hidden) -> CamAsyncDispatch`` (the last item returns a
-  tensor for ``sink``), send = async_dispatch_send of (L, s).
+  tensor for ``sink``), send = async_dispatch_send of (L, s).  Both sides stamp
+  the identity of what they send on the side channel and check what they
+  receive (the FFN side each dispatch, the attention side each FFN rank's combine).
 
 Resources: ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` /
-``sink`` (attention), ``device`` (optional).  Options: ``dynamicQuant`` (0|1),
+``sink`` (attention), ``device`` (optional), ``cam_stage_tags`` (optional, the
+stage-identity side channel; default: the OpSet's).  Options: ``dynamicQuant`` (0|1),
 ``attn_ranks_per_dp`` (CAM's TP width), ``comm_id``, ``max_seq_len``,
 ``stream_evidence``.
 """
@@ -75,6 +82,7 @@ from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBa
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
+from afd_mrv2.hooks.cam.stage_tags import StageId, check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.topology import ATTENTION
@@ -136,6 +144,11 @@ class CamAsyncConnector(CamConnectorBase):
         """Attention ranks first (``0..A-1``), then FFN."""
         return self.role_rank if self.role == ATTENTION else self.num_attention + self.role_rank
 
+    def describe_world(self, world: int) -> str:
+        if world < self.num_attention:
+            return f"attention rank {world} (CAM world rank {world})"
+        return f"FFN rank {world - self.num_attention} (CAM world rank {world})"
+
     def _common(self) -> tuple[int, int, int, int, int]:
         return self.num_ffn, self.num_attention, self.expert_per_rank, self.world_rank, self.world_size
 
@@ -157,7 +170,7 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
 
     def _combine(self, stream: Stream, sent: AFDAsyncTransferState) -> torch.Tensor:
         placeholder = sent.reference.new_empty((1,))
-        return self.cam.combine_recv(
+        combined = self.cam.combine_recv(
             stream,
             placeholder,
             sent.topk_ids,
@@ -170,6 +183,10 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
             *self._common(),
             self.group_name,
         )
+        expected = StageId(sent.layer_idx, sent.stage_idx, sent.num_stages)
+        for ffn in range(self.num_ffn):  # every FFN rank answers every dispatch
+            self._check_stage_from(self.num_attention + ffn, expected, f"the combine of {expected}")
+        return combined
 
     def _dispatch(self, work: Work, stream: Stream, outputs: object) -> None:
         item, out = work.item, outputs
@@ -187,6 +204,7 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
             topk=m.topk,
             layer_idx=item.layer_idx,
             stage_idx=item.stage_idx,
+            num_stages=item.num_stages,
             source_rank=self.world_rank,
             topk_ids=out.topk_ids,
             topk_weights=out.topk_weights,
@@ -194,6 +212,7 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
         )
         self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
         sizes = (self.max_seq_len, batch, m.hidden_size, m.topk, *self._common(), item.layer_idx)
+        self._stamp(StageId.of(item))
         self.cam.dispatch_send(
             stream, out.hidden_states, out.topk_ids, self.comm_args, self.comm_id, *sizes, *self._quant()
         )
@@ -210,6 +229,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             "camasync arrivals ahead of the schedule", limit=self.fifo_limit
         )
         self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
+        self._last_stage: dict[tuple[int, int], StageId] = {}  # (source, layer) -> its latest arrival's identity
         #: observability: arrivals parked ahead of the schedule, placeholder rows sent
         self.stats = {"parked": 0, "placeholders": 0}
 
@@ -229,14 +249,14 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             raise PluginError(
                 f"camasync: dispatch_recv returned an inconsistent header {header.tolist()} ({routed} routed rows)"
             )
-        stage = self._ordinal[(src, layer)] % self.stages
-        self._ordinal[(src, layer)] += 1
+        stage = self._stage_of(src, layer)
         state = AFDAsyncTransferState(
             batch_size=self.max_seq_len,
             hidden_size=m.hidden_size,
             topk=m.topk,
-            layer_idx=layer,
-            stage_idx=stage,
+            layer_idx=stage.layer,
+            stage_idx=stage.stage,
+            num_stages=stage.num_stages,
             source_rank=src,
             source_tokens=batch,
             num_routed=routed,
@@ -249,6 +269,42 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         )
         return state, CamAsyncRows(expand_x[:routed], shared[:num_shared])
 
+    def _stage_of(self, src: int, layer: int) -> StageId:
+        """The stage identity of the arrival just received from ``src`` for ``layer``.
+
+        From the side channel when there is one (its layer must be the header's);
+        else inferred from the arrival order (unchecked: assumes the source split
+        its steps into this rank's stage count).
+        """
+        if self.stage_tags is None:
+            ordinal = self._ordinal[(src, layer)]
+            self._ordinal[(src, layer)] += 1
+            return StageId(layer, ordinal % self.stages, self.stages)
+        tag = self.stage_tags.take(self.world_rank, src)
+        if tag is not None and tag.layer != layer:
+            raise PluginError(
+                f"camasync: {self.describe_world(self.world_rank)} received a dispatch of layer {layer} from "
+                f"{self.describe_world(src)} whose side-channel stage identity is {tag}: "
+                "the stage-tag side channel is out of step with the operators"
+            )
+        # CAM is FIFO per (source, destination, layer) and combine-send answers in that order, so one
+        # source's stages of a layer must arrive in stage order: 0, 1, .. n-1, then the next step's 0
+        last = self._last_stage.get((src, layer))
+        if last is None or last.stage == last.num_stages - 1:
+            expected = StageId(layer, 0, tag.num_stages if tag is not None else self.stages)
+        else:
+            expected = StageId(layer, last.stage + 1, last.num_stages)
+        check_stage(
+            tag,
+            expected,
+            connector=self.name,
+            what=f"the next dispatch of layer {layer} from this source",
+            sender_name=self.describe_world(src),
+            receiver_name=self.describe_world(self.world_rank),
+        )
+        self._last_stage[(src, layer)] = expected
+        return expected
+
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
         want = StageKey(work.item.layer_idx, work.item.stage_idx)
@@ -259,10 +315,23 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
                 arrival = self._receive(work, stream)
             state, rows = arrival
             if StageKey(state.layer_idx, state.stage_idx) == want:
+                if self.stage_tags is not None:  # an inferred identity is this rank's own guess: nothing to check
+                    self._check_arrival(work, state)
                 work.transfer[TRANSFER], work.inputs.state = state, rows
                 return
             self._arrived.push(StageKey(state.layer_idx, state.stage_idx), arrival)
             self.stats["parked"] += 1
+
+    def _check_arrival(self, work: Work, state: AFDAsyncTransferState) -> None:
+        """The arrival paired with ``work.item`` by (layer, stage) must also agree on the step's stage count."""
+        check_stage(
+            StageId(state.layer_idx, state.stage_idx, state.num_stages),
+            StageId.of(work.item),
+            connector=self.name,
+            what="a dispatch",
+            sender_name=self.describe_world(state.source_rank),
+            receiver_name=self.describe_world(self.world_rank),
+        )
 
     @hookimpl
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
@@ -298,6 +367,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         send: CamAsyncFfnSend = work.outputs.state
         sizes = (s.batch_size, s.hidden_size, s.topk, *self._common(), self.tp_size)
         header = s.token_nums_rankid_layeridx
+        self._stamp(StageId(s.layer_idx, s.stage_idx, s.num_stages))
         self.cam.combine_send(
             stream, send.routed, send.shared, self.comm_args, header, self.comm_id, *sizes, self.group_name
         )

@@ -35,6 +35,9 @@ class CamAsyncOps:
 class AFDAsyncTransferState:
     """One CAM transfer, from dispatch-recv to combine-send (FFN) or dispatch to combine (attention).
 
+    ``layer_idx``, ``stage_idx`` and ``num_stages`` are the transfer's stage
+    identity (on the FFN side: from the stage-tag side channel, or inferred from
+    the arrival order without one).
     ``batch_size``, ``hidden_size``, ``topk`` and ``layer_idx`` size the operators
     (the FFN side passes its capacity, ``max_seq_len``, as afd-plugin does;
     ``source_tokens`` is what the source actually dispatched);
@@ -52,6 +55,7 @@ class AFDAsyncTransferState:
     topk: int = 1
     layer_idx: int = 0
     stage_idx: int = 0
+    num_stages: int = 1
     source_rank: int = -1
     source_tokens: int = 0
     num_routed: int = 0

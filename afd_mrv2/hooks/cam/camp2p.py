@@ -22,7 +22,13 @@ to send back.  Both launch through ``EXEC_NPU_CMD``, i.e. on the caller's curren
 NPU stream (``c10_npu::getCurrentNPUStream``): stream order covers them.
 
 Stages and HCCL groups: each stage (ubatch) has its own HCCL group, so the two
-stages' transfers never mix; :func:`select_group` maps stage -> group name.
+stages' transfers never mix; :func:`select_group` maps stage -> group name.  The
+group alone cannot tell stage 0 of 2 from stage 0 of 1 (a peer that ran the
+step unsplit): each side stamps the stage identity of what it sends on the
+stage-tag side channel (:mod:`afd_mrv2.hooks.cam.stage_tags`) and checks what it
+receives (the FFN side each attention rank's a2e rows, the attention side its
+FFN rank's e2a rows); a mismatch raises :class:`StageMismatch` naming both.
+Without a side channel (the real operators alone) the group is trusted.
 
 Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.ubatch.pairing`):
 
@@ -35,7 +41,8 @@ Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.ubatch.pairing`):
 Resources: ``model`` (:class:`CamModelSpec`), ``role_rank``, ``hccl_groups``
 (one comm name per stage), ``ffn_ep_group`` (FFN, optional),
 ``stage_token_counts`` (FFN: ``item -> tokens per attention rank``),
-``source`` / ``sink`` (attention), ``device`` (optional, default CPU).
+``source`` / ``sink`` (attention), ``device`` (optional, default CPU),
+``cam_stage_tags`` (optional, the stage-identity side channel; default: the OpSet's).
 Options (``connector_extra_config``): ``core_num``, ``attn_core_num``,
 ``ffn_core_num``, ``quant_mode`` (0 only), ``stream_evidence``.
 """
@@ -53,6 +60,7 @@ from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBa
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
+from afd_mrv2.hooks.cam.stage_tags import StageId
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
@@ -102,6 +110,11 @@ class CAMP2PTransferState:
     cam_p2p_ep_name: str | None = None
     reference: torch.Tensor | None = None  # attention: the dispatched hidden states (e2a's shape reference)
     num_real: int = 0
+    num_stages: int = 1  # the step's stage count: with layer_idx and stage_idx, the transfer's stage identity
+
+    @property
+    def stage_id(self) -> StageId:
+        return StageId(self.layer_idx, self.stage_idx, self.num_stages)
 
 
 def select_group(stage_idx: int, groups: Sequence[str]) -> str:
@@ -144,6 +157,12 @@ class CamP2PConnector(CamConnectorBase):
             raise PluginError("runtime resource 'hccl_groups' must be a sequence of HCCL comm names, one per stage")
         self.groups = tuple(groups)
         self._check_stages(len(self.groups), "afd.camp2p.hccl_groups")
+        if self.num_attention % self.num_ffn:  # a2e/e2a pair FFN rank r with attention ranks r*g .. r*g+g-1
+            raise ConfigError(
+                "afd.num_ffn_ranks",
+                f"camp2p serves A/F attention ranks per FFN rank: expected a divisor of "
+                f"num_attention_ranks ({self.num_attention}), got {self.num_ffn}",
+            )
         self.per_ffn = self.num_attention // self.num_ffn
         self.ep_group: str | None = context.resources.get("ffn_ep_group")
         self.ops: OpSet = self._ops(
@@ -159,6 +178,11 @@ class CamP2PConnector(CamConnectorBase):
         """FFN ranks first (``0..F-1``), then attention."""
         return self.role_rank if self.role == FFN else self.num_ffn + self.role_rank
 
+    def describe_world(self, world: int) -> str:
+        if world < self.num_ffn:
+            return f"FFN rank {world} (CAMP2P world rank {world})"
+        return f"attention rank {world - self.num_ffn} (CAMP2P world rank {world})"
+
     def _state(self, item: WorkItem, batch_size: int) -> CAMP2PTransferState:
         return CAMP2PTransferState(
             item.layer_idx,
@@ -168,6 +192,7 @@ class CamP2PConnector(CamConnectorBase):
             batch_size,
             self.model.hidden_size,
             self.model.topk,
+            num_stages=item.num_stages,
         )
 
     def _a2e(self, stream: Stream, x: torch.Tensor, ids: object, scales: object, state: CAMP2PTransferState) -> list:
@@ -189,12 +214,15 @@ class CamP2PAttention(CamP2PConnector, CamAttentionBase):
         self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
 
     def _combine(self, stream: Stream, sent: CAMP2PTransferState) -> torch.Tensor:
-        return self._e2a(stream, sent.reference, sent)
+        out = self._e2a(stream, sent.reference, sent)
+        self._check_stage_from(self.role_rank // self.per_ffn, sent.stage_id, f"the e2a rows of {sent.stage_id}")
+        return out
 
     def _dispatch(self, work: Work, stream: Stream, outputs: torch.Tensor) -> None:
         item = work.item
         state = self._state(item, outputs.shape[0])
         state.reference = outputs
+        self._stamp(state.stage_id)
         state.atten_batch_size = self._a2e(stream, outputs, None, None, state)[3]
         self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
 
@@ -226,6 +254,8 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
         out = self._a2e(stream, self._empty, self._empty_ids, self._empty_scales, state)
         expand_x, _ids, _scales, state.atten_batch_size, state.x_active_mask = out
         state.cam_p2p_ep_name, state.num_real = self.ep_group, sum(mine)
+        for source in range(self.role_rank * self.per_ffn, (self.role_rank + 1) * self.per_ffn):
+            self._check_stage_from(self.num_ffn + source, state.stage_id, f"the a2e rows of {state.stage_id}")
         work.transfer[TRANSFER] = state
         work.inputs.state = expand_x[: state.num_real]
 
@@ -244,4 +274,6 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
 
     @hookimpl
     def on_send(self, work: Work, stream: Stream) -> None:
-        self._e2a(stream, work.outputs.state, work.transfer[TRANSFER])
+        state: CAMP2PTransferState = work.transfer[TRANSFER]
+        self._stamp(state.stage_id)
+        self._e2a(stream, work.outputs.state, state)

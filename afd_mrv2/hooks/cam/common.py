@@ -40,6 +40,7 @@ from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet, installed_versions, load_evidence, torch_opset
+from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageId, StageTags, check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
@@ -104,6 +105,10 @@ class CamConnectorBase(ABC):
     #: the operators this role's recv / send phases call (start-up capability check)
     recv_ops: ClassVar[tuple[str, ...]] = ()
     send_ops: ClassVar[tuple[str, ...]] = ()
+    #: the side channel stage identities travel on (:mod:`afd_mrv2.hooks.cam.stage_tags`); None: operator order
+    stage_tags: StageTags | None = None
+    #: this rank in the operators' world numbering (each family defines it)
+    world_rank: int
 
     def __new__(cls, context: ConnectorContext) -> CamConnectorBase:
         role = context.config.role
@@ -163,7 +168,36 @@ class CamConnectorBase(ABC):
         elif not isinstance(ops, OpSet):
             raise PluginError(f"resource {TEST_OPS_RESOURCE!r} must be an OpSet from afd_mrv2.testing")
         ops.check_start_up(self.recv_ops, self.send_ops, connector=self.name, pipelined=self.pipelined)
+        tags = context.resources.get(STAGE_TAGS_RESOURCE, ops.stage_tags)
+        self.stage_tags = tags
         return ops
+
+    def describe_world(self, world: int) -> str:
+        """``attention rank a`` / ``FFN rank f`` of operator world rank ``world`` (each family's numbering)."""
+        return f"{self.name} world rank {world}"
+
+    def _stamp(self, stage: StageId) -> None:
+        """Before a send operator: the identity of the transfer it sends goes on the side channel."""
+        if self.stage_tags is not None:
+            self.stage_tags.stamp(self.world_rank, stage)
+
+    def _check_stage_from(self, sender: int, expected: StageId, what: str) -> StageId | None:
+        """After a receive operator: the identity of what ``sender`` sent must be ``expected``; returns it.
+
+        Without a side channel nothing can be checked (the operators' order is trusted): returns None.
+        """
+        if self.stage_tags is None:
+            return None
+        got = self.stage_tags.take(self.world_rank, sender)
+        check_stage(
+            got,
+            expected,
+            connector=self.name,
+            what=what,
+            sender_name=self.describe_world(sender),
+            receiver_name=self.describe_world(self.world_rank),
+        )
+        return got
 
     def _check_stages(self, stages: int, what: str) -> None:
         if not 1 <= stages <= ASYNC_MOE_STAGES:

@@ -42,6 +42,7 @@ import torch
 from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
+from afd_mrv2.hooks.cam.stage_tags import StageTags
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,17 @@ class BoundOp:
 
 @dataclass(frozen=True)
 class OpSet:
-    """The operators one connector uses, resolved once.  ``source`` says from where."""
+    """The operators one connector uses, resolved once.  ``source`` says from where.
+
+    ``stage_tags``: the side channel the stage identity of their transfers
+    travels on, when the operators' provider has one (the test doubles carry it
+    in their payload metadata; :mod:`afd_mrv2.hooks.cam.stage_tags`).  The real
+    operators' wire format has no room for it: None.
+    """
 
     source: str
     ops: Mapping[str, BoundOp]
+    stage_tags: StageTags | None = None
 
     def __getitem__(self, name: str) -> BoundOp:
         return self.ops[name]
