@@ -181,7 +181,9 @@ class AfdConfig:
     observer plugins to enable).  ``async`` is stored as ``async_mode`` (a Python keyword).
     ``rank`` is this process's rank within its role (0-based, default 0; below
     ``num_attention_ranks`` or ``num_ffn_ranks``): ``afd-mrv2 serve`` sets it per
-    process.  ``num_ffn_ranks`` must divide ``num_attention_ranks``.  ``connector_extra_config``
+    process.  ``num_attention_ranks`` and ``num_ffn_ranks`` are independent (any A >= 1,
+    F >= 1: experts are sharded over the FFN ranks and every FFN rank serves every
+    attention rank; a connector that pairs ranks checks its own rule).  ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
 
@@ -213,13 +215,7 @@ def parse_multistream(raw: object, *, key: str = "afd.multistream") -> Multistre
 def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     """Parse the ``afd`` section of ``additional_config``, then the checks that span keys."""
     config = parse_section(AfdConfig, raw, key)
-    attention, ffn = config.num_attention_ranks, config.num_ffn_ranks
-    if attention < ffn or attention % ffn:
-        raise ConfigError(
-            f"{key}.num_ffn_ranks",
-            f"expected a divisor of num_attention_ranks ({attention}) that is <= it, got {ffn}",
-        )
-    ranks = attention if config.role == ATTENTION else ffn
+    ranks = config.num_attention_ranks if config.role == ATTENTION else config.num_ffn_ranks
     if config.rank >= ranks:
         raise ConfigError(
             f"{key}.rank",

@@ -20,11 +20,11 @@ anyway, so the shared expert costs no extra transfer, and an FFN rank none of
 whose experts is selected receives no token at all (the case "an FFN rank
 receives zero tokens" is real, not a formality).
 
-``A % F == 0`` is required by the ``afd`` config (it is the upstream plugin's
-convention, where each FFN rank serves ``A/F`` attention ranks); with experts
-sharded every FFN rank serves all attention ranks, and :meth:`Topology.home`
-still names the contiguous group ``a // (A/F)`` for tools that want one FFN
-rank per attention rank.
+Attention and FFN rank counts are independent (any ``A >= 1``, ``F >= 1``, e.g.
+3A2F or 2A3F): since every FFN rank serves every attention rank, nothing pairs an
+attention rank with one FFN rank, and ``F`` need not divide ``A`` (the upstream
+plugin's ``A % F == 0`` is a convention of connectors that pair ranks, such as
+CAMP2P, which checks it itself).  Only ``E % F == 0`` is required.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ class Topology:
     def __post_init__(self) -> None:
         if self.num_attention < 1 or self.num_ffn < 1:
             raise ValueError(f"need at least one attention and one FFN rank, got {self.num_attention}A{self.num_ffn}F")
-        if self.num_attention < self.num_ffn or self.num_attention % self.num_ffn:
-            raise ValueError(f"num_ffn ({self.num_ffn}) must divide num_attention ({self.num_attention}) and be <= it")
         if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
             raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of num_ffn ({self.num_ffn})")
 
@@ -88,10 +86,6 @@ class Topology:
     def owner_of(self, expert: int) -> int:
         """The FFN rank owning routed expert ``expert``."""
         return expert // self.experts_per_ffn
-
-    def home(self, attention_index: int) -> int:
-        """The FFN rank of attention rank ``a``'s contiguous group (``a // (A/F)``)."""
-        return attention_index // (self.num_attention // self.num_ffn)
 
     def describe(self, global_rank: int) -> str:
         """``"FFN rank 1 (global rank 3)"``: how errors and reports name a rank."""

@@ -64,6 +64,18 @@ def test_afd_section_parses_upstream_keys() -> None:
     hash(config)
 
 
+@pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (2, 3), (1, 2), (1, 1), (4, 2)])
+def test_afd_section_accepts_free_topologies(attention: int, ffn: int) -> None:
+    """Attention and FFN rank counts are independent: F need not divide A nor be <= it."""
+    base = {"connector": "x", "num_attention_ranks": attention, "num_ffn_ranks": ffn}
+    for role, count in (("attention", attention), ("ffn", ffn)):
+        for rank in range(count):
+            config = parse_afd_config({**base, "role": role, "rank": rank})
+            assert (config.num_attention_ranks, config.num_ffn_ranks, config.rank) == (attention, ffn, rank)
+        with pytest.raises(ConfigError, match=rf"^afd\.rank: expected an integer in 0\.\.{count - 1} "):
+            parse_afd_config({**base, "role": role, "rank": count})
+
+
 # (section, expected key named in the error)
 MALFORMED_MULTISTREAM = [
     ({"depth": 0}, "afd.multistream.depth"),
@@ -117,8 +129,9 @@ def test_unknown_key_lists_the_accepted_ones() -> None:
         ({"connector": "x"}, "afd.role"),
         ({"connector": "x", "role": "expert"}, "afd.role"),
         ({"connector": "", "role": "ffn"}, "afd.connector"),
-        ({"connector": "x", "role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 3}, "afd.num_ffn_ranks"),
-        ({"connector": "x", "role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}, "afd.num_ffn_ranks"),
+        ({"connector": "x", "role": "ffn", "num_ffn_ranks": 0}, "afd.num_ffn_ranks"),
+        ({"connector": "x", "role": "attention", "num_attention_ranks": 0}, "afd.num_attention_ranks"),
+        ({"connector": "x", "role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2, "rank": 2}, "afd.rank"),
         ({"connector": "x", "role": "ffn", "port": 70000}, "afd.port"),
         ({"connector": "x", "role": "ffn", "observers": "trace"}, "afd.observers"),
         ({"connector": "x", "role": "ffn", "connector_extra_config": [1]}, "afd.connector_extra_config"),

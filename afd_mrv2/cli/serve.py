@@ -34,7 +34,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", type=int, metavar="A", help="Attention ranks: independent vLLM engines")
-    parser.add_argument("--ffn", type=int, metavar="F", help="FFN ranks; must divide A")
+    parser.add_argument(
+        "--ffn", type=int, metavar="F", help="FFN ranks (any number >= 1): experts are sharded over them"
+    )
     parser.add_argument(
         "--port",
         type=int,

@@ -67,11 +67,35 @@ def test_bad_input_exit_2_one_line_nothing_started(args, key, no_spawn, capsys):
     assert built == []
 
 
-def test_indivisible_topology(no_spawn, capsys):
+@pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (1, 2), (2, 3)], ids=["3A2F", "1A2F", "2A3F"])
+def test_free_topologies_are_planned(attention, ffn):
+    """F need not divide A nor be <= it: one process per rank, each with a valid afd section."""
+    plan = build_plan(ServeOptions("m", attention, ffn, port=9000), run_dir="/run/x")
+    assert [r.name for r in plan.roles] == [f"ffn {f}" for f in range(ffn)] + [
+        f"attention {a}" for a in range(attention)
+    ]
+    assert plan.backends == tuple(f"http://127.0.0.1:{9001 + a}" for a in range(attention))
+    for spec in plan.roles:
+        config = parse_afd_config(spec.afd)
+        assert (config.role, config.rank) == (spec.role, spec.rank)
+        assert (config.num_attention_ranks, config.num_ffn_ranks) == (attention, ffn)
+
+
+def test_free_topology_passes_the_cli_up_to_the_runtime_gate(no_spawn, capsys):
+    """3A2F gets through the flags, the afd section and the plan; only the (refusing) runtime gate stops it."""
     commands, built = no_spawn
-    rc = serve_cli.main(["/m", "--attention", "3", "--ffn", "2"], commands=commands, gate=None)
+    gated = []
+
+    def refuse(plan):
+        gated.append([r.name for r in plan.roles])
+        raise AfdError("runtime refused: vLLM is not installed")
+
+    port = free_port_block(4)
+    rc = serve_cli.main(["/m", "--attention", "3", "--ffn", "2", "--port", str(port)], commands=commands, gate=refuse)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "afd.num_ffn_ranks" in err[0] and built == []
+    assert rc == 2 and err == ["afd-mrv2 serve: error: runtime refused: vLLM is not installed"]
+    assert gated == [["ffn 0", "ffn 1", "attention 0", "attention 1", "attention 2"]]  # planned, nothing started
+    assert sorted(built) == [["attention", "0"], ["attention", "1"], ["attention", "2"], ["ffn", "0"], ["ffn", "1"]]
 
 
 def test_refused_runtime_exit_2_one_line(no_spawn, capsys):
