@@ -356,6 +356,9 @@ def _decisions(
         lengths = concat(make_batch(cfg.batch_spec_for(dp, b), vocab_size, dp, b)).lengths
         return [int(plan_stages(lengths, split=split) is not None), sum(lengths), len(lengths)]
 
+    def name_of(process: int) -> str:
+        return f"attention DP rank {process // cfg.attention_tp}"
+
     out = {}
     for b in batches:
         if role == ATTENTION:
@@ -364,10 +367,12 @@ def _decisions(
             def exchange(values: Any) -> list[list[int]]:
                 return [p.tolist() for p in _all_gather(torch.tensor(values, dtype=torch.int64), attention_group)]
 
-            out[b] = decide_split(bool(mine[0]), mine[1], mine[2], exchange)
+            out[b] = decide_split(bool(mine[0]), mine[1], mine[2], exchange, name_of=name_of)
         else:
             rows = [row(p // cfg.attention_tp, b) for p in range(cfg.attention_processes)]
-            out[b] = decide_split(bool(rows[0][0]), rows[0][1], rows[0][2], lambda _values, rows=rows: rows)
+            out[b] = decide_split(
+                bool(rows[0][0]), rows[0][1], rows[0][2], lambda _values, rows=rows: rows, name_of=name_of
+            )
     return out
 
 

@@ -170,11 +170,20 @@ class StepDecision:
     why: str  # "" when split, else which rank had no plan
 
 
-def decide_split(can_split: bool, tokens: int, requests: int, exchange: Exchange | None = None) -> StepDecision:
+def decide_split(
+    can_split: bool,
+    tokens: int,
+    requests: int,
+    exchange: Exchange | None = None,
+    *,
+    name_of: Callable[[int], str] | None = None,
+) -> StepDecision:
     """Split only when every rank of the group can (see the module docstring).
 
     ``exchange`` all-gathers ``[can_split, tokens, requests]`` over the ranks that
     step together; None means this rank steps alone (an independent engine).
+    ``name_of(i)`` names the group's ``i``-th row in ``why`` (default ``rank i of
+    the DP group``).
     """
     mine = [int(can_split), int(tokens), int(requests)]
     rows = [list(r) for r in exchange(mine)] if exchange is not None else [mine]
@@ -184,7 +193,10 @@ def decide_split(can_split: bool, tokens: int, requests: int, exchange: Exchange
     why = ""
     if blocked:
         rank, (_, t, n) = blocked[0]
-        who = f"rank {rank} of the DP group" if exchange is not None else "this rank"
+        if exchange is None:
+            who = "this rank"
+        else:
+            who = name_of(rank) if name_of is not None else f"rank {rank} of the DP group"
         why = f"{who} has no two-stage plan ({n} request(s), {t} token(s))"
     return StepDecision(split=not blocked, dp_max_tokens=max(r[1] for r in rows), why=why)
 
