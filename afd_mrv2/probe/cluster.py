@@ -25,6 +25,7 @@ from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.toy import ToyAttention, ToyMoE, camasync_ffn, camp2p_ffn
 from afd_mrv2.ubatch import Stage, attention_items, ffn_items, merge_tokens, plan_stages
+from afd_mrv2.ubatch.layout import StepDecision, decide_split, unsplit_stage
 from afd_mrv2.ubatch.pairing import attention_buffers
 
 
@@ -53,16 +54,28 @@ class ClusterSpec:
 
     @property
     def num_stages(self) -> int:
-        return 1 if self.split is None else 2
+        return 2 if self.decision().split else 1
+
+    def decision(self) -> StepDecision:
+        """Split or not, for every attention rank together: unsplit when any rank's batch has no plan.
+
+        The ranks of one cluster step together (a DP group), so the step is
+        decided as :func:`~afd_mrv2.ubatch.layout.decide_split` decides it: one
+        rank with a single request under the request split makes every rank run
+        the step unsplit.  Each rank can compute this from the spec (all
+        batches are in it), which stands in for the per-step all-gather.
+        """
+        if self.split is None:
+            return StepDecision(split=False, dp_max_tokens=max(sum(b) for b in self.batches), why="no split")
+        rows = [[int(plan_stages(b, split=self.split) is not None), sum(b), len(b)] for b in self.batches]
+        return decide_split(
+            bool(rows[0][0]), rows[0][1], rows[0][2], lambda _mine: rows, name_of=lambda r: f"attention rank {r}"
+        )
 
     def stages(self, rank: int) -> tuple[Stage, ...]:
         counts = self.batches[rank]
-        if self.split is None:
-            return (Stage(0, slice(0, len(counts)), slice(0, sum(counts)), sum(counts)),)
-        plan = plan_stages(counts, split=self.split)
-        if plan is None:
-            raise ValueError(f"attention rank {rank}: split {self.split!r} forms no two stages for {counts}")
-        return plan
+        plan = plan_stages(counts, split=self.split) if self.split is not None and self.decision().split else None
+        return plan if plan is not None else (unsplit_stage(counts),)
 
     def config(self, role: str) -> AfdConfig:
         camasync = self.connector == "camasync"
@@ -85,7 +98,7 @@ class ClusterSpec:
                 **self.extra,
             },
         }
-        if camasync and self.split is not None:
+        if camasync and self.num_stages == 2:
             raw["async_moe"] = {"enabled": True, "split": self.split}
         return parse_afd_config(raw)
 
