@@ -96,6 +96,11 @@ def camasync_stages(me: Any, ops: dict[str, Any]) -> dict[str, Any]:
     return {"headers": headers}
 
 
+def verdict(name: str, ok: bool, measured: Any, passed: str, failed: str) -> Check:
+    """A row that passes or fails, saying why either way."""
+    return Check(name, PASS if ok else FAIL, measured, passed if ok else failed)
+
+
 def camasync_stage_rows(attention: dict[str, Any], ffn: dict[str, Any]) -> list[Check]:
     """The three camasync stage-identity rows from both ranks' measurements (:func:`camasync_stages`).
 
@@ -109,55 +114,44 @@ def camasync_stage_rows(attention: dict[str, Any], ffn: dict[str, Any]) -> list[
     got_tokens = [[h[0] for h in rnd] for rnd in headers]
     got_sources = sorted({h[1] for rnd in headers for h in rnd})
     got_fields = [[h[2] for h in rnd] for rnd in headers]
-    order_ok = len(headers) == rounds and got_tokens == sent_tokens and got_sources == [0]
-    rows = [
-        Check(
-            STAGE_CHECKS["camasync"][0],
-            PASS if order_ok else FAIL,
+    dispatch, combine, field = STAGE_CHECKS["camasync"]
+    return [
+        verdict(
+            dispatch,
+            len(headers) == rounds and got_tokens == sent_tokens and got_sources == [0],
             {"sent_tokens": sent_tokens, "received_tokens": got_tokens, "sources": got_sources},
             "one source's dispatches of one layer arrived in issue order (stage 0 then stage 1) in every round: "
-            "the FFN's ordinal stage inference holds"
-            if order_ok
-            else "arrivals out of issue order (or from an unexpected source): "
+            "the FFN's ordinal stage inference holds",
+            "arrivals out of issue order (or from an unexpected source): "
             "a payload's ordinal does not give its stage on this stack",
-        )
-    ]
-    combine_ok = len(cosines) == rounds and all(len(c) == 2 and c[0] > COSINE and c[1] < -COSINE for c in cosines)
-    rows.append(
-        Check(
-            STAGE_CHECKS["camasync"][1],
-            PASS if combine_ok else FAIL,
+        ),
+        verdict(
+            combine,
+            len(cosines) == rounds and all(len(c) == 2 and c[0] > COSINE and c[1] < -COSINE for c in cosines),
             {"cosine": cosines, "threshold": COSINE},
             f"each stage's combine came back to its own dispatch (cosine > {COSINE} for stage 0, "
-            f"< -{COSINE} for stage 1, whose rows the FFN negated)"
-            if combine_ok
-            else "combines did not come back in dispatch order (or combine is not a positive-weighted sum "
+            f"< -{COSINE} for stage 1, whose rows the FFN negated)",
+            "combines did not come back in dispatch order (or combine is not a positive-weighted sum "
             "of the rows sent back, which this check assumes)",
-        )
-    )
-    fields_ok = len(headers) == rounds and got_fields == sent_fields
-    rows.append(
-        Check(
-            STAGE_CHECKS["camasync"][2],
-            PASS if fields_ok else FAIL,
+        ),
+        verdict(
+            field,
+            len(headers) == rounds and got_fields == sent_fields,
             {"sent": sent_fields, "received": got_fields},
-            "the header's layer field returned the value sent (2 * layer + stage): it can carry the stage"
-            if fields_ok
-            else "the header's layer field did not return the value sent: it cannot carry the stage",
-        )
-    )
-    return rows
+            "the header's layer field returned the value sent (2 * layer + stage): it can carry the stage",
+            "the header's layer field did not return the value sent: it cannot carry the stage",
+        ),
+    ]
 
 
 def camp2p_stage_row(arrived_on_own_group: bool, groups: int) -> Check:
     """The camp2p stage-identity row: stage ``s`` travels on HCCL group ``s``."""
-    return Check(
+    return verdict(
         STAGE_CHECKS["camp2p"][0],
-        PASS if arrived_on_own_group else FAIL,
+        arrived_on_own_group,
         {"groups": groups, "arrived_on_own_group": arrived_on_own_group},
-        "two stages in flight, each on its own HCCL group: each arrived intact on its own group, both directions"
-        if arrived_on_own_group
-        else "a stage's payload did not arrive intact on its own group",
+        "two stages in flight, each on its own HCCL group: each arrived intact on its own group, both directions",
+        "a stage's payload did not arrive intact on its own group",
     )
 
 

@@ -115,11 +115,15 @@ class Report:
 
     @classmethod
     def load(cls, path: str | Path, *, key: str = "evidence") -> Report:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(key, f"cannot read evidence file {str(path)!r}: {exc}") from None
-        return cls.from_json(raw, key=key)
+        return cls.from_json(read_json(path, key), key=key)
+
+
+def read_json(path: str | Path, key: str) -> object:
+    """The JSON in ``path``; a :class:`ConfigError` naming ``key`` when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"cannot read evidence file {str(path)!r}: {exc}") from None
 
 
 def _string_map(value: object) -> bool:
@@ -291,11 +295,7 @@ class Evidence:
 
     @classmethod
     def load(cls, path: str | Path, *, key: str = "stream_evidence") -> Evidence:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(key, f"cannot read evidence file {str(path)!r}: {exc}") from None
-        return cls.from_json(raw, key=key)
+        return cls.from_json(read_json(path, key), key=key)
 
 
 def _operator(qualname: str, row: Check, key: str) -> OpEvidence:
