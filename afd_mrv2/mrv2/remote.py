@@ -24,6 +24,8 @@ runs it while tracing; every compiled execution runs the real transfer.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from afd_mrv2.mrv2.p2p_link import open_peer_link
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.topology import Topology
+from afd_mrv2.ubatch.layout import decide_split, layout_line, layout_log_enabled, step_layouts, unsplit_stage
 
 OP_NAME = "afd_mrv2::remote_routed_experts"
 
@@ -94,6 +97,7 @@ class RemoteExperts:
         self._session: _Session | None = None
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
+        self.steps = 0  # forwards seen (calls of the first MoE layer)
 
     def add_layer(self, layer_index: int, shape: MoeShape) -> None:
         """Register a MoE layer at construction (every layer before the first call)."""
@@ -118,10 +122,30 @@ class RemoteExperts:
         """The routed experts' output for ``x``, computed by the FFN role."""
         session = self._open()
         ordinal = self._order.index(layer_index)
+        if ordinal == 0:  # the first MoE layer: a new engine step
+            self.steps += 1
+            if layout_log_enabled():
+                self._log_layout(x.shape[0])
         out = session.exchange.exchange(ordinal, (x, topk_ids, topk_weights))
         tokens = x.shape[0]
         self.tokens[tokens] += 1
         return out.to(device=x.device, dtype=x.dtype)
+
+    def _log_layout(self, tokens: int) -> None:
+        """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
+
+        Each engine steps alone (no DP group here), so it decides alone:
+        :func:`~afd_mrv2.ubatch.layout.decide_split` without an exchange; there is
+        no planner on this path, so the step runs as one stage.
+        """
+        decision = decide_split(False, tokens, 0)
+        (layout,) = step_layouts(
+            [unsplit_stage([tokens])], dp_max_tokens=decision.dp_max_tokens, layout="tp", tp_size=1, tp_rank=0
+        )
+        why = "no async-MoE stages on the vLLM MoE seam; this engine decides alone"
+        line = layout_line(f"attention rank {self.config.rank}", self.steps - 1, layout, split="none", why=why)
+        sys.stderr.flush()
+        os.write(2, f"{line}\n".encode())
 
     def _open(self) -> _Session:
         with self._lock:

@@ -64,7 +64,10 @@ def _reference(layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     return out
 
 
-def test_round_trips_between_attention_and_ffn_roles(one_torch_thread: None) -> None:
+def test_round_trips_between_attention_and_ffn_roles(
+    one_torch_thread: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")
     port = _free_port()
     experts = [lambda x, w, ids, layer=layer: _reference(layer, x, w, ids) for layer in range(len(LAYERS))]
     done: dict[str, Any] = {}
@@ -108,6 +111,16 @@ def test_round_trips_between_attention_and_ffn_roles(one_torch_thread: None) -> 
     assert report.items == remote.calls == 6
     assert dict(report.tokens_per_item) == {5: 2, 32: 2, 1: 2} == dict(remote.tokens)
     assert "the attention rank closed its AFD session" in report.end
+    # the layout log: one line per engine step (the first MoE layer), its one stage, the engine's real tokens
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("afd-mrv2 layout: ")]
+    assert [line.split(" stage ")[0] for line in lines] == [
+        f"afd-mrv2 layout: attention rank 0 step {s}" for s in range(3)
+    ]
+    assert all(
+        "stage 1/1 unsplit (no async-MoE stages on the vLLM MoE seam; this engine decides alone)" in line
+        for line in lines
+    )
+    assert [line.split(": real ")[1].split(" ")[0] for line in lines] == ["5", "32", "1"]
 
 
 def _block_experts(layer: int, block: range) -> Any:
