@@ -150,6 +150,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(head)
     if args.launch and not args.endpoint:
         raise UsageError("--launch needs --endpoint (the URL the launched deployment serves)")
+    args.endpoint = args.endpoint.rstrip("/") if args.endpoint else None
     cpu = not args.endpoint
     args.topologies = [topology(t) for t in args.topologies or (["1a1f", "2a1f"] if cpu else ["2a1f"])]
     args.splits = args.splits or ["token", "request"]
@@ -442,7 +443,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> Report:
     if args.launch:
         mode, rows = "launch", launched_rows(args)
     elif args.endpoint:
-        mode, rows = "endpoint", accuracy_rows(args, args.endpoint.rstrip("/"), args.cell)
+        mode, rows = "endpoint", accuracy_rows(args, args.endpoint, args.cell)
     else:
         mode, rows = "cpu", cpu_rows(args, engine_args)
     return evidence(rows, mode, started, load_average())
