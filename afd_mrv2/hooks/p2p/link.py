@@ -39,6 +39,7 @@ from afd_mrv2.work import Work
 
 _SLICE_S = 0.05  # how often a wait re-checks cancellation, peers and its deadline
 _SETTLE_S = 0.25  # how long a lost peer's ABORT may take to be handed over (see _raise_if_it_said_why)
+_LINGER_S = 0.25  # how long an aborting rank waits for its notice to be read before it may exit (see abort)
 
 
 class Pending:
@@ -235,8 +236,16 @@ class PeerLink:
 
     # ------------------------------------------------------------------ control channel
 
-    def abort(self, reason: str, timeout_s: float = 1.0) -> None:
-        """Tell every reachable peer that this rank failed, waiting at most ``timeout_s``."""
+    def abort(self, reason: str, timeout_s: float = 1.0, linger_s: float = _LINGER_S) -> None:
+        """Tell every reachable peer that this rank failed, waiting at most ``timeout_s``.
+
+        Then, when a notice went out, linger ``linger_s`` before returning: the
+        caller usually exits next, and a process that closes a connection with
+        unread data in it resets the connection, which makes the peer drop what
+        it had not read yet, the notice included ("Connection reset by peer",
+        no reason).  The pause lets every peer's control watcher take the notice
+        first, so a rank that only talks to this one still learns the root cause.
+        """
         sends = []
         for peer, pending in self._control.items():
             if pending.done.is_set() and (pending.error is not None or self._kind(pending) == wire.KIND_BYE):
@@ -250,6 +259,8 @@ class PeerLink:
         deadline = time.monotonic() + timeout_s
         for pending in sends:
             pending.done.wait(max(0.0, deadline - time.monotonic()))
+        if any(p.done.is_set() and p.error is None for p in sends):
+            time.sleep(linger_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Say BYE to every peer and wait for theirs: after this no message is in flight."""
