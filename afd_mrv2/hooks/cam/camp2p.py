@@ -15,7 +15,8 @@ Operator contract (learned from afd-plugin ``csrc/npu/torch_extension``)::
         attention_rank_size, rank, group_ep, aiv_num) -> x_out
 
 World ranks are FFN first (``0..F-1``), then attention (``F..F+A-1``); FFN rank
-``r`` serves attention ranks ``r*g .. r*g+g-1`` (``g = A/F``).  An attention rank
+``r`` serves attention ranks ``r*g .. r*g+g-1`` (``g = A/F``: unlike the expert-sharded
+connectors, CAMP2P refuses an F that does not divide A).  An attention rank
 calls a2e to send its hidden states and e2a to receive the FFN output; an FFN
 rank calls a2e to receive (``atten_batch_size``: rows per attention rank) and e2a
 to send back.  Both launch through ``EXEC_NPU_CMD``, i.e. on the caller's current
