@@ -22,6 +22,7 @@ from afd_mrv2.probe import gsm8k
         ("first 10 then #### x but 12 later", "12"),  # a marker with no number after it: the last number
         ("The answer is 1,000,000.", "1000000"),
         ("#### 4 #### 9", "9"),  # the last marker counts
+        ("#### 42\nThe next question has 7 apples.", "42"),  # the marker wins over a later number
         ("no digits here", None),
         ("", None),
     ],
