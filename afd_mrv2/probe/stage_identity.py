@@ -6,9 +6,10 @@ Where stage identity travels (docs/ascend-deployment.md, "Stage identity on the 
   group, so identity travels in the communicator; two stages in flight at once,
   each on its own group, arrive on their own group intact (both directions);
 * ``stage-identity:camasync:dispatch-order``: the CAM header carries no stage, so
-  the FFN side infers a payload's stage from its ordinal among one source's
-  arrivals of one layer.  That holds when one source's dispatches reach the FFN
-  rank in issue order: over several rounds the attention rank dispatches stage 0
+  without a ``StageTags`` side channel (``afd_mrv2.hooks.cam.stage_tags``) the FFN
+  side infers a payload's stage from its ordinal among one source's arrivals of
+  one layer, and a host-store side channel pairs stamps by that ordinal too.
+  Both hold when one source's dispatches reach the FFN rank in issue order: over several rounds the attention rank dispatches stage 0
   (``T`` tokens) then stage 1 (``T // 2`` tokens) and the FFN rank reads the
   token counts back from the headers in arrival order;
 * ``stage-identity:camasync:combine-order``: the FFN rank combine-sends in
