@@ -81,7 +81,24 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: for the FFN role it is documented with each runner (the reference FFN takes
 #: the received hidden states and routing, and returns the combined output).
 class ComputeFn(Protocol):
-    """``compute(item, *payload) -> result``: the work item first, then what the connector received."""
+    """``compute(item, *payload) -> result``: the work item first, then what the connector received.
+
+    Quantized transfers hand compute what was received, scales included, never
+    a copy the connector dequantized behind compute's back: the received
+    dynamic scales are part of the payload, read only after recv completed
+    (the recv -> compute event edge covers them like the rows).  The FFN
+    signatures of the connectors shipped here:
+
+    * torch_p2p: ``compute(item, hidden [N, H] fp32, topk_ids [N, k], topk_weights [N, k]) -> [N, H]``;
+      with ``connector_extra_config.quant = "w8a8"``:
+      ``compute(item, hidden [N, H] int8, topk_ids, topk_weights, scales [N] fp32) -> [N, H]``
+      where row ``t`` stands for ``hidden[t] * scales[t]`` (per-token symmetric
+      int8, :mod:`afd_mrv2.hooks.quant`);
+    * camasync: ``compute(item, CamAsyncFfnBatch) -> CamAsyncFfnOutput``; with
+      ``dynamicQuant = 1`` the batch's rows are int8 and its ``dynamic_scales`` /
+      ``dynamic_scales_shared`` hold their per-row scales (``batch.dequantized()``
+      gives the float rows).
+    """
 
     def __call__(self, item: WorkItem, /, *payload: Any) -> Any: ...
 

@@ -19,6 +19,7 @@ import os
 
 from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.errors import AfdError
+from afd_mrv2.hooks.quant import QUANT_MODES
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
 from afd_mrv2.ubatch import SPLITS
@@ -122,6 +123,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     link.add_argument("--sim-bandwidth-gbps", type=float, default=0.0, help="simulated bandwidth (0 = infinite)")
     link.add_argument("--recv-timeout-s", type=float, default=30.0, help="deadline for a silent peer (default 30)")
     link.add_argument(
+        "--quant",
+        choices=QUANT_MODES,
+        default=None,
+        help="w8a8: dispatch hidden rows as per-token int8 + fp32 scales, dequantized in the FFN compute; "
+        "max |diff| is then checked against a bound derived from the int8 step (default: fp32 rows)",
+    )
+    link.add_argument(
         "--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)"
     )
     parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
@@ -191,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             sim_latency_us=args.sim_latency_us,
             sim_bandwidth_gbps=args.sim_bandwidth_gbps,
             recv_timeout_s=args.recv_timeout_s,
+            quant=args.quant,
             out_dir=args.out,
         )
     except ValueError as exc:

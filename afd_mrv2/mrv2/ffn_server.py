@@ -50,6 +50,7 @@ from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
+from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S, open_peer_link
@@ -226,7 +227,15 @@ def serve_ffn(
     report = FfnReport(moe_layers=len(experts))
     compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
 
-    def compute(item: WorkItem, hidden: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def compute(
+        item: WorkItem,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if scales is not None:  # torch_p2p quant "w8a8": int8 rows and their per-token scales
+            hidden = dequantize_per_token(hidden, scales)
         ids, w = local_routing(topk_ids, weights, block, shape.num_experts, shift=local_experts_only)
         with compute_lock, torch.inference_mode():
             start = time.perf_counter()

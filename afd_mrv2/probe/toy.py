@@ -152,6 +152,7 @@ def camasync_ffn(model: ToyMoE, ffn_rank: int, experts_per_rank: int):
     def compute(item: WorkItem, batch: CamAsyncFfnBatch) -> CamAsyncFfnOutput:
         if batch.layer_idx != item.layer_idx:
             raise AssertionError(f"payload of layer {batch.layer_idx} handed to work item {item}")
+        batch = batch.dequantized(model.attn.dtype)  # dynamicQuant: int8 rows and their scales, dequantized here
         x, routed, row = batch.hidden_states, torch.empty_like(batch.hidden_states), 0
         for local, count in enumerate(batch.group_list.tolist()):
             if count:

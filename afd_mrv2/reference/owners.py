@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import WorkItem
 from afd_mrv2.reference.batches import StageBatch
 from afd_mrv2.reference.forward import attention_step, embed, final_norm
@@ -141,10 +142,18 @@ class FfnOwner:
     calls: int = 0
 
     def compute(
-        self, item: WorkItem, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        item: WorkItem,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """torch_p2p's FFN compute; with ``scales`` (``quant: w8a8``) ``hidden`` is int8, dequantized here."""
         self.tokens += hidden.shape[0]
         self.calls += 1
+        if scales is not None:
+            hidden = dequantize_per_token(hidden, scales)
         experts = self.topology.experts_of(self.ffn_index)
         top1_here = (topk_ids[:, 0] >= experts.start) & (topk_ids[:, 0] < experts.stop)
         return moe_partial(hidden, topk_ids, topk_weights, self.weights.layers[item.layer_idx], experts, top1_here)

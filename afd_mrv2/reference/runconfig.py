@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from afd_mrv2.hooks.quant import QUANT_MODES
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
 from afd_mrv2.topology import Topology
 from afd_mrv2.ubatch import NUM_STAGES, SPLITS
@@ -60,6 +61,7 @@ class RunConfig:
     attention_tp: int = 1
     layout: str = "tp"
     requests: tuple[int, ...] = ()
+    quant: str | None = None  # "w8a8": torch_p2p's quantized dispatch (tolerance: reference/quant_check.py)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -76,6 +78,8 @@ class RunConfig:
             raise ValueError(f"each buffers pair must be (in, out) with counts in 1..8, got {list(self.buffers)}")
         if self.recv_timeout_s <= 0:
             raise ValueError(f"recv_timeout_s must be > 0, got {self.recv_timeout_s}")
+        if self.quant is not None and self.quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
         with_routing(self.model, self.routing, self.topology)  # fail early on impossible scenarios
         self._check_split()
 

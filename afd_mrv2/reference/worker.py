@@ -44,6 +44,7 @@ from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 from afd_mrv2.reference.forward import reference_forward
 from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
+from afd_mrv2.reference.quant_check import MoeCheck
 from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.reference.split_owner import SplitAttentionOwner
 from afd_mrv2.reference.weights import build_weights
@@ -151,6 +152,10 @@ class _Session:
         else:
             self.owner = FfnOwner(self.spec, self.weights, cfg.topology, link.index)
         self.references: dict[int, torch.Tensor] = {}  # batch -> reference output, computed on first use
+        # --quant: each MoE output is checked against the float MoE within the derived int8 bound
+        checked = cfg.quant is not None and isinstance(self.owner, AttentionOwner)
+        self.moe_check = MoeCheck(self.owner.compute, self.weights, self.spec) if checked else None
+        self.compute = self.moe_check or self.owner.compute
 
     def _reference(self, batch: int) -> torch.Tensor:
         assert isinstance(self.owner, AttentionOwner)
@@ -164,6 +169,8 @@ class _Session:
     def run(self) -> int:
         cfg = self.cfg
         extra: dict[str, Any] = {"recv_timeout_s": cfg.recv_timeout_s}
+        if cfg.quant is not None:
+            extra["quant"] = cfg.quant
         sim_latency_us = None
         if cfg.link == "sim":
             sim_latency_us = cfg.sim_latency_us if cfg.sim_latency_us is not None else self._calibrate(extra)
@@ -223,7 +230,7 @@ class _Session:
         plugins = load_plugins(config, resources={"p2p_link": self.link, "model": self.shape})
         trace = Trace(rank=self.rank, role=self.role, label=label)
         executor = Executor(
-            plugins, make_backend("host"), config.multistream, compute=self.owner.compute, role=self.role, trace=trace
+            plugins, make_backend("host"), config.multistream, compute=self.compute, role=self.role, trace=trace
         )
         return executor, trace
 
@@ -232,6 +239,8 @@ class _Session:
         warm = range(cfg.warmup)
         measured = range(cfg.warmup, cfg.warmup + cfg.batches)
         executor, trace = self._executor(label, pipelined, counts, extra)
+        if self.moe_check is not None:
+            self.moe_check.reset()
         with executor:
             executor.run(self.schedule.items(role, warm))
             trace.spans.clear()
@@ -243,10 +252,13 @@ class _Session:
             wall, cpu = time.perf_counter() - start, _cpu_s() - cpu
             buffers = buffer_block(executor)  # after drain, before close
         closed = executor.close()
-        diff = None
+        diff, quant = None, None
         if isinstance(self.owner, AttentionOwner):
             diff = max(self._diff(b) for b in range(cfg.warmup + cfg.batches))
             self.owner.outputs.clear()
+        if self.moe_check is not None:  # quantized: the checked quantity is the MoE output (quant_check.py)
+            quant = {**self.moe_check.stats(), "end_to_end_max_abs_diff": diff}
+            diff = self.moe_check.max_abs_diff
         spans = [
             (
                 s.name,
@@ -272,6 +284,7 @@ class _Session:
             "load_average": os.getloadavg()[0],
             "metrics": trace.metrics().as_dict(),
             "max_abs_diff": diff,
+            "quant_check": quant,
             "spans": spans,
             "closed": closed.describe(),
             **self._owner_stats(),

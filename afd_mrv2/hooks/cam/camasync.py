@@ -31,7 +31,9 @@ expert; ``expert_token_nums_shared[0]`` = shared-expert rows.  Outputs are sized
 to capacity and sliced to those counts, which needs them on the host: the one
 host read of this connector (a D2H copy on the recv stream, not a device-wide
 synchronize).  With ``dynamicQuant = 1`` routed and shared activations arrive as
-int8 with per-row scales; compute gets them dequantized.
+int8 with per-row scales; compute gets both, as received
+(``CamAsyncFfnBatch.dynamic_scales`` / ``dynamic_scales_shared``), and
+dequantizes itself (``batch.dequantized(dtype)``) or computes on int8.
 
 Hooks per role (work item ``(L, s)``):
 
@@ -76,7 +78,6 @@ from afd_mrv2.hooks.cam.camasync_state import (
     CamAsyncFfnSend,
     CamAsyncOps,
     CamAsyncRows,
-    dequantize,
 )
 from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBase, CamFfnBase, wait_until_idle
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
@@ -337,12 +338,16 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         s: AFDAsyncTransferState = work.transfer[TRANSFER]
         rows: CamAsyncRows = work.inputs.state
-        dtype = self.model.dtype
+        quantized = rows.routed.dtype == torch.int8  # dynamicQuant: the scales go to compute with the rows
+        if quantized and (s.dynamic_scales is None or s.dynamic_scales_shared is None):
+            raise PluginError("camasync: int8 activations arrived without dynamic scales")
         batch = CamAsyncFfnBatch(
             s.layer_idx,
-            dequantize(rows.routed, s.dynamic_scales, dtype),
+            rows.routed,
             s.group_list[: self.expert_per_rank],
-            dequantize(rows.shared, s.dynamic_scales_shared, dtype),
+            rows.shared,
+            s.dynamic_scales if quantized else None,
+            s.dynamic_scales_shared if quantized else None,
         )
         out = compute(work.item, batch)
         if not isinstance(out, CamAsyncFfnOutput) or out.routed.shape[0] != s.num_routed:

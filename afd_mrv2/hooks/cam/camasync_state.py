@@ -93,12 +93,34 @@ class CamAsyncFfnSend:
 
 @dataclass(frozen=True)
 class CamAsyncFfnBatch:
-    """What FFN ``compute`` receives: dequantized routed rows grouped by local expert, shared rows."""
+    """What FFN ``compute`` receives: the routed rows grouped by local expert, the shared rows, as received.
+
+    With ``dynamicQuant = 1`` the rows are int8 and ``dynamic_scales`` /
+    ``dynamic_scales_shared`` hold one float32 scale per row (the received
+    dynamic scales, read only after dispatch-recv completed): a W8A8 compute
+    uses them directly; :meth:`dequantized` gives the float rows for one that
+    does not.  Without it the rows are float and the scales None.
+    """
 
     layer_idx: int
     hidden_states: torch.Tensor
     group_list: torch.Tensor
     shared_hidden_states: torch.Tensor
+    dynamic_scales: torch.Tensor | None = None
+    dynamic_scales_shared: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.hidden_states.dtype == torch.int8
+
+    def dequantized(self, dtype: torch.dtype) -> CamAsyncFfnBatch:
+        """The same batch with the rows times their scales in ``dtype`` (float rows pass through)."""
+        return CamAsyncFfnBatch(
+            self.layer_idx,
+            dequantize(self.hidden_states, self.dynamic_scales, dtype),
+            self.group_list,
+            dequantize(self.shared_hidden_states, self.dynamic_scales_shared, dtype),
+        )
 
 
 @dataclass(frozen=True)

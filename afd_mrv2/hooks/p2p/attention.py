@@ -7,7 +7,9 @@ Work item ``(layer l, stage s)`` on an attention rank::
     on_compute  sum the FFN partials into one [T, H] tensor (token order of the
                 stage), call ``compute(item, combined)`` -> (x, topk_ids,
                 topk_weights) or None, and pack, for every FFN rank, the rows of
-                the tokens routed to at least one of its experts
+                the tokens routed to at least one of its experts (with option
+                ``quant: w8a8``: the rows quantized per token to int8, and their
+                scales)
     on_send     post the receives for this item's combine, then send a header
                 (and, for n > 0 tokens, the payload) to every FFN rank
 
@@ -39,6 +41,7 @@ import torch
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
+from afd_mrv2.hooks.quant import quantize_per_token
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
@@ -144,17 +147,22 @@ class AttentionSide(Side):
         self, work: Work, slot: _Outputs, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> None:
         """Pack, per FFN rank, the rows routed to its experts into ``slot``; record the dispatch."""
-        item = work.item
+        item, layout = work.item, self.layout
         owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
         dispatch = work.transfer["dispatch"] = _Dispatch(hidden.shape[0], [], [])
+        scales = None
+        if layout.quant is not None:  # per token, once for all FFN ranks, before anything is sent
+            hidden, scales = quantize_per_token(hidden)
         for f, ffn in enumerate(self.peers):
             index = (owners == f).any(dim=1).nonzero().squeeze(1)
             count = index.numel()
-            rows, weights, ids = self.layout.views(slot.staging[f], count)
+            rows, weights, ids = layout.views(slot.staging[f], count)
             torch.index_select(hidden, 0, index, out=rows)
+            if scales is not None:
+                torch.index_select(scales, 0, index, out=layout.scales(slot.staging[f], count))
             torch.index_select(topk_weights, 0, index, out=weights)
             ids.copy_(topk_ids.index_select(0, index))
-            wire.item_header(wire.KIND_DISPATCH, self.link.rank, ffn, item, count).write(slot.headers[f])
+            wire.item_header(layout.kind, self.link.rank, ffn, item, count).write(slot.headers[f])
             dispatch.counts.append(count)
             dispatch.indices.append(index)
 

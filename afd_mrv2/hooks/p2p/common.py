@@ -22,6 +22,14 @@ Options (``afd.connector_extra_config``), all optional:
 ``max_tokens``
     Per-stage token capacity of one attention rank (the buffer size); defaults
     to the ``model`` resource's ``max_tokens``.
+``quant`` (default: none, float32 rows)
+    ``"w8a8"``: the attention side quantizes each dispatched hidden row to int8
+    with one float32 scale per row (:mod:`afd_mrv2.hooks.quant`) and sends both;
+    the FFN side hands them to its compute as
+    ``compute(item, hidden_int8, topk_ids, topk_weights, scales)``, which
+    dequantizes (or computes on int8).  Every rank must set the same value (the
+    dispatch header's kind says which, so a rank that does not fails naming it).
+    The combine stays float32.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from typing import Any
 
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
+from afd_mrv2.hooks.quant import QUANT_MODES
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
-from afd_mrv2.options import integer, number, option, parse_section
+from afd_mrv2.options import integer, number, one_of, option, parse_section
 from afd_mrv2.work import Work
 
 _POSITIVE = number()
@@ -71,6 +80,7 @@ class P2pOptions:
     sim_latency_us: float | None = option(_NON_NEGATIVE, None)
     sim_bandwidth_gbps: float | None = option(_NON_NEGATIVE, None)  # 0 (the default): infinite
     max_tokens: int | None = option(integer(1), None)
+    quant: str | None = option(one_of(QUANT_MODES), None)
     link: LinkModel | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -94,7 +104,7 @@ class Side:
         self.shape = shape
         self.options = options
         self.capacity = options.max_tokens or shape.max_tokens
-        self.layout = DispatchLayout(shape.hidden_size, shape.top_k)
+        self.layout = DispatchLayout(shape.hidden_size, shape.top_k, options.quant)
         #: the global ranks of the other role, in index order: every one is a peer of every item
         self.peers = link.topology.peers_of(link.rank)
 

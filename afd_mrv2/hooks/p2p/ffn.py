@@ -8,8 +8,12 @@ Work item ``(layer l, stage s)`` on FFN rank ``f``::
                 and check its routing (ids in range, every row routed here)
     on_compute  concatenate the tokens of all attention ranks, call
                 ``compute(item, hidden [N, H], topk_ids [N, k], topk_weights [N, k])``
-                -> this rank's partial output [N, H]; pack one combine message
-                per attention rank (header + its rows)
+                -> this rank's partial output [N, H] (fp32); pack one combine
+                message per attention rank (header + its rows).  With option
+                ``quant: w8a8`` the hidden rows arrive as int8 and compute gets
+                their per-token float32 scales too:
+                ``compute(item, hidden_int8 [N, H], topk_ids, topk_weights, scales [N])``
+                (the received scales, after recv completed; compute dequantizes)
     on_send     send every combine message and wait until each was accepted
 
 An attention rank that routed no token here still sends a header (tokens = 0) and
@@ -43,9 +47,10 @@ class _Inputs:
 
     headers: torch.Tensor  # [A, HEADER_WORDS] int64, received dispatch headers
     staging: list[torch.Tensor]  # per attention rank, uint8 [max_tokens * row_bytes]
-    hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated
+    hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated (int8 with quant)
     topk_ids: torch.Tensor  # [A * max_tokens, k] int64
     topk_weights: torch.Tensor  # [A * max_tokens, k]
+    scales: torch.Tensor | None  # [A * max_tokens] fp32 with quant: the per-token dynamic scales
 
 
 class FfnSide(Side):
@@ -71,9 +76,10 @@ class FfnSide(Side):
             work.inputs.state = _Inputs(
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(cap), dtype=torch.uint8) for _ in range(n)],
-                hidden=torch.empty(n * cap, shape.hidden_size),
+                hidden=torch.empty(n * cap, shape.hidden_size, dtype=self.layout.hidden_dtype),
                 topk_ids=torch.empty(n * cap, shape.top_k, dtype=torch.int64),
                 topk_weights=torch.empty(n * cap, shape.top_k),
+                scales=None if self.layout.quant is None else torch.empty(n * cap),
             )
         return work.inputs.state
 
@@ -97,7 +103,7 @@ class FfnSide(Side):
         counts: list[int] = work.transfer.setdefault("counts", [])  # per-item transfer state, until on_send
         for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
-            expected = wire.item_header(wire.KIND_DISPATCH, peer, link.rank, item, tokens=0)
+            expected = wire.item_header(self.layout.kind, peer, link.rank, item, tokens=0)
             wire.validate_header(
                 got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity, me=link.me
             )
@@ -124,10 +130,15 @@ class FfnSide(Side):
                 slot.hidden[total : total + n].copy_(rows)
                 slot.topk_weights[total : total + n].copy_(weights)
                 slot.topk_ids[total : total + n].copy_(ids)
+                if slot.scales is not None:
+                    slot.scales[total : total + n].copy_(self.layout.scales(slot.staging[a], n))
             total += n
         output = None
         if total:
-            output = compute(item, slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total])
+            payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
+            if slot.scales is not None:  # the received dynamic scales reach compute (see the module docstring)
+                payload.append(slot.scales[:total])
+            output = compute(item, *payload)
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
                 got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")

@@ -36,14 +36,16 @@ Resources (``ConnectorContext.resources``):
     (:mod:`afd_mrv2.mrv2.ffn_server`), so that none waits for another's items.
 
 Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
-``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``).
+``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``,
+``quant``).
 
 The owner's ``compute`` (the executor's ``compute=``):
     attention role, pipelined: ``compute(item, combined) -> (hidden, topk_ids, topk_weights) | None``
     (see :mod:`afd_mrv2.hooks.p2p.attention`);
     attention role, round trip: ``compute(item, (hidden, topk_ids, topk_weights)) -> the same triple``
     (see :mod:`afd_mrv2.hooks.p2p.roundtrip`);
-    FFN role: ``compute(item, hidden, topk_ids, topk_weights) -> partial_output``
+    FFN role: ``compute(item, hidden, topk_ids, topk_weights) -> partial_output``;
+    with ``quant: w8a8``: ``compute(item, hidden_int8, topk_ids, topk_weights, scales)``
     (see :mod:`afd_mrv2.hooks.p2p.ffn`).
 
 Contract between the roles: both number work items identically (the same

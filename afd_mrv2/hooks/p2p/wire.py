@@ -11,7 +11,9 @@ Messages per work item and (attention rank, FFN rank) pair::
 
     attention -> FFN   TAG_DISPATCH_HEADER   header (9 x int64)
                        TAG_DISPATCH_PAYLOAD  n rows of [hidden fp32 x H | weights fp32 x k | ids int32 x k]
-                                             (only when n > 0; n comes from the validated header)
+                                             (only when n > 0; n comes from the validated header);
+                                             with ``quant: w8a8`` (kind dispatch-w8a8): n rows of
+                                             [hidden int8 x H | scale fp32 | weights | ids]
     FFN -> attention   TAG_COMBINE           [header | n rows of fp32 x H] in one message
                                              (n = what the attention rank dispatched, so it can
                                              post this receive before the FFN rank even has the data)
@@ -51,7 +53,16 @@ KIND_DISPATCH = 1
 KIND_COMBINE = 2
 KIND_ABORT = 3
 KIND_BYE = 4
-KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_COMBINE: "combine", KIND_ABORT: "abort", KIND_BYE: "bye"}
+#: a dispatch whose hidden rows are per-token int8 with float32 scales (option ``quant: w8a8``); a
+#: different kind, so that ranks configured differently fail on the header, not on the payload size
+KIND_DISPATCH_W8A8 = 5
+KIND_NAMES = {
+    KIND_DISPATCH: "dispatch",
+    KIND_COMBINE: "combine",
+    KIND_ABORT: "abort",
+    KIND_BYE: "bye",
+    KIND_DISPATCH_W8A8: "dispatch-w8a8",
+}
 
 TAG_DISPATCH_HEADER = 0x0A01
 TAG_DISPATCH_PAYLOAD = 0x0A02
@@ -166,30 +177,61 @@ def _bad(peer: int, field: str, detail: str, peer_name: str, what: str) -> Proto
 
 @dataclass(frozen=True)
 class DispatchLayout:
-    """Byte layout of one dispatch payload row: hidden (fp32), weights (fp32), ids (int32).
+    """Byte layout of one dispatch payload of ``n`` rows, in blocks: hidden, [scales,] weights, ids.
 
-    One contiguous message per (item, peer) instead of three keeps gloo's
+    Float layout (``quant`` None): hidden fp32 [n, H] | weights fp32 [n, k] | ids int32 [n, k].
+    ``quant = "w8a8"``: hidden int8 [n, H] (padded to a multiple of 4 bytes) |
+    scales fp32 [n] | weights | ids: a quarter of the hidden bytes plus 4 per row.
+
+    One contiguous message per (item, peer) instead of several keeps gloo's
     per-message cost (tens of microseconds) out of the hot path.
     """
 
     hidden_size: int
     top_k: int
+    quant: str | None = None
+
+    @property
+    def kind(self) -> int:
+        """The header kind of a dispatch in this layout."""
+        return KIND_DISPATCH if self.quant is None else KIND_DISPATCH_W8A8
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return torch.float32 if self.quant is None else torch.int8
+
+    def _hidden_bytes(self, tokens: int) -> int:
+        raw = tokens * self.hidden_size * (4 if self.quant is None else 1)
+        return -(-raw // 4) * 4  # the fp32 blocks after it start 4-byte aligned
+
+    def _scale_bytes(self, tokens: int) -> int:
+        return 0 if self.quant is None else tokens * 4
 
     @property
     def row_bytes(self) -> int:
-        return 4 * (self.hidden_size + 2 * self.top_k)
+        """Bytes of a one-row payload."""
+        return self.nbytes(1)
 
     def nbytes(self, tokens: int) -> int:
-        return tokens * self.row_bytes
+        return self._hidden_bytes(tokens) + self._scale_bytes(tokens) + tokens * self.top_k * 8
 
     def views(self, buffer: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden [n, H] fp32, weights [n, k] fp32, ids [n, k] int32) viewing ``buffer``."""
+        """(hidden [n, H] fp32 or int8, weights [n, k] fp32, ids [n, k] int32) viewing ``buffer``."""
         h, k = self.hidden_size, self.top_k
-        a, b = tokens * h * 4, tokens * (h + k) * 4
-        hidden = buffer[:a].view(torch.float32).view(tokens, h)
-        weights = buffer[a:b].view(torch.float32).view(tokens, k)
-        ids = buffer[b : self.nbytes(tokens)].view(torch.int32).view(tokens, k)
+        a = self._hidden_bytes(tokens)
+        b = a + self._scale_bytes(tokens)
+        c = b + tokens * k * 4
+        hidden = buffer[: tokens * h * self.hidden_dtype.itemsize].view(self.hidden_dtype).view(tokens, h)
+        weights = buffer[b:c].view(torch.float32).view(tokens, k)
+        ids = buffer[c : self.nbytes(tokens)].view(torch.int32).view(tokens, k)
         return hidden, weights, ids
+
+    def scales(self, buffer: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The per-row float32 scales [n] of a quantized payload viewing ``buffer``."""
+        if self.quant is None:
+            raise ValueError("a float dispatch layout has no scales")
+        a = self._hidden_bytes(tokens)
+        return buffer[a : a + self._scale_bytes(tokens)].view(torch.float32)
 
 
 def combine_nbytes(hidden_size: int, tokens: int) -> int:

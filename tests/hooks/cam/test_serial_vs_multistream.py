@@ -9,10 +9,13 @@ output buffer counts set apart (3 in / 2 out, 2 in / 3 out).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from afd_mrv2.devices import RecordingBackend
+from afd_mrv2.hooks.cam.camasync_state import CamAsyncFfnBatch
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
 from afd_mrv2.testing.cam_fabric import DelayChannel, DelayEveryOther
 from afd_mrv2.testing.happens_before import _Clocks, check_happens_before
@@ -199,3 +202,33 @@ def test_attention_counts_over_the_stage_count_lose_the_pairing_edge(
     run(spec, backends=backends)
     with pytest.raises(AssertionError):
         assert_dispatch_before_combine(backends[("attention", 0)].log, spec.num_stages)
+
+
+def test_camasync_dynamic_quant_hands_the_received_scales_to_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With dynamicQuant the FFN compute gets the int8 rows and their per-row scales, as received
+    (it dequantizes itself): the scales reach compute, nothing dequantizes behind its back."""
+    from afd_mrv2.probe import cluster
+
+    seen: list[CamAsyncFfnBatch] = []
+    real = cluster.camasync_ffn
+
+    def recording(*args: Any) -> Any:
+        compute = real(*args)
+
+        def wrapped(item: Any, batch: CamAsyncFfnBatch) -> Any:
+            seen.append(batch)
+            return compute(item, batch)
+
+        return wrapped
+
+    monkeypatch.setattr(cluster, "camasync_ffn", recording)
+    spec = ClusterSpec(**{**CAMASYNC.__dict__, "dynamic_quant": 1})
+    assert_matches_reference(run(spec).outputs(), spec, atol=1e-1)
+    assert seen and all(b.quantized for b in seen)
+    for b in seen:
+        assert b.hidden_states.dtype == b.shared_hidden_states.dtype == torch.int8
+        assert b.dynamic_scales is not None and b.dynamic_scales.dtype == torch.float32
+        assert b.dynamic_scales.shape == (b.hidden_states.shape[0],)
+        assert b.dynamic_scales_shared is not None
+        assert b.dynamic_scales_shared.shape == (b.shared_hidden_states.shape[0],)
+    assert any(bool((b.dynamic_scales > 0).any()) for b in seen)
