@@ -1,7 +1,8 @@
-"""``afd-mrv2 serve`` with several Attention engines and FFN ranks (2A1F, 2A2F) on real vLLM.
+"""``afd-mrv2 serve`` with several Attention engines and FFN ranks (2A1F, 2A2F, 1A2F) on real vLLM.
 
-Mixtral-style checkpoint, V1 CPU runner, 2A1F serialized and 2A2F with ``--depth auto``
-(multistream on every role); plain vLLM (afd-mrv2 installed, no ``afd``
+Mixtral-style checkpoint, V1 CPU runner, 2A1F serialized, 2A2F with ``--depth auto``
+(multistream on every role) and 1A2F serialized (more FFN ranks than Attention engines: a
+free topology, the experts sharded over both FFN ranks); plain vLLM (afd-mrv2 installed, no ``afd``
 section) answers the same 32 greedy completions of 16 tokens twice (the plain-vs-plain
 figure), each topology once, all sent concurrently.  The proxy spreads the requests over
 two independent engines, so their batches differ from plain vLLM's single engine: the
@@ -14,7 +15,7 @@ From inside the processes (vLLM's ``collective_rpc``, over HTTP with
   hold exactly plain vLLM's (2F: each rank keeps its half of the experts);
 * every FFN rank served exactly (MoE layers x forwards) items of every Attention engine:
   the engine's own count of routed-expert calls, warm-up included;
-* both engines served requests (the proxy balances), each on its own clock.
+* with 2A, both engines served requests (the proxy balances), each on its own clock.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from tests.vllm.serving import DEV_MODE, PlainServer, Serve, body, compare, comp
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
 
 #: (Attention engines, FFN ranks, serve's --depth): 2A2F runs multistream with depth auto on every
-#: role (what grants ``multistream_ffn`` on the CPU test vehicle), 2A1F serialized (the default)
-TOPOLOGIES = [(2, 1, None), (2, 2, "auto")]
+#: role (what grants ``multistream_ffn`` on the CPU test vehicle), 2A1F serialized (the default),
+#: 1A2F serialized (F > A: no rank pairing, every FFN rank serves the one engine)
+TOPOLOGIES = [(2, 1, None), (2, 2, "auto"), (1, 2, None)]
 TOKENS = 16
 #: 32 prompts: the 16 of tests/vllm/engine.py and each once more with a suffix
 PROMPTS_32 = [*PROMPTS, *(f"{p} and then" for p in PROMPTS)]
