@@ -13,7 +13,9 @@ two resources (the contract ``simlink`` documents):
 The microbatch id comes from upstream's ``dbo_current_ubatch_id`` (through the
 typed adapter); ``num_stages`` (default 1) is how many microbatches a step has,
 which every item carries (``WorkItem.num_stages``) for the connector to put on
-the wire beside the id.
+the wire beside the id: a number, or a callable asked at each ``start`` for a
+runner whose steps are split or not step by step (the FFN side then follows the
+stage count on the wire, ``follow_stages`` of torch_p2p).
 
 Start and finish
 ----------------
@@ -98,9 +100,9 @@ class _Entry:
 class UBatchExchange:
     """The Attention side's AFD transfers; see the module docstring."""
 
-    def __init__(self, current_ubatch_id: Callable[[], int], *, num_stages: int = 1) -> None:
+    def __init__(self, current_ubatch_id: Callable[[], int], *, num_stages: int | Callable[[], int] = 1) -> None:
         self._current_ubatch_id = current_ubatch_id
-        self.num_stages = num_stages
+        self._num_stages = num_stages if callable(num_stages) else (lambda: num_stages)
         self._entries: dict[WorkItem, _Entry] = {}  # started, not finished (at most ``capacity``)
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -146,7 +148,7 @@ class UBatchExchange:
                     f"(the pool holds depth_in + depth_out = {self.capacity}): {open_items}; "
                     "finish a transfer before starting another"
                 )
-            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq), num_stages=self.num_stages)
+            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq), num_stages=self._num_stages())
             self._entries[item] = _Entry(hidden_states)
             self.items.append(item)
             try:

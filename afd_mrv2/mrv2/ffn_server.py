@@ -15,10 +15,11 @@ resource) never waits for another rank's item, and an idle Attention engine
 stalls nobody.  The expert computations of all loops take turns on one lock: the
 experts are one device's work (one compute stream, or the CPU's cores).
 
-Work item ``k`` of an Attention rank is MoE layer ``k % L`` (``L`` = number of MoE
-layers of the loaded model), stage 0, seq ``k``: the Attention side numbers its
-items the same way (:mod:`afd_mrv2.mrv2.remote`), and torch_p2p checks every
-header against it.
+Work item ``k`` of an Attention rank has seq ``k``; its MoE layer and stage
+identity (``stage i of n``) come from the Attention side's header (torch_p2p's
+``follow_stages``): an engine decides alone whether a step is split, so the FFN
+side accepts both stage counts, step by step, and checks the order (stages of a
+layer in order, layers in order, a new stage count only where a step begins).
 
 Experts on several FFN ranks: FFN rank ``f`` owns the block
 ``topology.experts_of(f)``.  Top-k entries outside the block weigh 0 here (the
@@ -49,7 +50,7 @@ import torch
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
-from afd_mrv2.hooks.p2p import P2pShape, PeerLink
+from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
@@ -250,7 +251,8 @@ def serve_ffn(
     loops: list[FfnLoop] = []
     for a in range(topology.num_attention):
         peer = topology.global_rank(ATTENTION, a)
-        resources = {"p2p_link": link, "model": p2p_shape, "attention_peers": [peer]}
+        # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
+        resources = {"p2p_link": link, "model": p2p_shape, "attention_peers": [peer], "follow_stages": True}
         trace = (
             Trace(rank=link.rank, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
         )
@@ -274,6 +276,8 @@ def serve_ffn(
                 loop.step()
         except PipelineError as exc:
             end = str(exc).splitlines()[0]
+            if not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
+                link.abort(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
         finally:
             try:
                 abandoned = len(loop.close().abandoned)

@@ -11,9 +11,9 @@ when warm-up is off) it builds what every AFD role builds: the ``p2p_link``
 configured connector, and a :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
 whose ``source`` / ``sink`` the connector reads and fills.  Each call is then
 ``exchange(ordinal, (x, topk_ids, topk_weights))``: one work item
-``(ordinal, 0, seq)``, where ``ordinal`` is the layer's position among the MoE
-layers (the FFN numbers its items the same way: item ``k`` is MoE layer
-``k % L``) and stage 0 (no microbatching on this path).
+``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among the MoE
+layers and ``stage`` of ``n`` comes from ``stage_of`` (``0`` of ``1`` on the vLLM
+MoE seam: no microbatching there); the FFN side follows the identity on the wire.
 
 :func:`remote_routed_experts` is a ``torch.library.custom_op``: Dynamo and
 Inductor see one opaque node (its fake implementation returns ``empty_like(x)``),
@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,12 +87,20 @@ class RemoteExperts:
     :param config: the parsed ``afd`` section (role attention).
     :param max_tokens: the most tokens one forward hands a MoE layer (vLLM's
         ``max_num_batched_tokens``): sizes the connector's buffers.
+    :param stage_of: ``() -> (stage, stage count)`` of the current call.  The
+        vLLM MoE seam runs every step as one stage (native micro-batching is
+        refused there by the support matrix), hence the default ``(0, 1)``; an
+        owner whose steps are split or not step by step passes its own, and the
+        FFN side follows the stage identity on the wire.
     """
 
-    def __init__(self, config: AfdConfig, *, max_tokens: int) -> None:
+    def __init__(
+        self, config: AfdConfig, *, max_tokens: int, stage_of: Callable[[], tuple[int, int]] = lambda: (0, 1)
+    ) -> None:
         check_vllm_path(config)
         self.config = config
         self.max_tokens = max_tokens
+        self.stage_of = stage_of
         self._layers: dict[int, MoeShape] = {}  # model layer index -> shape, as constructed
         self._order: list[int] = []  # model layer indices, sorted (set on the first call)
         self._session: _Session | None = None
@@ -122,7 +131,7 @@ class RemoteExperts:
         """The routed experts' output for ``x``, computed by the FFN role."""
         session = self._open()
         ordinal = self._order.index(layer_index)
-        if ordinal == 0:  # the first MoE layer: a new engine step
+        if ordinal == 0 and self.stage_of()[0] == 0:  # the first MoE layer's first stage: a new engine step
             self.steps += 1
             if layout_log_enabled():
                 self._log_layout(x.shape[0])
@@ -138,6 +147,9 @@ class RemoteExperts:
         :func:`~afd_mrv2.ubatch.layout.decide_split` without an exchange; there is
         no planner on this path, so the step runs as one stage.
         """
+        stages = self.stage_of()[1]
+        if stages > 1:  # an owner that splits its steps logs its own stages (it knows their rows)
+            return
         decision = decide_split(False, tokens, 0)
         (layout,) = step_layouts(
             [unsplit_stage([tokens])], dp_max_tokens=decision.dp_max_tokens, layout="tp", tp_size=1, tp_rank=0
@@ -163,7 +175,7 @@ class RemoteExperts:
         rank = topology.global_rank(ATTENTION, config.rank)
         link = open_peer_link(topology, rank, host=config.host, port=config.port)
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
-        exchange = UBatchExchange(lambda: 0)  # stage 0: no microbatching on this path
+        exchange = UBatchExchange(lambda: self.stage_of()[0], num_stages=lambda: self.stage_of()[1])
         plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
         backend = make_backend(config.multistream.backend)
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)

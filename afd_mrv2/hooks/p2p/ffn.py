@@ -38,6 +38,7 @@ from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hookspecs import ComputeFn
+from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
 
 
@@ -57,9 +58,17 @@ class FfnSide(Side):
     """Phase logic of an FFN rank; see the module docstring."""
 
     def __init__(
-        self, link: PeerLink, shape: P2pShape, options: P2pOptions, *, peers: Sequence[int] | None = None
+        self,
+        link: PeerLink,
+        shape: P2pShape,
+        options: P2pOptions,
+        *,
+        peers: Sequence[int] | None = None,
+        follow_stages: bool = False,
     ) -> None:
         super().__init__(link, shape, options)
+        self.follow_stages = follow_stages
+        self._last: tuple[int, int, int] | None = None  # follow_stages: (layer, stage, stages) of the last item
         local = link.topology.experts_of(link.index)
         self.local_experts = (local.start, local.stop)
         if peers is not None:
@@ -101,6 +110,8 @@ class FfnSide(Side):
         ]
         self.wait(headers, work, "recv", action)
         counts: list[int] = work.transfer.setdefault("counts", [])  # per-item transfer state, until on_send
+        if self.follow_stages:
+            item = work.transfer["item"] = self._follow(wire.Header.read(slot.headers[0]), item, self.peers[0])
         for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
             expected = wire.item_header(self.layout.kind, peer, link.rank, item, tokens=0)
@@ -120,7 +131,7 @@ class FfnSide(Side):
         charge_link(self.options, work, "recv", headers + payloads)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
-        item, slot, hidden_size = work.item, self._inputs(work), self.shape.hidden_size
+        item, slot, hidden_size = work.transfer.get("item", work.item), self._inputs(work), self.shape.hidden_size
         counts: list[int] = work.transfer["counts"]
         offsets, total = [], 0
         for a, n in enumerate(counts):
@@ -150,7 +161,7 @@ class FfnSide(Side):
                 wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])  # type: ignore[index]
 
     def on_send(self, work: Work) -> None:
-        item, outgoing = work.item, self._outgoing(work)
+        item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)
         sends = [
             self.link.isend(
                 outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
@@ -166,6 +177,50 @@ class FfnSide(Side):
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
         work.transfer.pop("counts", None)
+        work.transfer.pop("item", None)
+
+    def _follow(self, got: wire.Header, submitted: WorkItem, peer: int) -> WorkItem:
+        """``follow_stages``: the item's layer and stage identity, learned from the first peer's header.
+
+        An owner that cannot know a step's stage count in advance (independent
+        engines that split some steps and not others) submits items by sequence
+        number only.  The identity then comes from the wire, checked against the
+        order every Attention side issues: stages of a layer in order, layers in
+        order, and a new stage count only where a step begins (layer 0, stage 0).
+        The other peers' headers are then validated against it as usual, so peers
+        that split the same step differently still fail, naming both sides.
+        """
+        if got.magic != wire.MAGIC:
+            return submitted  # not this protocol: the header check that follows names the field
+        num_layers = self.shape.num_layers
+        if self._last is None:
+            allowed = {(0, 0)}
+        else:
+            layer, stage, stages = self._last
+            allowed = {(layer, stage + 1)} if stage + 1 < stages else {((layer + 1) % num_layers, 0)}
+        new_step = (got.layer, got.stage) == (0, 0)
+        fine = (
+            (got.layer, got.stage) in allowed
+            and 0 <= got.stage < got.stages
+            and (new_step or self._last is None or got.stages == self._last[2])
+        )
+        if not fine:
+            after = (
+                "the first item"
+                if self._last is None
+                else f"layer={self._last[0]} stage {self._last[1]} of {self._last[2]}"
+            )
+            raise ProtocolError(
+                f"malformed dispatch header from {self.link.describe(peer)}: field 'stage' stage identity out of "
+                f"order: it sent layer={got.layer} stage {got.stage} of {got.stages} (seq={got.seq}) after {after}; "
+                f"{self.link.me} expects {' or '.join(f'layer={layer_} stage {s}' for layer_, s in sorted(allowed))}"
+                + ("" if new_step or self._last is None else f" of {self._last[2]} (a step keeps its stage count)"),
+                peer=peer,
+                peer_name=self.link.describe(peer),
+                field="stage",
+            )
+        self._last = (got.layer, got.stage, got.stages)
+        return WorkItem(got.layer, got.stage, submitted.seq, num_stages=got.stages)
 
     # ------------------------------------------------------------------ checks
 

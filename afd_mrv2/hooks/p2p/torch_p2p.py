@@ -35,6 +35,12 @@ Resources (``ConnectorContext.resources``):
     ranks are independent engines runs one executor per attention rank
     (:mod:`afd_mrv2.mrv2.ffn_server`), so that none waits for another's items.
 
+    ``follow_stages`` (FFN role, optional, default false): take each item's layer
+    and stage identity from the Attention side's headers instead of from the
+    submitted item (checked against the order the Attention side issues them), so
+    an owner that cannot know whether a step was split (independent engines
+    deciding alone) accepts both stage counts; see ``FfnSide._follow``.
+
 Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
 ``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``,
 ``quant``).
@@ -97,7 +103,13 @@ class TorchP2pConnector:
         options = parse_options(context.config.extra)
         self.side: AttentionSide | FfnSide
         if role != ATTENTION:
-            self.side = FfnSide(link, shape, options, peers=context.resources.get("attention_peers"))
+            self.side = FfnSide(
+                link,
+                shape,
+                options,
+                peers=context.resources.get("attention_peers"),
+                follow_stages=bool(context.resources.get("follow_stages", False)),
+            )
         elif "sink" in context.resources:  # an exchange owner: each item is one round trip
             source, sink = context.resource("source"), context.resource("sink")
             self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=sink)
