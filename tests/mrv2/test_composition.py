@@ -117,6 +117,8 @@ def test_per_ubatch_communication_phases_run_through_the_executor() -> None:
     # microbatches alternate at every layer: u0 l0, u1 l0, u0 l1, ...; per step 3 layers x 2 microbatches
     order = [(i.layer_idx, i.stage_idx) for i in runner.afd.exchange.items]
     assert order == [(layer, ub) for layer in range(LAYERS) for ub in (0, 1)] * 2
+    # each item carries its step's stage count (the micro-batch count), which torch_p2p puts on the wire
+    assert {i.num_stages for i in runner.afd.exchange.items} == {2}
     assert len(submits) == 3 * len(order)
     for k, item in enumerate(runner.afd.exchange.items):
         ops = submits[3 * k : 3 * k + 3]

@@ -65,6 +65,10 @@ def make_ubatch_contexts(
     ]
 
 
+def dbo_enabled() -> bool:
+    return bool(_CONTEXT_OF_THREAD)
+
+
 def dbo_current_ubatch_id() -> int:
     context = _CONTEXT_OF_THREAD.get(threading.get_ident())
     return 0 if context is None else context.id
