@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             why = "; ".join(lines[:2])
             result, code = {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}, 3
             break
-        result["deployments"][role] = {k: v for k, v in vars(deployment).items()}
+        result["deployments"][role] = dict(vars(deployment))
     with open(args.out, "w") as out:
         json.dump(result, out)
     return code
