@@ -19,30 +19,20 @@ import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_server import ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.remote import RemoteExperts
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _free_port, _reference, afd
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _free_port, _reference, afd, start_ffn
 
 
-def _serve(port: int, done: dict[str, Any]) -> threading.Thread:
-    experts = [lambda x, w, ids, layer=layer: _reference(layer, x, w, ids) for layer in range(len(LAYERS))]
-
-    def ffn() -> None:
-        try:
-            done["report"] = serve_ffn(
-                ffn_serving_config(afd("ffn", port)),
-                experts,
-                SHAPE,
-                max_tokens=32,
-                dtype=torch.float32,
-                device=torch.device("cpu"),
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done["error"] = exc
-
-    thread = threading.Thread(target=ffn, daemon=True)
-    thread.start()
-    return thread
+def _pair(done: dict[str, Any], current: list[int]) -> tuple[threading.Thread, RemoteExperts]:
+    """A real serve_ffn thread and one Attention side whose (stage, stage count) is ``current``."""
+    port = _free_port()
+    thread = start_ffn(done, afd("ffn", port))
+    remote = RemoteExperts(
+        parse_afd_config(afd("attention", port)), max_tokens=32, stage_of=lambda: (current[0], current[1])
+    )
+    for layer in LAYERS:
+        remote.add_layer(layer, SHAPE)
+    return thread, remote
 
 
 def _step(remote: RemoteExperts, current: list[int], stages: int, tokens: int, gen: torch.Generator) -> float:
@@ -60,14 +50,9 @@ def _step(remote: RemoteExperts, current: list[int], stages: int, tokens: int, g
 
 
 def test_ffn_serves_split_and_unsplit_steps_of_one_engine(one_torch_thread: None) -> None:
-    port, done = _free_port(), {}
-    thread = _serve(port, done)
+    done: dict[str, Any] = {}
     current = [0, 1]
-    remote = RemoteExperts(
-        parse_afd_config(afd("attention", port)), max_tokens=32, stage_of=lambda: (current[0], current[1])
-    )
-    for layer in LAYERS:
-        remote.add_layer(layer, SHAPE)
+    thread, remote = _pair(done, current)
     gen = torch.Generator().manual_seed(0)
     try:
         diffs = [_step(remote, current, stages, tokens, gen) for stages, tokens in ((2, 5), (1, 9), (2, 3))]
@@ -81,14 +66,9 @@ def test_ffn_serves_split_and_unsplit_steps_of_one_engine(one_torch_thread: None
 
 
 def test_a_stage_count_that_changes_mid_step_fails_naming_both_identities(one_torch_thread: None) -> None:
-    port, done = _free_port(), {}
-    thread = _serve(port, done)
+    done: dict[str, Any] = {}
     current = [0, 2]
-    remote = RemoteExperts(
-        parse_afd_config(afd("attention", port)), max_tokens=32, stage_of=lambda: (current[0], current[1])
-    )
-    for layer in LAYERS:
-        remote.add_layer(layer, SHAPE)
+    thread, remote = _pair(done, current)
     x, w = torch.randn(4, SHAPE.hidden_size), torch.rand(4, SHAPE.top_k)
     ids = torch.zeros(4, SHAPE.top_k, dtype=torch.int32)
     try:

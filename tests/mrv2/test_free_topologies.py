@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.ffn_server import FfnReport
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
 from afd_mrv2.topology import Topology
-from tests.mrv2.test_vllm_path import LAYERS, _free_port, afd
+from tests.mrv2.test_vllm_path import LAYERS, _free_port, afd, start_ffn
 
 
 def _weights(shape: MoeShape, layer: int) -> torch.Tensor:
@@ -52,21 +52,6 @@ def test_free_topology_round_trips_match_the_unsharded_reference(
     ranks: dict[str, Any] = {"num_attention_ranks": attention, "num_ffn_ranks": ffn}
     done: dict[str, Any] = {}
 
-    def serve(f: int) -> None:
-        try:
-            done[f"report{f}"] = serve_ffn(
-                ffn_serving_config({**afd("ffn", port), **ranks, "rank": f}),
-                [_block_experts(shape, layer, topology.experts_of(f)) for layer in range(len(LAYERS))],
-                shape,
-                max_tokens=16,
-                dtype=torch.float32,
-                device=torch.device("cpu"),
-                index=f,
-                local_experts_only=True,
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done[f"error{f}"] = exc
-
     remotes = [
         RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": a}), max_tokens=16)
         for a in range(attention)
@@ -89,9 +74,21 @@ def test_free_topology_round_trips_match_the_unsharded_reference(
         except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
             done[f"attention-error{a}"] = exc
 
-    servers = [threading.Thread(target=serve, args=(f,), daemon=True) for f in range(ffn)]
+    servers = [
+        start_ffn(
+            done,
+            {**afd("ffn", port), **ranks, "rank": f},
+            [_block_experts(shape, layer, topology.experts_of(f)) for layer in range(len(LAYERS))],
+            key=f,
+            shape=shape,
+            max_tokens=16,
+            index=f,
+            local_experts_only=True,
+        )
+        for f in range(ffn)
+    ]
     clients = [threading.Thread(target=run, args=(a,), daemon=True) for a in range(attention)]
-    for thread in servers + clients:
+    for thread in clients:
         thread.start()
     for thread in clients:
         thread.join(120)

@@ -56,6 +56,43 @@ def _expert_weights(layer: int) -> torch.Tensor:
     )
 
 
+def start_ffn(
+    done: dict[str, Any],
+    raw: dict[str, Any],
+    experts: list[Any] | None = None,
+    *,
+    key: object = "",
+    shape: MoeShape = SHAPE,
+    max_tokens: int = 32,
+    **kwargs: Any,
+) -> threading.Thread:
+    """``serve_ffn`` of the afd section ``raw`` on a daemon thread (the FFN process of these tests).
+
+    Its report lands in ``done[f"report{key}"]``, an exception in ``done[f"error{key}"]``;
+    ``experts`` defaults to the full reference experts of every layer.
+    """
+    if experts is None:
+        experts = [lambda x, w, ids, layer=layer: _reference(layer, x, w, ids) for layer in range(len(LAYERS))]
+
+    def ffn() -> None:
+        try:
+            done[f"report{key}"] = serve_ffn(
+                ffn_serving_config(raw),
+                experts,
+                shape,
+                max_tokens=max_tokens,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                **kwargs,
+            )
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
+            done[f"error{key}"] = exc
+
+    thread = threading.Thread(target=ffn, daemon=True)
+    thread.start()
+    return thread
+
+
 def _reference(layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     w = _expert_weights(layer)
     out = torch.zeros_like(x)
@@ -69,24 +106,8 @@ def test_round_trips_between_attention_and_ffn_roles(
 ) -> None:
     monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")
     port = _free_port()
-    experts = [lambda x, w, ids, layer=layer: _reference(layer, x, w, ids) for layer in range(len(LAYERS))]
     done: dict[str, Any] = {}
-
-    def ffn() -> None:
-        try:
-            done["report"] = serve_ffn(
-                ffn_serving_config(afd("ffn", port)),
-                experts,
-                SHAPE,
-                max_tokens=32,
-                dtype=torch.float32,
-                device=torch.device("cpu"),
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done["error"] = exc
-
-    thread = threading.Thread(target=ffn, daemon=True)
-    thread.start()
+    thread = start_ffn(done, afd("ffn", port))
     remote = RemoteExperts(parse_afd_config(afd("attention", port)), max_tokens=32)
     for layer in LAYERS:
         remote.add_layer(layer, SHAPE)
@@ -162,22 +183,6 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
         topology["multistream"] = multistream
     done: dict[str, Any] = {}
 
-    def ffn(rank: int) -> None:
-        block = range(2 * rank, 2 * rank + 2)
-        try:
-            done[f"report{rank}"] = serve_ffn(
-                ffn_serving_config({**afd("ffn", port), **topology, "rank": rank}),
-                [_block_experts(layer, block) for layer in range(len(LAYERS))],
-                SHAPE,
-                max_tokens=32,
-                dtype=torch.float32,
-                device=torch.device("cpu"),
-                index=rank,
-                local_experts_only=True,
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done[f"error{rank}"] = exc
-
     remotes = [
         RemoteExperts(parse_afd_config({**afd("attention", port), **topology, "rank": a}), max_tokens=32)
         for a in range(2)
@@ -206,9 +211,19 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
             done[f"attention-error{a}"] = exc
             rank1_may_go_on.set()
 
-    threads = [threading.Thread(target=ffn, args=(f,), daemon=True) for f in range(2)]
+    threads = [
+        start_ffn(
+            done,
+            {**afd("ffn", port), **topology, "rank": f},
+            [_block_experts(layer, range(2 * f, 2 * f + 2)) for layer in range(len(LAYERS))],
+            key=f,
+            index=f,
+            local_experts_only=True,
+        )
+        for f in range(2)
+    ]
     threads += [threading.Thread(target=attention, args=(a,), daemon=True) for a in range(2)]
-    for thread in threads:
+    for thread in threads[2:]:
         thread.start()
     for thread in threads[2:]:
         thread.join(120)

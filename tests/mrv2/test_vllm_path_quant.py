@@ -8,15 +8,13 @@ Bound: each element of an int8 row errs by at most half a step, ``eps_t = max|x_
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_server import ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.remote import RemoteExperts
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _expert_weights, _free_port, _reference, afd
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _expert_weights, _free_port, _reference, afd, start_ffn
 
 QUANT = {"connector_extra_config": {"quant": "w8a8"}}
 
@@ -30,24 +28,8 @@ def _bound(ordinal: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
 def test_quantized_round_trips_on_the_vllm_path_stay_within_the_int8_bound(one_torch_thread: None) -> None:
     port = _free_port()
-    experts = [lambda x, w, ids, layer=layer: _reference(layer, x, w, ids) for layer in range(len(LAYERS))]
     done: dict[str, Any] = {}
-
-    def ffn() -> None:
-        try:
-            done["report"] = serve_ffn(
-                ffn_serving_config(afd("ffn", port, **QUANT)),
-                experts,
-                SHAPE,
-                max_tokens=32,
-                dtype=torch.float32,
-                device=torch.device("cpu"),
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done["error"] = exc
-
-    thread = threading.Thread(target=ffn, daemon=True)
-    thread.start()
+    thread = start_ffn(done, afd("ffn", port, **QUANT))
     remote = RemoteExperts(parse_afd_config(afd("attention", port, **QUANT)), max_tokens=32)
     for layer in LAYERS:
         remote.add_layer(layer, SHAPE)
