@@ -227,7 +227,9 @@ def test_edge_values_are_refused_with_one_line(section: dict, message: str) -> N
 
 def test_connector_options_name_the_key_and_the_accepted_values() -> None:
     key = "afd.connector_extra_config"
-    with pytest.raises(ConfigError, match=rf"^{key}\.recv_timeout: unknown key; accepted keys: max_tokens, quant, recv_"):
+    with pytest.raises(
+        ConfigError, match=rf"^{key}\.recv_timeout: unknown key; accepted keys: max_tokens, quant, recv_"
+    ):
         parse_options({"recv_timeout": 1})
     with pytest.raises(ConfigError, match=rf"^{key}\.latency_us: expected a number >= 0, got -1 \(int\)$"):
         LinkModel.from_options({"latency_us": -1})
