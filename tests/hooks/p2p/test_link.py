@@ -93,3 +93,20 @@ def test_a_peer_that_died_without_a_word_is_named_lost_after_the_settle_wait() -
         link.wait([data], timeout_s=5, work=None, action="receiving layer=0", option="recv_timeout_s")
     assert info.value.peer == 0 and "attention rank 0 (global rank 0)" in str(info.value)
     assert time.monotonic() - start < 2.0  # the settle wait is bounded
+
+
+def test_abort_lingers_after_its_notices_went_out_so_peers_can_read_them_before_the_exit() -> None:
+    """A rank that exits right after ``abort`` with unread data resets its connections, and a reset
+    drops what the peer had not read yet, the ABORT included: abort keeps the process alive for the
+    linger once a notice went out, and returns at once when none could go out (every peer gone)."""
+    link, _ = _ffn_link()
+    start = time.monotonic()
+    link.abort("FFN rank 0 failed", linger_s=0.3)
+    assert time.monotonic() - start >= 0.3
+    alone, group = _ffn_link()
+    for peer in (0, 1):  # both peers' connections already closed: no notice can go out
+        group.recvs[(peer, wire.TAG_CONTROL)].fail("Connection closed by peer")
+    time.sleep(0.1)  # the control watchers take the failures
+    start = time.monotonic()
+    alone.abort("FFN rank 0 failed", linger_s=5.0)
+    assert time.monotonic() - start < 1.0
