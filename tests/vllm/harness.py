@@ -135,6 +135,7 @@ class FfnRole:
         *,
         env: dict[str, str] | None = None,
         engine_args: dict[str, Any] | None = None,
+        new_session: bool = False,
     ) -> None:
         self.log = log
         self.started = time.monotonic()
@@ -142,7 +143,9 @@ class FfnRole:
         cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", str(model), "--afd", json.dumps(afd)]
         cmd += ["--engine-args", json.dumps({**ENGINE_ARGS, **(engine_args or {})})]
         self._file = open(log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=_env(env, core))
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._file, stderr=subprocess.STDOUT, env=_env(env, core), start_new_session=new_session
+        )
 
     def wait_ready(self, timeout_s: float = ENGINE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +25,7 @@ import pytest
 from afd_mrv2.serve.roles import group_alive
 from tests.serve.conftest import free_port_block, pid_alive
 from tests.vllm.engine import PROMPTS
-from tests.vllm.harness import make_model
+from tests.vllm.harness import FfnRole, afd_section, make_model
 from tests.vllm.serving import Serve, body, complete, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
@@ -108,3 +111,32 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
         assert serve.stdout == [f"afd-mrv2 serve: ready at {serve.url}/v1"]
     finally:
         serve.stop()
+
+
+def test_ffn_role_killed_alone_takes_its_engine_down(model: Path, tmp_path: Path) -> None:
+    """SIGKILL of only the FFN role process (started as serve starts it: leader of its own group).
+
+    vLLM's EngineCore and worker are its children and got no signal; before afd-mrv2's
+    leader watch they stayed alive and kept serving.  Now the serving worker sees the
+    leader gone and ends the role's process group."""
+    ffn = FfnRole(model, afd_section("ffn", free_port_block(3)), tmp_path / "ffn.log", "0", new_session=True)
+    try:
+        ffn.wait_ready()
+        time.sleep(2.0)  # the worker runs afd_ffn_serve: its link waits for an Attention engine
+        pid = ffn.proc.pid
+        assert group_alive(pid)
+        killed = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)
+        ffn.proc.wait(10)
+        deadline = killed + 20
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        gone_s = time.monotonic() - killed
+        log = ffn.log.read_text()
+        print(f"\n[faults] ffn_role leader pid {pid} SIGKILLed alone: its group gone after {gone_s:.1f} s", flush=True)
+        assert not group_alive(pid), f"the engine outlived its FFN role process by 20 s:\n{log[-2000:]}"
+        assert f"afd-mrv2 ffn: the FFN role process (pid {pid}) is gone: ending its engine" in log, log[-2000:]
+    finally:
+        ffn.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ffn.proc.pid, signal.SIGKILL)

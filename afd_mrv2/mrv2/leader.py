@@ -1,0 +1,75 @@
+"""The FFN role's engine ends with its role process.
+
+``python -m afd_mrv2.mrv2.ffn_role`` builds a vLLM engine whose EngineCore and
+worker are child processes; vLLM gives them no way to notice that the role
+process (the leader) died.  Killed with SIGKILL, the leader left them alive and
+still serving the Attention role (found under ``afd-mrv2 serve``, which kills
+the whole process group anyway; a role started by hand had no such help).  The
+leader writes its pid to :data:`LEADER_ENV` before it builds the engine; the
+worker that serves the experts watches it (:func:`watch_leader`) and, when it is
+gone, ends the role's process group (it is the leader's own group when the
+leader started it, as ``afd-mrv2 serve`` and an interactive shell do), or else
+only its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+LEADER_ENV = "AFD_MRV2_FFN_LEADER_PID"
+
+
+def leader_alive(pid: int) -> bool:
+    """False once ``pid`` exited (a zombie, not yet reaped, counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the signal-0 probe (a zombie then counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def watch_leader(
+    pid: int, on_gone: Callable[[], None], *, interval_s: float = 0.5, alive: Callable[[int], bool] = leader_alive
+) -> threading.Thread:
+    """A daemon thread that calls ``on_gone()`` once ``pid`` has exited."""
+
+    def watch() -> None:
+        while alive(pid):
+            time.sleep(interval_s)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name=f"afd-ffn-leader-{pid}", daemon=True)
+    thread.start()
+    return thread
+
+
+def end_with_leader(pid: int) -> None:
+    """What the serving worker does when the leader ``pid`` is gone: say so, end the role's processes."""
+    sys.stderr.flush()
+    os.write(2, f"afd-mrv2 ffn: the FFN role process (pid {pid}) is gone: ending its engine\n".encode())
+    if os.getpgid(0) == pid:  # the leader's own group: its EngineCore and workers, this process included
+        os.killpg(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+def watch_leader_from_env() -> threading.Thread | None:
+    """In the serving worker: watch the leader named by :data:`LEADER_ENV`, if any."""
+    value = os.environ.get(LEADER_ENV, "")
+    if not value.isdigit():
+        return None
+    pid = int(value)
+    return watch_leader(pid, lambda: end_with_leader(pid))
