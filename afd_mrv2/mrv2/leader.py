@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 LEADER_ENV = "AFD_MRV2_FFN_LEADER_PID"
@@ -42,19 +41,38 @@ def leader_alive(pid: int) -> bool:
         return True
 
 
+class LeaderWatch:
+    """A daemon thread that calls ``on_gone()`` once ``pid`` has exited, unless stopped first."""
+
+    def __init__(
+        self,
+        pid: int,
+        on_gone: Callable[[], None],
+        *,
+        interval_s: float = 0.5,
+        alive: Callable[[int], bool] = leader_alive,
+    ) -> None:
+        self._stopped = threading.Event()
+
+        def watch() -> None:
+            while alive(pid):
+                if self._stopped.wait(interval_s):
+                    return
+            if not self._stopped.is_set():
+                on_gone()
+
+        self.thread = threading.Thread(target=watch, name=f"afd-ffn-leader-{pid}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """The session ended on its own: the leader's normal exit must not end anything."""
+        self._stopped.set()
+
+
 def watch_leader(
     pid: int, on_gone: Callable[[], None], *, interval_s: float = 0.5, alive: Callable[[int], bool] = leader_alive
-) -> threading.Thread:
-    """A daemon thread that calls ``on_gone()`` once ``pid`` has exited."""
-
-    def watch() -> None:
-        while alive(pid):
-            time.sleep(interval_s)
-        on_gone()
-
-    thread = threading.Thread(target=watch, name=f"afd-ffn-leader-{pid}", daemon=True)
-    thread.start()
-    return thread
+) -> LeaderWatch:
+    return LeaderWatch(pid, on_gone, interval_s=interval_s, alive=alive)
 
 
 def end_with_leader(pid: int) -> None:
@@ -66,7 +84,7 @@ def end_with_leader(pid: int) -> None:
     os._exit(1)
 
 
-def watch_leader_from_env() -> threading.Thread | None:
+def watch_leader_from_env() -> LeaderWatch | None:
     """In the serving worker: watch the leader named by :data:`LEADER_ENV`, if any."""
     value = os.environ.get(LEADER_ENV, "")
     if not value.isdigit():

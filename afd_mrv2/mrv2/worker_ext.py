@@ -103,17 +103,21 @@ class AfdWorkerExtension:
         for layer in layers:  # this FFN rank holds only its experts
             keep_expert_block(layer, block)
         first = next(layers[0].parameters())
-        watch_leader_from_env()  # started by ffn_role: end with it (mrv2.leader)
-        report = serve_ffn(
-            config,
-            [_modular(layer) for layer in layers],
-            MoeShape(moe.hidden_dim, moe.experts_per_token, moe.num_experts),
-            max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
-            dtype=self.vllm_config.model_config.dtype,
-            device=first.device,
-            index=config.rank,
-            local_experts_only=True,
-        )
+        watch = watch_leader_from_env()  # started by ffn_role: end with it while serving (mrv2.leader)
+        try:
+            report = serve_ffn(
+                config,
+                [_modular(layer) for layer in layers],
+                MoeShape(moe.hidden_dim, moe.experts_per_token, moe.num_experts),
+                max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
+                dtype=self.vllm_config.model_config.dtype,
+                device=first.device,
+                index=config.rank,
+                local_experts_only=True,
+            )
+        finally:
+            if watch is not None:
+                watch.stop()
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
         summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()

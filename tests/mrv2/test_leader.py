@@ -42,6 +42,22 @@ def test_the_watch_calls_back_once_the_leader_exits() -> None:
         child.wait()
 
 
+def test_a_stopped_watch_never_calls_back() -> None:
+    """The session ended on its own: the leader's normal exit afterwards ends nothing."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = threading.Event()
+    try:
+        watch = watch_leader(child.pid, gone.set, interval_s=0.02)
+        watch.stop()
+        child.kill()
+        child.wait()
+        watch.thread.join(5)
+        assert not watch.thread.is_alive() and not gone.is_set()
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_no_leader_in_the_environment_means_no_watch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LEADER_ENV, raising=False)
     assert watch_leader_from_env() is None
