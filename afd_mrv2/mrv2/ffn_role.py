@@ -42,7 +42,7 @@ from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
-from afd_mrv2.mrv2.leader import LEADER_ENV
+from afd_mrv2.mrv2.leader import LEADER_KEY
 from afd_mrv2.options import json_object
 
 __all__ = ["main", "vllm_engine_kwargs"]
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from vllm import LLM
 
-    os.environ[LEADER_ENV] = str(os.getpid())  # the serving worker ends with this process (mrv2.leader)
+    additional[LEADER_KEY] = os.getpid()  # the serving worker ends with this process (mrv2.leader)
     llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=WORKER_EXTENSION, **engine_args)
     print(f"afd-mrv2 ffn: ready pid={os.getpid()}", flush=True)
     (report,) = llm.collective_rpc("afd_ffn_serve")

@@ -5,11 +5,12 @@ worker are child processes; vLLM gives them no way to notice that the role
 process (the leader) died.  Killed with SIGKILL, the leader left them alive and
 still serving the Attention role (found under ``afd-mrv2 serve``, which kills
 the whole process group anyway; a role started by hand had no such help).  The
-leader writes its pid to :data:`LEADER_ENV` before it builds the engine; the
-worker that serves the experts watches it (:func:`watch_leader`) and, when it is
-gone, ends the role's process group (it is the leader's own group when the
-leader started it, as ``afd-mrv2 serve`` and an interactive shell do), or else
-only its own process.
+leader puts its pid in the engine's ``additional_config`` (:data:`LEADER_KEY`,
+beside the ``afd`` section) before it builds the engine; the worker that serves
+the experts watches it (:func:`watch_role_leader`) and, when it is gone, ends
+the role's process group (it is the leader's own group when the leader started
+it, as ``afd-mrv2 serve`` and an interactive shell do), or else only its own
+process.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-LEADER_ENV = "AFD_MRV2_FFN_LEADER_PID"
+LEADER_KEY = "afd_mrv2_ffn_leader_pid"
 
 
 def leader_alive(pid: int) -> bool:
@@ -84,10 +86,14 @@ def end_with_leader(pid: int) -> None:
     os._exit(1)
 
 
-def watch_leader_from_env() -> LeaderWatch | None:
-    """In the serving worker: watch the leader named by :data:`LEADER_ENV`, if any."""
-    value = os.environ.get(LEADER_ENV, "")
-    if not value.isdigit():
+def leader_pid(additional_config: Mapping[str, Any] | None) -> int | None:
+    """The FFN role process's pid from the engine's ``additional_config``, or None (not started by ffn_role)."""
+    value = (additional_config or {}).get(LEADER_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def watch_role_leader(pid: int | None) -> LeaderWatch | None:
+    """In the serving worker: end with the FFN role process ``pid`` (None: nothing to watch)."""
+    if pid is None:
         return None
-    pid = int(value)
     return watch_leader(pid, lambda: end_with_leader(pid))

@@ -36,7 +36,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
-from afd_mrv2.mrv2.leader import watch_leader_from_env
+from afd_mrv2.mrv2.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.remote import MoeShape, attached
 from afd_mrv2.mrv2.runner import runner_info
 from afd_mrv2.topology import Topology
@@ -103,7 +103,8 @@ class AfdWorkerExtension:
         for layer in layers:  # this FFN rank holds only its experts
             keep_expert_block(layer, block)
         first = next(layers[0].parameters())
-        watch = watch_leader_from_env()  # started by ffn_role: end with it while serving (mrv2.leader)
+        # started by ffn_role: end with that process while serving (mrv2.leader)
+        watch = watch_role_leader(leader_pid(self.vllm_config.additional_config))
         try:
             report = serve_ffn(
                 config,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from afd_mrv2.mrv2.leader import LEADER_ENV, leader_alive, watch_leader, watch_leader_from_env
+from afd_mrv2.mrv2.leader import LEADER_KEY, leader_alive, leader_pid, watch_leader, watch_role_leader
 
 
 def test_a_killed_leader_is_gone_even_before_it_is_reaped() -> None:
@@ -58,29 +58,26 @@ def test_a_stopped_watch_never_calls_back() -> None:
         child.wait()
 
 
-def test_no_leader_in_the_environment_means_no_watch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(LEADER_ENV, raising=False)
-    assert watch_leader_from_env() is None
-    monkeypatch.setenv(LEADER_ENV, "not-a-pid")
-    assert watch_leader_from_env() is None
+def test_the_leader_pid_comes_from_the_engines_additional_config() -> None:
+    assert leader_pid({LEADER_KEY: 1234, "afd": {}}) == 1234
+    for config in (None, {}, {LEADER_KEY: "1234"}, {LEADER_KEY: True}, {LEADER_KEY: 0}):
+        assert leader_pid(config) is None, config
+    assert watch_role_leader(None) is None
 
 
 def test_a_worker_in_the_leaders_group_takes_the_group_down(tmp_path) -> None:
     """Leader (session leader) -> its child watching it; SIGKILL the leader: the child's group is gone."""
     child_code = (
         "import os, time\n"
-        "from afd_mrv2.mrv2.leader import watch_leader_from_env\n"
-        "watch_leader_from_env()\n"
+        "from afd_mrv2.mrv2.leader import watch_role_leader\n"
+        "watch_role_leader(os.getppid())\n"
         f"open({str(tmp_path / 'watching')!r}, 'w').close()\n"
         "time.sleep(60)\n"
     )
     leader_code = (
-        "import os, subprocess, sys, time\n"
-        f"os.environ[{LEADER_ENV!r}] = str(os.getpid())\n"
-        f"subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
-        "time.sleep(60)\n"
+        f"import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child_code!r}])\ntime.sleep(60)\n"
     )
-    leader = subprocess.Popen([sys.executable, "-c", leader_code], start_new_session=True, env=os.environ.copy())
+    leader = subprocess.Popen([sys.executable, "-c", leader_code], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "watching").exists() and time.monotonic() < deadline:
