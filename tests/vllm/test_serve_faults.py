@@ -98,9 +98,11 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
             flush=True,
         )
         for i, (status, answer) in enumerate(results):
-            if i % 2:  # streamed: the stream ends with an error event, never with [DONE]
-                assert status in (-1, 200) and answer and answer[-1] != "[DONE]", (i, answer[-2:])
-                assert "error" in str(answer[-1]).lower(), (i, answer[-2:])
+            if i % 2:  # streamed: the last event is an error, never a finished completion
+                # (cut by serve's proxy, or vLLM's own error event, which vLLM follows with [DONE])
+                events = [e for e in answer or [] if e != "[DONE]"]
+                assert status in (-1, 200) and events, (i, answer)
+                assert "error" in str(events[-1]).lower(), (i, answer[-2:])
             else:
                 assert status != 200, (i, answer)
         assert code == 1
