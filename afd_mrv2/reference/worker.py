@@ -47,10 +47,10 @@ from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
 from afd_mrv2.reference.quant_check import MoeCheck
 from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.reference.split_owner import SplitAttentionOwner
+from afd_mrv2.reference.split_steps import all_gather, decide_batches, groups, layout_log
 from afd_mrv2.reference.weights import build_weights
 from afd_mrv2.topology import ATTENTION
-from afd_mrv2.ubatch import plan_stages
-from afd_mrv2.ubatch.layout import StepDecision, decide_split, layout_log_enabled
+from afd_mrv2.ubatch.layout import layout_log_enabled
 
 LAUNCHER_ENV = "AFD_MRV2_LAUNCHER"  # the launcher's pid, set in the workers it starts
 
@@ -114,9 +114,8 @@ class _Session:
         self.weights = build_weights(self.spec)
         all_batches = range(cfg.warmup + cfg.batches)
         tp = cfg.attention_tp
-        self.dp_index = link.index // tp if self.role == ATTENTION else None
-        tp_group, attention_group = _groups(cfg)
-        decisions = _decisions(cfg, self.spec.vocab_size, all_batches, self.role, attention_group)
+        tp_group, attention_group = groups(cfg)
+        decisions = decide_batches(cfg, self.spec.vocab_size, all_batches, self.role, attention_group)
         self.schedule = Schedule(
             self.spec.num_layers, cfg.num_stages, {b: 1 for b, d in decisions.items() if not d.split}
         )
@@ -142,10 +141,10 @@ class _Session:
                     layout=cfg.layout,
                     tp_size=tp,
                     tp_rank=link.index % tp,
-                    tp_gather=(lambda t, g=group: _all_gather(t, g)) if group is not None else None,
+                    tp_gather=(lambda t, g=group: all_gather(t, g)) if group is not None else None,
                     decisions=decisions,
                     name=f"attention dp {dp} tp {link.index % tp} (global rank {link.rank})",
-                    log=_layout_log if layout_log_enabled() else None,
+                    log=layout_log if layout_log_enabled() else None,
                 )
             else:
                 self.owner = AttentionOwner(self.spec, self.weights, self.schedule, batches)
@@ -327,66 +326,6 @@ class _Session:
             owner.routed_tokens = 0
         else:
             owner.tokens = owner.calls = 0
-
-
-def _layout_log(line: str) -> None:
-    """An ``AFD_ASYNC_MOE_LAYOUT_LOG`` line on stderr, in one write (see :func:`progress`)."""
-    sys.stderr.flush()
-    os.write(2, f"{line}\n".encode("utf-8", "replace"))
-
-
-def _groups(cfg: RunConfig) -> tuple[list[Any], Any]:
-    """(TP group of each attention DP rank or [], the attention ranks' group or None); every rank calls this."""
-    if not cfg.async_moe_split:
-        return [], None
-    tp, procs = cfg.attention_tp, cfg.attention_processes
-    attention = dist.new_group(list(range(procs)))
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(cfg.num_attention)] if tp > 1 else []
-    return tp_groups, attention
-
-
-def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
-    return parts
-
-
-def _decisions(
-    cfg: RunConfig, vocab_size: int, batches: range, role: str, attention_group: Any
-) -> dict[int, StepDecision]:
-    """Split or unsplit, per batch, decided together by the attention ranks (one all-gather per batch).
-
-    An FFN rank takes no part in the attention ranks' collective: it derives the
-    same decisions from the seeded batch schedule (every rank can draw every
-    DP rank's batch lengths) and torch_p2p checks, in every header, that each
-    attention rank's stage count is the one it expects.
-    """
-    if not cfg.async_moe_split:
-        return {}
-    split = cfg.async_moe_split
-
-    def row(dp: int, b: int) -> list[int]:
-        lengths = concat(make_batch(cfg.batch_spec_for(dp, b), vocab_size, dp, b)).lengths
-        return [int(plan_stages(lengths, split=split) is not None), sum(lengths), len(lengths)]
-
-    def name_of(process: int) -> str:
-        return f"attention DP rank {process // cfg.attention_tp}"
-
-    out = {}
-    for b in batches:
-        if role == ATTENTION:
-            mine = row(dist.get_rank(attention_group) // cfg.attention_tp, b)
-
-            def exchange(values: Any) -> list[list[int]]:
-                return [p.tolist() for p in _all_gather(torch.tensor(values, dtype=torch.int64), attention_group)]
-
-            out[b] = decide_split(bool(mine[0]), mine[1], mine[2], exchange, name_of=name_of)
-        else:
-            rows = [row(p // cfg.attention_tp, b) for p in range(cfg.attention_processes)]
-            out[b] = decide_split(
-                bool(rows[0][0]), rows[0][1], rows[0][2], lambda _values, rows=rows: rows, name_of=name_of
-            )
-    return out
 
 
 def _cpu_s() -> float:
