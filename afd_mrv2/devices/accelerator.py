@@ -130,6 +130,11 @@ class AcceleratorBackend:
     def new_event(self) -> AcceleratorEvent:
         return AcceleratorEvent(self, torch.Event(device=self.device))
 
+    def bind_thread(self, device: torch.device | None) -> None:
+        index = self.device.index if device is None or device.index is None else device.index
+        if index is not None:
+            torch.accelerator.set_device_index(index)
+
     def _timing_event(self) -> torch.Event:
         if self._free_timing:
             return self._free_timing.pop()

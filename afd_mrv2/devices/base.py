@@ -109,6 +109,13 @@ class DeviceBackend(Protocol):
 
     def new_event(self) -> Event: ...
 
+    def bind_thread(self, device: Any) -> None:
+        """Prepare the calling host thread (a new one, e.g. a micro-batch thread) to issue work on
+        ``device`` (a ``torch.device``): the accelerator backend selects it, the CPU backends need nothing.
+        The one place a thread's device is chosen (upstream's ``torch.accelerator.set_device_index``
+        of a CPU device's index None raises)."""
+        ...
+
     def resolve(self, spans: list[Span]) -> None:
         """Fill device-measured span times; call only once the spans' work completed."""
         ...

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from afd_mrv2.devices.base import BackendCloseReport, Event, Span
 from afd_mrv2.errors import PipelineAborted
@@ -184,6 +185,9 @@ class HostBackend:
         event = HostEvent(self)
         self._events.append(event)
         return event
+
+    def bind_thread(self, device: Any) -> None:
+        del device  # a CPU thread needs no device selection
 
     def resolve(self, spans: list[Span]) -> None:
         return None  # host spans are timed in place by the stream threads

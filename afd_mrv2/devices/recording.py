@@ -162,6 +162,9 @@ class RecordingBackend:
     def new_event(self) -> RecordingEvent:
         return RecordingEvent(self, next(self._event_ids))
 
+    def bind_thread(self, device: Any) -> None:
+        del device  # simulated streams: no device to select
+
     def resolve(self, spans: list[Span]) -> None:
         return None
 

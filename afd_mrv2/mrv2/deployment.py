@@ -29,6 +29,8 @@ Deployment                             VllmConfig
 ``sequence_parallel``                  ``parallel_config.use_sequence_parallel_moe`` or
                                        ``compilation_config.pass_config.enable_sp`` (the latter exists in
                                        older vLLM only; 0.32/0.33 have no SP compilation pass)
+``v2_runner``                          ``use_v2_model_runner`` (``VLLM_USE_V2_MODEL_RUNNER``, else vLLM's choice)
+``triton``                             ``vllm.triton_utils.HAS_TRITON`` (Model Runner V2 needs it)
 =====================================  ===========================================================
 
 A field this vLLM does not have is never read as a default silently: the fact is
@@ -38,8 +40,9 @@ Vendor switches outside ``VllmConfig`` (vLLM-Ascend's FlashComm1 environment var
 are not read here.
 
 On top of the general matrix, where vLLM's MoE layers carry the transfers (the MoE
-seam: every role on this path, see :mod:`afd_mrv2.mrv2.remote`) native micro-batching
-of any count is refused: the seam numbers its transfers per layer, stage 0 only.
+seam: every role on this path, see :mod:`afd_mrv2.mrv2.remote`) vLLM's native
+micro-batching of any count is refused: only afd-mrv2's own micro-batch runner
+(``afd.ubatch``) tells the seam which micro-batch a call belongs to.
 """
 
 from __future__ import annotations
@@ -94,6 +97,15 @@ def _sequence_parallel(vc: Any) -> bool | None:
     return bool(moe) or bool(compile_pass)
 
 
+def _has_triton() -> bool | None:
+    """vLLM's own answer to "is Triton usable here" (MRV2 needs it), or None where this vLLM has no such flag."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return None
+    return bool(HAS_TRITON)
+
+
 def deployment_of(vllm_config: Any) -> Deployment:
     """The :class:`Deployment` of a real ``VllmConfig`` (see the module docstring for the fields)."""
     vc = vllm_config
@@ -120,6 +132,10 @@ def deployment_of(vllm_config: Any) -> Deployment:
                 "parallel_config.use_sequence_parallel_moe (nor compilation_config.pass_config.enable_sp)",
             )
         )
+    v2 = _read("v2_runner", "use_v2_model_runner", lambda: bool(vc.use_v2_model_runner), unknown)
+    triton = _has_triton()
+    if triton is None:
+        unknown.append(("triton", "vllm.triton_utils.HAS_TRITON"))
     if unknown:
         log.warning(
             "afd-mrv2: this vLLM's config has no %s; the support matrix refuses every rule that needs them",
@@ -131,26 +147,29 @@ def deployment_of(vllm_config: Any) -> Deployment:
         num_ubatches=default.num_ubatches if ubatches is None else ubatches,
         enforce_eager=default.enforce_eager if eager is None else eager,
         sequence_parallel=bool(sp),
+        v2_runner=default.v2_runner if v2 is None else v2,
+        triton=default.triton if triton is None else triton,
         unknown=tuple(unknown),
         **{name: 1 if value is None else value for name, value in sizes.items()},
     )
 
 
-def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, moe_seam: bool = True) -> Deployment:
+def check_vllm_deployment(config: AfdConfig, vllm_config: Any) -> Deployment:
     """Check ``config`` against the deployment ``vllm_config`` describes; raise :class:`ConfigError` (one line).
 
-    The general matrix (:func:`~afd_mrv2.support_matrix.check_deployment`), then, with
-    ``moe_seam`` (vLLM's MoE layers carry the transfers), native micro-batching of any count.
-    Creates nothing; returns the deployment it checked.
+    The general matrix (:func:`~afd_mrv2.support_matrix.check_deployment`), then vLLM's
+    native micro-batching of any count: vLLM's MoE layers carry the transfers, and only
+    afd-mrv2's own micro-batch runner tells them which micro-batch of how many a call
+    belongs to (``afd.ubatch``).  Creates nothing; returns the deployment it checked.
     """
     deployment = deployment_of(vllm_config)
     check_deployment(config, deployment)
-    if moe_seam and deployment.native_dbo:
+    if deployment.native_dbo:
         raise ConfigError(
             "afd",
             f"vLLM native micro-batching ({deployment.num_ubatches} micro-batches per step, --enable-dbo / "
-            "--ubatch-size) cannot run with AFD on vLLM's MoE seam, which transfers each layer's batch as one "
-            "stage; disable native micro-batching",
+            "--ubatch-size) cannot run with AFD on vLLM's MoE seam; leave it off and use afd.ubatch.num_ubatches "
+            "(afd-mrv2 serve --ubatches N)",
         )
     return deployment
 

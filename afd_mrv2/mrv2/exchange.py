@@ -10,21 +10,20 @@ two resources (the contract ``simlink`` documents):
 * ``source(item) -> Tensor``: the hidden states handed to ``start`` for ``item``;
 * ``sink(item, Tensor)``: where the connector delivers the item's result.
 
-The microbatch id comes from upstream's ``dbo_current_ubatch_id`` (through the
-typed adapter); ``num_stages`` (default 1) is how many microbatches a step has,
-which every item carries (``WorkItem.num_stages``) for the connector to put on
-the wire beside the id: a number, or a callable asked at each ``start`` for a
-runner whose steps are split or not step by step (the FFN side then follows the
-stage count on the wire, ``follow_stages`` of torch_p2p).
+Each item carries its stage identity, ``stage i of n`` (``WorkItem.stage_idx`` and
+``num_stages``), given by the caller of ``start``: the micro-batch index and the
+step's micro-batch count in a split step, ``0 of 1`` in an unsplit one.  The
+connector puts it on the wire beside the layer; the FFN side follows it
+(``follow_stages`` of torch_p2p), so an engine may split some steps and not others.
 
 Start and finish
 ----------------
 A transfer is split the way vLLM's dual-batch overlap splits an all-to-all
 (dispatch, yield, combine)::
 
-    ticket = exchange.start(layer, hidden)   # dispatch: enqueue send + receive
-    dbo_yield()                              # the sibling microbatch computes meanwhile
-    hidden = exchange.finish(ticket)         # combine: wait for THIS item's result
+    ticket = exchange.start(layer, hidden, stage=(i, n))  # dispatch: enqueue send + receive
+    dbo_yield()                                           # the sibling microbatch computes meanwhile
+    hidden = exchange.finish(ticket)                      # combine: wait for THIS item's result
 
 ``start`` submits the item (the executor enqueues its recv, compute and send on
 its streams) and returns; nothing it took is held afterwards, so while the
@@ -67,8 +66,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,28 +80,30 @@ _HISTORY = 4096  # items kept in ``UBatchExchange.items``
 
 @dataclass(frozen=True)
 class Ticket:
-    """What ``start`` returns and ``finish`` takes: the item in flight."""
+    """What ``start`` returns and ``finish`` takes: the item in flight, and when it was started
+    (``time.perf_counter_ns``)."""
 
     item: WorkItem
+    started_ns: int = 0
 
 
 @dataclass(eq=False)
 class _Entry:
-    """One pool entry: an item's hidden states and, once delivered, its result."""
+    """One pool entry: an item's hidden states and, once delivered, its result and when."""
 
     hidden: Any
     result: Any = _NO_RESULT
+    delivered_ns: int = 0
 
     def deliver(self, result: Any) -> None:
         self.result = result
+        self.delivered_ns = time.perf_counter_ns()
 
 
 class UBatchExchange:
     """The Attention side's AFD transfers; see the module docstring."""
 
-    def __init__(self, current_ubatch_id: Callable[[], int], *, num_stages: int | Callable[[], int] = 1) -> None:
-        self._current_ubatch_id = current_ubatch_id
-        self._num_stages = num_stages if callable(num_stages) else (lambda: num_stages)
+    def __init__(self) -> None:
         self._entries: dict[WorkItem, _Entry] = {}  # started, not finished (at most ``capacity``)
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -137,8 +138,8 @@ class UBatchExchange:
 
     # ------------------------------------------------------------------ the model's calls
 
-    def start(self, layer_idx: int, hidden_states: Any) -> Ticket:
-        """Enqueue the AFD transfer of ``hidden_states`` for this layer and microbatch."""
+    def start(self, layer_idx: int, hidden_states: Any, *, stage: tuple[int, int] = (0, 1)) -> Ticket:
+        """Enqueue the AFD transfer of ``hidden_states`` for this layer and ``stage`` ``(i, n)``: stage i of n."""
         executor = self._require_executor()
         with self._lock:
             if len(self._entries) >= self.capacity:
@@ -148,7 +149,8 @@ class UBatchExchange:
                     f"(the pool holds depth_in + depth_out = {self.capacity}): {open_items}; "
                     "finish a transfer before starting another"
                 )
-            item = WorkItem(layer_idx, self._current_ubatch_id(), next(self._seq), num_stages=self._num_stages())
+            item = WorkItem(layer_idx, stage[0], next(self._seq), num_stages=stage[1])
+            started = time.perf_counter_ns()
             self._entries[item] = _Entry(hidden_states)
             self.items.append(item)
             try:
@@ -156,10 +158,14 @@ class UBatchExchange:
             except BaseException:
                 del self._entries[item]
                 raise
-        return Ticket(item)
+        return Ticket(item, started)
 
     def finish(self, ticket: Ticket) -> Any:
         """Wait for ``ticket``'s item only and return its result."""
+        return self.finish_timed(ticket)[0]
+
+    def finish_timed(self, ticket: Ticket) -> tuple[Any, int]:
+        """:meth:`finish`, also returning when the connector delivered the result (``perf_counter_ns``)."""
         executor = self._require_executor()
         item = ticket.item
         if item not in self._entries:
@@ -170,11 +176,11 @@ class UBatchExchange:
             entry = self._entries.pop(item)
         if entry.result is _NO_RESULT:
             raise RuntimeError(f"UBatchExchange.finish: the connector completed {item} without calling sink")
-        return entry.result
+        return entry.result, entry.delivered_ns
 
-    def exchange(self, layer_idx: int, hidden_states: Any) -> Any:
+    def exchange(self, layer_idx: int, hidden_states: Any, *, stage: tuple[int, int] = (0, 1)) -> Any:
         """``start`` + ``finish``: the transfer for callers that do not overlap."""
-        return self.finish(self.start(layer_idx, hidden_states))
+        return self.finish(self.start(layer_idx, hidden_states, stage=stage))
 
     def _require_executor(self) -> Executor:
         if self._executor is None:

@@ -43,6 +43,7 @@ from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.remote import MoeShape, attach
 from afd_mrv2.mrv2.standin import RemoteExpertsMethod, ZeroExpertsMethod
+from afd_mrv2.mrv2.upstream import load_handoff
 from afd_mrv2.validation import validate
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class AfdRoutedExperts(RoutedExperts):
             check_vllm_deployment(config, vllm_config)
         if config is None or config.role != ATTENTION:
             return super()._get_quant_method(prefix, quant_config, moe_config)
-        remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, handoff=load_handoff())
         layer_index = extract_layer_index(prefix)
         shape = MoeShape(moe_config.hidden_dim, moe_config.experts_per_token, moe_config.num_experts)
         remote.add_layer(layer_index, shape)

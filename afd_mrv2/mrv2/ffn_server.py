@@ -93,7 +93,8 @@ class FfnReport:
     per rank): one per MoE layer per Attention forward, whether or not a token of
     it was routed here.  ``computed``: those with at least one token here (the
     expert computations, ``busy_s`` long in all; ``tokens_per_item`` counts them
-    by token count).
+    by token count).  ``items_by_stage_count``: items served per stage count as the
+    wire named it (``{1: ...}`` unsplit steps, ``{2: ...}`` steps of two micro-batches).
     """
 
     moe_layers: int
@@ -102,6 +103,7 @@ class FfnReport:
     end: str = ""
     tokens_per_item: Counter[int] = field(default_factory=Counter)
     items_per_attention: Counter[int] = field(default_factory=Counter)
+    items_by_stage_count: Counter[int] = field(default_factory=Counter)
     #: attention rank index -> why its loop ended
     ends: dict[int, str] = field(default_factory=dict)
     #: attention rank index -> its executor at the end: pipelined (multistream) or serialized, buffers in/out
@@ -113,6 +115,11 @@ class FfnReport:
     @property
     def items(self) -> int:
         return sum(self.items_per_attention.values())
+
+    def item_seen(self, item: WorkItem) -> None:
+        """An item's headers arrived (the connector's ``on_item``): count it by its stage count."""
+        with self._lock:
+            self.items_by_stage_count[item.num_stages] += 1
 
     def record(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -139,6 +146,7 @@ class FfnReport:
             "moe_layers": self.moe_layers,
             "items": self.items,
             "items_per_attention": {str(a): n for a, n in sorted(self.items_per_attention.items())},
+            "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
             "computed": self.computed,
             "busy_s": round(self.busy_s, 6),
             "end": self.end,
@@ -252,7 +260,13 @@ def serve_ffn(
     for a in range(topology.num_attention):
         peer = topology.global_rank(ATTENTION, a)
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
-        resources = {"p2p_link": link, "model": p2p_shape, "attention_peers": [peer], "follow_stages": True}
+        resources = {
+            "p2p_link": link,
+            "model": p2p_shape,
+            "attention_peers": [peer],
+            "follow_stages": True,
+            "on_item": report.item_seen,
+        }
         trace = (
             Trace(rank=link.rank, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
         )

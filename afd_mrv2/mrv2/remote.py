@@ -9,11 +9,23 @@ first AFD layer).  On the first call (vLLM's warm-up forward, or the first reque
 when warm-up is off) it builds what every AFD role builds: the ``p2p_link``
 (:mod:`afd_mrv2.mrv2.p2p_link`), the shared executor (role attention) with the
 configured connector, and a :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
-whose ``source`` / ``sink`` the connector reads and fills.  Each call is then
-``exchange(ordinal, (x, topk_ids, topk_weights))``: one work item
-``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among the MoE
-layers and ``stage`` of ``n`` comes from ``stage_of`` (``0`` of ``1`` on the vLLM
-MoE seam: no microbatching there); the FFN side follows the identity on the wire.
+whose ``source`` / ``sink`` the connector reads and fills.  Each call is then one
+work item ``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among
+the MoE layers and ``stage i of n`` is the calling micro-batch and the step's
+micro-batch count in a split step (:func:`afd_mrv2.mrv2.handoff.current_step`), ``0
+of 1`` otherwise; the FFN side follows the identity on the wire.
+
+Unsplit, a call is one blocking round trip (``start`` + ``finish``).  In a split
+step (a micro-batch thread of :mod:`afd_mrv2.mrv2.ubatch_runner`) a call is::
+
+    ticket = exchange.start(ordinal, routed, stage=(i, n))   # the send
+    step.hand_over(i)                                         # vLLM's dbo_yield: the sibling computes
+    out = exchange.finish(ticket)                             # the receive, when control came back
+
+and when a sibling failed meanwhile (:class:`~afd_mrv2.mrv2.handoff.SiblingFailed`
+after the hand-off) the call waits for its own round trip (so no transfer is left
+half-done in the pool) and ends its micro-batch.  Every call records its round trip
+and the compute span before it in an :class:`~afd_mrv2.mrv2.overlap.OverlapMeter`.
 
 :func:`remote_routed_experts` is a ``torch.library.custom_op``: Dynamo and
 Inductor see one opaque node (its fake implementation returns ``empty_like(x)``),
@@ -27,22 +39,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from afd_mrv2.config import AfdConfig
-from afd_mrv2.devices import make_backend
-from afd_mrv2.errors import ConfigError
+from afd_mrv2.devices import DeviceBackend, Stream, make_backend
+from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.items import ATTENTION, WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
+from afd_mrv2.mrv2.handoff import Handoff, SiblingFailed, SplitStep, current_step
+from afd_mrv2.mrv2.overlap import OverlapMeter
 from afd_mrv2.mrv2.p2p_link import open_peer_link
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import Plugins, load_plugins
 from afd_mrv2.topology import Topology
 from afd_mrv2.ubatch.layout import decide_split, layout_line, layout_log_enabled, step_layouts, unsplit_stage
 
@@ -77,6 +91,8 @@ def _identity(item: WorkItem, routed: Any) -> Any:
 @dataclass
 class _Session:
     link: PeerLink
+    plugins: Plugins
+    backend: DeviceBackend
     executor: Executor
     exchange: UBatchExchange
 
@@ -87,20 +103,18 @@ class RemoteExperts:
     :param config: the parsed ``afd`` section (role attention).
     :param max_tokens: the most tokens one forward hands a MoE layer (vLLM's
         ``max_num_batched_tokens``): sizes the connector's buffers.
-    :param stage_of: ``() -> (stage, stage count)`` of the current call.  The
-        vLLM MoE seam runs every step as one stage (native micro-batching is
-        refused there by the support matrix), hence the default ``(0, 1)``; an
-        owner whose steps are split or not step by step passes its own, and the
-        FFN side follows the stage identity on the wire.
+    :param handoff: vLLM's micro-batch hand-off functions; None where no step is
+        ever split (every call is then stage ``0 of 1``).
     """
 
-    def __init__(
-        self, config: AfdConfig, *, max_tokens: int, stage_of: Callable[[], tuple[int, int]] = lambda: (0, 1)
-    ) -> None:
+    def __init__(self, config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None) -> None:
         check_vllm_path(config)
         self.config = config
         self.max_tokens = max_tokens
-        self.stage_of = stage_of
+        self.handoff = handoff
+        self.meter = OverlapMeter()
+        self.items_by_stage_count: Counter[int] = Counter()  # stage count n -> items sent with it
+        self._resumed_ns = 0  # unsplit steps: when the model last got back to compute
         self._layers: dict[int, MoeShape] = {}  # model layer index -> shape, as constructed
         self._order: list[int] = []  # model layer indices, sorted (set on the first call)
         self._session: _Session | None = None
@@ -125,30 +139,63 @@ class RemoteExperts:
     def calls(self) -> int:
         return sum(self.tokens.values())
 
+    def split_step(self) -> SplitStep | None:
+        """The split step the calling thread is a micro-batch of, or None (unsplit)."""
+        if self.handoff is None or not self.handoff.active():
+            return None
+        return current_step()
+
+    def step_started(self) -> None:
+        """An unsplit forward begins (the runner): the model computes from now on."""
+        self._resumed_ns = time.perf_counter_ns()
+
     def exchange(
         self, layer_index: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The routed experts' output for ``x``, computed by the FFN role."""
+        """The routed experts' output for ``x``, computed by the FFN role (see the module docstring)."""
         session = self._open()
         ordinal = self._order.index(layer_index)
-        if ordinal == 0 and self.stage_of()[0] == 0:  # the first MoE layer's first stage: a new engine step
+        step = self.split_step()
+        if step is None:
+            ubatch, stage = 0, (0, 1)
+        else:
+            assert self.handoff is not None
+            ubatch = self.handoff.current()
+            stage = (ubatch, step.num_ubatches)
+            step.check(ubatch)  # a sibling failed: start nothing more
+        if ordinal == 0 and ubatch == 0:  # the first MoE layer's first stage: a new engine step
             self.steps += 1
             if layout_log_enabled():
-                self._log_layout(x.shape[0])
-        out = session.exchange.exchange(ordinal, (x, topk_ids, topk_weights))
+                self._log_layout(x.shape[0], stage[1])
+        now = time.perf_counter_ns()
+        resumed = self._resumed_ns if step is None else step.resumed_ns.get(ubatch, now)
+        self.meter.compute(ubatch, resumed or now, now)
+        ticket = session.exchange.start(ordinal, (x, topk_ids, topk_weights), stage=stage)
+        self.items_by_stage_count[stage[1]] += 1
+        if step is not None:
+            try:
+                step.hand_over(ubatch)
+            except SiblingFailed:
+                session.exchange.finish(ticket)  # leave no transfer half-done, then end this micro-batch
+                raise
+        out, delivered_ns = session.exchange.finish_timed(ticket)
+        self.meter.round_trip(ubatch, ticket.started_ns, delivered_ns)
+        if step is None:
+            self._resumed_ns = time.perf_counter_ns()
+        else:
+            step.resumed(ubatch)
         tokens = x.shape[0]
         self.tokens[tokens] += 1
         return out.to(device=x.device, dtype=x.dtype)
 
-    def _log_layout(self, tokens: int) -> None:
+    def _log_layout(self, tokens: int, stages: int) -> None:
         """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
 
         Each engine steps alone (no DP group here), so it decides alone:
         :func:`~afd_mrv2.ubatch.layout.decide_split` without an exchange; there is
         no planner on this path, so the step runs as one stage.
         """
-        stages = self.stage_of()[1]
-        if stages > 1:  # an owner that splits its steps logs its own stages (it knows their rows)
+        if stages > 1:  # a split step: the runner knows its micro-batches' rows
             return
         decision = decide_split(False, tokens, 0)
         (layout,) = step_layouts(
@@ -175,12 +222,23 @@ class RemoteExperts:
         rank = topology.global_rank(ATTENTION, config.rank)
         link = open_peer_link(topology, rank, host=config.host, port=config.port)
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
-        exchange = UBatchExchange(lambda: self.stage_of()[0], num_stages=lambda: self.stage_of()[1])
+        exchange = UBatchExchange()
         plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
         backend = make_backend(config.multistream.backend)
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        return _Session(link, executor, exchange)
+        return _Session(link, plugins, backend, executor, exchange)
+
+    def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
+        """Streams for ``roles`` from the connector's ``create_streams`` hook, on this session's
+        backend (the micro-batch runner's compute and comm streams); opens the session."""
+        session = self._open()
+        ms = self.config.multistream
+        config = ms if ms.active_for(ATTENTION) else replace(ms, enabled=False)
+        try:
+            return session.backend, session.plugins.create_streams(session.backend, roles, config)
+        except PluginError as exc:
+            raise PipelineError(str(exc)) from None
 
     def close(self, deadline_s: float | None = None) -> CloseReport | None:
         """End the AFD session: stop the executor, then tell the FFN ranks this rank left.
@@ -200,6 +258,8 @@ class RemoteExperts:
             "moe_layers": self._order or sorted(self._layers),
             "calls": self.calls,
             "tokens_per_call": dict(sorted(self.tokens.items())),
+            "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
+            "overlap": self.meter.snapshot(),
         }
 
 
@@ -207,12 +267,12 @@ _PROCESS: RemoteExperts | None = None
 _PROCESS_LOCK = threading.Lock()
 
 
-def attach(config: AfdConfig, *, max_tokens: int) -> RemoteExperts:
+def attach(config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None) -> RemoteExperts:
     """This process's :class:`RemoteExperts`, created by the first AFD layer."""
     global _PROCESS
     with _PROCESS_LOCK:
         if _PROCESS is None:
-            _PROCESS = RemoteExperts(config, max_tokens=max_tokens)
+            _PROCESS = RemoteExperts(config, max_tokens=max_tokens, handoff=handoff)
         elif _PROCESS.config != config:
             raise ConfigError("afd", "one process serves one afd section; a second, different one was given")
         return _PROCESS

@@ -1,105 +1,64 @@
 """The Attention-side runner: the platform's V2 model runner, extended by subclassing.
 
 :func:`attention_runner_class` builds ``AfdAttention<Base>``, a subclass of the
-platform runner the compat decision chose (vLLM's ``GPUModelRunner`` on CUDA,
-vLLM-Ascend's ``NPUModelRunner`` on Ascend), through the typed
-:class:`~afd_mrv2.mrv2.upstream.Upstream` adapter.  It overrides two methods and
-copies no upstream code:
+platform runner the compat decision chose (vLLM's ``GPUModelRunner`` on CUDA, its V2
+``CPUModelRunner`` on CPU, vLLM-Ascend's ``NPUModelRunner`` on Ascend), through the
+typed :class:`~afd_mrv2.mrv2.upstream.Upstream` adapter.  One runner on every
+platform: the model's MoE layers carry the transfers (vLLM builds every
+routed-experts layer as afd-mrv2's out-of-tree replacement,
+:mod:`afd_mrv2.mrv2.experts`, which hands each call to the process's
+:class:`~afd_mrv2.mrv2.remote.RemoteExperts`).  It copies no upstream code and
+overrides four methods:
 
 ``__init__(vllm_config, device, ...)``
     validates ``additional_config["afd"]`` and the runtime pair
     (:func:`afd_mrv2.validation.validate`) and the support matrix on the real
     ``VllmConfig`` (:func:`afd_mrv2.mrv2.deployment.check_vllm_deployment`)
     **before** calling the upstream constructor, so a bad config, an unsupported
-    combination or a refused pair fails before any upstream state, stream or
-    communication resource exists.
+    combination or a refused pair fails before any upstream state exists.
+``load_model(...)``
+    upstream's, then forward hooks (torch's ``register_forward_pre_hook`` /
+    ``register_forward_hook`` on the loaded model) that time unsplit forwards.
 ``initialize_kv_cache(kv_cache_config, *args, **kwargs)``
-    calls upstream (which builds ``self.ubatch_runner`` when microbatching is on),
-    then builds the AFD side (plugins, device backend, executor, the exchange
-    whose ``start`` / ``finish`` the model layers call, its transfer-state pool
-    sized from the executor's buffer counts)
-    and, if upstream built a ubatch runner, replaces it with an
-    ``AfdUBatchRunner`` constructed from the same six arguments, whose comm and
-    capture streams come from ``create_streams`` on the executor's backend.
-    ``*args/**kwargs`` pass through: vLLM 0.33 takes ``is_profiling`` and
+    upstream's, then it checks that the loaded model built its AFD MoE layers (else
+    the afd-mrv2 vLLM plugin was not loaded in this process, e.g. ``VLLM_PLUGINS``
+    leaves it out) and holds that session as ``afd_remote``.  With
+    ``afd.ubatch.num_ubatches`` N > 1 it then installs micro-batching, which upstream
+    never builds at DP 1: each attention group's metadata builders are rebuilt N
+    times over (upstream's own ``AttentionGroup.create_metadata_builders``, the
+    count upstream would pass with its DBO flags; why not ``--ubatch-size N`` plus an
+    inert all-to-all backend: docs/vllm.md, "Micro-batching"), ``ubatch_runner``
+    becomes afd-mrv2's micro-batch runner (:mod:`afd_mrv2.mrv2.ubatch_runner`, its
+    compute/comm streams from the connector's ``create_streams``), and
+    ``cudagraph_manager`` a subclass of the one upstream built whose ``dispatch``
+    asks the :class:`~afd_mrv2.mrv2.split_policy.SplitPolicy`.  ``*args/**kwargs``
+    pass through: vLLM 0.33 takes ``is_profiling`` and
     ``kv_cache_allocation_context``, vLLM-Ascend's override takes neither.
+``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``
+    upstream's, with the split policy paused in dummy runs, then the step's
+    accounting (:class:`~afd_mrv2.mrv2.step_stats.StepStats`: split or not, batch
+    kind, forward time; the round-trip overlap of the step).
 
-Inside a real vLLM (``moe_seam=True``, what the workers of :mod:`afd_mrv2.mrv2.worker`
-build) the transfers are carried by the model's MoE layers: vLLM builds every
-routed-experts layer as afd-mrv2's out-of-tree replacement
-(:mod:`afd_mrv2.mrv2.experts`), and those hand each call to the process's
-:class:`~afd_mrv2.mrv2.remote.RemoteExperts`.  ``initialize_kv_cache`` then builds no
-executor of its own (a second one would need a second link to the FFN role): it
-checks that the loaded model did build its AFD MoE layers (else the afd-mrv2 vLLM
-plugin was not loaded in this process, e.g. ``VLLM_PLUGINS`` leaves it out) and holds
-that session as ``afd_remote``; ``afd_close`` closes it.  Micro-batching is refused
-there (the MoE seam numbers its items per layer, stage 0 only).
-
-Known gap (see docs/rfc/0002-ascend-mrv2.md): upstream hands the ubatch runner it
-built to its CUDA-graph manager inside ``initialize_kv_cache``; FULL-graph capture
-of microbatched steps would still use that one, so the ``graph`` capability is
-granted by no runtime pair.
+``afd_close`` ends the AFD session and deactivates the split policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import time
+from contextlib import nullcontext
 from typing import Any
 
 from afd_mrv2.config import AfdConfig
-from afd_mrv2.devices import DeviceBackend, Stream, make_backend
-from afd_mrv2.errors import ConfigError, PipelineError, PluginError
-from afd_mrv2.items import WorkItem
+from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.mrv2.deployment import check_vllm_deployment
-from afd_mrv2.mrv2.exchange import UBatchExchange
+from afd_mrv2.mrv2.handoff import current_step
 from afd_mrv2.mrv2.remote import RemoteExperts, attached
-from afd_mrv2.mrv2.ubatch_runner import UBATCH_ROLES, afd_ubatch_runner_class
+from afd_mrv2.mrv2.split_policy import SplitPolicy, afd_graph_manager_class
+from afd_mrv2.mrv2.step_stats import StepStats, batch_kind
+from afd_mrv2.mrv2.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
-from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.plugins import Plugins, load_plugins
+from afd_mrv2.pipeline.executor import CloseReport
 from afd_mrv2.validation import Gate, validate
-
-
-@dataclass
-class AttentionAfd:
-    """What the Attention runner owns for AFD once its KV cache exists."""
-
-    config: AfdConfig
-    plugins: Plugins
-    backend: DeviceBackend
-    executor: Executor
-    exchange: UBatchExchange
-    ubatch_streams: dict[str, Stream]
-
-    @classmethod
-    def build(
-        cls,
-        config: AfdConfig,
-        upstream: Upstream,
-        compute: Callable[[WorkItem, Any], Any],
-        *,
-        num_ubatches: int = 1,
-    ) -> AttentionAfd:
-        # a micro-batched step's items are stage i of num_ubatches, an unsplit step's stage 0 of 1
-        exchange = UBatchExchange(
-            upstream.current_ubatch_id, num_stages=lambda: num_ubatches if upstream.ubatching_active() else 1
-        )
-        plugins = load_plugins(config, resources=exchange.resources())
-        backend = make_backend(config.multistream.backend)
-        executor = Executor(plugins, backend, config.multistream, compute=compute, role="attention")
-        exchange.bind(executor)
-        ms = config.multistream
-        stream_config = ms if ms.active_for("attention") else replace(ms, enabled=False)
-        try:
-            streams = plugins.create_streams(backend, UBATCH_ROLES, stream_config)
-        except PluginError as exc:
-            executor.close(0.0)
-            raise PipelineError(str(exc)) from None
-        return cls(config, plugins, backend, executor, exchange, streams)
-
-    def close(self, deadline_s: float | None = None) -> CloseReport:
-        return self.executor.close(deadline_s)
 
 
 class AfdAttentionRunnerMixin:
@@ -107,85 +66,157 @@ class AfdAttentionRunnerMixin:
 
     _afd_upstream: Upstream
     _afd_gate: Gate | None = None
-    _afd_moe_seam: bool = False  # inside a real vLLM: the MoE layers carry the transfers (module docstring)
 
     def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
         config = validate(vllm_config.additional_config, gate=type(self)._afd_gate, v2_runner=True)
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
         if config is not None:  # the support matrix, before upstream's constructor and any AFD resource
-            check_vllm_deployment(config, vllm_config, moe_seam=type(self)._afd_moe_seam)
+            check_vllm_deployment(config, vllm_config)
         self.afd_config: AfdConfig | None = config
-        self.afd: AttentionAfd | None = None
         self.afd_remote: RemoteExperts | None = None
+        self.afd_policy: SplitPolicy | None = None
+        self.afd_steps = StepStats()
+        self._afd_forward_start_ns = 0
+        self._afd_forward_ns = 0
         super().__init__(vllm_config, device, *args, **kwargs)
+
+    # ------------------------------------------------------------------ upstream's methods, extended
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        if self.afd_config is not None:
+            self.model.register_forward_pre_hook(self._afd_forward_begins)  # type: ignore[attr-defined]
+            self.model.register_forward_hook(self._afd_forward_ends)  # type: ignore[attr-defined]
+        return result
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
         if self.afd_config is None:
             return
-        if type(self)._afd_moe_seam:
-            self._adopt_moe_seam()
-            return
-        if self.afd is not None:  # re-initialisation: the old executor's streams go with it
-            self.afd.close()
-        upstream = type(self)._afd_upstream
-        self.afd = AttentionAfd.build(
-            self.afd_config,
-            upstream,
-            self.afd_compute,
-            num_ubatches=self.vllm_config.parallel_config.num_ubatches,  # type: ignore[attr-defined]
-        )
-        built = self.ubatch_runner  # type: ignore[has-type]
-        if built is not None:
-            cls = afd_ubatch_runner_class(upstream.ubatch_runner)
-            self.ubatch_runner = cls(
-                self.vllm_config,  # type: ignore[attr-defined]
-                self.device,  # type: ignore[attr-defined]
-                self.model_state,  # type: ignore[attr-defined]
-                self.attn_groups,  # type: ignore[attr-defined]
-                self.kv_cache_config,  # type: ignore[attr-defined]
-                self.max_num_reqs,  # type: ignore[attr-defined]
-                afd_streams=self.afd.ubatch_streams,
-            )
-
-    def _adopt_moe_seam(self) -> None:
         remote = attached()
         if remote is None or remote.num_layers == 0:
             raise PipelineError(
                 "afd role attention, but the loaded model built no AFD MoE layer: the afd_mrv2 vLLM plugin did "
                 "not run in this worker (VLLM_PLUGINS must include afd_mrv2) or the model has no RoutedExperts"
             )
-        if self.ubatch_runner is not None:  # type: ignore[has-type]
-            raise PipelineError(
-                "micro-batching (dual-batch overlap) with the vLLM MoE seam is not supported: the seam numbers "
-                "its transfers per layer, stage 0 only; disable --enable-dbo"
-            )
         self.afd_remote = remote
+        if self.afd_config.ubatch.enabled:
+            self._afd_install_ubatching(remote)
 
-    def afd_compute(self, item: WorkItem, inputs: Any) -> Any:
-        """The executor's compute function on the Attention side: what runs between
-        receiving a microbatch's hidden states and sending them (identity by default;
-        a gate computed on the Attention side goes here)."""
-        return inputs
+    def execute_model(
+        self, scheduler_output: Any, intermediate_tensors: Any = None, dummy_run: bool = False, **kwargs: Any
+    ) -> Any:
+        if self.afd_config is None:
+            return super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)  # type: ignore[misc]
+        policy, ubatch = self.afd_policy, self._afd_ubatch_runner()
+        runs = ubatch.afd_runs if ubatch is not None else 0
+        self._afd_forward_ns = 0
+        ok = False
+        try:
+            with policy.paused() if dummy_run and policy is not None else nullcontext():
+                output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)  # type: ignore[misc]
+            ok = True
+            return output
+        finally:
+            split = ubatch is not None and ubatch.afd_runs > runs
+            stages = ubatch.num_ubatches if split and ubatch is not None else 1
+            if self.afd_remote is not None:
+                self.afd_remote.meter.end_step(stages)
+            if not ok:
+                self.afd_steps.record_failure()
+            else:
+                forward_ns = ubatch.afd_last_forward_ns if split and ubatch is not None else self._afd_forward_ns
+                if forward_ns:
+                    self.afd_steps.record(self._afd_batch_kind(dummy_run), stages, forward_ns)
+
+    # ------------------------------------------------------------------ micro-batching
+
+    def _afd_install_ubatching(self, remote: RemoteExperts) -> None:
+        """Per-micro-batch metadata builders, afd-mrv2's micro-batch runner and split policy (module docstring)."""
+        assert self.afd_config is not None
+        n = self.afd_config.ubatch.num_ubatches
+        api = type(self)._afd_upstream.ubatch
+        block_sizes = list(self.kernel_block_sizes)  # type: ignore[attr-defined]
+        for group_id, groups in enumerate(self.attn_groups):  # type: ignore[attr-defined]
+            block = block_sizes[group_id] if group_id < len(block_sizes) else None
+            for group in groups:
+                group.create_metadata_builders(
+                    self.vllm_config,  # type: ignore[attr-defined]
+                    self.device,  # type: ignore[attr-defined]
+                    kernel_block_size=block,
+                    num_metadata_builders=n,
+                )
+        backend, streams = remote.create_streams(UBATCH_STREAM_ROLES)
+        self.ubatch_runner = afd_ubatch_runner_class(api)(
+            self.vllm_config,  # type: ignore[attr-defined]
+            self.device,  # type: ignore[attr-defined]
+            self.model_state,  # type: ignore[attr-defined]
+            self.attn_groups,  # type: ignore[attr-defined]
+            self.kv_cache_config,  # type: ignore[attr-defined]
+            self.max_num_reqs,  # type: ignore[attr-defined]
+            num_ubatches=n,
+            backend=backend,
+            streams=streams,
+        )
+        built = self.cudagraph_manager  # type: ignore[has-type]
+        policy = SplitPolicy(self.afd_config.ubatch, decode_query_len=built.decode_query_len)
+        self.cudagraph_manager = afd_graph_manager_class(api.graph_manager)(
+            self.vllm_config,  # type: ignore[attr-defined]
+            self.device,  # type: ignore[attr-defined]
+            built.cudagraph_mode,
+            decode_query_len=built.decode_query_len,
+            lora_capture_cases=built.lora_capture_cases,
+            varlen_decode=built.varlen_decode,
+            ubatch_runner=self.ubatch_runner,
+            policy=policy,
+        )
+        policy.active = True
+        self.afd_policy = policy
+
+    def _afd_ubatch_runner(self) -> AfdUBatchRunnerMixin | None:
+        runner = self.ubatch_runner  # type: ignore[has-type]
+        return runner if isinstance(runner, AfdUBatchRunnerMixin) else None
+
+    # ------------------------------------------------------------------ accounting
+
+    def _afd_forward_begins(self, module: Any, args: Any) -> None:
+        del module, args
+        if current_step() is None:  # unsplit (a split step's micro-batches are timed by the ubatch runner)
+            self._afd_forward_start_ns = time.perf_counter_ns()
+            if self.afd_remote is not None:
+                self.afd_remote.step_started()
+
+    def _afd_forward_ends(self, module: Any, args: Any, output: Any) -> None:
+        del module, args, output
+        if current_step() is None and self._afd_forward_start_ns:
+            self._afd_forward_ns = time.perf_counter_ns() - self._afd_forward_start_ns
+            self._afd_forward_start_ns = 0
+
+    def _afd_batch_kind(self, dummy_run: bool) -> str:
+        state = self.execute_model_state  # type: ignore[attr-defined]
+        if dummy_run or state is None:
+            return "dummy"
+        batch = state.input_batch
+        return batch_kind(batch.is_prefilling_np[: batch.num_reqs])
+
+    def afd_runner_stats(self) -> dict[str, Any]:
+        """The step accounting (:class:`~afd_mrv2.mrv2.step_stats.StepStats`) and the micro-batch count."""
+        ubatch = self._afd_ubatch_runner()
+        return {"num_ubatches": 1 if ubatch is None else ubatch.num_ubatches, **self.afd_steps.as_dict()}
 
     def afd_close(self, deadline_s: float | None = None) -> CloseReport | None:
-        if self.afd_remote is not None:
-            return self.afd_remote.close(deadline_s)
-        return None if self.afd is None else self.afd.close(deadline_s)
+        if self.afd_policy is not None:
+            self.afd_policy.active = False
+        return None if self.afd_remote is None else self.afd_remote.close(deadline_s)
 
 
-_RUNNERS: dict[tuple[type, int, bool], type] = {}
+_RUNNERS: dict[tuple[type, int], type] = {}
 
 
-def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None, moe_seam: bool = False) -> type:
-    """``AfdAttention<PlatformRunner>`` for ``upstream`` (cached per upstream, gate and ``moe_seam``).
-
-    ``moe_seam``: True inside a real vLLM, where the model's MoE layers carry the
-    transfers (see the module docstring); False where the owner's model calls the
-    runner's exchange itself (the embedded composition and its tests).
-    """
-    key = (upstream.platform_runner, id(gate), moe_seam)
+def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None) -> type:
+    """``AfdAttention<PlatformRunner>`` for ``upstream`` (cached per upstream runner and gate)."""
+    key = (upstream.platform_runner, id(gate))
     if key not in _RUNNERS:
         base = upstream.platform_runner
         _RUNNERS[key] = type(
@@ -196,7 +227,6 @@ def attention_runner_class(upstream: Upstream, *, gate: Gate | None = None, moe_
                 "__doc__": f"{base.__qualname__} extended for the AFD Attention role.",
                 "_afd_upstream": upstream,
                 "_afd_gate": staticmethod(gate) if gate is not None else None,
-                "_afd_moe_seam": moe_seam,
             },
         )
     return _RUNNERS[key]
@@ -208,12 +238,15 @@ def _qualname(cls: type) -> str:
 
 def runner_info(runner: object, worker: object) -> dict[str, Any]:
     """What ``runner`` (held by ``worker``) is: class and MRO names, whether it is this module's
-    Attention composition, over which upstream runner, and whether its AFD session is the
-    MoE seam's.  The worker extension's ``afd_runner_info`` returns it from inside vLLM's worker."""
-    over, seam = None, False
+    Attention composition, over which upstream runner, whether its AFD session is the
+    MoE seam's, and its micro-batch runner's class.  The worker extension's ``afd_runner_info``
+    returns it from inside vLLM's worker."""
+    over, seam, ubatch = None, False, None
     if isinstance(runner, AfdAttentionRunnerMixin):
         over = _qualname(type(runner)._afd_upstream.platform_runner)
         seam = runner.afd_remote is not None and runner.afd_remote is attached()
+        built = runner._afd_ubatch_runner()
+        ubatch = None if built is None else _qualname(type(built))
     return {
         "worker": _qualname(type(worker)),
         "worker_mro": [_qualname(c) for c in type(worker).__mro__],
@@ -222,4 +255,5 @@ def runner_info(runner: object, worker: object) -> dict[str, Any]:
         "afd_composition": over is not None,
         "composed_over": over,
         "moe_seam_session": seam,
+        "ubatch_runner": ubatch,
     }

@@ -11,9 +11,24 @@ parameters **named as upstream's** (``w13_weight``, ``w2_weight``, plus
 loader reads nothing, keeps nothing and reports success for both call styles.
 
 The MoE runner reads the quant method around the seam (``is_monolithic``,
-``topk_indices_dtype``, ``mk_can_overlap_shared_experts``, ...); all derive from
-``moe_kernel``, which stays None here, so the runner routes on this process,
-runs the shared experts itself and calls ``forward_modular`` -> ``apply``.
+``topk_indices_dtype``, ``mk_can_overlap_shared_experts``, ...); most derive from
+``moe_kernel``, which stays None here, so the runner routes on this process and
+calls ``forward_modular`` -> ``apply``.
+
+Shared experts (Qwen2-MoE, DeepSeek): vLLM's ``SharedExperts`` keeps a pending
+output in one slot (index ``dbo_current_ubatch_id()`` only if its own DBO flag was
+set when the layer was built, which afd-mrv2 leaves off; else 0).  Were the runner
+to run them before ``apply`` (``SharedExpertsOrder.NO_OVERLAP``), a micro-batch
+that hands over inside ``apply`` would let its sibling run its own shared experts
+into the same occupied slot (``assert self._output[0] is None``).  So the
+Attention-side method declares that it overlaps the shared experts internally
+(``mk_can_overlap_shared_experts`` True: the runner hands them to ``apply`` as
+``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED`` and skips its own call) and runs
+them itself after the routed round trip returned, on the same thread with no
+hand-off between writing the slot and the runner reading it.  Where the runner
+disables that overlap (EPLB with an unsafe backend, sequence-parallel layers) it
+runs them itself first and the call here does nothing: micro-batching is refused
+there by the support matrix (SP) or never reached (EPLB is not an AFD path).
 
 * :class:`RemoteExpertsMethod`: the Attention role; ``apply`` is one AFD round
   trip through the opaque ``afd_mrv2::remote_routed_experts`` op.
@@ -29,6 +44,7 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 from vllm.model_executor.utils import set_weight_attrs
 
 from afd_mrv2.mrv2 import remote  # registers the afd_mrv2::remote_routed_experts op
@@ -90,10 +106,16 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
         shared_experts: Any,
         shared_experts_input: torch.Tensor | None,
     ) -> torch.Tensor:
-        # The shared experts already ran in the MoE runner (moe_kernel is None, so no kernel
-        # overlaps them); the runner adds their output to what this returns.
-        del layer, shared_experts, shared_experts_input
-        return self.routed(x, topk_weights, topk_ids)
+        del layer
+        routed = self.routed(x, topk_weights, topk_ids)
+        if shared_experts is not None:  # after the round trip, on this thread (module docstring)
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        return routed
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        """True: ``apply`` runs the shared experts itself, after the routed experts (module docstring)."""
+        return True
 
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' combined output for ``x`` (``[T, H]``)."""

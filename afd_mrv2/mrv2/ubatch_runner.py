@@ -1,84 +1,249 @@
-"""The UBatchRunner subclass whose comm and capture streams come from ``create_streams``.
+"""afd-mrv2's own micro-batch runner for vLLM's ModelRunner V2: device-generic, at data parallelism 1.
 
-Upstream's ``UBatchRunner.__init__`` hard-codes ``self.comm_stream = torch.cuda.Stream(...)``
-and ``self.capture_stream = torch.cuda.Stream(...)``, and ``begin_capturable_run``
-reads the two attributes.  Upstream offers no factory for either, so the subclass
-declares them as properties: upstream's ``__init__`` runs unchanged (its
-assignments land in the property setters and are kept, unused, in
-``upstream_streams``), and upstream's ``begin_capturable_run`` runs unchanged,
-reading the streams afd-mrv2 created through the ``create_streams`` hook (roles
-``("comm", "capture")``) on the executor's device backend.  On CUDA and NPU the
-attribute is the backend stream's ``torch.Stream`` (NPU through torch_npu's
-``torch.Stream`` subclass); on the CPU backends it is the backend's own stream.
+vLLM's ``UBatchRunner`` (``vllm.v1.worker.gpu.ubatch_utils``) cannot be built on CPU
+or Ascend: its constructor builds an SM-control context that asserts CUDA/ROCm and
+two ``torch.cuda.Stream`` s; its per-micro-batch forward contexts come from
+``DPMetadata.make``, which asserts data parallelism > 1; and each of its threads
+calls ``torch.accelerator.set_device_index(device.index)``, which on CPU (index
+None) kills the thread before its barrier, so the step hangs.  And when one
+micro-batch dies mid-forward, its sibling stays parked on a hand-off that never
+comes.
 
-Nothing is assigned into upstream's class or module: the subclass is ours, built
-per upstream base class by :func:`afd_ubatch_runner_class`.
+:func:`afd_ubatch_runner_class` subclasses it (upstream's class comes in through the
+typed adapter :class:`~afd_mrv2.mrv2.upstream.UBatchApi`) and keeps every
+device-free piece as it is: ``prepare`` (with ``create_ubatch_slices`` and the
+slicing helpers it calls), ``run``, ``abort_pending_run``, ``slice_model_inputs``,
+``make_ubatch_contexts`` and ``merge_ubatch_outputs``.  Three pieces are its own:
 
-Cost, documented: upstream's constructor still creates its two streams (dropped
-unused), and the runner vLLM built first is replaced, not reused.
+``__init__``
+    sets the attributes upstream's ``prepare`` and ``run`` read (``num_ubatches``,
+    ``ubatch_query_start_loc``, ``ubatch_seq_lens``, ``ubatch_dcp_local_seq_lens``,
+    ``dcp_size``, ``dcp_rank``, ``cp_interleave``, ``model_state``, ``attn_groups``,
+    ``kv_cache_config``, ``vllm_config``, ``parallel_config``, ``device``,
+    ``ready_barrier``, ``_pending_finish``; each a seam contract) and nothing else:
+    no SM control, no CUDA stream.  The micro-batch count is afd-mrv2's
+    (``afd.ubatch.num_ubatches``), not ``parallel_config.num_ubatches`` (0 without
+    vLLM's DBO flags).  Decode- and prefill-context parallelism are refused by the
+    support matrix, so ``dcp_size`` is 1.
+``_make_forward_contexts``
+    one forward context per micro-batch from ``create_forward_context`` with no DP
+    metadata (the engine runs at DP 1: there is no expert all-to-all among DP
+    ranks to size).
+``begin_capturable_run``
+    the thread launcher.  Each micro-batch runs on its own thread under
+    ``torch.inference_mode()``; the thread's device is selected only through the
+    device backend (:meth:`~afd_mrv2.devices.base.DeviceBackend.bind_thread`); the
+    calling thread holds ``override_forward_context(None)`` until the threads
+    joined.  Streams: the ``compute`` and ``comm`` streams from the connector's
+    ``create_streams`` hook; on the host backend (no native stream), the caller's
+    current stream for both, which inside a vLLM CPU worker is vLLM's own
+    placeholder: only plain ``dbo_yield`` hand-offs apply there.  A failing
+    micro-batch marks the step (:class:`~afd_mrv2.mrv2.handoff.SplitStep`) before
+    its thread leaves its ``UBatchContext``, whose exit wakes the next micro-batch;
+    the MoE seam checks the mark after every hand-off, so every sibling ends, the
+    ready barrier is never broken and vLLM's process-wide micro-batch registry is
+    empty again (``dbo_enabled()`` False) when the step raises
+    :class:`~afd_mrv2.mrv2.handoff.MicroBatchFailed`, which names the micro-batch
+    and the cause.  Graph capture of split steps is not built (``for_capture``
+    raises; the support matrix requires eager).
+
+Nothing is assigned into upstream's classes or modules: the subclass is ours, built
+per upstream base class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
-from afd_mrv2.devices.base import Stream
+import torch
 
-UBATCH_ROLES = ("comm", "capture")
+from afd_mrv2.devices.base import DeviceBackend, Stream
+from afd_mrv2.mrv2.handoff import MicroBatchFailed, SplitStep, close_step, open_step
+from afd_mrv2.mrv2.upstream import UBatchApi
 
-_CLASSES: dict[type, type] = {}
+#: The stream roles the micro-batch runner asks ``create_streams`` for.
+UBATCH_STREAM_ROLES = ("compute", "comm")
 
-
-def _native(stream: Stream) -> Any:
-    native = stream.native
-    return stream if native is None else native
-
-
-def _stream_attribute(role: str) -> property:
-    """Upstream's ``<role>_stream`` attribute: reads return afd-mrv2's stream, upstream's assignment is kept aside."""
-
-    def get(self: AfdStreamsMixin) -> Any:
-        return _native(self._afd_streams[role])
-
-    def keep_aside(self: AfdStreamsMixin, value: Any) -> None:
-        self._afd_upstream_streams[role] = value
-
-    return property(get, keep_aside, doc=f"the {role!r} stream from create_streams (upstream's own is kept aside)")
+_CLASSES: dict[UBatchApi, type] = {}
 
 
-class AfdStreamsMixin:
-    """Mixed in before upstream's UBatchRunner; see the module docstring."""
+class AfdUBatchRunnerMixin:
+    """Mixed in before upstream's ``UBatchRunner``; see the module docstring."""
 
-    def __init__(self, *args: Any, afd_streams: Mapping[str, Stream], **kwargs: Any) -> None:
-        if set(afd_streams) != set(UBATCH_ROLES):
-            raise ValueError(
-                f"afd_streams needs exactly the roles {', '.join(UBATCH_ROLES)}, got {sorted(afd_streams)}"
-            )
-        self._afd_streams = dict(afd_streams)
-        self._afd_upstream_streams: dict[str, Any] = {}
-        super().__init__(*args, **kwargs)
+    _afd_api: UBatchApi
 
-    @property
-    def afd_streams(self) -> dict[str, Stream]:
-        """The backend streams from ``create_streams``, by role."""
-        return dict(self._afd_streams)
+    def __init__(
+        self,
+        vllm_config: Any,
+        device: torch.device,
+        model_state: Any,
+        attn_groups: list[Any],
+        kv_cache_config: Any,
+        max_num_reqs: int,
+        *,
+        num_ubatches: int,
+        backend: DeviceBackend,
+        streams: Mapping[str, Stream],
+    ) -> None:
+        # upstream's __init__ is not called: it builds SM control (CUDA/ROCm only) and CUDA streams
+        if num_ubatches < 2:
+            raise ValueError(f"a micro-batch runner needs at least 2 micro-batches, got {num_ubatches}")
+        if set(streams) != set(UBATCH_STREAM_ROLES):
+            raise ValueError(f"streams needs exactly the roles {', '.join(UBATCH_STREAM_ROLES)}, got {sorted(streams)}")
+        self.vllm_config = vllm_config
+        self.parallel_config = vllm_config.parallel_config
+        self.num_ubatches = num_ubatches
+        self.dcp_size = 1  # decode context parallelism is refused with micro-batching (support matrix)
+        self.dcp_rank = 0
+        self.cp_interleave = self.parallel_config.cp_kv_cache_interleave_size
+        self.device = device
+        self.model_state = model_state
+        self.attn_groups = attn_groups
+        self.kv_cache_config = kv_cache_config
+        # query_start_loc and seq_lens are rebased onto each micro-batch's tokens: buffers of their own
+        self.ubatch_query_start_loc = [
+            torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device) for _ in range(num_ubatches)
+        ]
+        self.ubatch_seq_lens = [torch.zeros(max_num_reqs, dtype=torch.int32, device=device) for _ in range(num_ubatches)]
+        self.ubatch_dcp_local_seq_lens: list[torch.Tensor | None] = [None] * num_ubatches
+        self.ready_barrier = threading.Barrier(num_ubatches + 1)
+        self._pending_finish: Callable[[], Any] | None = None
+        self.afd_backend = backend
+        self.afd_streams = dict(streams)
+        #: split steps run, and the wall time of the last one's forward (ns)
+        self.afd_runs = 0
+        self.afd_last_forward_ns = 0
 
-    @property
-    def upstream_streams(self) -> dict[str, Any]:
-        """What upstream's ``__init__`` assigned to comm_stream/capture_stream (unused)."""
-        return dict(self._afd_upstream_streams)
+    # ------------------------------------------------------------------ forward contexts
 
-    comm_stream = _stream_attribute("comm")
-    capture_stream = _stream_attribute("capture")
+    def _make_forward_contexts(
+        self,
+        ubatch_slices: list[Any],
+        attn_metadata: list[dict[str, Any]],
+        slot_mappings_by_layer: list[dict[str, torch.Tensor]],
+        is_padding: list[torch.Tensor | None],
+    ) -> list[Any]:
+        """One forward context per micro-batch, without DP metadata (the engine runs at DP 1)."""
+        create = self._afd_api.create_forward_context
+        return [
+            create(attn_metadata[i], self.vllm_config, slot_mapping=slot_mappings_by_layer[i], is_padding=is_padding[i])
+            for i in range(len(ubatch_slices))
+        ]
 
+    # ------------------------------------------------------------------ the launcher
 
-def afd_ubatch_runner_class(base: type) -> type:
-    """``AfdUBatchRunner``: :class:`AfdStreamsMixin` over upstream's ``base`` (cached per base)."""
-    if base not in _CLASSES:
-        _CLASSES[base] = type(
-            f"Afd{base.__name__}",
-            (AfdStreamsMixin, base),
-            {"__module__": __name__, "__doc__": f"{base.__qualname__} with streams from create_streams."},
+    def _afd_streams_native(self) -> tuple[Any, Any]:
+        """(compute, comm) as ``UBatchContext`` takes them: the backend's native streams, else the caller's."""
+        compute = self.afd_streams["compute"].native
+        comm = self.afd_streams["comm"].native
+        if compute is None:
+            compute = self._afd_api.current_stream()
+        return compute, compute if comm is None else comm
+
+    def run(self, model: Any, model_inputs: dict[str, Any], ubatch_state: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return super().run(model, model_inputs, ubatch_state)  # type: ignore[misc]
+        finally:
+            self.afd_runs += 1
+            self.afd_last_forward_ns = time.perf_counter_ns() - start
+
+    def begin_capturable_run(
+        self, model: Any, model_inputs: dict[str, Any], ubatch_state: Any, for_capture: bool = False
+    ) -> Callable[[], Any]:
+        """Start one thread per micro-batch, parked at the ready barrier; returns ``finish`` (run and join)."""
+        if for_capture:
+            raise RuntimeError("afd-mrv2's micro-batch runner captures no graphs (micro-batching requires eager)")
+        api = self._afd_api
+        n = self.num_ubatches
+        slices, forward_contexts = ubatch_state.slices, ubatch_state.forward_contexts
+        if not len(slices) == len(forward_contexts) == n:
+            raise ValueError(f"{len(slices)} slices and {len(forward_contexts)} forward contexts for {n} micro-batches")
+        compute, comm = self._afd_streams_native()
+        contexts = api.make_ubatch_contexts(
+            num_micro_batches=n,
+            compute_stream=compute,
+            comm_stream=comm,
+            forward_contexts=forward_contexts,
+            ready_barrier=self.ready_barrier,
         )
-    return _CLASSES[base]
+        step = SplitStep(n, api.handoff)
+        outputs: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+
+        def run_ubatch(context: Any, inputs: dict[str, Any]) -> None:
+            setup: BaseException | None = None
+            try:
+                self.afd_backend.bind_thread(self.device)
+            except BaseException as exc:  # noqa: BLE001 - the thread must still reach the barrier
+                setup = exc
+            try:
+                with torch.inference_mode(), context:
+                    try:
+                        if setup is not None:
+                            raise setup
+                        step.resumed(context.id)
+                        step.check(context.id)  # a sibling failed before this one got the core
+                        outputs[context.id] = model(**inputs)
+                    except BaseException as exc:  # noqa: BLE001 - reported by finish
+                        # mark the step BEFORE the context's exit wakes the next micro-batch
+                        errors[context.id] = exc
+                        step.fail(context.id, exc)
+            except BaseException as exc:  # noqa: BLE001 - the hand-off itself failed
+                errors.setdefault(context.id, exc)
+                step.fail(context.id, exc)
+
+        stack = ExitStack()
+        stack.enter_context(api.override_forward_context(None))  # the threads own the forward context
+        open_step(step)
+        threads = []
+        try:
+            for context, ubatch_slice in zip(contexts, slices, strict=True):
+                inputs = api.slice_model_inputs(model_inputs, ubatch_slice.token_slice)
+                thread = threading.Thread(
+                    target=run_ubatch, args=(context, inputs), name=f"afd-ubatch-{context.id}", daemon=True
+                )
+                threads.append(thread)
+                thread.start()
+        except BaseException:
+            close_step(step)
+            stack.close()
+            raise
+        self.ready_barrier.wait()  # every thread is parked: nothing runs before finish
+
+        def finish() -> Any:
+            try:
+                contexts[0].cpu_wait_event.set()
+                for thread in threads:
+                    thread.join()
+            finally:
+                self._pending_finish = None
+                close_step(step)
+                stack.close()
+            if errors:
+                failed, exc = step.failure or min(errors.items())
+                raise MicroBatchFailed(failed, n, exc) from exc
+            return api.merge_ubatch_outputs([outputs[i] for i in range(n)])
+
+        self._pending_finish = finish
+        return finish
+
+
+def afd_ubatch_runner_class(api: UBatchApi) -> type:
+    """``AfdUBatchRunner``: :class:`AfdUBatchRunnerMixin` over upstream's ``UBatchRunner`` (cached per api)."""
+    base = api.base
+    if api not in _CLASSES:
+        _CLASSES[api] = type(
+            f"Afd{base.__name__}",
+            (AfdUBatchRunnerMixin, base),
+            {
+                "__module__": __name__,
+                "__doc__": f"{base.__qualname__}, device-generic and at DP 1 (afd-mrv2's own micro-batch runner).",
+                "_afd_api": api,
+            },
+        )
+    return _CLASSES[api]

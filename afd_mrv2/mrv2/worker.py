@@ -21,10 +21,9 @@ Two upstream shapes, one composition (:func:`~afd_mrv2.mrv2.runner.attention_run
   the V1 runner the worker is upstream's unchanged (the MoE seam carries AFD there
   without any runner of afd-mrv2's).  ``--worker-cls afd_mrv2.mrv2.worker.AfdCPUWorker``.
 
-``AfdCPUWorker`` builds the composition with ``moe_seam=True``: the model's MoE layers
-carry the transfers (see :mod:`afd_mrv2.mrv2.runner`).  ``AfdWorker`` (CUDA, never run
-on a GPU here) still builds it with ``moe_seam=False``, i.e. a runner-owned executor
-for micro-batched transfers; how that meets the MoE seam on a GPU is open (issue 9).
+Both build the same Attention runner (:func:`~afd_mrv2.mrv2.runner.attention_runner_class`)
+over their platform's V2 runner, whose MoE layers carry the transfers through the same
+MoE seam, micro-batched or not (``afd.ubatch``).
 Both names resolve lazily from the
 installed runtime (the compat decision must accept it; Ascend is refused by every
 current pair).  The worker extension's ``afd_runner_info`` reports, from inside the
@@ -62,9 +61,7 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
     return cls
 
 
-def afd_cpu_worker_class(
-    base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None, moe_seam: bool = True
-) -> type:
+def afd_cpu_worker_class(base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None) -> type:
     """``AfdCPUWorker``: ``base_worker`` (vLLM's ``CPUWorker``) whose ``init_device`` installs the
     Attention runner under the V2 runner; see the module docstring.
 
@@ -76,7 +73,7 @@ def afd_cpu_worker_class(
     def init_device(self: Any) -> None:
         super(cls, self).init_device()
         if self.use_v2_model_runner and _attention_role(self.vllm_config):
-            runner_cls = attention_runner_class(upstream(), gate=gate, moe_seam=moe_seam)
+            runner_cls = attention_runner_class(upstream(), gate=gate)
             self.model_runner = runner_cls(self.vllm_config, self.device)
 
     cls = type(f"Afd{base_worker.__name__}", (base_worker,), {"__module__": __name__, "init_device": init_device})

@@ -17,7 +17,10 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
     (also in ``afd_ffn_serve``'s report) bytes held by the parameters of the process's routed-experts layers
     (0 on the Attention role: it holds only 0-element placeholders).
 ``afd_attention_stats()``
-    the Attention role's transfer counters (None where no AFD layer was built).
+    the Attention role's transfer counters (None where no AFD layer was built): calls,
+    tokens per call, items per stage count, round-trip overlap
+    (:class:`~afd_mrv2.mrv2.overlap.OverlapMeter`) and, under afd-mrv2's V2 runner, its
+    step accounting (``runner``: steps split or not by batch kind, forward times).
 ``afd_runner_info()``
     the model runner this worker really holds: its class and MRO (qualified names),
     whether it is afd-mrv2's Attention composition and over which upstream runner,
@@ -38,7 +41,7 @@ from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.remote import MoeShape, attached
-from afd_mrv2.mrv2.runner import runner_info
+from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, runner_info
 from afd_mrv2.topology import Topology
 from afd_mrv2.validation import afd_section
 
@@ -133,4 +136,9 @@ class AfdWorkerExtension:
 
     def afd_attention_stats(self) -> dict[str, Any] | None:
         remote = attached()
-        return None if remote is None else remote.stats()
+        if remote is None:
+            return None
+        stats = remote.stats()
+        if isinstance(self.model_runner, AfdAttentionRunnerMixin):
+            stats["runner"] = self.model_runner.afd_runner_stats()
+        return stats

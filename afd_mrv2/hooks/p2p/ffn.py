@@ -28,7 +28,7 @@ so that item ``k`` of one rank never waits for item ``k`` of another.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +65,11 @@ class FfnSide(Side):
         *,
         peers: Sequence[int] | None = None,
         follow_stages: bool = False,
+        on_item: Callable[[WorkItem], None] | None = None,
     ) -> None:
         super().__init__(link, shape, options)
         self.follow_stages = follow_stages
+        self.on_item = on_item
         self._last: tuple[int, int, int] | None = None  # follow_stages: (layer, stage, stages) of the last item
         local = link.topology.experts_of(link.index)
         self.local_experts = (local.start, local.stop)
@@ -119,6 +121,8 @@ class FfnSide(Side):
                 got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity, me=link.me
             )
             counts.append(got.tokens)
+        if self.on_item is not None:
+            self.on_item(item)
         payloads = [
             link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
             for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True))
@@ -187,7 +191,10 @@ class FfnSide(Side):
         number only.  The identity then comes from the wire, checked against the
         order every Attention side issues: stages of a layer in order, layers in
         order, and a new stage count only where a step begins (layer 0, stage 0).
-        The other peers' headers are then validated against it as usual, so peers
+        A step may begin after any item: an engine whose micro-batched step failed
+        half-way starts its next step at layer 0 (nothing is lost unnoticed: the
+        seq of every message is still checked, so an item that never came fails
+        the next header).  The other peers' headers are then validated against it as usual, so peers
         that split the same step differently still fail, naming both sides.
         """
         if got.magic != wire.MAGIC:
@@ -200,7 +207,7 @@ class FfnSide(Side):
             allowed = {(layer, stage + 1)} if stage + 1 < stages else {((layer + 1) % num_layers, 0)}
         new_step = (got.layer, got.stage) == (0, 0)
         fine = (
-            (got.layer, got.stage) in allowed
+            ((got.layer, got.stage) in allowed or new_step)
             and 0 <= got.stage < got.stages
             and (new_step or self._last is None or got.stages == self._last[2])
         )

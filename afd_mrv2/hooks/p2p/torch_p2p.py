@@ -40,6 +40,14 @@ Resources (``ConnectorContext.resources``):
     submitted item (checked against the order the Attention side issues them), so
     an owner that cannot know whether a step was split (independent engines
     deciding alone) accepts both stage counts; see ``FfnSide._follow``.
+    ``on_item`` (FFN role, optional): called with each item's identity as received
+    (with ``follow_stages``: layer and ``stage i of n`` from the header) once its
+    headers were validated, zero-token items included (``serve_ffn`` counts items
+    per stage count with it).
+
+Stage identity: every header carries the item's layer, ``stage i of n`` and seq,
+checked on every message, so the connector declares ``carries_stage_identity``
+(what afd-mrv2's micro-batching requires of a connector on the vLLM path).
 
 Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
 ``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``,
@@ -87,6 +95,7 @@ class TorchP2pConnector:
     """The torch_p2p connector; see the module docstring."""
 
     required_capability: ClassVar[str | None] = None  # torch.distributed only: any runtime pair
+    carries_stage_identity: ClassVar[bool] = True  # every header names the layer and stage i of n
 
     def __init__(self, context: ConnectorContext) -> None:
         link = context.resource("p2p_link")
@@ -109,6 +118,7 @@ class TorchP2pConnector:
                 options,
                 peers=context.resources.get("attention_peers"),
                 follow_stages=bool(context.resources.get("follow_stages", False)),
+                on_item=context.resources.get("on_item"),
             )
         elif "sink" in context.resources:  # an exchange owner: each item is one round trip
             source, sink = context.resource("source"), context.resource("sink")

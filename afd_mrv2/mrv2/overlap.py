@@ -1,0 +1,105 @@
+"""How much of the Attention side's FFN round trips ran under another micro-batch's compute.
+
+The MoE seam records two kinds of spans per engine step (host ``perf_counter_ns``):
+
+* a **round trip** per exchange: from ``start`` (the send) to the moment the
+  connector delivered the combined result (the receive completed);
+* a **compute span** per micro-batch and MoE layer: from the moment the
+  micro-batch got the core (its thread started, or a hand-off came back) to the
+  moment it started its next exchange: its attention (and router) work.
+
+:meth:`OverlapMeter.end_step` folds the step's spans into cumulative counters per
+stage count (1: unsplit steps, n: steps split into n micro-batches): the
+**hidden** part of a round trip is its overlap with the union of the *other*
+micro-batches' compute spans (an unsplit step has none, so nothing is hidden
+there).  ``hidden_fraction`` = hidden / round-trip time.  Counters only grow, so
+a caller measures a window as the difference of two :meth:`snapshot` calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Totals:
+    steps: int = 0
+    round_trips: int = 0
+    round_trip_ns: int = 0
+    hidden_ns: int = 0
+    computes: int = 0
+    compute_ns: int = 0
+
+
+@dataclass
+class _Step:
+    round_trips: list[tuple[int, int, int]] = field(default_factory=list)  # (ubatch, start, end)
+    computes: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def covered(start: int, end: int, spans: list[tuple[int, int]]) -> int:
+    """Length of ``[start, end)`` covered by the union of ``spans``."""
+    total, cursor = 0, start
+    for s, e in sorted(spans):
+        s, e = max(s, cursor), min(e, end)
+        if e > s:
+            total += e - s
+            cursor = e
+    return total
+
+
+class OverlapMeter:
+    """Round-trip and compute spans of the current step, and cumulative overlap counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step = _Step()
+        self._totals: dict[int, _Totals] = defaultdict(_Totals)
+
+    def round_trip(self, ubatch: int, start_ns: int, end_ns: int) -> None:
+        with self._lock:
+            self._step.round_trips.append((ubatch, start_ns, end_ns))
+
+    def compute(self, ubatch: int, start_ns: int, end_ns: int) -> None:
+        with self._lock:
+            self._step.computes.append((ubatch, start_ns, end_ns))
+
+    def end_step(self, num_stages: int) -> None:
+        """Fold the spans recorded since the last call into the counters of ``num_stages``."""
+        with self._lock:
+            step, self._step = self._step, _Step()
+            totals = self._totals[num_stages]
+        if not step.round_trips and not step.computes:
+            return
+        totals.steps += 1
+        for ubatch, start, end in step.round_trips:
+            others = [(s, e) for u, s, e in step.computes if u != ubatch]
+            totals.round_trips += 1
+            totals.round_trip_ns += end - start
+            totals.hidden_ns += covered(start, end, others)
+        for _, start, end in step.computes:
+            totals.computes += 1
+            totals.compute_ns += end - start
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per stage count: steps, round trips and their total/hidden ms, compute spans and their total ms,
+        ``hidden_fraction``, ``round_trip_ms`` and ``compute_ms`` (means per span)."""
+        with self._lock:
+            items = sorted(self._totals.items())
+        out: dict[str, dict[str, Any]] = {}
+        for stages, t in items:
+            out[str(stages)] = {
+                "steps": t.steps,
+                "round_trips": t.round_trips,
+                "round_trip_total_ms": t.round_trip_ns / 1e6,
+                "hidden_total_ms": t.hidden_ns / 1e6,
+                "computes": t.computes,
+                "compute_total_ms": t.compute_ns / 1e6,
+                "hidden_fraction": t.hidden_ns / t.round_trip_ns if t.round_trip_ns else 0.0,
+                "round_trip_ms": t.round_trip_ns / t.round_trips / 1e6 if t.round_trips else 0.0,
+                "compute_ms": t.compute_ns / t.computes / 1e6 if t.computes else 0.0,
+            }
+        return out

@@ -1,0 +1,99 @@
+"""At data parallelism 1, afd-mrv2's policy decides whether an engine step is split into micro-batches.
+
+vLLM asks its CUDA-graph manager for a step's batch descriptor
+(``dispatch_cg_and_sync_dp`` -> ``ModelCudaGraphManager.dispatch``); at DP 1 that
+descriptor alone decides the split (``num_ubatches > 1`` makes ``execute_model``
+call the runner's ``ubatch_runner.prepare`` and ``run``), and upstream never asks
+for more than one micro-batch there.  :func:`afd_graph_manager_class` subclasses
+the manager upstream built and overrides only ``dispatch``: a step asked for with one
+micro-batch gets ``SplitPolicy.num_ubatches(...)`` instead: ``afd.ubatch.num_ubatches``
+at or above the step kind's token threshold, else 1.  Only while the policy is
+active (the Attention runner activates it once its micro-batch runner exists and
+deactivates it when the AFD session ends) and not inside a dummy run
+(:meth:`SplitPolicy.paused`): profile runs take an eager descriptor of their own
+and never reach ``dispatch``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from afd_mrv2.config import UBatchConfig
+
+
+class SplitPolicy:
+    """How many micro-batches a step runs in; see the module docstring."""
+
+    def __init__(self, config: UBatchConfig, *, decode_query_len: int) -> None:
+        self.config = config
+        self.decode_query_len = decode_query_len
+        self.active = False
+        self._paused = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every step dispatched inside runs unsplit (dummy runs)."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+
+    def num_ubatches(self, num_tokens: int, uniform_token_count: int | None) -> int:
+        if not self.active or self._paused:
+            return 1
+        return self.config.split(num_tokens, uniform_decode=uniform_token_count == self.decode_query_len)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def afd_graph_manager_class(base: type) -> type:
+    """``Afd<ModelCudaGraphManager>``: ``base`` whose ``dispatch`` asks a :class:`SplitPolicy` (cached per base).
+
+    Constructed with upstream's arguments plus ``policy=``.
+    """
+    if base not in _CLASSES:
+
+        def __init__(self: Any, *args: Any, policy: SplitPolicy, **kwargs: Any) -> None:
+            self.afd_policy = policy
+            base.__init__(self, *args, **kwargs)
+
+        def dispatch(
+            self: Any,
+            num_reqs: int,
+            num_tokens: int,
+            uniform_token_count: int | None,
+            num_active_loras: int,
+            max_query_len: int | None = None,
+            num_ubatches: int = 1,
+        ) -> Any:
+            if num_ubatches == 1:
+                num_ubatches = self.afd_policy.num_ubatches(num_tokens, uniform_token_count)
+            return base.dispatch(
+                self,
+                num_reqs,
+                num_tokens,
+                uniform_token_count,
+                num_active_loras,
+                max_query_len=max_query_len,
+                num_ubatches=num_ubatches,
+            )
+
+        _CLASSES[base] = type(
+            f"Afd{base.__name__}",
+            (base,),
+            {
+                "__module__": __name__,
+                "__doc__": f"{base.__qualname__} whose dispatch splits steps by afd-mrv2's SplitPolicy.",
+                "__init__": __init__,
+                "dispatch": dispatch,
+            },
+        )
+    return _CLASSES[base]
