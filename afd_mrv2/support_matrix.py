@@ -49,8 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd_mrv2.config import ASYNC_MOE_STAGES, AfdConfig
-from afd_mrv2.items import ATTENTION
 from afd_mrv2.errors import ConfigError
+from afd_mrv2.items import ATTENTION
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,12 @@ def required_capabilities(config: AfdConfig, *, v2_runner: bool = False) -> tupl
     """What the runtime pair must grant for ``config`` on the vLLM path.
 
     ``moe_seam`` always, ``mrv2`` only with the V2 runner (:func:`afd_mrv2.compat.vllm_path_capabilities`),
-    then multistream and the connector's own capability.
+    ``ubatch_runner`` for a micro-batched Attention role (``afd.ubatch``), then multistream and the
+    connector's own capability.
     """
     caps = list(vllm_path_capabilities(v2_runner=v2_runner))
+    if config.role == ATTENTION and config.ubatch.enabled:  # afd-mrv2's micro-batch runner on MRV2
+        caps.append("ubatch_runner")
     if config.multistream.active_for(config.role):
         caps.append("multistream_ffn")
     needed = connector_capability(config.connector)

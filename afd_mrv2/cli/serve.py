@@ -1,4 +1,4 @@
-"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--ubatches N] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
 
 Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
 each on its own port) and serves one OpenAI-compatible endpoint in front of
@@ -42,6 +42,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PORT,
         help="the endpoint's port on 127.0.0.1; Attention rank i listens on PORT+1+i (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ubatches",
+        type=int,
+        metavar="N",
+        help="split each Attention engine step into N micro-batches (2..4) so one micro-batch's FFN round trip "
+        "runs under another's attention: afd.ubatch.num_ubatches, on vLLM's Model Runner V2 (serve selects it "
+        "and afd-mrv2's worker for the Attention engines, eager); default 1 (every MoE layer one blocking round trip)",
     )
     parser.add_argument("--depth", metavar="D|auto", help="run the FFN side multistream with this depth (1..8 or auto)")
     parser.add_argument("--connector", metavar="NAME", help=f"afd.connector (default {DEFAULT_CONNECTOR})")
@@ -89,6 +97,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         ffn=args.ffn,
         port=args.port,
         depth=args.depth,
+        ubatches=args.ubatches,
         connector=args.connector,
         afd_json=args.afd,
         extra=tuple(extra),

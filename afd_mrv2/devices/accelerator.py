@@ -131,7 +131,8 @@ class AcceleratorBackend:
         return AcceleratorEvent(self, torch.Event(device=self.device))
 
     def bind_thread(self, device: torch.device | None) -> None:
-        index = self.device.index if device is None or device.index is None else device.index
+        chosen = self.device if device is None or device.index is None else device
+        index = None if chosen is None else chosen.index
         if index is not None:
             torch.accelerator.set_device_index(index)
 

@@ -188,7 +188,8 @@ def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m afd_mrv2.mrv2.deployment MODEL --out FILE --section JSON [--section JSON] [-- VLLM ARGS]``.
+    """``python -m afd_mrv2.mrv2.deployment MODEL --out FILE --section JSON [--section JSON] [--attention-arg ARG]
+    [-- VLLM ARGS]``.
 
     What ``afd-mrv2 serve`` runs before it starts any role: each role's ``afd`` section
     (``--section``) against the ``VllmConfig`` the engine arguments make.  Writes
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model")
     parser.add_argument("--out", required=True)
     parser.add_argument("--section", action="append", default=[], help="one role's afd section (JSON)")
+    parser.add_argument(
+        "--attention-arg", action="append", default=[], help="an engine argument for the attention role only"
+    )
     args = parser.parse_args(head)
     result: dict[str, Any] = {"deployments": {}}
     code = 0
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         section = json.loads(text)
         role = section.get("role")
         try:
-            deployment = check_role_arguments(args.model, section, vllm_args)
+            role_args = [*args.attention_arg, *vllm_args] if role == "attention" else vllm_args
+            deployment = check_role_arguments(args.model, section, role_args)
         except AfdError as exc:
             result, code = {"refused": f"{exc} (the {role} role's engine arguments)"}, 2
             break

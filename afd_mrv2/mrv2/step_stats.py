@@ -52,7 +52,9 @@ class StepStats:
         the recent forward times: ``forward_ms`` {n: {"median", "count"}} and ``forward_ms_recent``
         {n: [[index, ms], ...]} (indices into all forwards, so a caller can cut a window)."""
         with self._lock:
-            steps = {kind: {str(n): c for n, c in sorted(counts.items())} for kind, counts in sorted(self.steps.items())}
+            steps = {
+                kind: {str(n): c for n, c in sorted(counts.items())} for kind, counts in sorted(self.steps.items())
+            }
             recent = {n: list(times) for n, times in sorted(self._forward_ms.items())}
             split = sum(c for counts in self.steps.values() for n, c in counts.items() if n > 1)
             return {

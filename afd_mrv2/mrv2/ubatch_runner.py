@@ -108,7 +108,9 @@ class AfdUBatchRunnerMixin:
         self.ubatch_query_start_loc = [
             torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device) for _ in range(num_ubatches)
         ]
-        self.ubatch_seq_lens = [torch.zeros(max_num_reqs, dtype=torch.int32, device=device) for _ in range(num_ubatches)]
+        self.ubatch_seq_lens = [
+            torch.zeros(max_num_reqs, dtype=torch.int32, device=device) for _ in range(num_ubatches)
+        ]
         self.ubatch_dcp_local_seq_lens: list[torch.Tensor | None] = [None] * num_ubatches
         self.ready_barrier = threading.Barrier(num_ubatches + 1)
         self._pending_finish: Callable[[], Any] | None = None

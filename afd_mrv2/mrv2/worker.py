@@ -1,37 +1,36 @@
-"""The vLLM workers that build the AFD Attention runner.
+"""The vLLM workers that build the AFD Attention runner: ``--worker-cls afd_mrv2.mrv2.worker.AfdWorker``.
 
-Two upstream shapes, one composition (:func:`~afd_mrv2.mrv2.runner.attention_runner_class`):
+One name for every platform, resolved lazily from the installed runtime (the compat
+decision must accept it), and one composition
+(:func:`~afd_mrv2.mrv2.runner.attention_runner_class`, over the platform's V2 runner,
+whose MoE layers carry the transfers through the same MoE seam, micro-batched or not:
+``afd.ubatch``).  Upstream builds the model runner in one of two shapes:
 
-* vLLM 0.33.0's ``Worker`` constructs its model runner in ``_make_model_runner()``
-  ("subclasses override this"; seam ``Worker._make_model_runner``, capability
-  ``worker_runner_factory``).  :func:`afd_worker_class` subclasses a worker class
-  and overrides only that method: with an ``afd`` section of role ``attention`` it
-  builds the Attention runner, else it defers to upstream.
-  ``--worker-cls afd_mrv2.mrv2.worker.AfdWorker``.
-* vLLM's ``CPUWorker`` builds its runner inline in ``init_device()`` (it never calls
-  ``_make_model_runner``; seams ``CPUWorker.init_device`` and the V2
+* vLLM 0.33.0's CUDA ``Worker`` constructs it in ``_make_model_runner()`` ("subclasses
+  override this"; seam ``Worker._make_model_runner``, capability
+  ``worker_runner_factory``).  :func:`afd_worker_class` subclasses the worker and
+  overrides only that method: under the V2 runner (``use_v2_model_runner``) with an
+  ``afd`` section of role ``attention`` it builds the Attention runner, else it defers
+  to upstream.
+* vLLM's ``CPUWorker`` (and vLLM-Ascend's ``NPUWorker``) build it inline in
+  ``init_device()`` (seams ``CPUWorker.init_device`` and the V2
   ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, capability ``mrv2``).
-  :func:`afd_cpu_worker_class` subclasses it and overrides only ``init_device``:
-  upstream's runs first (device, threads, distributed set-up, the runner); then,
-  when the V2 runner is selected (``use_v2_model_runner``, which upstream's
-  ``Worker.__init__`` assigned) and the ``afd`` section has role ``attention``,
-  ``self.model_runner`` becomes the Attention runner composed over upstream's V2
-  ``CPUModelRunner``, built from the same ``(vllm_config, device)``.  The runner
-  upstream built is dropped before ``load_model``: nothing has used it yet.  Under
-  the V1 runner the worker is upstream's unchanged (the MoE seam carries AFD there
-  without any runner of afd-mrv2's).  ``--worker-cls afd_mrv2.mrv2.worker.AfdCPUWorker``.
+  :func:`afd_init_device_worker_class` subclasses the worker and overrides only
+  ``init_device``: upstream's runs first (device, threads, distributed set-up, the
+  runner); then, under the V2 runner with role ``attention``, ``self.model_runner``
+  becomes the Attention runner composed over the platform's V2 runner, built from the
+  same ``(vllm_config, device)``.  The runner upstream built is dropped before
+  ``load_model``: nothing has used it yet.
 
-Both build the same Attention runner (:func:`~afd_mrv2.mrv2.runner.attention_runner_class`)
-over their platform's V2 runner, whose MoE layers carry the transfers through the same
-MoE seam, micro-batched or not (``afd.ubatch``).
-Both names resolve lazily from the
-installed runtime (the compat decision must accept it; Ascend is refused by every
-current pair).  The worker extension's ``afd_runner_info`` reports, from inside the
-worker, which runner it holds.
+Under the V1 runner every worker is upstream's unchanged (the MoE seam carries AFD
+there, unsplit, without any runner of afd-mrv2's).  ``AfdCPUWorker`` is the former
+name of the CPU composition, kept with a ``DeprecationWarning``.  The worker
+extension's ``afd_runner_info`` reports, from inside the worker, which runner it holds.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +50,7 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
     runner_cls = attention_runner_class(upstream, gate=gate)
 
     def _make_model_runner(self: Any) -> Any:
-        if _attention_role(self.vllm_config):
+        if self.use_v2_model_runner and _attention_role(self.vllm_config):
             return runner_cls(self.vllm_config, self.device)
         return super(cls, self)._make_model_runner()
 
@@ -61,8 +60,10 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
     return cls
 
 
-def afd_cpu_worker_class(base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None) -> type:
-    """``AfdCPUWorker``: ``base_worker`` (vLLM's ``CPUWorker``) whose ``init_device`` installs the
+def afd_init_device_worker_class(
+    base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None
+) -> type:
+    """``base_worker`` (vLLM's ``CPUWorker``, vLLM-Ascend's ``NPUWorker``) whose ``init_device`` installs the
     Attention runner under the V2 runner; see the module docstring.
 
     ``upstream`` is called only when the composition is built (the V2 runner's modules
@@ -80,24 +81,44 @@ def afd_cpu_worker_class(base_worker: type, upstream: Callable[[], Upstream], *,
     return cls
 
 
+#: Former name of the CPU composition (``--worker-cls afd_mrv2.mrv2.worker.AfdCPUWorker``).
+_DEPRECATED = {"AfdCPUWorker": "AfdWorker"}
+
+
 def __getattr__(name: str) -> Any:
-    if name not in ("AfdWorker", "AfdCPUWorker"):
+    if name in _DEPRECATED:
+        warnings.warn(
+            f"afd_mrv2.mrv2.worker.{name} is deprecated; use afd_mrv2.mrv2.worker.{_DEPRECATED[name]} "
+            "(one worker name on every platform)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = _DEPRECATED[name]
+    if name != "AfdWorker":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _afd_worker()
+
+
+def _afd_worker() -> type:
+    """The installed platform's AFD worker (see the module docstring)."""
     from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected, vllm_path_capabilities
 
-    if name == "AfdCPUWorker":
-        # moe_seam always, mrv2 when V2 is selected (the runner checks again from the engine's own config)
-        decision = check_runtime(vllm_path_capabilities(v2_runner=v2_runner_selected()))
-        if not decision.accepted:
-            raise CompatRefused(decision)
-        if decision.platform != "cpu":
-            raise RuntimeError(f"AfdCPUWorker serves vLLM's CPU platform; this runtime is {decision.platform}")
+    # moe_seam always, mrv2 when V2 is selected (the runner checks again from the engine's own config)
+    decision = check_runtime(vllm_path_capabilities(v2_runner=v2_runner_selected()))
+    if not decision.accepted:
+        raise CompatRefused(decision)
+    platform = decision.platform
+    if platform == "cpu":
         from vllm.v1.worker.cpu_worker import CPUWorker
 
-        return afd_cpu_worker_class(CPUWorker, lambda: load_upstream("cpu"))
+        return afd_init_device_worker_class(CPUWorker, lambda: load_upstream("cpu"))
+    if platform == "ascend":
+        from vllm_ascend.worker.worker import NPUWorker
+
+        return afd_init_device_worker_class(NPUWorker, lambda: load_upstream("ascend"))
     decision = check_runtime(("mrv2", "worker_runner_factory"))
     if not decision.accepted:
         raise CompatRefused(decision)
     from vllm.v1.worker.gpu_worker import Worker
 
-    return afd_worker_class(Worker, load_upstream(decision.platform))
+    return afd_worker_class(Worker, load_upstream(platform))

@@ -22,7 +22,8 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.serve.plan import (
-    ROLE_ENV,
+    CPU_BIND_ENV,
+    EAGER_FLAG,
     Plan,
     RoleCommands,
     ServeOptions,
@@ -53,15 +54,23 @@ def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT
     """
     _, extra = split_additional_config(plan.options.extra)
     sections = [json.dumps(dict(plan.of(role)[0].afd), sort_keys=True) for role in (ATTENTION, FFN)]
+    attention = plan.of(ATTENTION)[0]
+    # the Attention engine's runner choice (V2 for micro-batching) decides what its config says; the extra
+    # engine arguments serve adds for it (worker, eager) too; the FFN role's check reads neither
+    role_env = {k: v for k, v in attention.env.items() if k != CPU_BIND_ENV}
+    ubatched = parse_afd_config(dict(attention.afd)).ubatch.enabled
+    attention_args = [EAGER_FLAG] if ubatched and EAGER_FLAG not in extra else []
     with tempfile.TemporaryDirectory(prefix="afd-mrv2-serve-check-") as folder:
         out = Path(folder) / "deployment.json"
         cmd = [*DEPLOYMENT_CHECK, plan.options.model, "--out", str(out)]
         for section in sections:
             cmd += ["--section", section]
+        for arg in attention_args:
+            cmd += ["--attention-arg", arg]
         try:
             proc = subprocess.run(
                 [*cmd, "--", *extra],
-                env={**ROLE_ENV, **os.environ},
+                env={**role_env, **os.environ},
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,
@@ -92,7 +101,8 @@ def runtime_gate(plan: Plan) -> None:
     attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
     check_vllm_path(attention)
     v2 = v2_runner_selected()
-    require = {cap for config in (attention, ffn) for cap in required_capabilities(config, v2_runner=v2)}
+    require = set(required_capabilities(attention, v2_runner=v2 or attention.ubatch.enabled))  # serve selects V2
+    require |= set(required_capabilities(ffn, v2_runner=v2))
     decision = check_runtime(tuple(sorted(require)))
     if not decision.accepted:
         reasons = "; ".join(decision.reasons) or "refused"

@@ -44,6 +44,13 @@ ROLE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: An FFN role is ready once it prints a line containing this, or once its ready file exists.
 FFN_READY_MARKER = "afd-mrv2 ffn: ready"
 ADDITIONAL_CONFIG = "--additional-config"
+#: Micro-batched Attention engines (``afd.ubatch.num_ubatches`` > 1) run vLLM's Model Runner V2 (this
+#: environment variable; vLLM's own choice falls back to V1 on CPU) with afd-mrv2's worker, which builds
+#: afd-mrv2's Attention runner over the platform's V2 runner, and eager (no graph capture of split steps).
+V2_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+AFD_WORKER = "afd_mrv2.mrv2.worker.AfdWorker"
+WORKER_CLS_FLAG = "--worker-cls"
+EAGER_FLAG = "--enforce-eager"
 #: Every Attention engine gets afd-mrv2's worker extension: its counters and parameter
 #: bytes are readable from inside the worker (``collective_rpc``; over HTTP with vLLM's
 #: ``VLLM_SERVER_DEV_MODE=1``, ``POST /collective_rpc {"method": "afd_attention_stats"}``).
@@ -65,6 +72,8 @@ class RoleContext:
     extra: tuple[str, ...]
     #: The FFN rank's ready file (None for an Attention rank).
     ready_file: str | None
+    #: Micro-batches per step of an Attention engine (``afd.ubatch.num_ubatches``; 1: unsplit).
+    ubatches: int = 1
 
 
 RoleCommand = Callable[[RoleContext], list[str]]
@@ -86,8 +95,22 @@ def attention_command(ctx: RoleContext) -> list[str]:
         ctx.additional_config,
         WORKER_EXTENSION_FLAG,
         WORKER_EXTENSION,
+        *ubatch_engine_args(ctx),
         *ctx.extra,
     ]
+
+
+def ubatch_engine_args(ctx: RoleContext) -> list[str]:
+    """What a micro-batched Attention engine needs on its command line: afd-mrv2's worker and eager mode
+    (each unless the extra arguments already choose it); nothing for an unsplit one."""
+    if ctx.ubatches <= 1:
+        return []
+    args = []
+    if not any(a == WORKER_CLS_FLAG or a.startswith(WORKER_CLS_FLAG + "=") for a in ctx.extra):
+        args += [WORKER_CLS_FLAG, AFD_WORKER]
+    if EAGER_FLAG not in ctx.extra:
+        args.append(EAGER_FLAG)
+    return args
 
 
 def ffn_command(ctx: RoleContext) -> list[str]:
@@ -124,6 +147,8 @@ class ServeOptions:
     ffn: int
     port: int = DEFAULT_PORT
     depth: str | None = None
+    #: ``--ubatches N``: afd.ubatch.num_ubatches, and the Attention engines on Model Runner V2 (None: as configured)
+    ubatches: int | None = None
     connector: str | None = None
     #: A base ``afd`` section (JSON text), merged under the flags.
     afd_json: str | None = None
@@ -216,6 +241,11 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
         if not isinstance(multistream, dict):
             raise ConfigError("afd.multistream", f"expected a mapping, got {type(multistream).__name__}")
         afd["multistream"] = {**multistream, "enabled": True, "depth": _depth_value(opts.depth)}
+    if opts.ubatches is not None:
+        ubatch = afd.get("ubatch") or {}
+        if not isinstance(ubatch, dict):
+            raise ConfigError("afd.ubatch", f"expected a mapping, got {type(ubatch).__name__}")
+        afd["ubatch"] = {**ubatch, "num_ubatches": opts.ubatches}
     afd.setdefault("host", HOST)
     afd.setdefault("port", opts.port + opts.attention + 1)
     return afd
@@ -281,7 +311,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
-    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, with the one options parser
+    ubatches = parse_afd_config({**afd, "role": ATTENTION}).ubatch.num_ubatches  # the whole shared section
     _check_connector(afd["connector"])
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
@@ -294,6 +324,8 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
             section = {**afd, "role": role, RANK_KEY: rank}
             parse_afd_config(section)  # rank below its role's count
             env = dict(ROLE_ENV)
+            if role == ATTENTION and ubatches > 1:
+                env.update(V2_RUNNER_ENV)
             if bind[role][rank]:
                 env[CPU_BIND_ENV] = bind[role][rank]
             port = opts.port + 1 + rank if role == ATTENTION else None
@@ -306,6 +338,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
                 additional_config=json.dumps({**from_extra, "afd": section}, sort_keys=True),
                 extra=extra,
                 ready_file=ready,
+                ubatches=ubatches if role == ATTENTION else 1,
             )
             build = commands.attention if role == ATTENTION else commands.ffn
             specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env))
