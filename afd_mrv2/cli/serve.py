@@ -49,7 +49,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split each Attention engine step into N micro-batches (2..4) so one micro-batch's FFN round trip "
         "runs under another's attention: afd.ubatch.num_ubatches, on vLLM's Model Runner V2 (serve selects it "
-        "and afd-mrv2's worker for the Attention engines, eager); default 1 (every MoE layer one blocking round trip)",
+        "and afd-mrv2's worker for the Attention engines, eager; N=1: the same, unsplit); without the flag every "
+        "MoE layer is one blocking round trip on vLLM's own runner choice",
     )
     parser.add_argument("--depth", metavar="D|auto", help="run the FFN side multistream with this depth (1..8 or auto)")
     parser.add_argument("--connector", metavar="NAME", help=f"afd.connector (default {DEFAULT_CONNECTOR})")

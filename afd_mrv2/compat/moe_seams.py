@@ -2,9 +2,12 @@
 
 What AFD inside a vLLM engine relies on: the out-of-tree ``RoutedExperts``
 replacement (registered by class name through ``PluggableLayer.register_oot``),
-its stand-in quant method on the Attention role, the current-config lookup that
-lets the layer decide its role at construction, the FFN role's worker extension
-and ``collective_rpc``, and the OpenAI server module that ``afd-mrv2 serve`` runs.
+its stand-in quant method on the Attention role (which runs the shared experts
+itself, after the routed round trip: ``mk_can_overlap_shared_experts`` and
+``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED``), the current-config lookup that
+lets the layer decide its role at construction, the support matrix's reads of the
+real ``VllmConfig`` (and ``vllm.triton_utils.HAS_TRITON``), the FFN role's worker
+extension and ``collective_rpc``, and the OpenAI server module that ``afd-mrv2 serve`` runs.
 On CPU, ``CPUWorker.init_device`` builds the V2 runner inline, so the Attention
 runner substitution happens there (``platforms={"cpu"}``).
 
@@ -23,11 +26,12 @@ METHOD = f"{FUSED_MOE}.fused_moe_method_base"
 TOPK = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
 MOE = "moe_seam"
 CPU = frozenset({"cpu"})
+SHARED = f"{FUSED_MOE}.runner.shared_experts"
+MOE_RUNNER = f"{FUSED_MOE}.runner.moe_runner"
 
 #: The properties of a quant method that vLLM's MoE runner reads (the stand-in inherits them).
 _RUNNER_READS = (
     "supports_internal_mk",
-    "mk_can_overlap_shared_experts",
     "topk_indices_dtype",
     "skip_forward_padding",
     "has_unpadded_output",
@@ -178,6 +182,66 @@ MOE_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         "vllm",
+        METHOD,
+        "FusedMoEMethodBase.mk_can_overlap_shared_experts",
+        "read by the MoE runner (through SharedExperts); the stand-in overrides it with True: its apply runs "
+        "the shared experts itself, after the routed round trip",
+        params=(),
+        decorators=("property",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        MOE_RUNNER,
+        "MoERunner.__init__",
+        "the MoE runner asks the quant method whether it overlaps the shared experts (the stand-in says it does)",
+        uses=("mk_can_overlap_shared_experts", "SharedExperts"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        MOE_RUNNER,
+        "MoERunner._apply_quant_method",
+        "the runner hands its SharedExperts to forward_modular (so to the stand-in's apply) and reads their "
+        "output only after forward_modular returned",
+        uses=("forward_modular", "output"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        SHARED,
+        "SharedExpertsOrder",
+        "the stand-in's apply runs the shared experts as MK_INTERNAL_OVERLAPPED",
+        names=("MK_INTERNAL_OVERLAPPED",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        SHARED,
+        "SharedExperts.forward",
+        "the stand-in's apply calls shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)",
+        params=("shared_experts_input", "order"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        SHARED,
+        "SharedExperts._determine_shared_experts_order",
+        "forward runs the shared experts only in the order it determines: MK_INTERNAL_OVERLAPPED when the "
+        "quant method says mk_can_overlap_shared_experts (else the runner runs them before apply)",
+        uses=("_mk_can_overlap_shared_experts", "MK_INTERNAL_OVERLAPPED"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.triton_utils",
+        "",
+        "the support matrix reads vllm.triton_utils.HAS_TRITON (Model Runner V2 needs Triton)",
+        names=("HAS_TRITON",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
         "vllm.model_executor.layers.quantization.base_config",
         "QuantizeMethodBase.process_weights_after_loading",
         "the loader calls it on every quant method; the stand-in's is a no-op",
@@ -220,7 +284,8 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         "vllm.config.vllm",
         "VllmConfig.use_v2_model_runner",
-        "decides whether the V2 runner (capability mrv2) is in use",
+        "decides whether the V2 runner (capability mrv2) is in use: the layer's validation and the support "
+        "matrix read it",
         params=(),
         decorators=("property",),
         capability=MOE,
@@ -341,9 +406,9 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm.v1.worker.cpu_worker",
         "CPUWorker.init_device",
         "builds the V2 CPUModelRunner inline (no _make_model_runner on CPU): the worker overrides it and "
-        "replaces self.model_runner with the Attention runner",
+        "replaces self.model_runner with the Attention runner built from (vllm_config, self.device)",
         params=(),
-        assigns=("model_runner",),
+        assigns=("device", "model_runner"),
         uses=("use_v2_model_runner", "CPUModelRunner"),
         capability="mrv2",
         platforms=CPU,
@@ -361,10 +426,9 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         "vllm.v1.worker.gpu_worker",
         "Worker.__init__",
-        "the CPU worker reads self.use_v2_model_runner, assigned here",
+        "AfdWorker (init_device on CPU, _make_model_runner on CUDA) reads self.use_v2_model_runner, assigned here",
         params=("vllm_config", "local_rank", "rank", "distributed_init_method"),
         assigns=("use_v2_model_runner",),
         capability="mrv2",
-        platforms=CPU,
     ),
 )

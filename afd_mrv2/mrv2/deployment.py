@@ -106,8 +106,12 @@ def _has_triton() -> bool | None:
     return bool(HAS_TRITON)
 
 
-def deployment_of(vllm_config: Any) -> Deployment:
-    """The :class:`Deployment` of a real ``VllmConfig`` (see the module docstring for the fields)."""
+def deployment_of(vllm_config: Any, *, triton: bool | None = None) -> Deployment:
+    """The :class:`Deployment` of a real ``VllmConfig`` (see the module docstring for the fields).
+
+    ``triton``: whether vLLM sees a usable Triton, when the caller knows (the V2 runner is running);
+    None reads ``vllm.triton_utils.HAS_TRITON``.
+    """
     vc = vllm_config
     unknown: list[tuple[str, str]] = []
 
@@ -133,7 +137,7 @@ def deployment_of(vllm_config: Any) -> Deployment:
             )
         )
     v2 = _read("v2_runner", "use_v2_model_runner", lambda: bool(vc.use_v2_model_runner), unknown)
-    triton = _has_triton()
+    triton = _has_triton() if triton is None else triton
     if triton is None:
         unknown.append(("triton", "vllm.triton_utils.HAS_TRITON"))
     if unknown:
@@ -154,15 +158,16 @@ def deployment_of(vllm_config: Any) -> Deployment:
     )
 
 
-def check_vllm_deployment(config: AfdConfig, vllm_config: Any) -> Deployment:
+def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, triton: bool | None = None) -> Deployment:
     """Check ``config`` against the deployment ``vllm_config`` describes; raise :class:`ConfigError` (one line).
 
     The general matrix (:func:`~afd_mrv2.support_matrix.check_deployment`), then vLLM's
     native micro-batching of any count: vLLM's MoE layers carry the transfers, and only
     afd-mrv2's own micro-batch runner tells them which micro-batch of how many a call
     belongs to (``afd.ubatch``).  Creates nothing; returns the deployment it checked.
+    ``triton``: see :func:`deployment_of`.
     """
-    deployment = deployment_of(vllm_config)
+    deployment = deployment_of(vllm_config, triton=triton)
     check_deployment(config, deployment)
     if deployment.native_dbo:
         raise ConfigError(

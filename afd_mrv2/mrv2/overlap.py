@@ -33,6 +33,18 @@ class _Totals:
     computes: int = 0
     compute_ns: int = 0
 
+    def add_step(self, step: _Step) -> None:
+        """Fold one step's spans in (see the module docstring)."""
+        self.steps += 1
+        for ubatch, start, end in step.round_trips:
+            others = [(s, e) for u, s, e in step.computes if u != ubatch]
+            self.round_trips += 1
+            self.round_trip_ns += end - start
+            self.hidden_ns += covered(start, end, others)
+        for _, start, end in step.computes:
+            self.computes += 1
+            self.compute_ns += end - start
+
 
 @dataclass
 class _Step:
@@ -72,17 +84,8 @@ class OverlapMeter:
         with self._lock:
             step, self._step = self._step, _Step()
             totals = self._totals[num_stages]
-        if not step.round_trips and not step.computes:
-            return
-        totals.steps += 1
-        for ubatch, start, end in step.round_trips:
-            others = [(s, e) for u, s, e in step.computes if u != ubatch]
-            totals.round_trips += 1
-            totals.round_trip_ns += end - start
-            totals.hidden_ns += covered(start, end, others)
-        for _, start, end in step.computes:
-            totals.computes += 1
-            totals.compute_ns += end - start
+        if step.round_trips or step.computes:
+            totals.add_step(step)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per stage count: steps, round trips and their total/hidden ms, compute spans and their total ms,

@@ -72,7 +72,7 @@ class AfdAttentionRunnerMixin:
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
         if config is not None:  # the support matrix, before upstream's constructor and any AFD resource
-            check_vllm_deployment(config, vllm_config)
+            check_vllm_deployment(config, vllm_config, triton=True)  # this V2 runner's modules imported Triton
         self.afd_config: AfdConfig | None = config
         self.afd_remote: RemoteExperts | None = None
         self.afd_policy: SplitPolicy | None = None
@@ -94,7 +94,7 @@ class AfdAttentionRunnerMixin:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
         if self.afd_config is None:
             return
-        remote = attached()
+        remote = self._afd_attached()
         if remote is None or remote.num_layers == 0:
             raise PipelineError(
                 "afd role attention, but the loaded model built no AFD MoE layer: the afd_mrv2 vLLM plugin did "
@@ -171,8 +171,12 @@ class AfdAttentionRunnerMixin:
             ubatch_runner=self.ubatch_runner,
             policy=policy,
         )
-        policy.active = True
+        policy.activate()
         self.afd_policy = policy
+
+    def _afd_attached(self) -> RemoteExperts | None:
+        """This process's MoE-seam session (:func:`~afd_mrv2.mrv2.remote.attached`), built by the model's layers."""
+        return attached()
 
     def _afd_ubatch_runner(self) -> AfdUBatchRunnerMixin | None:
         runner = self.ubatch_runner  # type: ignore[has-type]
@@ -207,7 +211,7 @@ class AfdAttentionRunnerMixin:
 
     def afd_close(self, deadline_s: float | None = None) -> CloseReport | None:
         if self.afd_policy is not None:
-            self.afd_policy.active = False
+            self.afd_policy.deactivate()
         return None if self.afd_remote is None else self.afd_remote.close(deadline_s)
 
 
@@ -244,7 +248,7 @@ def runner_info(runner: object, worker: object) -> dict[str, Any]:
     over, seam, ubatch = None, False, None
     if isinstance(runner, AfdAttentionRunnerMixin):
         over = _qualname(type(runner)._afd_upstream.platform_runner)
-        seam = runner.afd_remote is not None and runner.afd_remote is attached()
+        seam = runner.afd_remote is not None and runner.afd_remote is runner._afd_attached()
         built = runner._afd_ubatch_runner()
         ubatch = None if built is None else _qualname(type(built))
     return {

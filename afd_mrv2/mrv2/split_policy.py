@@ -30,9 +30,17 @@ class SplitPolicy:
     def __init__(self, config: UBatchConfig, *, decode_query_len: int) -> None:
         self.config = config
         self.decode_query_len = decode_query_len
-        self.active = False
+        self.active = False  # see activate / deactivate
         self._paused = 0
         self._lock = threading.Lock()
+
+    def activate(self) -> None:
+        """Steps may split from now on (the runner's micro-batch runner exists)."""
+        self.active = True
+
+    def deactivate(self) -> None:
+        """Every step runs unsplit from now on (the AFD session ended)."""
+        self.active = False
 
     @contextmanager
     def paused(self) -> Iterator[None]:

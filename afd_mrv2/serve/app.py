@@ -58,8 +58,7 @@ def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT
     # the Attention engine's runner choice (V2 for micro-batching) decides what its config says; the extra
     # engine arguments serve adds for it (worker, eager) too; the FFN role's check reads neither
     role_env = {k: v for k, v in attention.env.items() if k != CPU_BIND_ENV}
-    ubatched = parse_afd_config(dict(attention.afd)).ubatch.enabled
-    attention_args = [EAGER_FLAG] if ubatched and EAGER_FLAG not in extra else []
+    attention_args = [EAGER_FLAG] if plan.options.ubatches is not None and EAGER_FLAG not in extra else []
     with tempfile.TemporaryDirectory(prefix="afd-mrv2-serve-check-") as folder:
         out = Path(folder) / "deployment.json"
         cmd = [*DEPLOYMENT_CHECK, plan.options.model, "--out", str(out)]
@@ -101,7 +100,7 @@ def runtime_gate(plan: Plan) -> None:
     attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
     check_vllm_path(attention)
     v2 = v2_runner_selected()
-    require = set(required_capabilities(attention, v2_runner=v2 or attention.ubatch.enabled))  # serve selects V2
+    require = set(required_capabilities(attention, v2_runner=v2 or plan.options.ubatches is not None))  # V2
     require |= set(required_capabilities(ffn, v2_runner=v2))
     decision = check_runtime(tuple(sorted(require)))
     if not decision.accepted:

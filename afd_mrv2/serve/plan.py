@@ -44,7 +44,7 @@ ROLE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: An FFN role is ready once it prints a line containing this, or once its ready file exists.
 FFN_READY_MARKER = "afd-mrv2 ffn: ready"
 ADDITIONAL_CONFIG = "--additional-config"
-#: Micro-batched Attention engines (``afd.ubatch.num_ubatches`` > 1) run vLLM's Model Runner V2 (this
+#: Under ``--ubatches N`` (any N, 1 included) the Attention engines run vLLM's Model Runner V2 (this
 #: environment variable; vLLM's own choice falls back to V1 on CPU) with afd-mrv2's worker, which builds
 #: afd-mrv2's Attention runner over the platform's V2 runner, and eager (no graph capture of split steps).
 V2_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
@@ -72,8 +72,9 @@ class RoleContext:
     extra: tuple[str, ...]
     #: The FFN rank's ready file (None for an Attention rank).
     ready_file: str | None
-    #: Micro-batches per step of an Attention engine (``afd.ubatch.num_ubatches``; 1: unsplit).
-    ubatches: int = 1
+    #: ``--ubatches N`` for an Attention engine: micro-batches per step on Model Runner V2 with afd-mrv2's
+    #: worker (N = 1: unsplit, still V2); None: the flag was not given (vLLM's own runner choice)
+    ubatches: int | None = None
 
 
 RoleCommand = Callable[[RoleContext], list[str]]
@@ -101,9 +102,9 @@ def attention_command(ctx: RoleContext) -> list[str]:
 
 
 def ubatch_engine_args(ctx: RoleContext) -> list[str]:
-    """What a micro-batched Attention engine needs on its command line: afd-mrv2's worker and eager mode
-    (each unless the extra arguments already choose it); nothing for an unsplit one."""
-    if ctx.ubatches <= 1:
+    """What an Attention engine under ``--ubatches`` needs on its command line: afd-mrv2's worker and eager mode
+    (each unless the extra arguments already choose it); nothing without the flag."""
+    if ctx.ubatches is None:
         return []
     args = []
     if not any(a == WORKER_CLS_FLAG or a.startswith(WORKER_CLS_FLAG + "=") for a in ctx.extra):
@@ -311,7 +312,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
-    ubatches = parse_afd_config({**afd, "role": ATTENTION}).ubatch.num_ubatches  # the whole shared section
+    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, with the one options parser
     _check_connector(afd["connector"])
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
@@ -324,7 +325,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
             section = {**afd, "role": role, RANK_KEY: rank}
             parse_afd_config(section)  # rank below its role's count
             env = dict(ROLE_ENV)
-            if role == ATTENTION and ubatches > 1:
+            if role == ATTENTION and opts.ubatches is not None:
                 env.update(V2_RUNNER_ENV)
             if bind[role][rank]:
                 env[CPU_BIND_ENV] = bind[role][rank]
@@ -338,7 +339,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
                 additional_config=json.dumps({**from_extra, "afd": section}, sort_keys=True),
                 extra=extra,
                 ready_file=ready,
-                ubatches=ubatches if role == ATTENTION else 1,
+                ubatches=opts.ubatches if role == ATTENTION else None,
             )
             build = commands.attention if role == ATTENTION else commands.ffn
             specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env))

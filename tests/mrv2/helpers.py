@@ -1,31 +1,50 @@
-"""Shared set-up for the MRV2 composition tests: stand-in upstream, an accepting gate, a toy model."""
+"""Shared set-up for the MRV2 composition tests: stand-in upstream, an accepting gate, a toy MoE model.
+
+The toy model's MoE layers call the real MoE seam (:meth:`RemoteExperts.exchange`), whose
+round trips go over a real gloo group to a real ``serve_ffn`` thread (the FFN role of
+these tests); its "attention" is a small matmul per layer, optionally slowed by a sleep
+(which, like torch's kernels, releases the GIL) so that overlap can be measured.
+"""
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import Any
 
 import torch
 
 from afd_mrv2.compat import Runtime, decide
-from afd_mrv2.mrv2.upstream import Upstream
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.mrv2.handoff import Handoff
+from afd_mrv2.mrv2.remote import RemoteExperts
+from afd_mrv2.mrv2.upstream import UBatchApi, Upstream
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _free_port, _reference, afd, start_ffn
+from tests.standins.vllm import forward_context
+from tests.standins.vllm.utils import torch_utils
 from tests.standins.vllm.v1.worker import ubatching
+from tests.standins.vllm.v1.worker.cpu import model_runner as standin_cpu
+from tests.standins.vllm.v1.worker.gpu import cudagraph_utils, ubatch_utils
 from tests.standins.vllm.v1.worker.gpu import model_runner as standin_runner
-from tests.standins.vllm.v1.worker.gpu import ubatch_utils
 from tests.standins.vllm_ascend.worker.v2 import model_runner as standin_npu
 
-CUDA = Upstream(
-    "cuda",
-    standin_runner.GPUModelRunner,
-    ubatch_utils.UBatchRunner,
-    ubatching.dbo_current_ubatch_id,
-    ubatching.dbo_enabled,
+HANDOFF = Handoff(active=ubatching.dbo_enabled, current=ubatching.dbo_current_ubatch_id, hand_over=ubatching.dbo_yield)
+API = UBatchApi(
+    base=ubatch_utils.UBatchRunner,
+    make_ubatch_contexts=ubatching.make_ubatch_contexts,
+    slice_model_inputs=ubatch_utils.slice_model_inputs,
+    merge_ubatch_outputs=ubatch_utils.merge_ubatch_outputs,
+    create_forward_context=forward_context.create_forward_context,
+    override_forward_context=forward_context.override_forward_context,
+    current_stream=torch_utils.current_stream,
+    graph_manager=cudagraph_utils.ModelCudaGraphManager,
+    handoff=HANDOFF,
 )
-ASCEND = Upstream(
-    "ascend",
-    standin_npu.NPUModelRunner,
-    ubatch_utils.UBatchRunner,
-    ubatching.dbo_current_ubatch_id,
-    ubatching.dbo_enabled,
-)
+CUDA = Upstream("cuda", standin_runner.GPUModelRunner, API)
+CPU = Upstream("cpu", standin_cpu.CPUModelRunner, API)
+ASCEND = Upstream("ascend", standin_npu.NPUModelRunner, API)
 RUNTIME_0_33 = Runtime(python="3.11.9", vllm="0.33.0", vllm_ascend=None, torch="2.14.0", torch_npu=None, cann=None)
+VOCAB = 64
 
 
 def accept_0_33(required: tuple[str, ...]):
@@ -33,35 +52,91 @@ def accept_0_33(required: tuple[str, ...]):
     return decide(RUNTIME_0_33, require=required, env={})
 
 
-def afd_section(*, multistream_roles=("attention",), enabled=True, backend="recording", observers=(), role="attention"):
-    return {
-        "connector": "simlink",
-        "role": role,
-        "observers": list(observers),
-        "connector_extra_config": {"latency_us": 0, "bandwidth_gbps": 0},
-        "multistream": {"enabled": enabled, "roles": list(multistream_roles), "backend": backend, "depth": 2},
-    }
+def attention_afd(port: int, ubatches: int = 2, *, threshold: int = 2, **extra: Any) -> dict[str, Any]:
+    """The Attention role's afd section: micro-batching with both token thresholds at ``threshold``."""
+    ubatch = {"num_ubatches": ubatches, "decode_token_threshold": threshold, "prefill_token_threshold": threshold}
+    return afd("attention", port, ubatch=ubatch, **extra)
 
 
-class ToyModel:
-    """Each layer starts its AFD transfer, yields to the sibling microbatch, then finishes it
-    (vLLM's dual-batch overlap: dispatch, yield, combine)."""
+class ToyMoeModel(torch.nn.Module):
+    """Embedding, then per MoE layer: "attention" (a matmul, plus ``compute_s`` of sleep), the router
+    (top-k of a linear map, softmax weights) and the routed experts through ``remote.exchange``.
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.exchange = None
+    ``fail_at = (micro-batch, ordinal)`` raises in that micro-batch's attention of that layer (a test
+    injection; micro-batch 0 is also an unsplit step's).
+    """
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = input_ids.to(torch.float32)
-        for layer in range(self.num_layers):
-            ticket = self.exchange.start(layer, hidden + 1.0)
-            ubatching.dbo_yield()
-            hidden = self.exchange.finish(ticket)
+    def __init__(self, remote: RemoteExperts, *, compute_s: float = 0.0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        self.remote = remote
+        self.compute_s = compute_s
+        self.fail_at: tuple[int, int] | None = None
+        self.embed = torch.randn(VOCAB, SHAPE.hidden_size, generator=gen)
+        self.attn = torch.randn(len(LAYERS), SHAPE.hidden_size, SHAPE.hidden_size, generator=gen) * 0.3
+        self.router = torch.randn(len(LAYERS), SHAPE.hidden_size, SHAPE.num_experts, generator=gen)
+        self.contexts: list[Any] = []  # the forward context each call saw at its first layer
+
+    def forward(self, input_ids: torch.Tensor, positions: Any = None, inputs_embeds: Any = None) -> torch.Tensor:
+        self.contexts.append(forward_context.get_forward_context())
+        return self.run(input_ids, self.remote.exchange)
+
+    def run(self, input_ids: torch.Tensor, experts: Any) -> torch.Tensor:
+        hidden = self.embed[input_ids.long()]
+        for ordinal, layer in enumerate(LAYERS):
+            if self.fail_at == (ubatching.dbo_current_ubatch_id(), ordinal):
+                raise RuntimeError(f"injected failure in layer {ordinal}")
+            if self.compute_s:
+                time.sleep(self.compute_s)
+            hidden = hidden + torch.tanh(hidden @ self.attn[ordinal])
+            weights, ids = torch.softmax(hidden @ self.router[ordinal], dim=-1).topk(SHAPE.top_k, dim=-1)
+            hidden = hidden + experts(layer, hidden, weights, ids.to(torch.int32))
         return hidden
 
+    def reference(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same forward with the experts computed here (no AFD, no micro-batches)."""
+        ordinals = {layer: i for i, layer in enumerate(LAYERS)}
+        return self.run(input_ids, lambda layer, x, w, ids: _reference(ordinals[layer], x, w, ids))
 
-def expected(input_ids: torch.Tensor, num_layers: int) -> torch.Tensor:
-    hidden = input_ids.to(torch.float32)
-    for layer in range(num_layers):
-        hidden = (hidden + 1.0) * 2.0 + layer  # the test runners' afd_compute
-    return hidden
+
+class FfnPair:
+    """A real ``serve_ffn`` thread and this test's Attention side (:class:`RemoteExperts`) on a fresh port.
+
+    ``ffn_delay_s`` slows every expert computation of the FFN (a slow link or a busy FFN);
+    ``ffn_fails_after`` makes the FFN's expert computation raise after that many calls (the FFN
+    rank then stops serving and tells the Attention side why, as a failing FFN process does).
+    """
+
+    def __init__(
+        self,
+        *,
+        ubatches: int = 2,
+        threshold: int = 2,
+        ffn_delay_s: float = 0.0,
+        ffn_fails_after: int | None = None,
+        **extra: Any,
+    ) -> None:
+        self.port = _free_port()
+        self.done: dict[str, Any] = {}
+        calls = [0]
+
+        def expert(ordinal: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if ffn_fails_after is not None and calls[0] > ffn_fails_after:
+                raise RuntimeError("the FFN's experts failed (test)")
+            if ffn_delay_s:
+                time.sleep(ffn_delay_s)
+            return _reference(ordinal, x, w, ids)
+
+        experts = [lambda x, w, ids, ordinal=ordinal: expert(ordinal, x, w, ids) for ordinal in range(len(LAYERS))]
+        self.thread: threading.Thread = start_ffn(self.done, afd("ffn", self.port), experts)
+        self.section = attention_afd(self.port, ubatches, threshold=threshold, **extra)
+        self.remote = RemoteExperts(parse_afd_config(self.section), max_tokens=32, handoff=HANDOFF)
+        for layer in LAYERS:
+            self.remote.add_layer(layer, SHAPE)
+
+    def close(self) -> dict[str, Any]:
+        self.remote.close()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the FFN thread did not end"
+        return self.done

@@ -1,4 +1,4 @@
-"""Stand-in for vllm.config.vllm: only the fields afd-mrv2 reads."""
+"""Stand-in for vllm.config.vllm: only the fields afd-mrv2 reads (defaults as a DP-1 engine without DBO flags)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ParallelConfig:
-    use_ubatching: bool = True  # properties upstream (enable_dbo / ubatch_size)
-    data_parallel_size: int = 2
-    num_ubatches: int = 2
+    use_ubatching: bool = False  # a property upstream (enable_dbo / ubatch_size > 1)
+    data_parallel_size: int = 1
+    num_ubatches: int = 0  # upstream: 0 without vLLM's DBO flags
+    cp_kv_cache_interleave_size: int = 1
     # the support matrix reads these too (afd_mrv2.mrv2.deployment)
     tensor_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
@@ -25,6 +26,7 @@ class ModelConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
 
 
 @dataclass

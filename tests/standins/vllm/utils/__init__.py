@@ -1,0 +1,1 @@
+"""Stand-in package (see tests/standins/__init__.py)."""
