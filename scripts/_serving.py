@@ -5,6 +5,11 @@
 * :class:`ServeServer`: ``afd-mrv2 serve MODEL --attention A --ffn F ...`` (stdout read for the ready
   line, stderr to a log file; the FFN roles' ``afd-mrv2 ffn: done {...}`` reports read back from it);
 * :func:`run_requests`: R completions from C concurrent clients, timed;
+* :meth:`_Child.pause` / :meth:`_Child.resume`: SIGSTOP / SIGCONT of every process of a server's tree
+  (checked: each in state ``T``), :meth:`_Child.processes` / :func:`process_cpu`: each process by role
+  and kind (``APIServer``, ``EngineCore``, ``Worker``, ...) and its CPU seconds;
+* :func:`collective_rpc` / :func:`engine_steps`: a vLLM server's ``POST /collective_rpc`` (needs
+  ``VLLM_SERVER_DEV_MODE=1``) and its engine-step count (``vllm:iteration_tokens_total``, ``GET /metrics``);
 * :func:`greedy` / :func:`compare`: token ids and logprobs of greedy answers, and their comparison.
 
 Every child runs in a session of its own (so Ctrl-C in the terminal reaches only the script,
@@ -55,6 +60,8 @@ FFN_DONE = "afd-mrv2 ffn: done "
 START_TIMEOUT_S = 900
 REQUEST_TIMEOUT_S = 600
 STOP_GRACE_S = 30
+#: vLLM's histogram of tokens per engine step: its count is the engine's step count.
+STEPS_METRIC = "vllm:iteration_tokens_total_count{"
 
 
 class UsageError(Exception):
@@ -187,6 +194,10 @@ class _Child:
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.started = time.monotonic()
         self._seen: set[tuple[int, str]] = set()  # (pid, start time) of every process seen in the tree
+        self._paused: list[int] = []  # the pids SIGSTOPped by pause(), root first
+        self._termed = False  # begin_stop() sent the stop signal: stop() must not send it twice
+        #: How long stop() waits for the server to end after its stop signal, before SIGKILL.
+        self.stop_wait_s: float = STOP_GRACE_S
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -225,16 +236,83 @@ class _Child:
                 return alive
             time.sleep(0.1)
 
+    def pause(self, timeout_s: float = 5.0) -> list[int]:
+        """SIGSTOP every live process of the server's tree (root first), and wait until each is in state ``T``
+        (:class:`ServerError` if one is not within ``timeout_s``); returns their pids."""
+        pids = [pid for pid in self.track() if (fields := _stat(pid)) is not None and fields[0] not in ("Z", "X")]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        self._paused = pids
+        deadline = time.monotonic() + timeout_s
+        while running := self.not_stopped():
+            if time.monotonic() >= deadline:
+                raise ServerError(f"{self.name}: pids {running} not stopped {timeout_s:.0f} s after SIGSTOP")
+            time.sleep(0.02)
+        return pids
+
+    def not_stopped(self) -> list[int]:
+        """The paused pids (and any process of the tree now) not in state ``T``; gone or zombie ones do not count."""
+        running = []
+        for pid in sorted(set(self._paused) | set(_tree(self.proc.pid))):
+            fields = _stat(pid)
+            if fields is not None and fields[0] not in ("T", "t", "Z", "X"):
+                running.append(pid)
+        return running
+
+    def resume(self) -> None:
+        """SIGCONT every paused process, leaves first (a parent resumed before its children sees them stopped)."""
+        for pid in reversed(self._paused):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._paused = []
+
+    def processes(self) -> dict[int, str]:
+        """Each live process of the server's tree -> a label: its role (:meth:`_named`) and its kind."""
+        named = self._named()
+        parent = {pid: int(fields[1]) for pid in _tree(self.proc.pid) if (fields := _stat(pid)) is not None}
+        labels: dict[int, str] = {}
+        for pid in parent:
+            if pid in named:
+                labels[pid] = named[pid][0]
+                continue
+            up = parent[pid]
+            while up in parent and up not in named:
+                up = parent[up]
+            labels[pid] = named.get(up, ("", ""))[1] + _kind(pid)
+        seen: dict[str, int] = {}
+        for label in labels.values():
+            seen[label] = seen.get(label, 0) + 1
+        return {pid: f"{label} (pid {pid})" if seen[label] > 1 else label for pid, label in labels.items()}
+
+    def _named(self) -> dict[int, tuple[str, str]]:
+        """Processes with a name of their own: pid -> (label, prefix of its descendants' labels)."""
+        return {self.proc.pid: ("APIServer", "")}
+
     def _term(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
 
+    def begin_stop(self) -> None:
+        """Resume the server if paused and send its stop signal without waiting (:meth:`stop` then waits):
+        several servers stop at once."""
+        self.resume()
+        if self.proc.poll() is None and not self._termed:
+            self.track()
+            with contextlib.suppress(ProcessLookupError):
+                self._term()
+            self._termed = True
+
     def stop(self) -> int | None:
-        """SIGTERM, SIGKILL after 30 s, then SIGKILL anything of its tree still alive; returns the exit code."""
+        """SIGTERM (unless :meth:`begin_stop` sent it), SIGKILL after :attr:`stop_wait_s`, then SIGKILL anything
+        of its tree still alive; returns the exit code.  A paused server is resumed first."""
+        self.resume()
         if self.proc.poll() is None:
             self.track()
             try:
-                self._term()
-                self.proc.wait(STOP_GRACE_S)
+                if not self._termed:
+                    self._term()
+                    self._termed = True
+                self.proc.wait(self.stop_wait_s)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
         with contextlib.suppress(ProcessLookupError, PermissionError):  # an engine core whose parent died first
@@ -251,6 +329,27 @@ class _Child:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _kind(pid: int) -> str:
+    """What a process is, from its title or command line: vLLM's ``EngineCore`` / ``Worker`` / ``APIServer``
+    (its process titles), multiprocessing's ``resource_tracker``, else its command name."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    if comm.startswith("VLLM::"):
+        return {"EngineCor": "EngineCore"}.get(comm[6:], comm[6:])
+    if "resource_tracker" in cmdline:
+        return "resource_tracker"
+    return comm
+
+
+def process_cpu(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each live pid (all its threads; not its children)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {pid: (int(fields[11]) + int(fields[12])) / ticks for pid in pids if (fields := _stat(pid)) is not None}
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -308,11 +407,16 @@ class ServeTopology:
     ffn: int = 1
     depth: str | None = None
     afd: dict[str, Any] | None = None
+    #: serve --ubatches N (Model Runner V2 and afd-mrv2's worker on the Attention engines; 1: unsplit); None: no flag
+    ubatches: int | None = None
+    #: serve --stop-grace S (None: serve's default, 5 s)
+    stop_grace: float | None = None
 
     @property
     def label(self) -> str:
         depth = f"-d{self.depth}" if self.depth else ""
-        return f"{self.attention}a{self.ffn}f{depth}"
+        ubatches = f"-u{self.ubatches}" if self.ubatches is not None else ""
+        return f"{self.attention}a{self.ffn}f{depth}{ubatches}"
 
     def ports(self) -> int:
         """How many consecutive ports serve needs: endpoint, one per engine, the AFD rendezvous."""
@@ -342,18 +446,29 @@ class ServeServer(_Child):
         env: dict[str, str] | None = None,
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.port = port
         self.topology = topology
         exe = Path(sys.executable).with_name("afd-mrv2")
         cmd = [str(exe), "serve", str(model), "--attention", str(topology.attention), "--ffn", str(topology.ffn)]
         cmd += ["--port", str(port)]
         if topology.depth:
             cmd += ["--depth", topology.depth]
+        if topology.ubatches is not None:
+            cmd += ["--ubatches", str(topology.ubatches)]
+        if topology.stop_grace is not None:
+            cmd += ["--stop-grace", f"{topology.stop_grace:g}"]
         if topology.afd:
             cmd += ["--afd", json.dumps(topology.afd)]
         cmd += ["--", *engine_args]
         self.ready_at: float | None = None
         super().__init__(cmd, _env(env or {}), log, stdout_pipe=True)
+        if topology.stop_grace is not None:  # serve's own grace, and time for its FFN roles' reports
+            self.stop_wait_s = max(STOP_GRACE_S, topology.stop_grace + 15)
         self._out = LineReader(self.proc.stdout)  # type: ignore[arg-type]
+
+    def engine_urls(self) -> list[str]:
+        """Each Attention engine's own vLLM server (``PORT+1+i``)."""
+        return [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(self.topology.attention)]
 
     @property
     def stdout(self) -> list[str]:
@@ -377,6 +492,12 @@ class ServeServer(_Child):
                 name, rest = line[1:].split("] started pid ", 1)
                 pids[name] = int(rest.split(":", 1)[0])
         return pids
+
+    def _named(self) -> dict[int, tuple[str, str]]:
+        named = {self.proc.pid: ("serve (supervisor + proxy)", "")}
+        for role, pid in self.role_pids().items():
+            named[pid] = (f"{role} {'APIServer' if role.startswith('attention') else 'role'}", f"{role} ")
+        return named
 
     def _term(self) -> None:
         self.proc.send_signal(signal.SIGTERM)  # serve stops its roles itself (and reports how)
@@ -425,6 +546,31 @@ def run_requests(url: str, payloads: list[dict[str, Any]], clients: int) -> Roun
         answers = list(pool.map(lambda p: complete(url, p, REQUEST_TIMEOUT_S), payloads))
         wall = time.perf_counter() - start
     return Round(wall, answers)
+
+
+def collective_rpc(url: str, method: str, timeout: float = 120) -> list[Any]:
+    """``collective_rpc(method)`` on the vLLM OpenAI server at ``url`` (started with ``VLLM_SERVER_DEV_MODE=1``):
+    one result per worker."""
+    req = urllib.request.Request(
+        url + "/collective_rpc", json.dumps({"method": method}).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return list(json.loads(resp.read())["results"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise ServerError(f"{url}/collective_rpc {method}: {exc}") from None
+
+
+def engine_steps(url: str, timeout: float = 60) -> int | None:
+    """The engine steps vLLM's server at ``url`` counted (``vllm:iteration_tokens_total_count`` summed over its
+    engines, ``GET /metrics``); None when the metric is missing."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(STEPS_METRIC)]
+    return int(sum(counts)) if counts else None
 
 
 def guarded(prog: str, body: Callable[[], T]) -> T | int:

@@ -22,7 +22,8 @@ whose MoE layers carry the transfers through the same MoE seam, micro-batched or
   same ``(vllm_config, device)``.  The runner upstream built is dropped before
   ``load_model``: nothing has used it yet.
 
-Under the V1 runner every worker is upstream's unchanged (the MoE seam carries AFD
+Every composition is named ``AfdWorker`` (what ``--worker-cls`` names, so the class resolves and
+pickles by its qualified name).  Under the V1 runner every worker is upstream's unchanged (the MoE seam carries AFD
 there, unsplit, without any runner of afd-mrv2's).  ``AfdCPUWorker`` is the former
 name of the CPU composition, kept with a ``DeprecationWarning``.  The worker
 extension's ``afd_runner_info`` reports, from inside the worker, which runner it holds.
@@ -54,9 +55,7 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
             return runner_cls(self.vllm_config, self.device)
         return super(cls, self)._make_model_runner()
 
-    cls = type(
-        f"Afd{base_worker.__name__}", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner}
-    )
+    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner})
     return cls
 
 
@@ -77,7 +76,7 @@ def afd_init_device_worker_class(
             runner_cls = attention_runner_class(upstream(), gate=gate)
             self.model_runner = runner_cls(self.vllm_config, self.device)
 
-    cls = type(f"Afd{base_worker.__name__}", (base_worker,), {"__module__": __name__, "init_device": init_device})
+    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "init_device": init_device})
     return cls
 
 

@@ -58,6 +58,7 @@ class Config:
     parallel_config: object = field(default_factory=Parallel)
     model_config: object = field(default_factory=Model)
     compilation_config: object = field(default_factory=Compilation)
+    use_v2_model_runner: bool = True
 
 
 @dataclass
@@ -79,7 +80,7 @@ def camasync(**extra: object):
 
 def test_every_fact_is_read_from_its_upstream_field() -> None:
     config = Config(Parallel(True, 2, 3, 2, 4, 2, True), Model(True), Compilation(Mode.NONE, Mode.NONE, Passes(False)))
-    assert deployment_of(config) == Deployment(
+    assert deployment_of(config, triton=True) == Deployment(
         native_dbo=True,
         num_ubatches=2,
         enforce_eager=True,
@@ -113,7 +114,7 @@ def test_sequence_parallel_from_either_source() -> None:
 
 
 def test_a_missing_field_is_unknown_and_refused_where_a_rule_needs_it(caplog: pytest.LogCaptureFixture) -> None:
-    deployment = deployment_of(Config(OldParallel(), Model(True)))
+    deployment = deployment_of(Config(OldParallel(), Model(True)), triton=True)
     assert dict(deployment.unknown) == {
         "native_dbo": "parallel_config.use_ubatching",
         "num_ubatches": "parallel_config.num_ubatches",
@@ -145,20 +146,71 @@ def test_no_config_fields_at_all_refuses_rather_than_guessing() -> None:
         check_vllm_deployment(afd(), Bare())
 
 
-def test_native_microbatching_is_refused_on_the_moe_seam_only() -> None:
+def test_native_microbatching_is_refused_on_the_vllm_path() -> None:
     config = Config(Parallel(use_ubatching=True, num_ubatches=2, data_parallel_size=2), Model(True))
     with pytest.raises(ConfigError) as info:
-        check_vllm_deployment(afd(), config)
+        check_vllm_deployment(afd(), config, triton=True)
     assert info.value.key == "afd" and "2 micro-batches per step" in str(info.value)
-    assert "\n" not in str(info.value)
-    check_vllm_deployment(afd(), config, moe_seam=False)  # a runner-owned executor stages them
+    assert "\n" not in str(info.value) and "afd.ubatch.num_ubatches" in str(info.value)
 
 
 def test_more_than_two_native_microbatches_are_refused_by_the_matrix() -> None:
-    config = Config(Parallel(use_ubatching=True, num_ubatches=3, data_parallel_size=2), Model(True))
     with pytest.raises(ConfigError) as info:
-        check_vllm_deployment(afd(), config, moe_seam=False)
+        check_deployment(afd(), Deployment(native_dbo=True, num_ubatches=3))
     assert info.value.key == "afd.connector" and "runs 3 micro-batches per step" in str(info.value)
+
+
+def ubatched(
+    n: int = 2, role: str = "attention", *, async_moe: object = None, multistream: object = None, **extra: object
+):
+    more = {k: v for k, v in (("async_moe", async_moe), ("multistream", multistream)) if v is not None}
+    return afd(role, ubatch={"num_ubatches": n, **extra}, **more)
+
+
+@pytest.mark.parametrize(
+    ("deployment", "key", "fragment"),
+    [
+        (Deployment(v2_runner=False), "num_ubatches", "run on vLLM's Model Runner V2 only; this engine runs the V1"),
+        (Deployment(triton=False), "num_ubatches", "needs Triton with a backend for this platform"),
+        (Deployment(enforce_eager=False), "num_ubatches", "run eager only"),
+        (Deployment(native_dbo=True, num_ubatches=2), "num_ubatches", "native micro-batching"),
+        (Deployment(data_parallel_size=2), "num_ubatches", "data_parallel_size=2"),
+        (Deployment(decode_context_parallel_size=2), "num_ubatches", "decode_context_parallel_size=2"),
+        (Deployment(prefill_context_parallel_size=2), "num_ubatches", "prefill_context_parallel_size=2"),
+        (Deployment(sequence_parallel=True), "num_ubatches", "sequence-parallel MoE"),
+        (Deployment(unknown=(("v2_runner", "use_v2_model_runner"),)), "num_ubatches", "cannot check v2_runner"),
+    ],
+)
+def test_afd_microbatching_is_refused_where_its_runner_cannot_run(deployment, key, fragment) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_deployment(ubatched(), deployment)
+    assert info.value.key == f"afd.ubatch.{key}" and fragment in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_afd_microbatching_config_refusals_and_what_stays_allowed() -> None:
+    check_deployment(ubatched(), Deployment())  # V2, Triton, eager, DP 1: the supported case
+    check_deployment(ubatched(role="ffn"), Deployment(v2_runner=False))  # the FFN role follows the wire
+    check_deployment(ubatched(1), Deployment(v2_runner=False))  # one micro-batch: nothing to refuse
+    with pytest.raises(ConfigError, match=r"^afd\.ubatch\.prefill_token_threshold: expected at least num_ubatches"):
+        check_deployment(ubatched(3, prefill_token_threshold=2), Deployment())
+    with pytest.raises(ConfigError, match=r"^afd\.ubatch\.num_ubatches: async-MoE stages"):
+        check_deployment(ubatched(async_moe={"enabled": True}), Deployment())
+    with pytest.raises(
+        ConfigError, match=r"4 micro-batches keep 4 round trips in flight, but afd\.multistream holds 1 \+ 1"
+    ):
+        check_deployment(
+            ubatched(4, decode_token_threshold=4, prefill_token_threshold=4, multistream={"depth": 1}), Deployment()
+        )
+
+
+def test_v2_runner_and_triton_are_read_from_the_engine_config() -> None:
+    assert not deployment_of(Config(use_v2_model_runner=False), triton=True).v2_runner
+    unread = deployment_of(Config(model_config=Model(True)))  # this venv has no vLLM: Triton's availability is unknown
+    assert ("triton", "vllm.triton_utils.HAS_TRITON") in unread.unknown
+    with pytest.raises(ConfigError, match=r"^afd\.ubatch\.num_ubatches: cannot check triton"):
+        check_deployment(ubatched(), unread)
+    check_deployment(afd(), unread)  # no rule of an unsplit engine needs it
 
 
 def test_multistream_is_eager_only_for_the_role_it_is_active_for() -> None:

@@ -1,8 +1,9 @@
 """The Attention-side exchange under vLLM's dual-batch overlap, on CPU threads.
 
-vLLM's micro-batching cannot run on CPU, so two microbatch threads are driven by
-the stand-in ubatch contexts (``tests/standins/vllm/v1/worker/ubatching.py``),
-which hand off exactly as vLLM's ``UBatchContext`` does: each context owns a
+The exchange alone, without a runner: two microbatch threads are driven by the
+stand-in ubatch contexts (``tests/standins/vllm/v1/worker/ubatching.py``), which
+hand off as vLLM's ``UBatchContext`` does (afd-mrv2's own micro-batch runner, which
+launches them inside vLLM, is tested in test_composition.py and tests/vllm): each context owns a
 ``threading.Event``; a thread runs only once its event is set, and ``dbo_yield``
 sets the sibling's event and parks on its own (a baton: one thread runs at a
 time).  At every layer a microbatch computes (a real matmul, one torch thread),
@@ -79,7 +80,7 @@ def _exchange(*, multistream: bool, depth: int = 2) -> tuple[UBatchExchange, Exe
             "multistream": {"enabled": multistream, "roles": ["attention"], "depth": depth, "backend": "host"},
         }
     )
-    exchange = UBatchExchange(ubatching.dbo_current_ubatch_id)
+    exchange = UBatchExchange()
     trace = Trace(role="attention")
     executor = Executor(
         load_plugins(config, resources=exchange.resources()),
@@ -115,12 +116,12 @@ def run_two_microbatches(exchange: UBatchExchange, trace: Trace, *, overlap: boo
                         Span(f"attention l{layer}", f"ubatch-{context.id}", 1000 + context.id, None, None, t0, t1)
                     )
                     if overlap:
-                        ticket = exchange.start(layer, hidden)  # dispatch
+                        ticket = exchange.start(layer, hidden, stage=(context.id, 2))  # dispatch
                         ubatching.dbo_yield()
                         hidden = exchange.finish(ticket)  # combine
                         results[ticket.item] = hidden
                     else:
-                        hidden = exchange.exchange(layer, hidden)
+                        hidden = exchange.exchange(layer, hidden, stage=(context.id, 2))
                         results[exchange.items[-1]] = hidden
                         ubatching.dbo_yield()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
@@ -229,7 +230,7 @@ def _recording_exchange(depth: int, compute=ffn) -> tuple[UBatchExchange, Execut
             "multistream": {"enabled": True, "roles": ["attention"], "depth": depth, "backend": "recording"},
         }
     )
-    exchange = UBatchExchange(lambda: 0)
+    exchange = UBatchExchange()
     plugins = load_plugins(config, resources=exchange.resources())
     executor = Executor(plugins, make_backend("recording"), config.multistream, compute=compute, role="attention")
     exchange.bind(executor)
@@ -241,7 +242,7 @@ def _recording_exchange(depth: int, compute=ffn) -> tuple[UBatchExchange, Execut
 )
 def test_pool_is_sized_from_the_buffer_counts(buffers: dict, capacity: int) -> None:
     config = parse_afd_config({"connector": "simlink", "role": "attention", "multistream": buffers})
-    exchange = UBatchExchange(lambda: 0)
+    exchange = UBatchExchange()
     executor = Executor(
         load_plugins(config, resources=exchange.resources()), make_backend("recording"), config.multistream, compute=ffn
     )
@@ -269,7 +270,7 @@ def test_starting_more_than_the_pool_raises_and_finish_is_per_ticket() -> None:
 
 def test_unbound_exchange_raises() -> None:
     with pytest.raises(RuntimeError, match=r"before bind\(executor\)"):
-        UBatchExchange(lambda: 0).start(0, torch.ones(1))
+        UBatchExchange().start(0, torch.ones(1))
 
 
 def test_a_failed_transfer_surfaces_from_finish_and_frees_its_entry() -> None:

@@ -42,7 +42,7 @@ V2_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", STANDIN_ENV)
 #: V2 on CPU runs eager (with the stand-in Inductor would look for a triton CPU target)
 V2_ENGINE_ARGS = {"enforce_eager": True}
 #: the Attention engine's worker: upstream's CPUWorker whose init_device installs afd-mrv2's runner under V2
-AFD_WORKER = {"worker_cls": "afd_mrv2.mrv2.worker.AfdCPUWorker"}
+AFD_WORKER = {"worker_cls": "afd_mrv2.mrv2.worker.AfdWorker"}
 V2_RUNNER = "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # vLLM's Model Runner V2 on CPU
 V1_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # vLLM's default CPU runner
 
