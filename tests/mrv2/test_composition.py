@@ -107,7 +107,7 @@ def test_split_and_unsplit_steps_equal_the_reference_and_carry_their_stage_ident
     # one token is below the thresholds (2): that step runs unsplit, the others in two micro-batches
     stages = [(i.layer_idx, i.stage_idx, i.num_stages) for i in items]
     split = [(layer, ub, 2) for layer in (0, 1) for ub in (0, 1)]
-    assert stages == split + [(0, 0, 1), (1, 0, 1)] + split + split
+    assert stages == [*split, (0, 0, 1), (1, 0, 1), *split, *split]
     assert dict(done["report"].items_by_stage_count) == {2: 12, 1: 2} == dict(pair.remote.items_by_stage_count)
     stats = runner.afd_runner_stats()
     assert stats["num_ubatches"] == 2 and stats["split_steps"] == 3

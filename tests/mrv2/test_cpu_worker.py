@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_mrv2.compat import Runtime, decide
+from afd_mrv2.compat import CompatRefused, Runtime, decide
 from afd_mrv2.compat.contracts import DirectorySource, check_contracts
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.config import parse_afd_config
@@ -114,9 +114,10 @@ def test_composition_refuses_vllm_native_microbatching(seam_layers: RemoteExpert
 def test_the_former_worker_name_still_resolves_with_a_deprecation_warning() -> None:
     import afd_mrv2.mrv2.worker as worker_module
 
-    with pytest.warns(DeprecationWarning, match=r"AfdCPUWorker is deprecated; use afd_mrv2\.mrv2\.worker\.AfdWorker"):
-        with pytest.raises(Exception):  # resolving needs a vLLM runtime this venv lacks: the warning came first
-            worker_module.AfdCPUWorker  # noqa: B018
+    deprecated = r"AfdCPUWorker is deprecated; use afd_mrv2\.mrv2\.worker\.AfdWorker"
+    # resolving needs a vLLM runtime this venv lacks (refused), but the warning comes first
+    with pytest.warns(DeprecationWarning, match=deprecated), pytest.raises(CompatRefused):
+        worker_module.AfdCPUWorker  # noqa: B018
 
 
 def test_cpu_worker_seams_hold_on_the_stand_ins() -> None:

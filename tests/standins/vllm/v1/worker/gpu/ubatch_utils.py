@@ -17,14 +17,15 @@ Our own reduced code with upstream's contract for what afd-mrv2 reuses or replac
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from .... import forward_context
 from ..... import EVENTS
+from .... import forward_context
 
 
 @dataclass
@@ -52,7 +53,7 @@ def create_ubatch_slices(input_batch, num_ubatches: int) -> list[UBatchSlice]:
     bounds = [point * i for i in range(num_ubatches)] + [total]
     starts = np.asarray(input_batch.query_start_loc_np)
     slices = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         first = int(np.searchsorted(starts, lo, side="right") - 1)
         stop = int(np.searchsorted(starts, hi, side="left"))
         slices.append(UBatchSlice(slice(first, max(stop, first + 1)), slice(lo, hi)))
