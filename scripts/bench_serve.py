@@ -234,7 +234,10 @@ def _counter_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, in
 
 def window(side: Side, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the side's counters say about one round: steps, and on an AFD side forwards, overlap, items."""
-    metric = [None if a is None or b is None else a - b for a, b in zip(after["steps_metric"], before["steps_metric"])]
+    metric = [
+        None if a is None or b is None else a - b
+        for a, b in zip(after["steps_metric"], before["steps_metric"], strict=True)
+    ]
     out: dict[str, Any] = {"steps_metric": None if None in metric else sum(m for m in metric if m is not None)}
     if not side.afd:
         out["steps"] = out["steps_metric"]
@@ -242,8 +245,9 @@ def window(side: Side, before: dict[str, Any], after: dict[str, Any]) -> dict[st
     forwards: list[tuple[str, float]] = []  # (stage count, ms) of every forward in the window
     overlap: dict[str, dict[str, float]] = {}
     steps_by_kind: dict[str, dict[str, int]] = {}
-    calls, items, lost, failed = 0, {}, 0, 0
-    for then, now in zip(before["stats"], after["stats"]):
+    items: dict[str, int] = {}
+    calls, lost, failed = 0, 0, 0
+    for then, now in zip(before["stats"], after["stats"], strict=True):
         r0, r1 = then.get("runner"), now.get("runner")
         if r0 is None or r1 is None:
             raise ServerError(f"{side.name}: afd_attention_stats has no 'runner' (not afd-mrv2's V2 Attention runner)")
@@ -352,7 +356,7 @@ def side_summary(side: Side, rounds: list[dict[str, Any]], engines: int) -> dict
         _overlap_add(overlap, r["overlap"])
     by_stage = {}
     for n in sorted(set(stages)):
-        times = [ms for ms, s in zip(forwards, stages) if s == n]
+        times = [ms for ms, s in zip(forwards, stages, strict=True) if s == n]
         by_stage[n] = {"count": len(times), "median_ms": statistics.median(times), "mean_ms": statistics.fmean(times)}
     forward_per_step = sum(forwards) * engines / sum(steps) if steps and sum(steps) else None
     out.update(
@@ -472,7 +476,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         started.append(plain)
         sides["plain"] = Side("plain", plain)
         port = base + 1
-        for name, count in zip(("blocking", "ubatch"), ports):
+        for name, count in zip(("blocking", "ubatch"), ports, strict=True):
             serve = ServeServer(
                 model, port, logs / f"{name}.log", topologies[name], engine_args, env={**env, **SERVE_ENV}
             )

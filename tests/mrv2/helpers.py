@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,11 +67,20 @@ class ToyMoeModel(torch.nn.Module):
     injection; micro-batch 0 is also an unsplit step's).
     """
 
-    def __init__(self, remote: RemoteExperts, *, compute_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        remote: RemoteExperts,
+        *,
+        compute_s: float = 0.0,
+        ubatch_id: Callable[[], int] = ubatching.dbo_current_ubatch_id,
+        get_context: Callable[[], Any] = forward_context.get_forward_context,
+    ) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(11)
         self.remote = remote
         self.compute_s = compute_s
+        self.ubatch_id = ubatch_id
+        self.get_context = get_context
         self.fail_at: tuple[int, int] | None = None
         self.embed = torch.randn(VOCAB, SHAPE.hidden_size, generator=gen)
         self.attn = torch.randn(len(LAYERS), SHAPE.hidden_size, SHAPE.hidden_size, generator=gen) * 0.3
@@ -78,13 +88,13 @@ class ToyMoeModel(torch.nn.Module):
         self.contexts: list[Any] = []  # the forward context each call saw at its first layer
 
     def forward(self, input_ids: torch.Tensor, positions: Any = None, inputs_embeds: Any = None) -> torch.Tensor:
-        self.contexts.append(forward_context.get_forward_context())
+        self.contexts.append(self.get_context())
         return self.run(input_ids, self.remote.exchange)
 
     def run(self, input_ids: torch.Tensor, experts: Any) -> torch.Tensor:
         hidden = self.embed[input_ids.long()]
         for ordinal, layer in enumerate(LAYERS):
-            if self.fail_at == (ubatching.dbo_current_ubatch_id(), ordinal):
+            if self.fail_at == (self.ubatch_id(), ordinal):
                 raise RuntimeError(f"injected failure in layer {ordinal}")
             if self.compute_s:
                 time.sleep(self.compute_s)
@@ -104,7 +114,9 @@ class FfnPair:
 
     ``ffn_delay_s`` slows every expert computation of the FFN (a slow link or a busy FFN);
     ``ffn_fails_after`` makes the FFN's expert computation raise after that many calls (the FFN
-    rank then stops serving and tells the Attention side why, as a failing FFN process does).
+    rank then stops serving and tells the Attention side why, as a failing FFN process does);
+    ``handoff``: the micro-batch hand-off the Attention side uses (the stand-in's by default,
+    vLLM's real one in tests/vllm).
     """
 
     def __init__(
@@ -114,6 +126,7 @@ class FfnPair:
         threshold: int = 2,
         ffn_delay_s: float = 0.0,
         ffn_fails_after: int | None = None,
+        handoff: Handoff = HANDOFF,
         **extra: Any,
     ) -> None:
         self.port = _free_port()
@@ -131,7 +144,7 @@ class FfnPair:
         experts = [lambda x, w, ids, ordinal=ordinal: expert(ordinal, x, w, ids) for ordinal in range(len(LAYERS))]
         self.thread: threading.Thread = start_ffn(self.done, afd("ffn", self.port), experts)
         self.section = attention_afd(self.port, ubatches, threshold=threshold, **extra)
-        self.remote = RemoteExperts(parse_afd_config(self.section), max_tokens=32, handoff=HANDOFF)
+        self.remote = RemoteExperts(parse_afd_config(self.section), max_tokens=32, handoff=handoff)
         for layer in LAYERS:
             self.remote.add_layer(layer, SHAPE)
 

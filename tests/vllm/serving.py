@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,29 @@ def _terminate(proc: subprocess.Popen[bytes], term: Callable[[], None]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+THIRD_PARTY = Path(__file__).with_name("thirdparty")
+
+
+def third_party_site(folder: Path, module: str, connector: str, factory: str) -> Path:
+    """A site folder holding a TEST-ONLY distribution, installed the way any third party installs a connector:
+    ``tests/vllm/thirdparty/<module>.py`` and its dist-info declaring ``[afd_mrv2] connector = module:factory``."""
+    folder.mkdir(parents=True)
+    shutil.copy(THIRD_PARTY / f"{module}.py", folder / f"{module}.py")
+    info = folder / f"{module}-0.0.0.dist-info"
+    info.mkdir()
+    name = module.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{connector} = {module}:{factory}\n")
+    (info / "top_level.txt").write_text(f"{module}\n")
+    return folder
+
+
+def with_site(site: Path) -> dict[str, str]:
+    """The ``PYTHONPATH`` of this environment with ``site`` first (for a child's environment)."""
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(paths)}
 
 
 #: vLLM's dev endpoints (``POST /collective_rpc``): what the tests read from inside the workers.

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,32 +37,13 @@ import pytest
 from afd_mrv2.plugins import entry_points
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import make_model
-from tests.vllm.serving import PlainServer, Serve, compare, greedy_answers
+from tests.vllm.serving import PlainServer, Serve, compare, greedy_answers, third_party_site, with_site
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1200)]
 
-THIRD_PARTY = Path(__file__).with_name("thirdparty") / "afd_mrv2_test_drop.py"
 CONNECTOR = "drop_layer"
 MARK = "afd_mrv2_test_drop:"  # afd_mrv2_test_drop.MARK: every line the connector prints
 DROPPED = re.compile(r"afd_mrv2_test_drop: dropped layer=(\d+) .* drops=(\d+)")
-
-
-def third_party_site(folder: Path) -> Path:
-    """A site folder holding the test-only distribution: the module and its dist-info declaring the entry point."""
-    folder.mkdir(parents=True)
-    shutil.copy(THIRD_PARTY, folder / THIRD_PARTY.name)
-    info = folder / "afd_mrv2_test_drop-0.0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-mrv2-test-drop\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{CONNECTOR} = afd_mrv2_test_drop:DropLayerConnector\n")
-    (info / "top_level.txt").write_text("afd_mrv2_test_drop\n")
-    return folder
-
-
-def with_site(site: Path) -> dict[str, str]:
-    """This environment with ``site`` first on ``PYTHONPATH``."""
-    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +53,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return third_party_site(tmp_path_factory.mktemp("thirdparty") / "site")
+    return third_party_site(
+        tmp_path_factory.mktemp("thirdparty") / "site", "afd_mrv2_test_drop", CONNECTOR, "DropLayerConnector"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +66,7 @@ def answers(model: Path, site: Path, tmp_path_factory: pytest.TempPathFactory) -
     start (its FFN role on core 1 first, then its Attention engine on core 0), which saves ~30 s of CI.
     """
     folder = tmp_path_factory.mktemp("negative")
-    site_path = {"PYTHONPATH": with_site(site)["PYTHONPATH"]}
+    site_path = with_site(site)
     serve = Serve(model, free_port_block(3), folder / "serve.log", "--connector", CONNECTOR, env=site_path)
     try:
         server = PlainServer(model, free_port_block(1), folder / "plain.log")
@@ -110,7 +92,11 @@ def test_drop_layer_is_no_connector_of_afd_mrv2_and_serve_refuses_it_without_the
     # with the site folder on PYTHONPATH the entry point is found and loads as a connector
     probe = "from afd_mrv2.plugins import installed; print(installed()[" + repr(CONNECTOR) + "])"
     found = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=with_site(site)
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **with_site(site)},
     )
     assert found.stdout.strip() == "connector", found.stdout + found.stderr
 
