@@ -111,9 +111,20 @@ def create_streams(
 
     Called once, on the thread that builds the executor (or the vLLM runner
     wrapper), before any work is submitted.  The executor asks for the roles
-    ``("recv", "compute", "send")``; the MRV2 ubatch wrapper asks for
-    ``("comm", "capture")``.  Several roles may map to the same stream: the
-    serialized fallback maps all of them to one.
+    ``("recv", "compute", "send")``; afd-mrv2's MRV2 micro-batch runner
+    (``afd.ubatch``, the Attention role inside vLLM) asks once per engine for
+    ``("compute", "comm")``: the streams its micro-batch threads hand to vLLM's
+    ``UBatchContext`` (compute: where each micro-batch's model work runs; comm: what
+    vLLM's ``dbo_*switch*`` hand-offs switch to).  Several roles may map to the same
+    stream: the serialized fallback maps all of them to one.
+
+    Which streams reach the micro-batch path, per platform: on CUDA and Ascend the
+    accelerator backend's ``torch.Stream`` s (NPU through torch_npu's subclass).  On
+    CPU (the host backend) a stream has no native object, so the micro-batches get
+    the caller's current stream for both roles; inside a vLLM CPU worker that is
+    vLLM's own placeholder (its CPU worker swaps torch's stream and event types for
+    no-op placeholders, per thread), so only plain ``dbo_yield`` hand-offs apply
+    there and the streams returned here order nothing on CPU.
 
     Streams must come from ``backend`` (``backend.new_stream(name)`` or
     ``backend.current_stream(name)``), never from ``torch.cuda`` / ``torch.npu``

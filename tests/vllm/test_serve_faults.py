@@ -5,7 +5,10 @@
   or the Attention engine's (the vLLM API server serve started, whose EngineCore child
   lives on in the role's process group): every in-flight request gets an error response
   (no hang) and serve exits 1 within 10 s naming the role, its rank and pid; nothing of
-  the killed role's process group survives.
+  the killed role's process group survives.  Also with micro-batched Attention steps
+  (``--ubatches 2`` on Model Runner V2, the test-only triton stand-in): the FFN killed
+  while both micro-batches have round trips in flight; every streamed client gets its
+  error within 1 s.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 from afd_mrv2.serve.roles import group_alive
 from tests.serve.conftest import free_port_block, pid_alive
 from tests.vllm.engine import PROMPTS
-from tests.vllm.harness import FfnRole, afd_section, make_model
+from tests.vllm.harness import FfnRole, afd_section, make_model, v2_env
 from tests.vllm.serving import Serve, body, complete, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
@@ -60,11 +63,15 @@ def test_malformed_afd_section_exits_2_one_line_nothing_started(model: Path, afd
     assert "started pid" not in proc.stderr
 
 
-@pytest.mark.parametrize("role", ["ffn", "attention"])
+UBATCHED = ["--ubatches", "2", "--afd", '{"ubatch": {"decode_token_threshold": 2, "prefill_token_threshold": 2}}']
+
+
+@pytest.mark.parametrize(("role", "ubatched"), [("ffn", False), ("attention", False), ("ffn", True)])
 def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_it(
-    model: Path, tmp_path: Path, role: str
+    model: Path, tmp_path: Path, role: str, ubatched: bool
 ) -> None:
-    serve = Serve(model, free_port_block(3), tmp_path / "serve.log")
+    args, env = (UBATCHED, v2_env()) if ubatched else ([], None)
+    serve = Serve(model, free_port_block(3), tmp_path / "serve.log", *args, env=env)
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid(f"{role} 0")  # the role's first process, leader of its process group
@@ -90,11 +97,13 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
             t.join(30)
         assert not any(t.is_alive() for t in threads), "a client hangs"
         answered = max(finished) - killed
+        streamed = max(finished[i] for i in range(1, 8, 2)) - killed
         log = serve.log_text()
         last = log.strip().splitlines()[-1]
         print(
-            f"\n[faults] ready after {ready_s:.1f} s; {role} pid {pid} SIGKILLed mid-generation: "
-            f"every client answered within {answered:.2f} s, serve exited {code} after {exited:.2f} s: {last}",
+            f"\n[faults] {'micro-batched ' if ubatched else ''}ready after {ready_s:.1f} s; {role} pid {pid} "
+            f"SIGKILLed mid-generation: every client answered within {answered:.2f} s (streamed clients "
+            f"{streamed:.2f} s), serve exited {code} after {exited:.2f} s: {last}",
             flush=True,
         )
         for i, (status, answer) in enumerate(results):
@@ -107,6 +116,8 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
                 assert status != 200, (i, answer)
         assert code == 1
         assert exited < 10
+        if ubatched:
+            assert streamed < 1.0, streamed
         assert last.startswith(f"afd-mrv2 serve: error: {role} rank 0 (pid {pid}) exited (signal SIGKILL)"), last
         assert not pid_alive(pid)
         assert not group_alive(pid), f"a process of {role} 0's group survived (vLLM's EngineCore?)"
