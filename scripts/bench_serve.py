@@ -242,19 +242,21 @@ def window(side: Side, before: dict[str, Any], after: dict[str, Any]) -> dict[st
     if not side.afd:
         out["steps"] = out["steps_metric"]
         return out
-    forwards: list[tuple[str, float]] = []  # (stage count, ms) of every forward in the window
+    forwards: list[tuple[int, int, str, float]] = []  # (engine, index, stage count, ms) of the window's forwards
     overlap: dict[str, dict[str, float]] = {}
     steps_by_kind: dict[str, dict[str, int]] = {}
     items: dict[str, int] = {}
     calls, lost, failed = 0, 0, 0
-    for then, now in zip(before["stats"], after["stats"], strict=True):
+    for engine, (then, now) in enumerate(zip(before["stats"], after["stats"], strict=True)):
         r0, r1 = then.get("runner"), now.get("runner")
         if r0 is None or r1 is None:
             raise ServerError(f"{side.name}: afd_attention_stats has no 'runner' (not afd-mrv2's V2 Attention runner)")
         first = int(r0["forwards"])
-        got = [(n, float(ms)) for n, pairs in r1["forward_ms_recent"].items() for i, ms in pairs if i >= first]
+        got = [
+            (engine, i, n, float(ms)) for n, pairs in r1["forward_ms_recent"].items() for i, ms in pairs if i >= first
+        ]
         lost += int(r1["forwards"]) - first - len(got)  # beyond the kept window (4096 per stage count)
-        forwards += got
+        forwards += sorted(got)  # in the order they ran
         failed += int(r1["failed_steps"]) - int(r0["failed_steps"])
         for kind, counts in r1["steps"].items():
             diff = _counter_diff(counts, r0["steps"].get(kind, {}))
@@ -269,8 +271,8 @@ def window(side: Side, before: dict[str, Any], after: dict[str, Any]) -> dict[st
         steps=sum(c for counts in steps_by_kind.values() for c in counts.values()),
         steps_by_kind=steps_by_kind,
         failed_steps=failed,
-        forward_ms=[ms for _, ms in forwards],
-        forward_stages=[n for n, _ in forwards],
+        forward_ms=[ms for _, _, _, ms in forwards],
+        forward_stages=[n for _, _, n, _ in forwards],
         forwards_lost=lost,
         overlap=overlap,
         calls=calls,
@@ -587,6 +589,15 @@ def _cores(result: dict[str, Any]) -> str:
     return f"cores (VLLM_CPU_OMP_THREADS_BIND): {'; '.join(parts)}; this machine: {cores['machine']}\n  vLLM logged core ids: {logged}"
 
 
+def _by_stage(steps_by_kind: dict[str, dict[str, int]] | None) -> str:
+    """``1: 2, 2: 15``: a round's steps by stage count, every batch kind together."""
+    counts: dict[str, int] = {}
+    for kinds in (steps_by_kind or {}).values():
+        for n, c in kinds.items():
+            counts[n] = counts.get(n, 0) + c
+    return ", ".join(f"{n}: {c}" for n, c in sorted(counts.items(), key=lambda kv: int(kv[0]))) or "-"
+
+
 def rounds_table(rounds: list[dict[str, Any]]) -> str:
     rows = []
     for r in rounds:
@@ -605,7 +616,7 @@ def rounds_table(rounds: list[dict[str, Any]]) -> str:
                 _ms(fwd_step),
                 _ms(wall_step - fwd_step if wall_step is not None and fwd_step is not None else None),
                 _ms(statistics.median(forwards) if forwards else None),
-                ", ".join(f"{n}: {c}" for k in (r.get("steps_by_kind") or {}).values() for n, c in k.items()) or "-",
+                _by_stage(r.get("steps_by_kind")),
                 r["cores_busy"],
             ]
         )
@@ -638,7 +649,7 @@ def cpu_table(rounds: list[dict[str, Any]]) -> str:
         labels: list[str] = []
         for r in mine.values():
             labels += [label for label in r["processes_cpu_s"] if label not in labels]
-        for label in [*labels, "all"]:
+        for label in [*sorted(labels), "all"]:
             busy = []
             for i in numbers:
                 r = mine[i]
@@ -696,12 +707,14 @@ def report(result: dict[str, Any]) -> str:
     rounds, sides, ratios, lim = result["rounds"], result["sides"], result["ratios"], result["analytic"]
     n = result["ubatches"]
     paused = max((r["paused_cpu_s"] for r in rounds), default=0.0)
+    counts = ", ".join(f"{name}'s {next(r['paused_pids'] for r in rounds if r['side'] == name)}" for name in SIDES)
     lines = [
         "",
         _cores(result),
         "(the pin is vLLM's OpenMP compute threads; front ends, engine-core loops and serve's proxy float)",
-        f"paused while another side ran: SIGSTOP of every process of the other two sides ({rounds[0]['paused_pids']} "
-        f"processes), each checked in state T before every round; their CPU time during a round: at most {paused:.3f} s",
+        f"paused while another side ran: SIGSTOP of every process of the other two sides (processes paused in the "
+        f"rounds of each side: {counts}), each checked in state T before every round; their CPU time during a "
+        f"round: at most {paused:.3f} s",
         "",
         rounds_table(rounds),
         "",

@@ -13,15 +13,22 @@ from dataclasses import dataclass
 from afd_mrv2.errors import ConfigError
 
 ARCHS = ("mixtral", "deepseek_v2", "qwen2_moe")
+SIZES = ("tiny", "bench")
 HEAD_DIM = 64  # vLLM's CPU attention backend refuses small head sizes (16 is refused)
 VOCAB = 512
 #: vLLM's CPU MLA decode kernel compiles only for a latent size kv_lora_rank + qk_rope_head_dim of 576.
 MLA_KV_LORA_RANK, MLA_ROPE_DIM, MLA_NOPE_DIM, MLA_V_DIM = 512, 64, 64, 64
 
 
+#: Standard deviation of every drawn weight of the tiny size (norms are ones): large enough for
+#: the model to depend on its routed-expert output (see the package docstring).
+STD = 0.08
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What ``make-model`` was asked for; checked by :meth:`check`."""
+    """What ``make-model`` was asked for; checked by :meth:`check`.  ``intermediate_size`` None means
+    twice the hidden size (the tiny size's rule); ``std`` is the standard deviation of the drawn weights."""
 
     arch: str
     layers: int = 2
@@ -29,6 +36,8 @@ class ModelShape:
     experts: int = 8
     top_k: int = 2
     seed: int = 0
+    intermediate_size: int | None = None
+    std: float = STD
 
     @property
     def heads(self) -> int:
@@ -36,7 +45,8 @@ class ModelShape:
 
     @property
     def intermediate(self) -> int:
-        return 2 * self.hidden
+        """Each expert's (and the shared expert's) intermediate size."""
+        return self.intermediate_size if self.intermediate_size is not None else 2 * self.hidden
 
     def check(self) -> None:
         if self.arch not in ARCHS:
@@ -51,6 +61,57 @@ class ModelShape:
             raise ConfigError("--experts", f"expected an integer >= 2, got {self.experts}")
         if not 1 <= self.top_k <= self.experts:
             raise ConfigError("--top-k", f"expected an integer in 1..{self.experts} (--experts), got {self.top_k}")
+        if self.intermediate < 1:
+            raise ConfigError("--intermediate", f"expected an integer >= 1, got {self.intermediate}")
+
+
+@dataclass(frozen=True)
+class Size:
+    """A ``--size`` preset: the dimensions ``make-model`` uses where no flag overrides them."""
+
+    layers: int
+    hidden: int
+    experts: int
+    top_k: int
+    intermediate: int | None  # None: twice the hidden size
+    std: float
+
+
+#: ``tiny``: the checkpoint the equivalence tests use (fast to load and run, not worth overlapping).
+#: ``bench``: sized for the micro-batching benchmark (docs/benchmarks-vllm.md, "The bench
+#: checkpoint"): at a 64-sequence decode step half a batch costs at most 0.6 of a whole one on
+#: both sides, and the two sides' half-batch costs are close (see :mod:`afd_mrv2.checkpoints.bench`).
+PRESETS: dict[str, Size] = {
+    "tiny": Size(layers=2, hidden=128, experts=8, top_k=2, intermediate=None, std=STD),
+    "bench": Size(layers=4, hidden=512, experts=4, top_k=2, intermediate=512, std=STD),
+}
+
+
+def shape_for(
+    arch: str,
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    intermediate: int | None = None,
+    seed: int = 0,
+) -> ModelShape:
+    """The shape of ``size`` for ``arch``, with every dimension given (not None) overriding the preset's."""
+    if size not in PRESETS:
+        raise ConfigError("--size", f"expected one of {', '.join(SIZES)}, got {size!r}")
+    p = PRESETS[size]
+    return ModelShape(
+        arch,
+        layers=p.layers if layers is None else layers,
+        hidden=p.hidden if hidden is None else hidden,
+        experts=p.experts if experts is None else experts,
+        top_k=p.top_k if top_k is None else top_k,
+        seed=seed,
+        intermediate_size=p.intermediate if intermediate is None else intermediate,
+        std=p.std,
+    )
 
 
 def config_json(shape: ModelShape) -> dict[str, object]:

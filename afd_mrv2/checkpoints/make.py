@@ -8,12 +8,10 @@ from pathlib import Path
 
 import torch
 
-from afd_mrv2.checkpoints.archs import VOCAB, ModelShape, config_json, is_norm, weight_shapes
+from afd_mrv2.checkpoints.archs import STD, VOCAB, ModelShape, config_json, is_norm, weight_shapes
 from afd_mrv2.errors import ConfigError
 
-#: Standard deviation of every drawn weight (norms are ones): large enough for the
-#: model to depend on its routed-expert output (see the package docstring).
-STD = 0.08
+__all__ = ["STD", "Written", "draw_weights", "make_checkpoint", "write_tokenizer"]
 CORPUS = (
     "the quick brown fox jumps over the lazy dog",
     "hello world, this is a tiny model for attention ffn disaggregation",
@@ -24,11 +22,12 @@ SPECIAL = ("<s>", "</s>", "<pad>")
 
 
 def draw_weights(shape: ModelShape) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, drawn in :func:`weight_shapes` order from one generator seeded with ``shape.seed``."""
+    """The checkpoint's tensors, drawn in :func:`weight_shapes` order from one generator seeded with ``shape.seed``
+    (N(0, ``shape.std``); norms are ones)."""
     g = torch.Generator().manual_seed(shape.seed)
     out = {}
     for name, dims in weight_shapes(shape).items():
-        out[name] = torch.ones(dims) if is_norm(name) else (torch.randn(*dims, generator=g) * STD).contiguous()
+        out[name] = torch.ones(dims) if is_norm(name) else (torch.randn(*dims, generator=g) * shape.std).contiguous()
     return out
 
 

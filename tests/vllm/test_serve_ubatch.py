@@ -58,7 +58,7 @@ UBATCH = [
     "--afd",
     json.dumps({"ubatch": {"decode_token_threshold": 2, "prefill_token_threshold": 2}}),
 ]
-LONG = " ".join(f"word{i} and more" for i in range(34))  # ~100 tokens of the tiny tokenizer
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 10)  # 90 tokens of make-model's tokenizer
 SWAP = "swap_ubatches"
 SWAPPED = re.compile(r"afd_mrv2_test_swap: swapped layer=(\d+) stage=1 .* swaps=(\d+)")
 

@@ -1,0 +1,234 @@
+"""scripts/bench_serve.py without vLLM: pausing a server's whole process tree, the counters' windows,
+the analytic limit and the report.
+
+The three-sided run itself needs vLLM (docs/benchmarks-vllm.md holds a measured one); here a process
+tree of plain Pythons stands in for a server (pause / resume / stop / labels), and synthetic
+``afd_attention_stats`` snapshots and FFN reports for the counters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+
+
+def load(name: str) -> ModuleType:
+    """A script as a module (its sibling _serving importable while it loads)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+bench = load("bench_serve")
+serving = sys.modules["_serving"]
+
+#: A root that starts a child in a session of its own (as serve starts its roles) which starts a grandchild.
+TREE = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    leaf = "import time; time.sleep(120)"
+    mid = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {leaf!r}]); time.sleep(120)"
+    subprocess.Popen([sys.executable, "-c", mid], start_new_session=True)
+    time.sleep(120)
+    """
+)
+
+
+def _state(pid: int) -> str:
+    fields = serving._stat(pid)
+    return "gone" if fields is None else fields[0]
+
+
+def test_pause_stops_every_process_of_the_tree_and_stop_ends_a_paused_one(tmp_path: Path) -> None:
+    child = serving._Child([sys.executable, "-c", TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
+    try:
+        deadline = time.monotonic() + 30
+        while len(child.track()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = child.track()
+        assert len(pids) == 3, pids  # root, the child in its own session, its child
+        assert len({serving.os.getpgid(p) for p in pids}) == 2  # a killpg of the root's group would miss two
+        paused = child.pause()
+        assert sorted(paused) == sorted(pids)
+        assert {_state(p) for p in pids} == {"T"} and child.not_stopped() == []
+        cpu = serving.process_cpu(pids)
+        time.sleep(0.2)
+        assert serving.process_cpu(pids) == cpu
+        labels = child.processes()
+        assert labels[child.proc.pid] == "APIServer" and len(labels) == 3
+        child.resume()
+        deadline = time.monotonic() + 5
+        while "T" in {_state(p) for p in pids} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "T" not in {_state(p) for p in pids}
+        child.pause()
+        assert child.stop() is not None  # a paused server is resumed, then stopped
+        assert child.leftovers() == []
+    finally:
+        child.stop()
+
+
+def _stats(forwards: list[tuple[int, str, float]], overlap: dict[str, dict[str, float]], calls: int) -> dict[str, Any]:
+    recent: dict[str, list[list[float]]] = {}
+    steps: dict[str, dict[str, int]] = {"decode": {}}
+    for index, n, ms in forwards:
+        recent.setdefault(n, []).append([index, ms])
+        steps["decode"][n] = steps["decode"].get(n, 0) + 1
+    return {
+        "calls": calls,
+        "items_by_stage_count": {"1": calls},
+        "overlap": overlap,
+        "runner": {
+            "num_ubatches": 2,
+            "steps": steps,
+            "failed_steps": 0,
+            "forwards": len(forwards),
+            "forward_ms_recent": recent,
+        },
+    }
+
+
+def _overlap(steps: int, rts: int, rt_ms: float, hidden_ms: float, computes: int, compute_ms: float) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "round_trips": rts,
+        "round_trip_total_ms": rt_ms,
+        "hidden_total_ms": hidden_ms,
+        "computes": computes,
+        "compute_total_ms": compute_ms,
+    }
+
+
+def test_window_cuts_forwards_by_index_and_differences_the_overlap_counters() -> None:
+    side = bench.Side("ubatch", object.__new__(serving.ServeServer))
+    early = [(0, "1", 90.0), (1, "1", 30.0)]
+    before = {"steps_metric": [10], "stats": [_stats(early, {"1": _overlap(2, 4, 40, 0, 4, 8)}, 4)]}
+    later = [*early, (2, "2", 20.0), (3, "1", 35.0), (4, "2", 22.0)]
+    after_overlap = {"1": _overlap(3, 6, 61, 0, 6, 12), "2": _overlap(2, 8, 80, 20, 8, 12)}
+    after = {"steps_metric": [13], "stats": [_stats(later, after_overlap, 14)]}
+    got = bench.window(side, before, after)
+    assert got["forward_ms"] == [20.0, 35.0, 22.0] and got["forward_stages"] == ["2", "1", "2"]
+    assert got["steps"] == 3 == got["steps_metric"] and got["forwards_lost"] == 0
+    assert got["overlap"]["1"] == _overlap(1, 2, 21, 0, 2, 4)
+    assert got["overlap"]["2"] == _overlap(2, 8, 80, 20, 8, 12)
+    assert got["calls"] == 10 and got["steps_by_kind"] == {"decode": {"1": 1, "2": 2}}
+    means = bench.overlap_means(got["overlap"]["2"])
+    assert (means["hidden_fraction"], means["round_trip_ms"], means["compute_ms"]) == (0.25, 10.0, 1.5)
+
+
+def _result() -> dict[str, Any]:
+    def round_(side: str, tok_s: float, forwards: list[float], stages: list[str], overlap: dict[str, Any]) -> dict:
+        return {
+            "round": 1,
+            "side": side,
+            "wall_s": 2.0,
+            "output_tokens": int(tok_s * 2),
+            "tokens_per_s": tok_s,
+            "cpu_s": 3.0,
+            "cores_busy": 1.5,
+            "processes_cpu_s": {"Worker": 2.5, "EngineCore": 0.5},
+            "paused_pids": 12,
+            "paused_cpu_s": 0.0,
+            "steps": len(forwards) or 20,
+            "steps_metric": len(forwards) or 20,
+            "steps_by_kind": {"decode": {s: stages.count(s) for s in set(stages)}} if stages else None,
+            "failed_steps": 0,
+            "forward_ms": forwards,
+            "forward_stages": stages,
+            "forwards_lost": 0,
+            "overlap": overlap,
+        }
+
+    plain = round_("plain", 100.0, [], [], {})
+    del plain["forward_ms"], plain["forward_stages"], plain["steps_by_kind"], plain["failed_steps"]
+    del plain["forwards_lost"], plain["overlap"]
+    blocking = round_("blocking", 80.0, [20.0] * 4, ["1"] * 4, {"1": _overlap(4, 8, 80.0, 0, 8, 40.0)})
+    # A = 5, round trip 10; ubatch: a = 3 per micro-batch, hidden 40 of 96 ms of round trips
+    ubatch = round_("ubatch", 96.0, [16.0] * 4, ["2"] * 4, {"2": _overlap(4, 16, 96.0, 40.0, 16, 48.0)})
+    rounds = [plain, blocking, ubatch]
+    sides = {"plain": bench.Side("plain", object.__new__(serving.PlainServer))}
+    sides.update({n: bench.Side(n, object.__new__(serving.ServeServer)) for n in ("blocking", "ubatch")})
+    ffn = {
+        "blocking": [{"rank": 0, "report": {"busy_s": 0.4, "computed": 100, "tokens_per_item": {"64": 100}}}],
+        "ubatch": [{"rank": 0, "report": {"busy_s": 0.5, "computed": 200, "tokens_per_item": {"32": 200}}}],
+    }
+    result: dict[str, Any] = {
+        "ubatches": 2,
+        "rounds": rounds,
+        "ffn_reports": ffn,
+        "running_s": {"plain": 10.0, "blocking": 10.0, "ubatch": 10.0},
+        "serve_exit": {"blocking": 0, "ubatch": 0},
+        "residual_pids": [],
+        "load_average": {"start": (0.1, 0.2, 0.3), "end": (0.1, 0.2, 0.3)},
+        "engine_core_ids": {"plain": {"plain": "[0, 1]"}},
+        "cores": {
+            "machine": 2,
+            "plain": {"bind": "0,1", "count": 2},
+            "ubatch": {"attention 0": {"bind": "0", "count": 1}, "ffn 0": {"bind": "1", "count": 1}},
+        },
+    }
+    result["sides"] = {n: bench.side_summary(sides[n], rounds, 1) for n in bench.SIDES}
+    return result
+
+
+def test_analytic_limit_from_its_inputs() -> None:
+    result = _result()
+    got = bench.analytic(result, 2)
+    # A = 40/8 = 5, F = 4 ms, a = 48/16 = 3, f = 2.5 ms, c = (80/8 - F) / 2 = 3
+    assert (got["A_ms"], got["F_ms"], got["a_ms"], got["f_ms"]) == (5.0, 4.0, 3.0, 2.5)
+    assert got["c_ms"] == pytest.approx(3.0)
+    assert got["numerator_ms"] == pytest.approx(15.0)  # A + F + 2c = A + the blocking round trip
+    assert got["terms_ms"] == pytest.approx({"N a": 6.0, "N f": 5.0, "a + f + 2c": 11.5})
+    assert got["bound_by"] == "a + f + 2c" and got["analytic_limit"] == pytest.approx(15.0 / 11.5)
+    assert got["measured_forward_speedup"] == pytest.approx(20.0 / 16.0)
+    assert got["fraction_of_limit"] == pytest.approx(1.25 / (15.0 / 11.5))
+    result["ffn_reports"]["ubatch"] = []
+    assert bench.analytic(result, 2)["why_not"] == "no FFN 'done' report (computed items) from the ubatch side"
+
+
+def test_report_prints_every_side_the_ratios_and_the_formula_inputs() -> None:
+    result = _result()
+    result["analytic"] = bench.analytic(result, 2)
+    result["ratios"] = {"ubatch/blocking tok_s": 1.2, "ubatch/blocking forward_ms": 0.8, "ubatch/plain tok_s": 0.96}
+    result["sides"]["ubatch"]["hidden_fraction"] = 40 / 96
+    text = bench.report(result)
+    assert "plain vLLM has no Attention runner counters: no forward time" in text
+    assert "hidden 40.0 ms / round trips 96.0 ms = 0.417" in text
+    for name in ("A = 5.000 ms", "F = 4.000 ms", "a = 3.000 ms", "f = 2.500 ms", "c = 3.000 ms"):
+        assert name in text, name
+    assert "= 1.304 (bound by a + f + 2c)" in text and "0.958 of the limit" in text
+    assert "ubatch/plain: tok/s 0.960 (equal cores: plain pinned to 2, ubatch to 2)" in text
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for args, says in (
+        ([str(tmp_path / "none")], "is not a checkpoint folder"),
+        ([str(tmp_path), "--ubatches", "1"], "--ubatches: expected an integer >= 2"),
+        ([str(tmp_path), "--afd", "[1]"], "--afd: expected a JSON object, got list"),
+        ([str(tmp_path), "--rounds", "0"], "--rounds: expected an integer >= 1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPTS / "bench_serve.py"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, (args, done.stderr)
