@@ -64,8 +64,7 @@ def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT
         cmd = [*DEPLOYMENT_CHECK, plan.options.model, "--out", str(out)]
         for section in sections:
             cmd += ["--section", section]
-        for arg in attention_args:
-            cmd += ["--attention-arg", arg]
+        cmd += [f"--attention-arg={arg}" for arg in attention_args]  # "=": the value starts with "--"
         try:
             proc = subprocess.run(
                 [*cmd, "--", *extra],

@@ -93,3 +93,33 @@ def test_no_answer_refuses_rather_than_starting(child, answer, code: int, text: 
     child(answer, code)
     with pytest.raises(AfdError, match=text.replace("(", r"\(").replace(")", r"\)")):
         app.check_deployments(plan())
+
+
+def test_under_ubatches_the_attention_check_sees_the_v2_runner_and_eager(child, monkeypatch) -> None:
+    """``--ubatches``: the child checks the Attention section with the V2 runner's environment and the
+    ``--enforce-eager`` serve adds for that role only, in a form the child's own parser takes."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    real_run = app.subprocess.run
+
+    def run(cmd, **kwargs):
+        seen.append((list(cmd), dict(kwargs["env"])))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(app.subprocess, "run", run)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    child({"deployments": {}})
+    opts = ServeOptions("/models/m", 1, 1, port=free_port_block(3), ubatches=2, extra=("--dtype", "float32"))
+    app.check_deployments(build_plan(opts))
+    ((cmd, env),) = seen
+    args = cmd[3:]
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "--attention-arg=--enforce-eager" in args[: args.index("--")]
+    assert args[args.index("--") + 1 :] == ["--dtype", "float32"]
+    sections = [json.loads(args[i + 1]) for i, a in enumerate(args) if a == "--section"]
+    assert all(s["ubatch"] == {"num_ubatches": 2} for s in sections)
+    # and the real child parses that form (the value begins with "--")
+    from afd_mrv2.mrv2 import deployment
+
+    parsed = deployment.argparse.ArgumentParser(allow_abbrev=False)
+    parsed.add_argument("--attention-arg", action="append", default=[])
+    assert parsed.parse_args(["--attention-arg=--enforce-eager"]).attention_arg == ["--enforce-eager"]

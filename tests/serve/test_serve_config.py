@@ -249,3 +249,31 @@ def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch,
     with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted"):
         app.runtime_gate(plan)
     assert asked == [tuple(expected)]
+
+
+def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_only() -> None:
+    plan = build_plan(ServeOptions("/models/m", 2, 1, ubatches=2, extra=("--dtype", "float32")))
+    for spec in plan.roles:
+        assert spec.afd["ubatch"] == {"num_ubatches": 2}
+        if spec.role == "attention":
+            assert spec.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+            tail = list(spec.argv[spec.argv.index("--worker-extension-cls") + 2 :])
+            assert tail == ["--worker-cls", "afd_mrv2.mrv2.worker.AfdWorker", "--enforce-eager", "--dtype", "float32"]
+        else:
+            assert "VLLM_USE_V2_MODEL_RUNNER" not in spec.env and "--worker-cls" not in spec.argv
+    # a worker or eager flag the user passed is not doubled; without --ubatches nothing is added
+    mine = build_plan(
+        ServeOptions("/models/m", 1, 1, ubatches=1, extra=("--worker-cls", "my.Worker", "--enforce-eager"))
+    )
+    attention = mine.of("attention")[0]
+    assert attention.argv.count("--worker-cls") == 1 and attention.argv.count("--enforce-eager") == 1
+    plain = build_plan(ServeOptions("/models/m", 1, 1)).of("attention")[0]
+    assert "--worker-cls" not in plain.argv and "VLLM_USE_V2_MODEL_RUNNER" not in plain.env
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"), [("0", "expected an integer in 1..4"), ("5", "expected an integer in 1..4")]
+)
+def test_bad_ubatches_is_one_line_before_anything_starts(value: str, fragment: str) -> None:
+    with pytest.raises(AfdError, match=rf"^afd\.ubatch\.num_ubatches: {fragment}"):
+        build_plan(ServeOptions("/models/m", 1, 1, ubatches=int(value)))
