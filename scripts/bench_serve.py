@@ -660,11 +660,15 @@ def cpu_table(rounds: list[dict[str, Any]]) -> str:
     return table
 
 
+#: FFN report keys always shown as compact JSON (their key count varies with the load: one row per side).
+AS_JSON = ("tokens_per_item", "executors", "overlap")
+
+
 def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Small dicts (up to 4 keys) one level deep as dotted keys; other dicts and lists as compact JSON; long texts cut."""
     flat: dict[str, Any] = {}
     for key, value in report.items():
-        if isinstance(value, dict) and not prefix and len(value) <= 4:
+        if isinstance(value, dict) and not prefix and len(value) <= 4 and key not in AS_JSON:
             flat.update(_flat(value, f"{key}.") if value else {key: "{}"})
         elif isinstance(value, dict | list):
             flat[prefix + key] = _short(json.dumps(value, separators=(",", ":")))
