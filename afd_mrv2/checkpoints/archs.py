@@ -83,7 +83,7 @@ class Size:
 #: both sides, and the two sides' half-batch costs are close (see :mod:`afd_mrv2.checkpoints.bench`).
 PRESETS: dict[str, Size] = {
     "tiny": Size(layers=2, hidden=128, experts=8, top_k=2, intermediate=None, std=STD),
-    "bench": Size(layers=4, hidden=512, experts=4, top_k=2, intermediate=512, std=STD),
+    "bench": Size(layers=4, hidden=512, experts=4, top_k=2, intermediate=1024, std=STD),
 }
 
 

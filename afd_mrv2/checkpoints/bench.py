@@ -25,6 +25,14 @@ decode batch and for its first half:
   ``[tokens_e, I] x [I, H]``, and the weighted scatter-add back to the tokens.
   Routes are a seeded random top-k (the bench checkpoint's router is balanced-ish).
 
+Plain torch is the emulation everywhere; where vLLM is installed, ``kernels="auto"``
+(the default) runs the same layer through vLLM's own CPU kernels instead
+(:mod:`afd_mrv2.checkpoints.bench_vllm`: oneDNN matmuls on prepacked weights, vLLM's
+paged CPU attention, ``cpu_fused_moe``), because on some CPUs a torch (MKL) GEMM of a
+few rows costs far more than vLLM's prepacked MoE kernel, which makes the torch FFN
+side's half/full read high (docs/benchmarks-vllm.md, "The bench checkpoint", has both).
+DeepSeek-V2's MLA attention is always the torch emulation.
+
 Every layer of ``shape`` gets its own weights and KV cache and one timed pass runs
 all of them in order (as a forward does), so a layer's weights are as cold as in a
 real forward; full and half passes alternate (their order too) and the result is
@@ -48,6 +56,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from afd_mrv2.checkpoints import bench_vllm
 from afd_mrv2.checkpoints.archs import (
     HEAD_DIM,
     MLA_KV_LORA_RANK,
@@ -56,6 +65,7 @@ from afd_mrv2.checkpoints.archs import (
     MLA_V_DIM,
     ModelShape,
 )
+from afd_mrv2.errors import ConfigError
 from afd_mrv2.table import format_table
 
 #: A side's half-batch compute must be at most this fraction of its full-batch compute.
@@ -63,6 +73,7 @@ HALF_MAX = 0.6
 #: The two sides' half-batch computes must be within this factor of each other.
 BALANCE_MAX = 1.5
 EPS = 1e-6
+KERNELS = ("auto", "torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,10 @@ class LayerCompute:
     mean_context: float
     layers: int
     repeats: int
+    #: which kernels measured each side: "torch" (the emulation) or "vllm" (vLLM's CPU ops)
+    kernels: dict[str, str]
+    #: why torch measured a side that ``kernels="auto"`` would have given to vLLM, else ""
+    kernels_note: str = ""
 
     @property
     def balance(self) -> float:
@@ -143,6 +158,8 @@ class LayerCompute:
             "layers": self.layers,
             "repeats": self.repeats,
             "threads": 1,
+            "kernels": dict(self.kernels),
+            "kernels_note": self.kernels_note,
             **sides,
             "a_over_f": round(self.balance, 4),
             "balance_ok": self.balance_ok,
@@ -163,7 +180,8 @@ class LayerCompute:
         head = (
             f"per-layer compute on one core ({self.arch}, decode step of {self.tokens} sequences, "
             f"half = {self.half_tokens}, mean context {self.mean_context:.0f}; median of {self.repeats} "
-            f"passes over {self.layers} layers):"
+            f"passes over {self.layers} layers; kernels: attention {self.kernels['attention']}, "
+            f"ffn {self.kernels['ffn']}{'; ' + self.kernels_note if self.kernels_note else ''}):"
         )
         table = format_table(["side", "full ms", "half ms", "half/full", f"<= {HALF_MAX}"], rows)
         tail = (
@@ -174,20 +192,48 @@ class LayerCompute:
 
 
 def measure_layer_compute(
-    shape: ModelShape, load: BenchLoad = BENCH_LOAD, *, repeats: int = 21, seed: int = 0
+    shape: ModelShape, load: BenchLoad = BENCH_LOAD, *, repeats: int = 21, seed: int = 0, kernels: str = "auto"
 ) -> LayerCompute:
-    """Measure ``A``, ``a``, ``F`` and ``f`` for ``shape`` at ``load`` (see the module docstring)."""
+    """Measure ``A``, ``a``, ``F`` and ``f`` for ``shape`` at ``load`` (see the module docstring).
+
+    ``kernels``: ``"torch"`` (the plain-torch emulation), ``"vllm"`` (vLLM's CPU kernels; a
+    :class:`~afd_mrv2.errors.ConfigError` when vLLM cannot run them here) or ``"auto"``
+    (vLLM's where they can run, else torch)."""
     shape.check()
+    if kernels not in KERNELS:
+        raise ConfigError("--kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
     if load.seqs < 2:
         raise ValueError(f"a bench load needs at least 2 sequences, got {load.seqs}")
+    note = ""
+    use_vllm = False
+    if kernels != "torch":
+        why = bench_vllm.available()
+        if why is not None and kernels == "vllm":
+            raise ConfigError("--kernels", f"vllm: {why}")
+        use_vllm, note = why is None, why or ""
+        if use_vllm and shape.arch == "deepseek_v2":
+            note = "MLA attention is the torch emulation"
     generator = torch.Generator().manual_seed(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
             contexts = load.contexts(generator)
-            attention = _AttentionSide(shape, contexts, generator)
-            ffn = _FfnSide(shape, load.seqs, generator)
+            attention: _AttentionSide | bench_vllm.VllmAttentionSide
+            ffn: _FfnSide | bench_vllm.VllmFfnSide
+            if use_vllm and shape.arch != "deepseek_v2":
+                attention = bench_vllm.VllmAttentionSide(shape, contexts, generator)
+            else:
+                attention = _AttentionSide(shape, contexts, generator)
+            ffn = (
+                bench_vllm.VllmFfnSide(shape, load.seqs, generator)
+                if use_vllm
+                else _FfnSide(shape, load.seqs, generator)
+            )
+            used = {
+                "attention": "vllm" if not isinstance(attention, _AttentionSide) else "torch",
+                "ffn": "vllm" if not isinstance(ffn, _FfnSide) else "torch",
+            }
             half = load.seqs // 2
             a_full, a_half = _time_pair(lambda: attention.run(load.seqs), lambda: attention.run(half), repeats)
             f_full, f_half = _time_pair(lambda: ffn.run(load.seqs), lambda: ffn.run(half), repeats)
@@ -203,6 +249,8 @@ def measure_layer_compute(
         mean_context=float(contexts.float().mean()),
         layers=shape.layers,
         repeats=repeats,
+        kernels=used,
+        kernels_note=note,
     )
 
 

@@ -53,6 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="measure the per-layer compute after writing (default: with --size bench only; takes a few seconds)",
     )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        metavar="{auto,torch,vllm}",
+        help=(
+            "what measures: torch (a plain-torch emulation of vLLM's CPU ops), vllm (vLLM's own CPU kernels) "
+            "or auto (default: vllm where vLLM is installed, else torch)"
+        ),
+    )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
     parser.add_argument("--json", action="store_true", help="print the summary (and the measurement) as JSON")
     parser.set_defaults(handler=run)
@@ -60,7 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from afd_mrv2.checkpoints.archs import shape_for
+    from afd_mrv2.checkpoints.bench import KERNELS
     from afd_mrv2.checkpoints.make import make_checkpoint
+    from afd_mrv2.errors import ConfigError
+
+    if args.kernels not in KERNELS:
+        raise ConfigError("--kernels", f"expected one of {', '.join(KERNELS)}, got {args.kernels!r}")
 
     shape = shape_for(
         args.arch,
@@ -77,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.measure or (args.measure is None and args.size == "bench"):
         from afd_mrv2.checkpoints.bench import measure_layer_compute
 
-        measured = measure_layer_compute(shape)
+        measured = measure_layer_compute(shape, kernels=args.kernels)
     if args.json:
         summary: dict[str, object] = {**dataclasses.asdict(written), "size": args.size}
         if measured is not None:

@@ -8,7 +8,12 @@ do the transfer on the executor's streams.  The connector reaches the data throu
 two resources (the contract ``simlink`` documents):
 
 * ``source(item) -> Tensor``: the hidden states handed to ``start`` for ``item``;
-* ``sink(item, Tensor)``: where the connector delivers the item's result.
+* ``sink(item, result)``: where the connector delivers the item's result: the
+  tensor, or a result still in flight (:class:`InFlight`: ``wait()`` returns it,
+  ``delivered_ns`` says when it arrived), which ``finish`` waits for on the caller's
+  thread.  A connector whose receive completes after its ``on_send`` (torch_p2p's
+  round-trip side) hands the latter, so its send stream is free for the next item
+  while this one's result is on its way.
 
 Each item carries its stage identity, ``stage i of n`` (``WorkItem.stage_idx`` and
 ``num_stages``), given by the caller of ``start``: the micro-batch index and the
@@ -29,8 +34,9 @@ A transfer is split the way vLLM's dual-batch overlap splits an all-to-all
 its streams) and returns; nothing it took is held afterwards, so while the
 transfer is in flight the other microbatch runs freely.  ``finish`` waits for this
 item only (:meth:`Executor.wait_for`: a host wait on the item's ``done`` event,
-never a drain of other items, never a device-wide synchronize) and returns the
-result the connector delivered to ``sink``.  :meth:`UBatchExchange.exchange` is
+never a drain of other items, never a device-wide synchronize; then, for a result
+still in flight, its ``wait()``) and returns the result the connector delivered to
+``sink``.  :meth:`UBatchExchange.exchange` is
 ``start`` + ``finish`` for callers that do not overlap.  The host wait in
 ``finish`` is the one documented host wait of the Attention side: the model reads
 the result on the host's schedule; an accelerator build could make the compute
@@ -69,13 +75,25 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from afd_mrv2.errors import PipelineError
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import Executor
 
 _NO_RESULT = object()
 _HISTORY = 4096  # items kept in ``UBatchExchange.items``
+
+
+@runtime_checkable
+class InFlight(Protocol):
+    """A result a connector handed ``sink`` before it arrived (see the module docstring)."""
+
+    delivered_ns: int
+
+    def wait(self) -> Any:
+        """Block until the result arrived and return it; raise what the transfer raised."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,15 @@ class UBatchExchange:
             entry = self._entries.pop(item)
         if entry.result is _NO_RESULT:
             raise RuntimeError(f"UBatchExchange.finish: the connector completed {item} without calling sink")
+        if isinstance(entry.result, InFlight):
+            try:
+                value = entry.result.wait()
+            except Exception as exc:
+                first = (str(exc).splitlines() or [""])[0]
+                raise PipelineError(
+                    f"receiving the result of {item} failed: {type(exc).__name__}: {first}", item=item, phase="recv"
+                ) from exc
+            return value, entry.result.delivered_ns
         return entry.result, entry.delivered_ns
 
     def exchange(self, layer_idx: int, hidden_states: Any, *, stage: tuple[int, int] = (0, 1)) -> Any:
