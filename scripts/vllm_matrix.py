@@ -13,6 +13,11 @@ stopped with SIGTERM.  Each row: identical completions / 32, differing tokens an
 
     1A1F (any depth)  PASS when 32/32 token-identical and max |logprob diff| <= 1e-5
     2A1F, 2A2F        PASS when >= 31/32 identical and max |logprob diff| <= 1e-4
+    *-ub2             micro-batched (serve --ubatches 2, token thresholds 2: every step of two tokens
+                      or more split), V2 runner only: PASS when >= 31/32 identical, max diff <= 1e-4
+
+The micro-batched configs (``1a1f-ub2``, ``2a2f-ub2``) run only when named in ``--configs``;
+on the v1 runner they are "not available" (micro-batching runs on Model Runner V2).
 
 A config serve refuses or fails on is FAILED with serve's one-line error, and the matrix goes
 on.  A runner whose harness is missing (or that vLLM did not use) is "not available: <why>".
@@ -77,12 +82,17 @@ class Config:
 
 ONE_ATTENTION = Criteria(COMPLETIONS, 1e-5)
 TWO_ATTENTION = Criteria(COMPLETIONS - 1, 1e-4)
+#: every step of two tokens or more runs in two micro-batches
+SPLIT_EVERY_STEP = {"ubatch": {"decode_token_threshold": 2, "prefill_token_threshold": 2}}
 CONFIGS = {
     "1a1f": Config(ServeTopology(1, 1), ONE_ATTENTION),
     "1a1f-d2": Config(ServeTopology(1, 1, "2"), ONE_ATTENTION),
     "2a1f": Config(ServeTopology(2, 1), TWO_ATTENTION),
     "2a2f": Config(ServeTopology(2, 2), TWO_ATTENTION),
+    "1a1f-ub2": Config(ServeTopology(1, 1, afd=SPLIT_EVERY_STEP, ubatches=2), TWO_ATTENTION),
+    "2a2f-ub2": Config(ServeTopology(2, 2, afd=SPLIT_EVERY_STEP, ubatches=2), TWO_ATTENTION),
 }
+DEFAULT_CONFIGS = ["1a1f", "1a1f-d2", "2a1f", "2a2f"]
 
 
 class RunnerUnavailable(Exception):
@@ -132,7 +142,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     head, engine = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, ENGINE_ARGS)
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--archs", nargs="+", default=["mixtral", "deepseek_v2"], metavar="ARCH", help=f"of {ARCHS}")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="CONFIG", help=f"of {list(CONFIGS)}")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=DEFAULT_CONFIGS,
+        metavar="CONFIG",
+        help=f"of {list(CONFIGS)} (default: the unsplit ones)",
+    )
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), metavar="RUNNER", help=f"of {list(RUNNERS)}")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--models", default="out/vllm-matrix/models", help="checkpoints folder (default %(default)s)")
@@ -267,6 +283,9 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]
                 continue
             for config_name in args.configs:
                 config = CONFIGS[config_name]
+                if config.topology.ubatches is not None and runner_name != "v2":
+                    add({**base, "config": config_name, "verdict": "not available: micro-batching runs on V2"})
+                    continue
                 row: dict[str, Any] = {**base, "config": config_name, "plain_ready_s": plain_ready}
                 row["plain_vs_plain"] = plain_vs_plain
                 try:
