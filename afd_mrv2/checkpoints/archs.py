@@ -28,7 +28,8 @@ STD = 0.08
 @dataclass(frozen=True)
 class ModelShape:
     """What ``make-model`` was asked for; checked by :meth:`check`.  ``intermediate_size`` None means
-    twice the hidden size (the tiny size's rule); ``std`` is the standard deviation of the drawn weights."""
+    twice the hidden size (the tiny size's rule); ``shared_intermediate_size`` (Qwen2-MoE's shared
+    expert) None means the experts' size; ``std`` is the standard deviation of the drawn weights."""
 
     arch: str
     layers: int = 2
@@ -38,6 +39,7 @@ class ModelShape:
     seed: int = 0
     intermediate_size: int | None = None
     std: float = STD
+    shared_intermediate_size: int | None = None
 
     @property
     def heads(self) -> int:
@@ -45,8 +47,13 @@ class ModelShape:
 
     @property
     def intermediate(self) -> int:
-        """Each expert's (and the shared expert's) intermediate size."""
+        """Each routed expert's (and DeepSeek-V2's shared expert's) intermediate size."""
         return self.intermediate_size if self.intermediate_size is not None else 2 * self.hidden
+
+    @property
+    def shared_intermediate(self) -> int:
+        """Qwen2-MoE's shared expert's intermediate size."""
+        return self.shared_intermediate_size if self.shared_intermediate_size is not None else self.intermediate
 
     def check(self) -> None:
         if self.arch not in ARCHS:
@@ -63,6 +70,8 @@ class ModelShape:
             raise ConfigError("--top-k", f"expected an integer in 1..{self.experts} (--experts), got {self.top_k}")
         if self.intermediate < 1:
             raise ConfigError("--intermediate", f"expected an integer >= 1, got {self.intermediate}")
+        if self.shared_intermediate < 1:
+            raise ConfigError("shared_intermediate_size", f"expected an integer >= 1, got {self.shared_intermediate}")
 
 
 @dataclass(frozen=True)
@@ -75,15 +84,18 @@ class Size:
     top_k: int
     intermediate: int | None  # None: twice the hidden size
     std: float
+    #: Qwen2-MoE's shared expert (None: the experts' size); it runs on the Attention side in afd-mrv2
+    shared_intermediate: int | None = None
 
 
 #: ``tiny``: the checkpoint the equivalence tests use (fast to load and run, not worth overlapping).
 #: ``bench``: sized for the micro-batching benchmark (docs/benchmarks-vllm.md, "The bench
-#: checkpoint"): at a 64-sequence decode step half a batch costs at most 0.6 of a whole one on
-#: both sides, and the two sides' half-batch costs are close (see :mod:`afd_mrv2.checkpoints.bench`).
+#: checkpoint"): at a 64-sequence decode step half a batch costs about 0.6 of a whole one on both
+#: sides at the kernel level, and the two sides' half-batch costs are within 1.5x
+#: (:mod:`afd_mrv2.checkpoints.bench` measures it; the docs also have real vLLM's numbers).
 PRESETS: dict[str, Size] = {
     "tiny": Size(layers=2, hidden=128, experts=8, top_k=2, intermediate=None, std=STD),
-    "bench": Size(layers=4, hidden=512, experts=4, top_k=2, intermediate=1024, std=STD),
+    "bench": Size(layers=4, hidden=512, experts=4, top_k=2, intermediate=1024, std=STD, shared_intermediate=512),
 }
 
 
@@ -111,6 +123,7 @@ def shape_for(
         seed=seed,
         intermediate_size=p.intermediate if intermediate is None else intermediate,
         std=p.std,
+        shared_intermediate_size=p.shared_intermediate,
     )
 
 
@@ -147,7 +160,7 @@ def config_json(shape: ModelShape) -> dict[str, object]:
             "architectures": ["Qwen2MoeForCausalLM"],
             "model_type": "qwen2_moe",
             "moe_intermediate_size": shape.intermediate,
-            "shared_expert_intermediate_size": shape.intermediate,
+            "shared_expert_intermediate_size": shape.shared_intermediate,
             "num_experts": shape.experts,
             "norm_topk_prob": False,
             "decoder_sparse_step": 1,
@@ -196,9 +209,10 @@ def weight_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         names = ("w1", "w3", "w2") if shape.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         for x in range(e):
             out.update(_mlp(f"{moe}experts.{x}.", names, h, inter))
-        if shape.arch != "mixtral":
-            shared = "shared_expert." if shape.arch == "qwen2_moe" else "shared_experts."
-            out.update(_mlp(moe + shared, names, h, inter))
+        if shape.arch == "qwen2_moe":
+            out.update(_mlp(moe + "shared_expert.", names, h, shape.shared_intermediate))
+        elif shape.arch == "deepseek_v2":
+            out.update(_mlp(moe + "shared_experts.", names, h, inter))
         if shape.arch == "qwen2_moe":
             out[moe + "shared_expert_gate.weight"] = (1, h)
     return out

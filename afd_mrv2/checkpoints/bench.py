@@ -1,4 +1,4 @@
-"""Per-layer compute of a checkpoint's two AFD sides at the bench load, on one core, in plain torch.
+"""Per-layer compute of a checkpoint's two AFD sides at the bench load, on one core (torch or vLLM's kernels).
 
 Micro-batching an Attention step (two micro-batches of 32 sequences instead of one
 of 64) pays only when half a batch really costs about half a whole one.  Small fp32
@@ -37,6 +37,12 @@ Every layer of ``shape`` gets its own weights and KV cache and one timed pass ru
 all of them in order (as a forward does), so a layer's weights are as cold as in a
 real forward; full and half passes alternate (their order too) and the result is
 the median pass over the layer count.  torch runs on one thread meanwhile.
+
+What it leaves out: the engine around the kernels.  In a real vLLM engine each
+Attention-side layer also costs ~2.5 ms of eager Python (vLLM's layers, the AFD
+seam) on the 2-core machine of the docs, which does not halve, and the two sides
+slow each other down when they overlap (shared memory bandwidth); the docs have
+the real numbers next to these.
 
 The criteria the ``bench`` size is chosen for (``make-model --size bench`` prints
 them as PASS/FAIL; docs/benchmarks-vllm.md, "The bench checkpoint", has the
@@ -344,8 +350,9 @@ class _AttentionSide:
             w["k_cache"] = _randn(g, 1.0, seqs, heads, longest, HEAD_DIM)
             w["v_cache"] = _randn(g, 1.0, seqs, heads, longest, HEAD_DIM)
         if s.arch != "mixtral":  # the shared expert stays on the Attention side
-            w["shared_gate_up"] = _randn(g, std, 2 * inter, h)
-            w["shared_down"] = _randn(g, std, h, inter)
+            shared = s.shared_intermediate if s.arch == "qwen2_moe" else inter
+            w["shared_gate_up"] = _randn(g, std, 2 * shared, h)
+            w["shared_down"] = _randn(g, std, h, shared)
             if s.arch == "qwen2_moe":
                 w["shared_expert_gate"] = _randn(g, std, 1, h)
         return w

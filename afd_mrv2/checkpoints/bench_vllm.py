@@ -4,8 +4,8 @@ The same work as the plain-torch emulation, op for op, but through the ops vLLM 
 CPU path calls (``vllm._custom_ops``), with weights prepared the way vLLM prepares
 them at load time:
 
-* Attention side (standard attention: Mixtral, Qwen2-MoE): ``fused_add_rms_norm``,
-  the projections as oneDNN matmuls on prepacked weights (``create_onednn_mm`` /
+* Attention side (standard attention: Mixtral, Qwen2-MoE): the residual add + RMSNorm
+  in torch ops (what the eager engine runs: ``RMSNorm.forward_native``), the projections as oneDNN matmuls on prepacked weights (``create_onednn_mm`` /
   ``onednn_mm``: vLLM's CPU linear dispatch for fp32), ``rotary_embedding``, the
   paged KV cache (block size 128, vLLM's CPU default) written by
   ``cpu_attn_reshape_and_cache`` and read by ``cpu_attention_with_kv_cache`` with the
@@ -32,6 +32,12 @@ from afd_mrv2.checkpoints.archs import HEAD_DIM, ModelShape
 
 BLOCK_SIZE = 128  # vLLM's CPU KV-cache block size (platforms/cpu.py) for standard attention
 EPS = 1e-6
+
+
+def _add_rms(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add + RMSNorm as vLLM's eager CPU engine runs it (``RMSNorm.forward_native``: torch ops)."""
+    residual = x + residual
+    return residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + EPS) * weight, residual
 
 
 def _ops() -> Any:
@@ -73,7 +79,8 @@ class VllmAttentionSide:
         self.ops = ops = _ops()
         self.shape = shape
         self.isa = _attention_isa()
-        seqs, h, heads, inter, std = contexts.numel(), shape.hidden, shape.heads, shape.intermediate, shape.std
+        seqs, h, heads, std = contexts.numel(), shape.hidden, shape.heads, shape.std
+        inter = shape.shared_intermediate
         blocks = math.ceil(int(contexts.max()) / BLOCK_SIZE)
         self.block_table = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks)
         self.positions = (contexts - 1).long()
@@ -126,11 +133,10 @@ class VllmAttentionSide:
     def run(self, n: int) -> None:
         """One pass over every layer for the first ``n`` sequences (``n``: all of them or half)."""
         ops, s = self.ops, self.shape
-        h, heads, inter = s.hidden, s.heads, s.intermediate
+        h, heads, inter = s.hidden, s.heads, s.shared_intermediate
         starts, lengths, scheduler = self.meta[n]
         for w in self.layers:
-            x, residual = self.x[:n].clone(), self.residual[:n].clone()
-            ops.fused_add_rms_norm(x, residual, w["in_norm"], EPS)
+            x, residual = _add_rms(self.x[:n], self.residual[:n], w["in_norm"])
             q, k, v = ops.onednn_mm(w["qkv"], x, w["qkv_bias"]).split([h, h, h], dim=-1)
             q, k = q.contiguous(), k.contiguous()
             ops.rotary_embedding(self.positions[:n], q, k, HEAD_DIM, self.cos_sin, True)
@@ -155,8 +161,7 @@ class VllmAttentionSide:
                 scheduler_metadata=scheduler,
                 s_aux=None,
             )
-            hidden = ops.onednn_mm(w["o"], out.view(n, h), None)
-            ops.fused_add_rms_norm(hidden, residual, w["post_norm"], EPS)
+            hidden, residual = _add_rms(ops.onednn_mm(w["o"], out.view(n, h), None), residual, w["post_norm"])
             logits = ops.onednn_mm(w["gate"], hidden, None)
             torch.topk(torch.softmax(logits, dim=-1), s.top_k, dim=-1)
             if s.arch == "qwen2_moe":

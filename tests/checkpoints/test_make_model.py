@@ -18,9 +18,11 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from afd_mrv2.checkpoints import bench_vllm
 from afd_mrv2.checkpoints.archs import ARCHS, HEAD_DIM, PRESETS, ModelShape, shape_for
 from afd_mrv2.checkpoints.bench import BALANCE_MAX, HALF_MAX, BenchLoad, LayerCompute, measure_layer_compute
 from afd_mrv2.cli import main
+from afd_mrv2.errors import ConfigError
 
 EXPERTS_KEY = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "deepseek_v2": "n_routed_experts"}
 INTERMEDIATE_KEY = {
@@ -156,6 +158,9 @@ def test_bench_writes_the_bench_dimensions(tmp_path: Path, arch: str) -> None:
     moe = "model.layers.0." + ("block_sparse_moe." if arch == "mixtral" else "mlp.")
     down = "w2" if arch == "mixtral" else "down_proj"
     assert weights[f"{moe}experts.0.{down}.weight"].shape == (bench.hidden, bench.intermediate)
+    if arch == "qwen2_moe":  # its shared expert (on the Attention side in afd-mrv2) has its own size
+        assert config["shared_expert_intermediate_size"] == bench.shared_intermediate
+        assert weights[f"{moe}shared_expert.down_proj.weight"].shape == (bench.hidden, bench.shared_intermediate)
     drawn = torch.cat([t.flatten() for n, t in weights.items() if not n.endswith("norm.weight")])
     assert 0.9 * bench.std < float(drawn.std()) < 1.1 * bench.std
 
@@ -168,7 +173,7 @@ def test_bench_flags_override_single_dimensions_and_same_arguments_same_bytes(tm
     bench = PRESETS["bench"]
     assert (config["num_hidden_layers"], config["num_experts"], config["hidden_size"]) == (1, 6, bench.hidden)
     assert shape_for("qwen2_moe", "bench", layers=1, experts=6) == ModelShape(
-        "qwen2_moe", 1, bench.hidden, 6, bench.top_k, 0, bench.intermediate, bench.std
+        "qwen2_moe", 1, bench.hidden, 6, bench.top_k, 0, bench.intermediate, bench.std, bench.shared_intermediate
     )
 
 
@@ -187,8 +192,9 @@ def test_bad_size_fails_with_one_line_and_writes_nothing(
 def test_measurement_returns_the_four_numbers(arch: str) -> None:
     shape = ModelShape(arch, layers=2, hidden=128, experts=4, top_k=2)
     load = BenchLoad(seqs=8, prompt_min=4, prompt_max=6, decoded=3)
-    measured = measure_layer_compute(shape, load, repeats=1)
+    measured = measure_layer_compute(shape, load, repeats=1, kernels="torch")
     assert isinstance(measured, LayerCompute)
+    assert measured.kernels == {"attention": "torch", "ffn": "torch"}
     assert (measured.tokens, measured.half_tokens, measured.layers, measured.repeats) == (8, 4, 2, 1)
     assert 7 <= measured.mean_context <= 9
     for side, name in ((measured.attention, "attention"), (measured.ffn, "ffn")):
@@ -233,3 +239,24 @@ def test_measure_flag_prints_the_table_or_the_json(tmp_path: Path, capsys: pytes
     measurement = summary["measurement"]
     assert measurement["tokens"] == 64 and measurement["half_tokens"] == 32
     assert measurement["attention"]["full_ms"] > 0 and measurement["ffn"]["half_ms"] > 0
+
+
+def test_bad_kernels_fail_with_one_line_and_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "model"
+    assert main(["make-model", str(folder), "--arch", "mixtral", "--size", "bench", "--kernels", "mkl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "afd-mrv2 make-model: error: --kernels: expected one of auto, torch, vllm, got 'mkl'"
+    assert not folder.exists()
+
+
+def test_auto_kernels_fall_back_to_torch_without_vllm_and_vllm_kernels_are_refused() -> None:
+    why = bench_vllm.available()
+    if why is None:
+        pytest.skip("vLLM's CPU kernels are usable here: auto picks them (see the vllm_kernels test)")
+    shape = ModelShape("qwen2_moe", layers=1, hidden=64, experts=2, top_k=1)
+    measured = measure_layer_compute(shape, BenchLoad(seqs=4), repeats=1)
+    assert measured.kernels == {"attention": "torch", "ffn": "torch"}
+    assert measured.kernels_note == why
+    assert measured.as_dict()["kernels_note"] == why
+    with pytest.raises(ConfigError, match=r"^--kernels: vllm: "):
+        measure_layer_compute(shape, BenchLoad(seqs=4), repeats=1, kernels="vllm")
