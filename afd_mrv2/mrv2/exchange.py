@@ -13,7 +13,9 @@ two resources (the contract ``simlink`` documents):
   ``delivered_ns`` says when it arrived), which ``finish`` waits for on the caller's
   thread.  A connector whose receive completes after its ``on_send`` (torch_p2p's
   round-trip side) hands the latter, so its send stream is free for the next item
-  while this one's result is on its way.
+  while this one's result is on its way; it does so only to a sink whose
+  ``accepts_in_flight`` attribute is True (this exchange's), so a third-party
+  connector that wraps the sink keeps receiving tensors.
 
 Each item carries its stage identity, ``stage i of n`` (``WorkItem.stage_idx`` and
 ``num_stages``), given by the caller of ``start``: the micro-batch index and the
@@ -153,6 +155,9 @@ class UBatchExchange:
         entry = self._entries.get(item)
         if entry is not None:  # None only after finish gave up on a failed pipeline
             entry.deliver(result)
+
+    # ``finish`` waits for an :class:`InFlight` result: connectors may hand one (they check this attribute)
+    _sink.accepts_in_flight = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the model's calls
 

@@ -10,24 +10,28 @@ round trips over gloo to a real ``serve_ffn`` thread (tests/mrv2/helpers.py).
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import sys
 import threading
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
 from afd_mrv2.compat import CompatRefused, Runtime, decide
 from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.hooks.p2p.roundtrip import ACCEPTS_IN_FLIGHT
+from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.mrv2 import runner as runner_module
 from afd_mrv2.mrv2.handoff import MicroBatchFailed, current_step
 from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, attention_runner_class
 from afd_mrv2.mrv2.ubatch_runner import AfdUBatchRunnerMixin
 from afd_mrv2.mrv2.worker import afd_worker_class
+from afd_mrv2.plugins import ConnectorContext
 from tests import standins
 from tests.mrv2.helpers import ASCEND, CUDA, VOCAB, FfnPair, ToyMoeModel, accept_0_33, attention_afd
 from tests.standins.vllm.config import VllmConfig
@@ -379,3 +383,47 @@ def test_composition_source_assigns_only_to_self() -> None:
                         offences.append(f"{path.name}:{t.lineno} assigns {ast.unparse(t)}")
     assert offences == []
     assert isinstance(runner_module, types.ModuleType)
+
+
+class SinkWrapping(TorchP2pConnector):
+    """A third party's torch_p2p subclass that wraps the owner's ``sink`` with a plain function, written
+    against the tensor contract (it reads ``result.shape``): what tests/vllm's drop/swap connectors do."""
+
+    seen: ClassVar[list[type]] = []
+
+    def __init__(self, context: ConnectorContext) -> None:
+        resources = dict(context.resources)
+        if "sink" in resources:
+            owner_sink = resources["sink"]
+
+            def sink(item: Any, result: torch.Tensor) -> None:
+                SinkWrapping.seen.append(type(result))
+                assert result.shape[0] > 0
+                owner_sink(item, result)
+
+            resources["sink"] = sink
+        super().__init__(ConnectorContext(config=context.config, resources=resources))
+
+
+def test_a_third_party_sink_wrapper_keeps_receiving_tensors(
+    one_torch_thread: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = tmp_path / "afd_sink_wrapping-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-sink-wrapping\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[afd_mrv2]\nsink_wrapping = {__name__}:SinkWrapping\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    SinkWrapping.seen.clear()
+    pair = FfnPair(connector="sink_wrapping")
+    runner, model = _build(pair)
+    try:
+        for step in [_decode(8), _decode(1), _mixed(5, 4)]:
+            torch.testing.assert_close(_run(runner, step), model.reference(step.input_ids), rtol=1e-5, atol=1e-5)
+        exchange_sink = pair.remote._session.exchange.resources()["sink"]  # type: ignore[union-attr]
+    finally:
+        done = pair.close()
+    assert "error" not in done, done
+    # 2 layers x (2 + 1 + 2) items, every one a tensor: the wrapper never saw a result still in flight
+    assert SinkWrapping.seen == [torch.Tensor] * 10
+    assert getattr(exchange_sink, ACCEPTS_IN_FLIGHT) is True  # afd-mrv2's own sink opts in to in-flight results

@@ -17,7 +17,12 @@ that caller, item by item::
                 resource the combine in flight (:class:`CombineInFlight`): the
                 owner's ``wait()`` on it (from ``UBatchExchange.finish``, on the
                 model's thread) waits for every combine, checks each header, sums
-                the partials in token order and returns the [T, H] result
+                the partials in token order and returns the [T, H] result.  Only a
+                sink that says it takes results in flight (attribute
+                ``accepts_in_flight = True``, as ``UBatchExchange``'s does) gets one;
+                any other sink (a plain function, or a third party's wrapper around
+                the owner's sink) gets the [T, H] tensor, waited for in ``on_send``
+                (the tensor contract third-party sink wrappers were written against)
 
 The FFN side is unchanged (:mod:`afd_mrv2.hooks.p2p.ffn`): it sees the same
 messages as from the pipelined side, item ``(layer, stage, seq)`` by item.
@@ -59,6 +64,8 @@ from afd_mrv2.work import Work
 
 RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, Any], None]
+#: the attribute a ``sink`` sets to True to receive :class:`CombineInFlight` results instead of tensors
+ACCEPTS_IN_FLIGHT = "accepts_in_flight"
 
 
 @dataclass(eq=False)
@@ -117,6 +124,8 @@ class RoundTripAttentionSide(AttentionSide):
         super().__init__(link, shape, options)
         self.source = source
         self.sink = sink
+        # a sink that did not opt in keeps the tensor contract (a wrapper reads ``result.shape``)
+        self.sink_accepts_in_flight = getattr(sink, ACCEPTS_IN_FLIGHT, False) is True
         self._free_inboxes: list[list[torch.Tensor]] = []
         self._inbox_lock = threading.Lock()
 
@@ -151,7 +160,8 @@ class RoundTripAttentionSide(AttentionSide):
             for ffn, buffer, count in zip(self.peers, inbox, dispatch.counts, strict=True)
         ]
         self._dispatch(work, slot, dispatch.counts)
-        self.sink(item, CombineInFlight(self, item, dispatch, inbox, receives))
+        in_flight = CombineInFlight(self, item, dispatch, inbox, receives)
+        self.sink(item, in_flight if self.sink_accepts_in_flight else in_flight.wait())
 
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)
