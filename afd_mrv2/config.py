@@ -44,7 +44,7 @@ from afd_mrv2.options import (
 ROLES = (ATTENTION, FFN)
 #: The communication phases (the first and last of the work item's three).
 STREAM_PHASES = (PHASES[0], PHASES[-1])
-BACKENDS = ("auto", "accelerator", "host", "recording")
+BACKENDS = ("auto", "accelerator", "host", "inline", "recording")
 MAX_DEPTH = 8
 AUTO = "auto"
 ASYNC_MOE_SPLITS = ("request", "token")
@@ -94,9 +94,11 @@ class MultistreamConfig:
         a phase not listed runs on the compute stream.
     backend
         Stream backend: ``accelerator`` (torch.Stream/torch.Event on CUDA or NPU),
-        ``host`` (a worker thread per stream), ``recording`` (deterministic op log,
+        ``host`` (a worker thread per stream), ``inline`` (every phase on the
+        submitting thread: serialized only), ``recording`` (deterministic op log,
         for tests) or ``auto`` (accelerator when ``torch.accelerator`` reports one,
-        else host).
+        else host; the serialized Attention side of a vLLM MoE layer takes inline
+        instead of host).
     close_timeout_s
         Default deadline of :meth:`Executor.close`, in seconds (0 < s <= 3600).
     trace

@@ -1,7 +1,8 @@
 """Stream/event backends: ``accelerator`` (torch.Stream/torch.Event), ``host``
-(a worker thread per stream) and ``recording`` (deterministic op log).
+(a worker thread per stream), ``inline`` (every stream on the submitting thread)
+and ``recording`` (deterministic op log).
 
-All three implement :class:`~afd_mrv2.devices.base.DeviceBackend`; see
+All four implement :class:`~afd_mrv2.devices.base.DeviceBackend`; see
 :mod:`afd_mrv2.devices.base` for the semantics they share.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from afd_mrv2.devices.base import BackendCloseReport, DeviceBackend, Event, Span, Stream
 from afd_mrv2.devices.host import HostBackend
+from afd_mrv2.devices.inline import InlineBackend
 from afd_mrv2.devices.recording import RecordingBackend
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "DeviceBackend",
     "Event",
     "HostBackend",
+    "InlineBackend",
     "RecordingBackend",
     "Span",
     "Stream",
@@ -31,10 +34,12 @@ def make_backend(name: str, *, timing: bool = True) -> DeviceBackend:
         name = "accelerator" if accelerator_available() else "host"
     if name == "host":
         return HostBackend()
+    if name == "inline":
+        return InlineBackend()
     if name == "recording":
         return RecordingBackend()
     if name == "accelerator":
         from afd_mrv2.devices.accelerator import AcceleratorBackend
 
         return AcceleratorBackend(timing=timing)
-    raise ValueError(f"unknown stream backend {name!r}; accepted: auto, accelerator, host, recording")
+    raise ValueError(f"unknown stream backend {name!r}; accepted: auto, accelerator, host, inline, recording")

@@ -120,6 +120,18 @@ class _Entry:
         self.delivered_ns = time.perf_counter_ns()
 
 
+class _Sink:
+    """The ``sink`` resource: ``finish`` waits for an :class:`InFlight` result, so it says it takes one."""
+
+    accepts_in_flight = True
+
+    def __init__(self, deliver: Any) -> None:
+        self._deliver = deliver
+
+    def __call__(self, item: WorkItem, result: Any) -> None:
+        self._deliver(item, result)
+
+
 class UBatchExchange:
     """The Attention side's AFD transfers; see the module docstring."""
 
@@ -133,7 +145,7 @@ class UBatchExchange:
         self.items: deque[WorkItem] = deque(maxlen=_HISTORY)
 
     def resources(self) -> dict[str, Any]:
-        return {"source": self._source, "sink": self._sink}
+        return {"source": self._source, "sink": _Sink(self._deliver)}
 
     def bind(self, executor: Executor) -> None:
         """Run transfers on ``executor``; sizes the pool from its buffer counts."""
@@ -151,13 +163,10 @@ class UBatchExchange:
     def _source(self, item: WorkItem) -> Any:
         return self._entries[item].hidden
 
-    def _sink(self, item: WorkItem, result: Any) -> None:
+    def _deliver(self, item: WorkItem, result: Any) -> None:
         entry = self._entries.get(item)
         if entry is not None:  # None only after finish gave up on a failed pipeline
             entry.deliver(result)
-
-    # ``finish`` waits for an :class:`InFlight` result: connectors may hand one (they check this attribute)
-    _sink.accepts_in_flight = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the model's calls
 

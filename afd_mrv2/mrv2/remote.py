@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from afd_mrv2.config import AfdConfig
+from afd_mrv2.config import AUTO, AfdConfig, MultistreamConfig
 from afd_mrv2.devices import DeviceBackend, Stream, make_backend
+from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.items import ATTENTION, WorkItem
@@ -70,6 +71,22 @@ class MoeShape:
     hidden_size: int
     top_k: int
     num_experts: int
+
+
+def attention_backend(multistream: MultistreamConfig) -> str:
+    """The stream backend of this side's executor: ``multistream.backend``, except that ``auto`` on a
+    CPU for a serialized executor (the Attention role not in ``multistream.roles``) is ``inline``.
+
+    The caller is the model's thread (a micro-batch thread in a split step).  On the host
+    backend the executor's one stream is a thread of its own that competes with the model,
+    and in a split step with the sibling micro-batch computing meanwhile, for the engine's
+    core and the GIL, so each dispatch would leave late; inline, ``start`` returns with the
+    dispatch on the wire (:mod:`afd_mrv2.devices.inline`).
+    """
+    name = multistream.backend
+    if name == AUTO and not multistream.active_for(ATTENTION) and not accelerator_available():
+        return "inline"
+    return name
 
 
 def check_vllm_path(config: AfdConfig) -> None:
@@ -224,7 +241,7 @@ class RemoteExperts:
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange()
         plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
-        backend = make_backend(config.multistream.backend)
+        backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
         return _Session(link, plugins, backend, executor, exchange)

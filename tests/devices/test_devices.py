@@ -126,7 +126,8 @@ def test_host_spans_are_timed_on_the_stream_thread(backend: HostBackend) -> None
 def test_make_backend_names() -> None:
     assert make_backend("host").name == "host"
     assert make_backend("recording").name == "recording"
-    with pytest.raises(ValueError, match="accepted: auto, accelerator, host, recording"):
+    assert make_backend("inline").name == "inline"
+    with pytest.raises(ValueError, match="accepted: auto, accelerator, host, inline, recording"):
         make_backend("cuda")
     if torch.accelerator.is_available():
         assert make_backend("auto").name == "accelerator"

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import socket
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from afd_mrv2.config import parse_afd_config
+from afd_mrv2.config import MultistreamConfig, parse_afd_config
 from afd_mrv2.devices.base import Span
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import WorkItem
 from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, local_routing, overlap_figures, serve_ffn
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S
-from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts, check_vllm_path
+from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts, attention_backend, check_vllm_path
 from afd_mrv2.pipeline.trace import Trace
 
 SHAPE = MoeShape(hidden_size=16, top_k=2, num_experts=4)
@@ -262,3 +263,11 @@ def test_overlap_figures_from_two_loops_traces_ignore_spans_that_never_ran() -> 
     assert got["hidden_comm_fraction"] == round(5 / 31, 4)  # recv 20 ms + send 11 ms
     assert got["busy_ms"] == {"compute": 10.0, "recv": 20.0, "send": 11.0}
     assert overlap_figures([]) == {"items": 0}
+
+
+def test_the_serialized_attention_side_runs_its_phases_on_the_models_thread_on_a_cpu() -> None:
+    serialized = MultistreamConfig()
+    assert attention_backend(serialized) == ("auto" if torch.accelerator.is_available() else "inline")
+    assert attention_backend(replace(serialized, backend="host")) == "host"  # said explicitly: kept
+    pipelined = MultistreamConfig(enabled=True, roles=("attention", "ffn"))
+    assert attention_backend(pipelined) == "auto"  # stream threads overlap the phases there
