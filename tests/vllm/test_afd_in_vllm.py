@@ -64,7 +64,7 @@ from tests.vllm.harness import (
     v2_env,
 )
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1800)]
 
 ARCHS = ["mixtral", "deepseek_v2"]
 PORTS = {"mixtral": 29741, "deepseek_v2": 29742}

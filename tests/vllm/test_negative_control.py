@@ -39,7 +39,7 @@ from tests.serve.conftest import free_port_block
 from tests.vllm.harness import make_model
 from tests.vllm.serving import PlainServer, Serve, compare, greedy_answers, third_party_site, with_site
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1200)]
 
 CONNECTOR = "drop_layer"
 MARK = "afd_mrv2_test_drop:"  # afd_mrv2_test_drop.MARK: every line the connector prints

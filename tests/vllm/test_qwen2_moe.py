@@ -43,7 +43,7 @@ from tests.vllm.harness import (
     run_engines,
 )
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1800)]
 
 ARCH = "qwen2_moe"
 

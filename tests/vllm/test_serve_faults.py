@@ -66,7 +66,14 @@ def test_malformed_afd_section_exits_2_one_line_nothing_started(model: Path, afd
 UBATCHED = ["--ubatches", "2", "--afd", '{"ubatch": {"decode_token_threshold": 2, "prefill_token_threshold": 2}}']
 
 
-@pytest.mark.parametrize(("role", "ubatched"), [("ffn", False), ("attention", False), ("ffn", True)])
+@pytest.mark.parametrize(
+    ("role", "ubatched"),
+    [
+        pytest.param("ffn", False, marks=pytest.mark.vllm_full),
+        pytest.param("attention", False, marks=pytest.mark.vllm_full),
+        ("ffn", True),
+    ],
+)
 def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_it(
     model: Path, tmp_path: Path, role: str, ubatched: bool
 ) -> None:
@@ -126,6 +133,7 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
         serve.stop()
 
 
+@pytest.mark.vllm_full
 def test_ffn_role_killed_alone_takes_its_engine_down(model: Path, tmp_path: Path) -> None:
     """SIGKILL of only the FFN role process (started as serve starts it: leader of its own group).
 

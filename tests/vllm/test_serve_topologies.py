@@ -32,7 +32,7 @@ from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import make_model
 from tests.vllm.serving import DEV_MODE, PlainServer, Serve, body, compare, complete_all, ffn_reports, greedy, rpc
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1800)]
 
 #: (Attention engines, FFN ranks, serve's --depth): 2A2F runs multistream with depth auto on every
 #: role (what grants ``multistream_ffn`` on the CPU test vehicle), 2A1F serialized (the default),

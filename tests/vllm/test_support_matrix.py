@@ -178,6 +178,7 @@ def test_real_vllm_config_refused_one_line_naming_the_key(
     assert text in str(error), str(error)
 
 
+@pytest.mark.vllm_full
 def test_token_split_with_prefill_context_parallelism_is_refused_under_the_v2_runner(
     model: Path, tmp_path: Path
 ) -> None:
@@ -331,6 +332,7 @@ class Tripwire:
         self.sock.close()
 
 
+@pytest.mark.vllm_full
 def test_attention_engine_refuses_while_constructing_the_model_and_never_connects(model: Path, tmp_path: Path) -> None:
     """An Attention engine started directly (no serve, no FFN): vLLM constructs the model, the AFD MoE layer
     checks the matrix and the engine fails; without that check it would reach its profile forward and
