@@ -3,7 +3,7 @@
 
     .venv-vllm/bin/python scripts/bench_serve.py MODEL [--clients 64] [--tokens 64] [--requests 64] [--rounds 3]
         [--attention A --ffn F] [--ubatches N] [--afd JSON] [--depth D] [--plain-cores LIST] [--no-trace]
-        [--stop-grace S] [--json OUT] [--logs DIR] [-- ENGINE ARGS]
+        [--stop-grace S] [--engine-core-nice N] [--json OUT] [--logs DIR] [-- ENGINE ARGS]
 
 Three sides, all on vLLM's Model Runner V2 (on CPU through the test-only triton stand-in
 ``tests/vllm/triton_cpu_standin``, eager), the same checkpoint and engine arguments (default
@@ -113,6 +113,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--stop-grace", type=float, default=STOP_GRACE_S, metavar="S", help="serve --stop-grace (default %(default)g)"
     )
+    parser.add_argument(
+        "--engine-core-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="renice every thread of every side's vLLM EngineCore process to N (1..19) once ready: its "
+        "busy-poll of the worker's reply (sched_yield for 1 s after each reply) then yields the core to "
+        "compute; applied to all three sides alike (default: unchanged)",
+    )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--logs", default="out/bench-serve", help="folder for the servers' logs (default %(default)s)")
     args = parser.parse_args(head)
@@ -121,6 +130,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             raise UsageError(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
     if args.ubatches < 2:
         raise UsageError(f"--ubatches: expected an integer >= 2 (1 is the blocking side), got {args.ubatches}")
+    if args.engine_core_nice is not None and not 1 <= args.engine_core_nice <= 19:
+        raise UsageError(f"--engine-core-nice: expected an integer 1..19, got {args.engine_core_nice}")
     if args.stop_grace <= 0:
         raise UsageError(f"--stop-grace: expected seconds > 0, got {args.stop_grace:g}")
     if args.afd is not None:
@@ -184,6 +195,17 @@ class Side:
 
     def urls(self) -> list[str]:
         return self.server.engine_urls() if isinstance(self.server, ServeServer) else [self.server.url]
+
+
+def renice_engine_cores(server: PlainServer | ServeServer, nice: int) -> list[int]:
+    """Set every thread of the server's vLLM EngineCore processes to ``nice``; returns their pids."""
+    pids = [pid for pid, label in server.processes().items() if "EngineCore" in label]
+    if not pids:
+        raise ServerError(f"--engine-core-nice: no EngineCore process found under pid {server.proc.pid}")
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    return pids
 
 
 def snapshot(side: Side) -> dict[str, Any]:
@@ -492,6 +514,14 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
             "ready: " + ", ".join(f"{n} after {s.ready_s:.0f} s" for n, s in sides.items()) + " (started together)",
             flush=True,
         )
+        reniced: dict[str, list[int]] = {}
+        if args.engine_core_nice is not None:
+            reniced = {n: renice_engine_cores(s.server, args.engine_core_nice) for n, s in sides.items()}
+            print(
+                f"EngineCore processes at nice {args.engine_core_nice}: "
+                + ", ".join(f"{n} {pids}" for n, pids in reniced.items()),
+                flush=True,
+            )
         if V2_LOG not in plain.log_text():
             raise ServerError(f"plain vLLM did not log {V2_LOG!r} (log {plain.log})")
         binds = {n: role_binds(s.server.role_pids()) for n, s in sides.items() if isinstance(s.server, ServeServer)}
@@ -543,6 +573,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
             **{n: {role: {"bind": b, "count": count_cores(b)} for role, b in bs.items()} for n, bs in binds.items()},
         },
         "engine_core_ids": engine_cores,
+        "engine_core_nice": args.engine_core_nice,
         "ready_s": {n: s.ready_s for n, s in sides.items()},
         "running_s": {n: s.running_s for n, s in sides.items()},
         "rounds": rounds,
@@ -716,6 +747,11 @@ def report(result: dict[str, Any]) -> str:
         "",
         _cores(result),
         "(the pin is vLLM's OpenMP compute threads; front ends, engine-core loops and serve's proxy float)",
+        (
+            f"every side's EngineCore processes ran at nice {result['engine_core_nice']} (--engine-core-nice)"
+            if result.get("engine_core_nice") is not None
+            else "EngineCore processes at their default priority (see --engine-core-nice)"
+        ),
         f"paused while another side ran: SIGSTOP of every process of the other two sides (processes paused in the "
         f"rounds of each side: {counts}), each checked in state T before every round; their CPU time during a "
         f"round: at most {paused:.3f} s",

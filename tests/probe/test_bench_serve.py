@@ -227,8 +227,53 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         ([str(tmp_path), "--ubatches", "1"], "--ubatches: expected an integer >= 2"),
         ([str(tmp_path), "--afd", "[1]"], "--afd: expected a JSON object, got list"),
         ([str(tmp_path), "--rounds", "0"], "--rounds: expected an integer >= 1"),
+        ([str(tmp_path), "--engine-core-nice", "20"], "--engine-core-nice: expected an integer 1..19"),
     ):
         done = subprocess.run(
             [sys.executable, str(SCRIPTS / "bench_serve.py"), *args], capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, (args, done.stderr)
+
+
+#: A root whose child names itself as vLLM names its engine core (``VLLM::EngineCore``, cut to 15 characters).
+ENGINE_TREE = textwrap.dedent(
+    """
+    import subprocess, sys, threading, time
+    core = (
+        "import pathlib, threading, time; pathlib.Path('/proc/self/comm').write_text('VLLM::EngineCor'); "
+        "threading.Thread(target=time.sleep, args=(120,), daemon=True).start(); time.sleep(120)"
+    )
+    subprocess.Popen([sys.executable, "-c", core])
+    time.sleep(120)
+    """
+)
+
+
+def _nice(pid: int) -> list[int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()]
+
+
+def test_engine_core_nice_renices_every_thread_of_the_engine_cores_only(tmp_path: Path) -> None:
+    child = serving._Child([sys.executable, "-c", ENGINE_TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            cores = [p for p, label in child.processes().items() if "EngineCore" in label]
+            if cores and len(list(Path(f"/proc/{cores[0]}/task").iterdir())) == 2:
+                break
+            time.sleep(0.05)
+        assert bench.renice_engine_cores(child, 19) == cores and len(cores) == 1
+        assert _nice(cores[0]) == [19, 19]  # both threads: the busy-poll may run on any of them
+        assert set(_nice(child.proc.pid)) == {0}  # the front end keeps its priority
+    finally:
+        child.stop()
+    plain = serving._Child(
+        [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "p.log", stdout_pipe=False
+    )
+    try:
+        with pytest.raises(serving.ServerError, match="no EngineCore process"):
+            bench.renice_engine_cores(plain, 19)
+    finally:
+        plain.stop()
