@@ -53,6 +53,3 @@ def install() -> bool:
 
 
 install()
-
-if os.environ.get("AFD_EXP_SWITCH_S"):  # EXPERIMENT-ONLY (not committed)
-    sys.setswitchinterval(float(os.environ["AFD_EXP_SWITCH_S"]))
