@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from afd_mrv2.devices.base import BackendCloseReport, Event, Span
 from afd_mrv2.errors import PipelineAborted
 
@@ -74,6 +72,8 @@ class InlineStream:
             return
         if span is not None:
             span.start_ns = time.perf_counter_ns()
+        import torch  # here, not at import: the devices package stays importable without torch loaded
+
         try:
             with torch.inference_mode(False):  # as on a stream thread, whatever the caller's mode
                 fn()
