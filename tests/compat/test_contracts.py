@@ -18,7 +18,8 @@ import pytest
 from afd_mrv2.compat.contracts import DirectorySource, check_contracts, open_source
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.compat.seam import Seam
-from afd_mrv2.compat.seams import ALL_SEAMS, PREPARE_READS, SEAMS, UBATCH_ATTRS, UBATCH_SEAMS, UBATCHING
+from afd_mrv2.compat.seams import ALL_SEAMS, SEAMS
+from afd_mrv2.compat.ubatch_seams import PREPARE_READS, UBATCH_ATTRS, UBATCH_SEAMS, UBATCHING
 from tests.compat.conftest import pinned_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
