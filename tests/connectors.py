@@ -10,11 +10,14 @@ ran on, and can be told to sleep, fail or block in a given phase.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 import torch
 
 from afd_mrv2 import hookimpl
@@ -182,3 +185,14 @@ class CountingRecording(Counting, RecordingBackend):
 
 class CountingHost(Counting, HostBackend):
     pass
+
+
+def install_entry_point(site: Path, monkeypatch: pytest.MonkeyPatch, dist: str, name: str, target: str) -> None:
+    """Install ``name = target`` in the ``afd_mrv2`` entry-point group as a third party would: a
+    ``<dist>-0.1.dist-info`` in ``site``, which goes on ``sys.path`` for the test."""
+    info = site / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{name} = {target}\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()

@@ -14,7 +14,6 @@ torch.distributed group) and is not witnessed here.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import threading
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
 from afd_mrv2.ubatch import attention_items
 from afd_mrv2.work import Work
-from tests.connectors import CountingHost, CountingRecording
+from tests.connectors import CountingHost, CountingRecording, install_entry_point
 from tests.hooks.cam.harness import MODEL, assert_matches_reference, run
 
 
@@ -182,12 +181,7 @@ class PhaseWitness:
 
 @pytest.fixture
 def witnessed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[tuple[str, int], Rank]]:
-    info = tmp_path / "afd_witness-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-witness\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[afd_mrv2]\nwitness = {__name__}:PhaseWitness\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    install_entry_point(tmp_path, monkeypatch, "afd_witness", "witness", f"{__name__}:PhaseWitness")
     yield WITNESSED
     WITNESSED.clear()
 

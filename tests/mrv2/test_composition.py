@@ -10,7 +10,6 @@ round trips over gloo to a real ``serve_ffn`` thread (tests/mrv2/helpers.py).
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import sys
 import threading
@@ -33,6 +32,7 @@ from afd_mrv2.mrv2.ubatch_runner import AfdUBatchRunnerMixin
 from afd_mrv2.mrv2.worker import afd_worker_class
 from afd_mrv2.plugins import ConnectorContext
 from tests import standins
+from tests.connectors import install_entry_point
 from tests.mrv2.helpers import ASCEND, CUDA, VOCAB, FfnPair, ToyMoeModel, accept_0_33, attention_afd
 from tests.standins.vllm.config import VllmConfig
 from tests.standins.vllm.v1.worker import ubatching
@@ -408,12 +408,7 @@ class SinkWrapping(TorchP2pConnector):
 def test_a_third_party_sink_wrapper_keeps_receiving_tensors(
     one_torch_thread: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    info = tmp_path / "afd_sink_wrapping-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-sink-wrapping\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[afd_mrv2]\nsink_wrapping = {__name__}:SinkWrapping\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    install_entry_point(tmp_path, monkeypatch, "afd_sink_wrapping", "sink_wrapping", f"{__name__}:SinkWrapping")
     SinkWrapping.seen.clear()
     pair = FfnPair(connector="sink_wrapping")
     runner, model = _build(pair)
