@@ -29,15 +29,9 @@ from typing import Any
 import torch
 
 from afd_mrv2.checkpoints.archs import HEAD_DIM, ModelShape
+from afd_mrv2.checkpoints.bench_torch import add_rms  # RMSNorm.forward_native: torch ops in vLLM's eager CPU engine too
 
 BLOCK_SIZE = 128  # vLLM's CPU KV-cache block size (platforms/cpu.py) for standard attention
-EPS = 1e-6
-
-
-def _add_rms(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add + RMSNorm as vLLM's eager CPU engine runs it (``RMSNorm.forward_native``: torch ops)."""
-    residual = x + residual
-    return residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + EPS) * weight, residual
 
 
 def _ops() -> Any:
@@ -136,7 +130,7 @@ class VllmAttentionSide:
         h, heads, inter = s.hidden, s.heads, s.shared_intermediate
         starts, lengths, scheduler = self.meta[n]
         for w in self.layers:
-            x, residual = _add_rms(self.x[:n], self.residual[:n], w["in_norm"])
+            x, residual = add_rms(self.x[:n], self.residual[:n], w["in_norm"])
             q, k, v = ops.onednn_mm(w["qkv"], x, w["qkv_bias"]).split([h, h, h], dim=-1)
             q, k = q.contiguous(), k.contiguous()
             ops.rotary_embedding(self.positions[:n], q, k, HEAD_DIM, self.cos_sin, True)
@@ -161,7 +155,7 @@ class VllmAttentionSide:
                 scheduler_metadata=scheduler,
                 s_aux=None,
             )
-            hidden, residual = _add_rms(ops.onednn_mm(w["o"], out.view(n, h), None), residual, w["post_norm"])
+            hidden, residual = add_rms(ops.onednn_mm(w["o"], out.view(n, h), None), residual, w["post_norm"])
             logits = ops.onednn_mm(w["gate"], hidden, None)
             torch.topk(torch.softmax(logits, dim=-1), s.top_k, dim=-1)
             if s.arch == "qwen2_moe":
