@@ -1,23 +1,55 @@
 """afd-mrv2: one shared multi-stream pipeline for Attention-FFN Disaggregation on vLLM MRV2.
 
-Public surface:
+The names exported here are the public hook API (:mod:`afd_mrv2.api` lists and
+documents them; :data:`HOOK_API_VERSION` is its version).  Beyond it:
 
-* :data:`hookimpl` / :data:`hookspec`: pluggy markers for connectors and observers
-  (the hook specs in :mod:`afd_mrv2.hookspecs` are the extension manual);
-* :mod:`afd_mrv2.pipeline`: the executor, work items and traces;
-* :mod:`afd_mrv2.devices`: stream/event backends;
-* :mod:`afd_mrv2.config`: the typed ``additional_config["afd"]`` section.
+* :mod:`afd_mrv2.hookspecs`: the hook specifications, the extension manual;
+* :mod:`afd_mrv2.config`: the typed ``additional_config["afd"]`` section;
+* the command line, ``afd-mrv2 --help``.
 """
 
 from __future__ import annotations
 
-from afd_mrv2.hookspecs import hookimpl, hookspec
+from afd_mrv2.api import (
+    HOOK_API_VERSION,
+    HOOKS,
+    OLDEST_SERVED_HOOK_API,
+    AfdError,
+    BufferSlot,
+    ComputeFn,
+    ConnectorContext,
+    DeviceBackend,
+    Event,
+    PipelineAborted,
+    PipelineError,
+    PluginError,
+    Stream,
+    Work,
+    WorkItem,
+    hookimpl,
+    hookspec,
+)
+from afd_mrv2.plugins import package_version
 
-__all__ = ["__version__", "hookimpl", "hookspec"]
+__all__ = [
+    "HOOKS",
+    "HOOK_API_VERSION",
+    "OLDEST_SERVED_HOOK_API",
+    "AfdError",
+    "BufferSlot",
+    "ComputeFn",
+    "ConnectorContext",
+    "DeviceBackend",
+    "Event",
+    "PipelineAborted",
+    "PipelineError",
+    "PluginError",
+    "Stream",
+    "Work",
+    "WorkItem",
+    "__version__",
+    "hookimpl",
+    "hookspec",
+]
 
-try:
-    from importlib.metadata import version as _version
-
-    __version__ = _version("afd-mrv2")
-except Exception:  # noqa: BLE001 - running from a source tree without metadata
-    __version__ = "0+unknown"
+__version__ = package_version()

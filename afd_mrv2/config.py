@@ -236,7 +236,7 @@ class AfdConfig:
     num_ffn_ranks: int = option(integer(1, 1 << 16), 1)
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
-    compute_gate_on_attention: bool = option(FLAG, False)
+    compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false
     async_mode: bool = option(FLAG, False, key="async")
     observers: tuple[str, ...] = option(NAMES, ())
     connector_extra_config: tuple[tuple[str, Any], ...] = option(JSON, ())

@@ -72,35 +72,38 @@ from afd_mrv2.work import Work
 
 PROJECT_NAME = "afd_mrv2"
 
+#: The version of the hook API these specs, ``Work``, ``BufferSlot``, ``WorkItem`` and the
+#: connector context make up (:mod:`afd_mrv2.api` lists the surface).  It changes, by one,
+#: with every change a plugin can notice; CHANGELOG.md records each.  A plugin declares the
+#: version it was written for as the class attribute ``hook_api_version`` of the factory its
+#: entry point names; one that declares none was written before versioning: API 0.
+HOOK_API_VERSION = 1
+
+#: The oldest hook API version still served (through compatibility shims): a renamed or
+#: removed member keeps working, with a ``DeprecationWarning``, for one more API version.
+OLDEST_SERVED_HOOK_API = 0
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 #: The owner's compute function, handed to ``on_compute``.  Its signature is a
-#: contract between the executor's owner (the model runner) and the connector;
-#: for the FFN role it is documented with each runner (the reference FFN takes
-#: the received hidden states and routing, and returns the combined output).
+#: contract between the executor's owner (the model runner) and the connector, so each
+#: connector documents its own (``torch_p2p``: :mod:`afd_mrv2.hooks.p2p.torch_p2p`;
+#: ``camasync``: :mod:`afd_mrv2.hooks.cam.camasync`; docs/connectors.md tabulates them).
 class ComputeFn(Protocol):
     """``compute(item, *payload) -> result``: the work item first, then what the connector received.
 
     Quantized transfers hand compute what was received, scales included, never
     a copy the connector dequantized behind compute's back: the received
     dynamic scales are part of the payload, read only after recv completed
-    (the recv -> compute event edge covers them like the rows).  The FFN
-    signatures of the connectors shipped here:
-
-    * torch_p2p: ``compute(item, hidden [N, H] fp32, topk_ids [N, k], topk_weights [N, k]) -> [N, H]``;
-      with ``connector_extra_config.quant = "w8a8"``:
-      ``compute(item, hidden [N, H] int8, topk_ids, topk_weights, scales [N] fp32) -> [N, H]``
-      where row ``t`` stands for ``hidden[t] * scales[t]`` (per-token symmetric
-      int8, :mod:`afd_mrv2.hooks.quant`);
-    * camasync: ``compute(item, CamAsyncFfnBatch) -> CamAsyncFfnOutput``; with
-      ``dynamicQuant = 1`` the batch's rows are int8 and its ``dynamic_scales`` /
-      ``dynamic_scales_shared`` hold their per-row scales (``batch.dequantized()``
-      gives the float rows).
+    (the recv -> compute event edge covers them like the rows).
     """
 
     def __call__(self, item: WorkItem, /, *payload: Any) -> Any: ...
+
+
+# ---------------------------------------------------------------- set-up: once per executor
 
 
 @hookspec(firstresult=True)
@@ -142,6 +145,9 @@ def create_streams(
     :param config: the parsed ``afd.multistream`` section.
     :return: a dict with exactly the keys in ``roles``, or None.
     """
+
+
+# ---------------------------------------------------------------- per work item, in this order
 
 
 @hookspec
@@ -210,6 +216,9 @@ def on_send(work: Work, stream: Stream) -> None:
     :param work: as for ``on_recv``.
     :param stream: the send stream (already current).
     """
+
+
+# ---------------------------------------------------------------- tear-down: failure or close
 
 
 @hookspec

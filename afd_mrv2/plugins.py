@@ -17,11 +17,19 @@ Third-party distribution example (``pyproject.toml``)::
     [project.entry-points.afd_mrv2]
     my_link = "my_pkg.connector:MyLinkConnector"
     my_checker = "my_pkg.checks:OrderingObserver"
+
+Versions: the factory declares the hook API version it was written for as the class
+attribute ``hook_api_version`` (:data:`afd_mrv2.hookspecs.HOOK_API_VERSION`); none
+declared is API 0, served through compatibility shims (:class:`afd_mrv2.work.Work`'s
+``slot`` and ``scratch``, with API 0's buffer lifetimes).  A version this package no
+longer serves, or does not serve yet, is refused in one line when the plugin is
+resolved (:func:`check_plugins`), before any object, stream or link exists.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,10 +42,13 @@ from afd_mrv2.config import AfdConfig, MultistreamConfig
 from afd_mrv2.default_streams import DefaultStreams
 from afd_mrv2.devices.base import DeviceBackend, Stream
 from afd_mrv2.errors import PluginError
+from afd_mrv2.hookspecs import HOOK_API_VERSION, OLDEST_SERVED_HOOK_API
 
 ENTRY_POINT_GROUP = "afd_mrv2"
 PHASE_HOOKS = ("on_recv", "on_compute", "on_send")
 HOOK_NAMES = ("create_streams", *PHASE_HOOKS, "on_cleanup")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,14 @@ class Plugins:
     connector_name: str
     connector: object
     observers: dict[str, object]
+    #: the hook API version each registered plugin was written for, by registered name
+    api_versions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def legacy_slots(self) -> bool:
+        """True when a registered plugin was written for hook API 0: the executor then gives
+        it API 0's buffer lifetimes (an item's input slot is held until its send completed)."""
+        return any(version == 0 for version in self.api_versions.values())
 
     @property
     def hook(self) -> pluggy.HookRelay:
@@ -148,6 +167,8 @@ def load_plugins(config: AfdConfig, *, resources: Mapping[str, Any] | None = Non
     # Resolve and check every factory before building any plugin object.
     factories = {name: _factory(points, name, "observer") for name in config.observers}
     connector_factory = _factory(points, config.connector, "connector")
+    versions = {f"connector:{config.connector}": api_version("connector", config.connector, connector_factory)}
+    versions |= {f"observer:{name}": api_version("observer", name, f) for name, f in factories.items()}
     manager = new_manager()
     connector = connector_factory(context=context)
     manager.register(connector, name=f"connector:{config.connector}")
@@ -155,7 +176,60 @@ def load_plugins(config: AfdConfig, *, resources: Mapping[str, Any] | None = Non
     for name, factory in factories.items():
         observers[name] = factory(context=context)
         manager.register(observers[name], name=f"observer:{name}")
-    return Plugins(manager, config.connector, connector, observers)
+    for registered, version in versions.items():
+        if version < HOOK_API_VERSION:
+            log.warning(
+                "%s was written for hook API %d (it declares no hook_api_version); served through "
+                "compatibility shims until they are dropped: see CHANGELOG.md for what to change, "
+                "then declare hook_api_version = %d",
+                registered.replace(":", " "),
+                version,
+                HOOK_API_VERSION,
+            )
+    return Plugins(manager, config.connector, connector, observers, versions)
+
+
+def package_version() -> str:
+    """afd-mrv2's installed version (semantic versioning), or ``0+unknown`` in a source tree without metadata."""
+    try:
+        return importlib.metadata.version("afd-mrv2")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def check_plugins(config: AfdConfig) -> dict[str, int]:
+    """Resolve ``config``'s connector and observers and check their kind and hook API version.
+
+    Loads the entry points (imports the plugins' modules) and builds nothing: the
+    pre-flight every entry point runs before any process, stream or link exists.
+    Returns the hook API version of each, by ``connector:NAME`` / ``observer:NAME``;
+    raises :class:`PluginError` in one line otherwise.
+    """
+    points = entry_points()
+    versions = {}
+    for name in config.observers:
+        versions[f"observer:{name}"] = api_version("observer", name, _factory(points, name, "observer"))
+    factory = _factory(points, config.connector, "connector")
+    versions[f"connector:{config.connector}"] = api_version("connector", config.connector, factory)
+    return versions
+
+
+def api_version(kind: str, name: str, factory: object) -> int:
+    """The hook API version ``factory`` declares (``hook_api_version``; none: 0), if this package serves it.
+
+    Raises :class:`PluginError` naming the plugin, its version and the served ones otherwise.
+    """
+    declared = getattr(factory, "hook_api_version", 0)
+    if not isinstance(declared, int) or isinstance(declared, bool):
+        raise PluginError(f"{kind} {name!r} ({_describe(factory)}): hook_api_version must be an int, got {declared!r}")
+    if not OLDEST_SERVED_HOOK_API <= declared <= HOOK_API_VERSION:
+        raise PluginError(
+            f"{kind} {name!r} ({_describe(factory)}) was written for hook API {declared}; afd-mrv2 {package_version()} "
+            f"serves hook API {OLDEST_SERVED_HOOK_API} to {HOOK_API_VERSION}: install a release of the plugin "
+            f"written for API {HOOK_API_VERSION}"
+            + (", or an afd-mrv2 that serves its version" if declared > HOOK_API_VERSION else "")
+        )
+    return declared
 
 
 def plugins_for(connector: object, *, observers: Mapping[str, object] | None = None, name: str = "custom") -> Plugins:
@@ -165,13 +239,15 @@ def plugins_for(connector: object, *, observers: Mapping[str, object] | None = N
     """
     if classify(connector) != "connector":
         raise PluginError(f"{_describe(type(connector))} does not implement the phase hooks of a connector")
+    versions = {f"connector:{name}": api_version("connector", name, type(connector))}
     manager = new_manager()
     manager.register(connector, name=f"connector:{name}")
     for observer_name, observer in (observers or {}).items():
         if classify(observer) != "observer":
             raise PluginError(f"observer {observer_name!r} implements phase hooks as a connector would")
+        versions[f"observer:{observer_name}"] = api_version("observer", observer_name, type(observer))
         manager.register(observer, name=f"observer:{observer_name}")
-    return Plugins(manager, name, connector, dict(observers or {}))
+    return Plugins(manager, name, connector, dict(observers or {}), versions)
 
 
 def require_installed(points: Mapping[str, importlib.metadata.EntryPoint], name: str, kind: str, *, key: str) -> None:

@@ -21,7 +21,7 @@ from afd_mrv2.compat import CompatRefused, Decision, check_runtime, v2_runner_se
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.plugins import entry_points, require_installed
+from afd_mrv2.plugins import check_plugins, entry_points
 
 #: The compat decision for a tuple of required capabilities (``check_runtime`` by default; tests pass their own).
 Gate = Callable[[tuple[str, ...]], Decision]
@@ -106,7 +106,7 @@ def parse_installed(additional_config: object) -> AfdConfig | None:
     if raw is None:
         return None
     config = parse_afd_config(raw)
-    require_installed(entry_points(), config.connector, "connector", key="afd.connector")
+    check_plugins(config)  # installed, of the right kind, written for a hook API version this package serves
     check_ubatch_connector(config)
     return config
 

@@ -17,6 +17,7 @@ buffer but per-item transfer state: it travels with the item in
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,32 @@ class Work:
     outputs: BufferSlot
     _cancel: threading.Event = field(repr=False)
     transfer: dict[str, Any] = field(default_factory=dict)
+    #: served to a plugin written for hook API 0 (the executor held the input slot until send)
+    _api0: bool = field(default=False, repr=False)
+
+    @property
+    def slot(self) -> BufferSlot:
+        """Hook API 0's one slot per item; deprecated, use ``inputs`` and ``outputs``.
+
+        Served only when a registered plugin was written for API 0: the executor then
+        keeps the item's input slot until its send completed, API 0's lifetime of
+        ``slot.state`` (from recv until the slot's next recv, after this item's send),
+        and this returns that input slot.  For an API-1 plugin it raises.
+        """
+        if not self._api0:
+            raise AttributeError(
+                "Work.slot was removed in hook API 1: use work.inputs (what recv fills and compute reads) and "
+                "work.outputs (what compute writes and send reads); plugins that declare no hook_api_version "
+                "are served API 0's slot"
+            )
+        _deprecated("work.slot", "work.inputs and work.outputs (hook API 1)")
+        return self.inputs
+
+    @property
+    def scratch(self) -> dict[str, Any]:
+        """Hook API 0's per-item dict; deprecated, the same dict as ``transfer``."""
+        _deprecated("work.scratch", "work.transfer (hook API 1)")
+        return self.transfer
 
     @property
     def cancelled(self) -> bool:
@@ -85,3 +112,7 @@ class Work:
         """Raise :class:`PipelineAborted` if the executor has stopped."""
         if self._cancel.is_set():
             raise PipelineAborted(f"pipeline stopped while {self.item} was in flight", item=self.item)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated since hook API 1: use {new}", DeprecationWarning, stacklevel=3)

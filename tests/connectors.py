@@ -11,11 +11,15 @@ ran on, and can be told to sleep, fail or block in a given phase.
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -56,6 +60,7 @@ class Call:
 
 @dataclass
 class RecordingConnector:
+    hook_api_version: ClassVar[int] = 1
     sleep_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     fail: tuple[str, int] | None = None  # (phase, seq) that raises
     block: tuple[str, int] | None = None  # (phase, seq) that blocks forever (ignores cancellation)
@@ -111,6 +116,8 @@ class RecordingConnector:
 @dataclass
 class PhaseObserver:
     """Wraps every phase; records (phase, item, raised?) after the connector ran."""
+
+    hook_api_version: ClassVar[int] = 1
 
     seen: list[tuple[str, WorkItem, bool]] = field(default_factory=list)
 
@@ -196,3 +203,29 @@ def install_entry_point(site: Path, monkeypatch: pytest.MonkeyPatch, dist: str, 
     (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{name} = {target}\n")
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
+
+
+#: Frozen third-party plugin distributions (source trees with a pyproject.toml), one per hook API version.
+THIRD_PARTY = Path(__file__).with_name("thirdparty")
+
+
+def install_distribution(name: str, site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Install the frozen distribution ``tests/thirdparty/<name>`` into ``site`` as pip lays one out (its
+    modules, and a dist-info with the entry points its pyproject.toml declares); ``site`` goes on
+    ``sys.path`` (and, for child processes, ``PYTHONPATH``).  Returns ``site``."""
+    source = THIRD_PARTY / name
+    text = (source / "pyproject.toml").read_text()
+    project = re.search(r'^name = "([^"]+)"\nversion = "([^"]+)"', text, re.M)
+    section = re.search(r"^\[project\.entry-points\.afd_mrv2\]\n((?:[^\n\[]+\n)+)", text, re.M)
+    assert project and section, f"{source}/pyproject.toml: expected name, version and afd_mrv2 entry points"
+    dist, version = project.group(1), project.group(2)
+    for module in source.glob("*.py"):
+        shutil.copy(module, site / module.name)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[afd_mrv2]\n" + section.group(1).replace('"', ""))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    importlib.invalidate_caches()
+    return site

@@ -22,6 +22,8 @@ from afd_mrv2 import hookimpl
 
 class EchoLink:
     """Receives ones scaled by seq, sends compute's result into a shared dict."""
+
+    hook_api_version = 1
     outputs = {}
 
     def __init__(self, context):
@@ -41,6 +43,7 @@ class EchoLink:
 
 
 class CountingObserver:
+    hook_api_version = 1
     counts = {}
 
     def __init__(self, context):

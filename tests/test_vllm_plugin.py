@@ -89,7 +89,9 @@ def test_required_capabilities_follow_the_config() -> None:
     plain = parse_afd_config({"connector": "simlink", "role": "attention"})
     assert vllm_plugin.required_capabilities(plain) == ("moe_seam",)  # the vLLM path needs the MoE seam
     assert vllm_plugin.required_capabilities(plain, v2_runner=True) == ("moe_seam", "mrv2")  # mrv2 only on V2
-    ffn = parse_afd_config({"connector": "camp2p", "role": "ffn", "multistream": {"enabled": True}})
+    ffn = parse_afd_config(
+        {"connector": "camp2p", "role": "ffn", "compute_gate_on_attention": False, "multistream": {"enabled": True}}
+    )
     assert vllm_plugin.required_capabilities(ffn) == ("moe_seam", "multistream_ffn", "camp2p")
 
 
@@ -97,6 +99,7 @@ THIRD_PARTY_CONNECTORS = """
 from afd_mrv2 import hookimpl
 
 class FabricLink:
+    hook_api_version = 1
     required_capability = "camasync"  # needs what the runtime pair grants CAMAsync
 
     def __init__(self, context):

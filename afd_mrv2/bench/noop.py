@@ -15,6 +15,8 @@ from afd_mrv2.work import Work
 class NoopConnector:
     """A connector whose phases do nothing but count their calls (``calls[phase]``)."""
 
+    hook_api_version = 1
+
     def __init__(self) -> None:
         self.calls: dict[str, int] = dict.fromkeys(PHASES, 0)
 

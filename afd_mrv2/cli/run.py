@@ -18,8 +18,10 @@ import argparse
 import os
 
 from afd_mrv2.cli import add_buffer_options, add_command
+from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.quant import QUANT_MODES
+from afd_mrv2.plugins import check_plugins
 from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
 from afd_mrv2.ubatch import SPLITS
@@ -132,6 +134,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     link.add_argument(
         "--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)"
     )
+    plugins = parser.add_argument_group("plugins")
+    plugins.add_argument(
+        "--connector",
+        default="torch_p2p",
+        help="installed connector to run (default torch_p2p; a third-party one must take torch_p2p's "
+        "resources and compute signature, e.g. a subclass)",
+    )
+    plugins.add_argument(
+        "--observer",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="installed observer to wrap every rank's phases (repeatable)",
+    )
     parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.set_defaults(handler=run)
@@ -200,6 +216,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             sim_bandwidth_gbps=args.sim_bandwidth_gbps,
             recv_timeout_s=args.recv_timeout_s,
             quant=args.quant,
+            connector=args.connector,
+            observers=tuple(args.observer),
             out_dir=args.out,
         )
     except ValueError as exc:
@@ -212,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     if CONFIG_ENV in os.environ:  # a worker started by the local launcher
         return run_worker(RunConfig.from_json(os.environ[CONFIG_ENV]), as_json=args.json)
     cfg = config_from_args(args)
+    # resolve the plugins and check their hook API versions before any process or link exists
+    check_plugins(parse_afd_config({"connector": cfg.connector, "observers": list(cfg.observers), "role": "attention"}))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun or by hand: one rank
         return run_worker(cfg, as_json=args.json)
     from afd_mrv2.reference.launcher import launch

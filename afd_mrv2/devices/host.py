@@ -6,8 +6,8 @@ was most recent at ``wait`` time has completed.  These are device-stream semanti
 so the executor issues exactly the same ops as on an accelerator.
 
 Torch ops release the GIL, so a compute thread doing matmuls really overlaps a
-communication thread blocked in a socket or a sleep (measured in
-``../shared/FACTS.md``: 196 ms serial vs 108 ms overlapped for 20 x 5 ms).
+communication thread blocked in a socket or a sleep (measured on a
+2-core CPU machine: 196 ms serial vs 108 ms overlapped for 20 x 5 ms).
 
 Threads are daemons: a thread stuck inside a hook that never returns (a receive
 whose peer is gone) cannot be killed from Python; ``close`` reports it as abandoned

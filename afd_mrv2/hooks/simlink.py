@@ -96,6 +96,7 @@ class SimLinkConnector:
     """The simulated-link connector; see the module docstring."""
 
     required_capability: ClassVar[str | None] = None  # runs on any runtime pair
+    hook_api_version: ClassVar[int] = 1
 
     def __init__(self, context: ConnectorContext) -> None:
         self.link = LinkModel.from_options(context.config.extra)

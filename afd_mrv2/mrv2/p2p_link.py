@@ -13,8 +13,8 @@ engine's warm-up forward already reaches the FFN, see docs/vllm.md); the other
 ranks connect as clients and retry until ``connect_timeout_s``.
 
 Timeouts: a serving FFN rank waits for the next item as long as its Attention
-engines stay idle, so the group's own timeout (which would break the whole group
-on expiry, see FACTS.md) is set to ``idle_timeout_s`` (default one week).  Dead
+engines stay idle, so the group's own timeout (on expiry gloo aborts the whole
+group, not one wait) is set to ``idle_timeout_s`` (default one week).  Dead
 peers are still noticed at once through PeerLink's control channel, and stalled
 ones through the connector's ``recv_timeout_s`` / ``send_timeout_s`` where a
 reply is due.

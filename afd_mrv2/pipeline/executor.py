@@ -104,6 +104,9 @@ class Executor:
         self._spans = SpanCollector(backend, trace=trace, tuner=tuner)
         self._compute = compute
         self._plugins = plugins
+        # hook API 0 (a plugin that declares no hook_api_version): one slot per item, held from
+        # recv until its send completed, so the input slot is freed by send, not by compute
+        self._api0 = plugins.legacy_slots
         hook = plugins.hook
         self._hook = hook
         self._phase_hooks: dict[str, Callable[..., object]] = {
@@ -172,7 +175,7 @@ class Executor:
         if self._in_flight.full:  # not in the steady state (see the module docstring)
             self._await(self._in_flight.pending()[0][1], None)
             self._reap()
-        work = Work(item, inputs, outputs, self._cancel)
+        work = Work(item, inputs, outputs, self._cancel, _api0=self._api0)
         inputs.item = outputs.item = item
         self._last_seq = item.seq
         self._issued += 1
@@ -253,11 +256,14 @@ class Executor:
         if send is not compute:
             compute.wait(outputs.free)  # output reuse edge: the previous item's send completed
         self._submit_phase("compute", compute, work)
-        compute.record(inputs.free)
+        if not self._api0:
+            compute.record(inputs.free)
         if send is not compute:
             compute.record(outputs.ready)
             send.wait(outputs.ready)
         self._submit_phase("send", send, work)
+        if self._api0:
+            send.record(inputs.free)
         send.record(outputs.free)
         send.record(done)
 

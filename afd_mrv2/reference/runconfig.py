@@ -62,6 +62,8 @@ class RunConfig:
     layout: str = "tp"
     requests: tuple[int, ...] = ()
     quant: str | None = None  # "w8a8": torch_p2p's quantized dispatch (tolerance: reference/quant_check.py)
+    connector: str = "torch_p2p"  # an installed connector that speaks torch_p2p's resources and compute signature
+    observers: tuple[str, ...] = ()  # installed observers (afd.observers) around it on every rank
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -156,6 +158,7 @@ class RunConfig:
         raw["depths"] = tuple(raw["depths"])
         raw["buffers"] = tuple(tuple(p) for p in raw.get("buffers", ()))
         raw["requests"] = tuple(raw.get("requests", ()))
+        raw["observers"] = tuple(raw.get("observers", ()))
         return cls(**raw, model=ModelSpec(**model), batch=BatchSpec(**batch))
 
     def with_(self, **changes: object) -> RunConfig:

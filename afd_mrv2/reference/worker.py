@@ -212,7 +212,8 @@ class _Session:
         cfg = self.cfg
         config = parse_afd_config(
             {
-                "connector": "torch_p2p",
+                "connector": cfg.connector,
+                "observers": list(cfg.observers),
                 "role": self.role,
                 "num_attention_ranks": cfg.num_attention,
                 "num_ffn_ranks": cfg.num_ffn,

@@ -21,6 +21,7 @@ from afd_mrv2.compat import check_runtime, v2_runner_selected
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.plugins import check_plugins
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
     EAGER_FLAG,
@@ -111,6 +112,8 @@ def runtime_gate(plan: Plan) -> None:
 def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:
     """Every check that runs before a process starts: plan, runtime gate (None skips it), ports."""
     plan = build_plan(opts, commands)
+    # the plugins every role will load: installed, of the right kind, of a hook API version served here
+    check_plugins(parse_afd_config({**plan.afd, "role": ATTENTION}))
     if gate is not None:
         gate(plan)
     check_ports_free([p for r in plan.roles if (p := r.port) is not None] + [int(plan.afd["port"])])

@@ -235,8 +235,6 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     if opts.connector is not None:
         afd["connector"] = opts.connector
     afd.setdefault("connector", DEFAULT_CONNECTOR)
-    # vLLM's MoE runner computes the router on the Attention side: the only value its seam accepts
-    afd.setdefault("compute_gate_on_attention", True)
     if opts.depth is not None:
         multistream = afd.get("multistream") or {}
         if not isinstance(multistream, dict):

@@ -23,6 +23,8 @@ ROWS, WIDTH = 2048, 2048
 
 
 class CopyLink:
+    hook_api_version = 1
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host_in = {

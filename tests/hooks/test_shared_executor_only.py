@@ -157,6 +157,8 @@ WITNESSED: dict[tuple[str, int], Rank] = {}  # (role, rank) -> that rank's backe
 
 
 class PhaseWitness:
+    hook_api_version = 1
+
     def __init__(self, context) -> None:  # type: ignore[no-untyped-def]
         self.rank = WITNESSED[(context.config.role, context.resources.get("role_rank", 0))]
 

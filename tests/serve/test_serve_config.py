@@ -205,7 +205,7 @@ def test_rank_is_an_afd_option_checked_per_process():
         ("attention", 0),
         ("attention", 1),
     }
-    assert plan.afd["compute_gate_on_attention"] is True  # the only value vLLM's MoE seam serves
+    assert parse_afd_config(plan.afd | {"role": "ffn"}).compute_gate_on_attention is True  # the default: vLLM's seam
 
 
 def test_role_commands_are_data():

@@ -100,6 +100,7 @@ class CamConnectorBase(ABC):
     name: ClassVar[str] = "cam"
     #: the runtime-pair capability this connector needs (:mod:`afd_mrv2.compat`)
     required_capability: ClassVar[str | None] = None
+    hook_api_version: ClassVar[int] = 1
     #: the role this class serves; set by the role classes
     role: ClassVar[str] = ""
     #: the operators this role's recv / send phases call (start-up capability check)

@@ -95,6 +95,7 @@ class TorchP2pConnector:
     """The torch_p2p connector; see the module docstring."""
 
     required_capability: ClassVar[str | None] = None  # torch.distributed only: any runtime pair
+    hook_api_version: ClassVar[int] = 1
     carries_stage_identity: ClassVar[bool] = True  # every header names the layer and stage i of n
 
     def __init__(self, context: ConnectorContext) -> None:

@@ -32,7 +32,7 @@ def camasync(**afd):
 
 
 def camp2p(**afd):
-    return parse_afd_config({"connector": "camp2p", "role": "attention", **afd})
+    return parse_afd_config({"connector": "camp2p", "role": "attention", "compute_gate_on_attention": False, **afd})
 
 
 def build(config, *, evidence=CURRENT_EVIDENCE, doubles=True, **resources):
