@@ -22,7 +22,6 @@ The client and comparison helpers mirror tests/vllm/serving.py (scripts do not i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
+from afd_mrv2.procs import die_with_parent, stat_fields
 from afd_mrv2.serve.client import Greedy as Greedy  # re-exported for the scripts
 from afd_mrv2.serve.client import LineReader, complete
 from afd_mrv2.serve.client import body as body
@@ -112,12 +112,6 @@ def load_average() -> tuple[float, float, float]:
 # --- processes --------------------------------------------------------------------------------------------
 
 
-def _pdeathsig() -> None:
-    """In the child: SIGTERM when the script dies (Linux), so no server outlives it."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def sigterm_as_interrupt() -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt, so the ``finally`` blocks stop every server
     (SIGINT explicitly: a background job of a non-interactive shell starts with SIGINT ignored)."""
@@ -129,19 +123,11 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _tree(root: int) -> list[int]:
     """``root`` and every live descendant (from /proc)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
             parent[int(entry.name)] = int(fields[1])
     found, frontier = [root], {root}
     while frontier:
@@ -155,7 +141,7 @@ def cpu_seconds(root: int) -> float:
     """User + system CPU seconds of ``root`` and its live descendants."""
     ticks = 0
     for pid in _tree(root):
-        if (fields := _stat(pid)) is not None:
+        if (fields := stat_fields(pid)) is not None:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
 
@@ -206,7 +192,7 @@ class _Child:
             text=True,
             env=env,
             start_new_session=True,
-            preexec_fn=_pdeathsig,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # no server outlives the script
         )
 
     def log_text(self) -> str:
@@ -218,7 +204,7 @@ class _Child:
         """The pids of the server's process tree now (remembered, so :meth:`stop` can check them)."""
         pids = _tree(self.proc.pid)
         for pid in pids:
-            if (fields := _stat(pid)) is not None:
+            if (fields := stat_fields(pid)) is not None:
                 self._seen.add((pid, fields[19]))
         return pids
 
@@ -229,7 +215,7 @@ class _Child:
         while True:
             alive = []
             for pid, start in sorted(self._seen):
-                fields = _stat(pid)
+                fields = stat_fields(pid)
                 if fields is not None and fields[19] == start and fields[0] not in ("Z", "X"):
                     alive.append(pid)
             if not alive or time.monotonic() >= deadline:
@@ -239,7 +225,7 @@ class _Child:
     def pause(self, timeout_s: float = 5.0) -> list[int]:
         """SIGSTOP every live process of the server's tree (root first), and wait until each is in state ``T``
         (:class:`ServerError` if one is not within ``timeout_s``); returns their pids."""
-        pids = [pid for pid in self.track() if (fields := _stat(pid)) is not None and fields[0] not in ("Z", "X")]
+        pids = [pid for pid in self.track() if (fields := stat_fields(pid)) is not None and fields[0] not in ("Z", "X")]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -255,7 +241,7 @@ class _Child:
         """The paused pids (and any process of the tree now) not in state ``T``; gone or zombie ones do not count."""
         running = []
         for pid in sorted(set(self._paused) | set(_tree(self.proc.pid))):
-            fields = _stat(pid)
+            fields = stat_fields(pid)
             if fields is not None and fields[0] not in ("T", "t", "Z", "X"):
                 running.append(pid)
         return running
@@ -270,7 +256,7 @@ class _Child:
     def processes(self) -> dict[int, str]:
         """Each live process of the server's tree -> a label: its role (:meth:`_named`) and its kind."""
         named = self._named()
-        parent = {pid: int(fields[1]) for pid in _tree(self.proc.pid) if (fields := _stat(pid)) is not None}
+        parent = {pid: int(fields[1]) for pid in _tree(self.proc.pid) if (fields := stat_fields(pid)) is not None}
         labels: dict[int, str] = {}
         for pid in parent:
             if pid in named:
@@ -349,7 +335,9 @@ def _kind(pid: int) -> str:
 def process_cpu(pids: list[int]) -> dict[int, float]:
     """User + system CPU seconds of each live pid (all its threads; not its children)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    return {pid: (int(fields[11]) + int(fields[12])) / ticks for pid in pids if (fields := _stat(pid)) is not None}
+    return {
+        pid: (int(fields[11]) + int(fields[12])) / ticks for pid in pids if (fields := stat_fields(pid)) is not None
+    }
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from afd_mrv2.procs import alive
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -93,15 +88,6 @@ def afd(*args: str, env: dict[str, str] | None = None) -> Proc:
     return Proc([sys.executable, "-m", "afd_mrv2.cli", *args], env=env)
 
 
-def gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    return state in ("Z", "X")
-
-
 def workers(out_dir: Path, timeout_s: float = 60.0) -> list[dict]:
     """The launcher's workers.json, once it exists."""
     path = out_dir / "workers.json"
@@ -137,3 +123,8 @@ def running(*procs: Proc, out_dir: Path | None = None) -> Iterator[None]:
         yield
     finally:
         cleanup(*procs, out_dir=out_dir)
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts as gone)."""
+    return not alive(pid)

@@ -22,25 +22,14 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from afd_mrv2.procs import alive
+
 LEADER_KEY = "afd_mrv2_ffn_leader_pid"
 
 
 def leader_alive(pid: int) -> bool:
     """False once ``pid`` exited (a zombie, not yet reaped, counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: the signal-0 probe (a zombie then counts as alive)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    return alive(pid)
 
 
 class LeaderWatch:

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from afd_mrv2.procs import free_port
 from afd_mrv2.reference.report import render
 from afd_mrv2.reference.runconfig import CONFIG_ENV, RunConfig
 from afd_mrv2.reference.worker import LAUNCHER_ENV, progress
@@ -58,12 +58,6 @@ class _Worker:
         else:
             how = f"exit status {self.returncode}"
         return how + (" (stopped by the launcher)" if self.killed_by_launcher else "")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:

@@ -16,8 +16,6 @@ the exit up).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import logging
 import os
@@ -40,6 +38,7 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerError, PeerLink
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
+from afd_mrv2.procs import die_with_parent
 from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 from afd_mrv2.reference.forward import reference_forward
@@ -357,8 +356,6 @@ def _fail(exc: BaseException, link: PeerLink | None, me: str) -> None:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: get SIGKILL when the launcher dies, so no worker outlives it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(1)  # the launcher is already gone

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -26,20 +25,11 @@ from typing import TextIO
 import aiohttp
 
 from afd_mrv2.items import ATTENTION
+from afd_mrv2.procs import die_with_parent
 from afd_mrv2.serve.plan import FFN_READY_MARKER, HOST, RoleSpec
 
 POLL_S = 0.1
 LINE_LIMIT = 1 << 20
-
-
-def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the role leader gets SIGKILL should serve itself die without stopping it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def group_alive(pgid: int) -> bool:
@@ -102,7 +92,7 @@ class RoleProcess:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent,  # SIGKILL should serve itself die without stopping it
             env=env,
             limit=LINE_LIMIT,
         )

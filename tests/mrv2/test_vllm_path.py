@@ -5,7 +5,6 @@ torch_p2p with its round-trip attention side in between)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from dataclasses import replace
 from typing import Any
@@ -21,6 +20,7 @@ from afd_mrv2.mrv2.ffn_server import FfnReport, ffn_serving_config, local_routin
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts, attention_backend, check_vllm_path
 from afd_mrv2.pipeline.trace import Trace
+from afd_mrv2.procs import free_port
 
 SHAPE = MoeShape(hidden_size=16, top_k=2, num_experts=4)
 LAYERS = (3, 7)  # model layer indices of the MoE layers (not contiguous: ordinals 0 and 1)
@@ -43,12 +43,6 @@ def test_ffn_serving_config_waits_for_idle_attention_engines() -> None:
     assert kept.extra == {"recv_timeout_s": 5}
     with pytest.raises(ConfigError, match=r"^afd\.role: expected ffn"):
         ffn_serving_config(afd("attention"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _expert_weights(layer: int) -> torch.Tensor:
@@ -106,7 +100,7 @@ def test_round_trips_between_attention_and_ffn_roles(
     one_torch_thread: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")
-    port = _free_port()
+    port = free_port()
     done: dict[str, Any] = {}
     thread = start_ffn(done, afd("ffn", port))
     remote = RemoteExperts(parse_afd_config(afd("attention", port)), max_tokens=32)
@@ -178,7 +172,7 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
     its own (a lockstep FFN would hang rank 0's second item); every output equals the
     unsharded reference, and each FFN rank served exactly (MoE layers x forwards) items of
     each Attention rank."""
-    port = _free_port()
+    port = free_port()
     topology: dict[str, Any] = {"num_attention_ranks": 2, "num_ffn_ranks": 2}
     if multistream is not None:
         topology["multistream"] = multistream

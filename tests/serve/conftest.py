@@ -14,18 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.procs import alive
 from afd_mrv2.serve.plan import free_port_block as free_port_block  # re-exported for the serve tests
 
 HARNESS = str(Path(__file__).with_name("serve_harness.py"))
 READY = "afd-mrv2 serve: ready at"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 class Serve:
@@ -116,5 +109,5 @@ def start_serve() -> Iterator[object]:
         pids = serve.pids()
         serve.kill()
         for pid in pids.values():  # never leave a fake behind, whatever the test did
-            if pid_alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

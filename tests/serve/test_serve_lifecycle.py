@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.serve.conftest import pid_alive
+from afd_mrv2.procs import alive
 
 STOP_BUDGET_S = 10.0
 
@@ -68,7 +68,7 @@ def test_signal_stops_every_process_within_10s(start_serve, sig):
     assert serve.wait() == 0
     elapsed = time.monotonic() - t0
     assert elapsed < STOP_BUDGET_S
-    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
     print(f"stop latency ({sig.name}): {elapsed:.2f} s")
 
 
@@ -100,7 +100,7 @@ def test_sigterm_ignored_escalates_to_sigkill(start_serve):
     assert serve.wait() == 0
     assert time.monotonic() - t0 < STOP_BUDGET_S
     assert any("still running after SIGTERM: SIGKILL" in line for line in serve.err_lines())
-    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
 
 
 def _in_flight(url: str, n: int, stream: bool) -> tuple[list[tuple[int, str]], list[threading.Thread]]:
@@ -140,7 +140,7 @@ def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_se
     assert len(streamed) == 4
     for status, text in streamed:
         assert status != 200 or ('"error"' in text and "[DONE]" not in text), text
-    assert [name for name, pid in pids.items() if pid_alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
     print(f"fault ({victim}) -> serve exit: {elapsed:.2f} s")
 
 

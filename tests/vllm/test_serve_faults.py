@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
+from afd_mrv2.procs import alive
 from afd_mrv2.serve.roles import group_alive
-from tests.serve.conftest import free_port_block, pid_alive
+from tests.serve.conftest import free_port_block
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import FfnRole, afd_section, make_model, v2_env
 from tests.vllm.serving import Serve, body, complete, stream
@@ -126,7 +127,7 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
         if ubatched:
             assert streamed < 1.0, streamed
         assert last.startswith(f"afd-mrv2 serve: error: {role} rank 0 (pid {pid}) exited (signal SIGKILL)"), last
-        assert not pid_alive(pid)
+        assert not alive(pid)
         assert not group_alive(pid), f"a process of {role} 0's group survived (vLLM's EngineCore?)"
         assert serve.stdout == [f"afd-mrv2 serve: ready at {serve.url}/v1"]
     finally:

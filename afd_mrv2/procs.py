@@ -1,0 +1,62 @@
+"""Process utilities, one copy each: parent-death signal, ``/proc`` state, free ports.
+
+Used by the embedded run's launcher and workers, serve's supervisor and roles, the FFN
+leader watch, the benchmark scripts and the tests.  A leaf: imports nothing of afd_mrv2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: this process gets ``sig`` when its parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing.
+
+    Safe between fork and exec (``preexec_fn``): no allocation beyond ctypes' call.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or None when it is gone
+    (or there is no ``/proc``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs: a zombie (exited, not yet reaped) counts as gone.
+
+    Without ``/proc`` the signal-0 probe answers (a zombie then counts as alive).
+    """
+    fields = stat_fields(pid)
+    if fields is not None:
+        return fields[0] not in ("Z", "X")
+    if Path("/proc").is_dir():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's pick; another process may take it before you bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
