@@ -55,6 +55,40 @@ def alive(pid: int) -> bool:
     return True
 
 
+def group_members(pgid: int) -> dict[int, str] | None:
+    """The live processes of process group ``pgid`` (zombies excluded), pid -> command name; None without
+    ``/proc``."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    members = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members[int(entry.name)] = name
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of group ``pgid`` is alive (zombies, which only wait to be reaped, do not count)."""
+    members = group_members(pgid)
+    if members is not None:
+        return bool(members)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the kernel's pick; another process may take it before you bind)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

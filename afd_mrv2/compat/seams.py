@@ -43,6 +43,9 @@ from afd_mrv2.compat.ubatch_seams import RUNNER, UBATCH_SEAMS, UBATCHING
 
 ASCEND_RUNNER = "vllm_ascend.worker.v2.model_runner"
 MRV2 = "mrv2"
+#: Where a vLLM release keeps its OpenAI server's ``make_arg_parser``: one of the two is offered (never granted
+#: by a table row: the pre-flight uses whichever the installed vLLM has).
+SERVE_PARSER_IN_LAUNCHERS, SERVE_PARSER_IN_COMMON = "serve_parser@launchers", "serve_parser@common"
 
 
 #: The V2-runner composition: the Attention runner over the platform's V2 runner (the stand-ins in
@@ -309,6 +312,32 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
         "FlexibleArgumentParser",
         "the parser class EngineArgs.add_cli_args extends (ffn_role builds one)",
         bases=("ArgumentParser",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.entrypoints.launchers.cli_args",
+        "make_arg_parser",
+        "serve's pre-flight refuses arguments vLLM's OpenAI server would refuse, with that server's parser "
+        "(its module in vLLM 0.30 to 0.32; mrv2/engine_args.SERVE_PARSER_MODULES takes whichever exists)",
+        params=("parser",),
+        capability=SERVE_PARSER_IN_LAUNCHERS,
+    ),
+    Seam(
+        "vllm",
+        "vllm.entrypoints.common.cli_args",
+        "make_arg_parser",
+        "the same parser where vLLM 0.33.0 moved it (mrv2/engine_args.SERVE_PARSER_MODULES)",
+        params=("parser",),
+        capability=SERVE_PARSER_IN_COMMON,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.model",
+        "ModelConfig.get_num_experts",
+        "serve's pre-flight and the FFN role refuse a model without routed experts (0) and an expert count "
+        "the FFN ranks do not divide (mrv2/deployment.check_experts)",
+        params=(),
         capability="moe_seam",
     ),
 )

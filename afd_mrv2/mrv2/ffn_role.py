@@ -39,7 +39,7 @@ import sys
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2 import WORKER_EXTENSION
-from afd_mrv2.mrv2.deployment import check_vllm_deployment
+from afd_mrv2.mrv2.deployment import check_experts, check_vllm_deployment
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
 from afd_mrv2.mrv2.leader import LEADER_KEY
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = {**FFN_ENGINE_DEFAULTS, **engine_args}
         engine_args.pop("model", None)
         # the support matrix on the VllmConfig these arguments make, before the engine (and any link) exists
-        check_vllm_deployment(config, engine_config(args.model, engine_args, additional))
+        vllm_config = engine_config(args.model, engine_args, additional)
+        check_experts(config, vllm_config.model_config)  # a MoE model whose experts shard over F
+        check_vllm_deployment(config, vllm_config)
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2

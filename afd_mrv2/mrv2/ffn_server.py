@@ -157,6 +157,27 @@ class FfnReport:
         }
 
 
+#: How a session's ``end`` starts when an Attention engine went away at a step boundary (its normal stop).
+LEFT_BETWEEN_STEPS = "left between steps"
+
+
+def left_between_steps(error: PipelineError) -> bool:
+    """True when the loop ended because its Attention engine's connection closed while this rank waited for
+    the first item of a step: the engine stopped (or died) with no step in flight, so nothing was lost here.
+
+    The FFN executor submits a step's items ahead of their arrival, so the failed item is the earliest one
+    still in flight; it is the step's first (layer 0, stage 0) only when every earlier item completed.
+    """
+    item = error.item
+    return (
+        isinstance(error.__cause__, PeerLost)
+        and error.phase == "recv"
+        and item is not None
+        and item.layer_idx == 0
+        and item.stage_idx == 0
+    )
+
+
 def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
     """What the loops' traces say about overlap, all loops of the rank together.
 
@@ -290,7 +311,9 @@ def serve_ffn(
                 loop.step()
         except PipelineError as exc:
             end = str(exc).splitlines()[0]
-            if not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
+            if left_between_steps(exc):  # a normal stop of the engine: nothing of a step was lost
+                end = f"{LEFT_BETWEEN_STEPS}: attention rank {a} closed its connection while no step was in flight"
+            elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
                 link.abort(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
         finally:
             try:

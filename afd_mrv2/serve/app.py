@@ -29,6 +29,7 @@ from afd_mrv2.serve.plan import (
     RoleCommands,
     ServeOptions,
     build_plan,
+    check_model_folder,
     check_ports_free,
     split_additional_config,
 )
@@ -89,7 +90,7 @@ def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT
 
 
 def runtime_gate(plan: Plan) -> None:
-    """The gate of the vLLM roles: the ``afd`` section must be one the vLLM MoE seam serves
+    """The gate of the vLLM roles: the model folder exists; the ``afd`` section must be one the vLLM MoE seam serves
     (:func:`afd_mrv2.mrv2.remote.check_vllm_path`), the installed vLLM pair must grant what
     every role's process will require (:func:`afd_mrv2.validation.required_capabilities`, the
     check each process runs itself: ``moe_seam``, ``mrv2`` with the V2 runner,
@@ -97,6 +98,7 @@ def runtime_gate(plan: Plan) -> None:
     matrix must accept each role's real ``VllmConfig`` (:func:`check_deployments`)."""
     from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
+    check_model_folder(plan.options.model)  # before the seconds vLLM's import and config take
     attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
     check_vllm_path(attention)
     v2 = v2_runner_selected()

@@ -301,6 +301,17 @@ def _available_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def check_model_folder(model: str) -> None:
+    """Refuse a model that names a local folder which does not exist (an absolute or ``./`` path, ``~``, or
+    more than one ``/``: never a Hugging Face ``org/name`` repository id) or lacks ``config.json``."""
+    path = Path(model).expanduser()
+    local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
+    if local and not path.is_dir():
+        raise AfdError(f"model folder {model} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise AfdError(f"model folder {model} has no config.json (a Hugging Face checkpoint folder has one)")
+
+
 def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
     """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
     commands = commands or RoleCommands()

@@ -21,12 +21,15 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO, TypeVar
 
 import aiohttp
 from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 BALANCE = ("least-outstanding", "round-robin")
 HOP_BY_HOP = frozenset(
@@ -183,11 +186,18 @@ class Proxy:
                 try:
                     await resp.write(chunk)
                 except ConnectionError:  # the client went away: release (closes) the upstream exchange
+                    self._client_gone(request)
                     return resp
-            await resp.write_eof()
+            try:
+                await resp.write_eof()
+            except ConnectionError:  # the client closed after the last chunk (e.g. after data: [DONE]): normal
+                self._client_gone(request)
             return resp
         finally:
             upstream.release()
+
+    def _client_gone(self, request: web.Request) -> None:
+        log.debug("client %s closed its connection before the response ended (%s)", request.remote, request.path)
 
     def _message(self, backend: Backend, exc: BaseException) -> str:
         if isinstance(exc, ProxyDown):

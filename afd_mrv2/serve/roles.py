@@ -25,35 +25,15 @@ from typing import TextIO
 import aiohttp
 
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.procs import die_with_parent
+from afd_mrv2.procs import die_with_parent, group_alive, group_members
 from afd_mrv2.serve.plan import FFN_READY_MARKER, HOST, RoleSpec
 
 POLL_S = 0.1
+#: Known noise roles print while they exit: counted, shown as one line at the end instead of each
+#: (nanobind, used by vLLM's dependencies, lists every object still alive at interpreter exit).
+EXIT_NOISE = ("nanobind: leaked", "nanobind: this is likely caused by a reference counting issue")
+MEMBER_POLLS = 5  # the group's processes are listed every MEMBER_POLLS * POLL_S
 LINE_LIMIT = 1 << 20
-
-
-def group_alive(pgid: int) -> bool:
-    """True while any process of group ``pgid`` is alive (zombies, which only wait to be reaped, do not count)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
 
 
 def describe_exit(returncode: int) -> str:
@@ -75,6 +55,10 @@ class RoleProcess:
         self.ready = asyncio.Event()
         self.proc: asyncio.subprocess.Process | None = None
         self.returncode: int | None = None
+        #: the first process of the role's group (not its leader) seen to end while the leader ran: (pid, name)
+        self.first_lost: tuple[int, str] | None = None
+        self._members: dict[int, str] = {}
+        self._noise = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -117,6 +101,9 @@ class RoleProcess:
             if not raw:
                 return
             line = raw.decode(errors="replace").rstrip("\r\n")
+            if line.lstrip().startswith(EXIT_NOISE):
+                self._noise += 1
+                continue
             self._say(line)
             if self.spec.role != ATTENTION and FFN_READY_MARKER in line:
                 self.ready.set()
@@ -125,10 +112,40 @@ class RoleProcess:
         # Polled, not ``await proc.wait()``: that also waits for the output pipe to close, which a
         # grandchild still holding it (vLLM's engine core) delays for as long as it lives.
         assert self.proc is not None
+        polls = 0
         while (code := self.proc.returncode) is None:
+            if polls % MEMBER_POLLS == 0:
+                self._watch_members()
+            polls += 1
             await asyncio.sleep(POLL_S)
         self.returncode = code
         self.on_exit(self)
+
+    def _watch_members(self) -> None:
+        """Note the first process of the group that ends before its leader (vLLM's EngineCore, say), so
+        that the leader's exit can be reported with its cause."""
+        assert self.proc is not None
+        members = group_members(self.proc.pid)
+        if members is None:
+            return
+        if self.first_lost is None and self.proc.returncode is None:
+            gone = sorted(set(self._members) - set(members) - {self.proc.pid})
+            if gone:
+                self.first_lost = (gone[0], self._members[gone[0]])
+        self._members = members
+
+    def describe_exit(self) -> str:
+        """How the leader ended, and which process of its group ended first when one did."""
+        how = describe_exit(self.returncode if self.returncode is not None else -1)
+        if self.first_lost is not None:
+            pid, name = self.first_lost
+            how += f", after {name} (pid {pid}) of its process group had ended"
+        return how
+
+    def survivors(self) -> str:
+        """The live processes of the role's group, as ``name (pid N)``, for a message."""
+        members = group_members(self.pid) if self.proc is not None else None
+        return ", ".join(f"{name} (pid {pid})" for pid, name in sorted((members or {}).items())) or "none"
 
     async def _poll_ready_file(self, path: Path) -> None:
         while not self.ready.is_set():
@@ -168,6 +185,9 @@ class RoleProcess:
             task.cancel()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(pump, drain_s)
+        if self._noise:
+            self._say(f"({self._noise} 'nanobind: leaked ...' lines at exit not shown: known shutdown noise)")
+            self._noise = 0
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(task, return_exceptions=True)

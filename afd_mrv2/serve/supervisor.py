@@ -115,9 +115,9 @@ class Supervisor:
 
     def _report(self) -> int:
         if self.death is not None:
-            how = describe_exit(self.death.returncode if self.death.returncode is not None else -1)
             print(
-                f"afd-mrv2 serve: error: {self.death.describe()} exited ({how}); stopped every role",
+                f"afd-mrv2 serve: error: {self.death.describe()} exited ({self.death.describe_exit()}); "
+                "stopped every role",
                 file=self.log,
                 flush=True,
             )
@@ -193,10 +193,14 @@ class Supervisor:
                 role.signal_group(signal.SIGTERM)
         survivors = await self._wait_dead(survivors, deadline - time.monotonic())
         for role in survivors:
-            self._say(f"{role.describe()} still running after SIGTERM: SIGKILL")
+            leader = "running" if role.returncode is None else f"exited ({describe_exit(role.returncode)})"
+            self._say(
+                f"{role.spec.name}: still running after SIGTERM: {role.survivors()} (its leader, pid {role.pid}, "
+                f"{leader}): SIGKILL"
+            )
             role.signal_group(signal.SIGKILL)
         self._kill_now.clear()
         for role in await self._wait_dead(survivors, KILL_WAIT_S):
-            self._say(f"{role.describe()}: process group still alive after SIGKILL")
+            self._say(f"{role.spec.name}: still alive after SIGKILL: {role.survivors()}")
         for role in self.roles:
             await role.close()

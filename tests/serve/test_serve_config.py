@@ -137,6 +137,7 @@ def test_real_command_refuses_before_starting(args, tmp_path):
     if not args and _vllm_installed():
         pytest.skip("an accepted vLLM runtime is installed: the gate would pass")
     port = free_port_block(3)
+    (tmp_path / "config.json").write_text("{}")  # a model folder (the runtime gate checks it first)
     cmd = [sys.executable, "-m", "afd_mrv2.cli", "serve", str(tmp_path), "--attention", "1", "--ffn", "1"]
     proc = subprocess.run([*cmd, "--port", str(port), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -230,7 +231,7 @@ def test_role_commands_are_data():
     ],
     ids=["serialized", "depth-2", "auto-on-v2"],
 )
-def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch, args, v2, expected):
+def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch, tmp_path, args, v2, expected):
     """The gate asks the runtime decision for exactly what each role's process checks itself
     (afd_mrv2.validation.required_capabilities), so a pair that refuses a role refuses serve up front."""
     from types import SimpleNamespace
@@ -245,7 +246,8 @@ def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch,
 
     monkeypatch.setattr(app, "check_runtime", fake_check)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
-    plan = build_plan(ServeOptions("/m", 1, 1, port=free_port_block(3), depth=(args or [None, None])[1]))
+    (tmp_path / "config.json").write_text("{}")  # the gate checks the model folder first
+    plan = build_plan(ServeOptions(str(tmp_path), 1, 1, port=free_port_block(3), depth=(args or [None, None])[1]))
     with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted"):
         app.runtime_gate(plan)
     assert asked == [tuple(expected)]
@@ -277,3 +279,15 @@ def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_
 def test_bad_ubatches_is_one_line_before_anything_starts(value: str, fragment: str) -> None:
     with pytest.raises(AfdError, match=rf"^afd\.ubatch\.num_ubatches: {fragment}"):
         build_plan(ServeOptions("/models/m", 1, 1, ubatches=int(value)))
+
+
+def test_a_missing_model_folder_is_refused_in_one_line(tmp_path):
+    from afd_mrv2.serve.plan import check_model_folder
+
+    with pytest.raises(AfdError, match=rf"^model folder {tmp_path}/nope does not exist$"):
+        check_model_folder(str(tmp_path / "nope"))
+    with pytest.raises(AfdError, match=r"has no config.json"):
+        check_model_folder(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    check_model_folder(str(tmp_path))
+    check_model_folder("mistralai/Mixtral-8x7B-v0.1")  # a Hugging Face repository id is vLLM's to resolve

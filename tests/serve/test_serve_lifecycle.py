@@ -99,7 +99,10 @@ def test_sigterm_ignored_escalates_to_sigkill(start_serve):
     serve.signal(signal.SIGTERM)
     assert serve.wait() == 0
     assert time.monotonic() - t0 < STOP_BUDGET_S
-    assert any("still running after SIGTERM: SIGKILL" in line for line in serve.err_lines())
+    escalated = [line for line in serve.err_lines() if "still running after SIGTERM:" in line]
+    assert escalated, serve.err_lines()
+    for line in escalated:  # names the processes really still running, and whether the leader is among them
+        assert line.rstrip().endswith(": SIGKILL") and "(pid " in line and "its leader, pid" in line, line
     assert [name for name, pid in pids.items() if alive(pid)] == []
 
 

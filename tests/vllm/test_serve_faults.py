@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-from afd_mrv2.procs import alive
-from afd_mrv2.serve.roles import group_alive
+from afd_mrv2.procs import alive, group_alive
 from tests.serve.conftest import free_port_block
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import FfnRole, afd_section, make_model, v2_env

@@ -1,0 +1,75 @@
+"""``afd-mrv2 serve`` refuses bad setups in its pre-flight: exit 2 within 15 s, one line naming the cause,
+no role process started (real vLLM builds each role's config; nothing else starts).
+
+The setups a newcomer hit: an expert count the FFN ranks do not divide, a dense model, an argument that is
+not vLLM's, a model folder that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.serve.conftest import free_port_block
+from tests.vllm.harness import make_model
+
+pytestmark = pytest.mark.vllm_runtime
+
+LIMIT_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("preflight")
+    mixtral = make_model(root / "mixtral", "mixtral")  # 8 routed experts
+    dense = root / "dense"  # the same checkpoint described as a dense Mistral: no routed-experts layer
+    shutil.copytree(mixtral, dense)
+    config = json.loads((dense / "config.json").read_text())
+    for key in ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"):
+        config.pop(key, None)
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (dense / "config.json").write_text(json.dumps(config))
+    return {"mixtral": mixtral, "dense": dense, "missing": root / "no-such-model"}
+
+
+CASES = {  # model, serve arguments, arguments after --, what the one line must say
+    "ffn-3-of-8-experts": (
+        "mixtral",
+        ["--ffn", "3"],
+        [],
+        "afd.num_ffn_ranks: the model's 8 routed experts do not shard evenly over 3 FFN ranks",
+    ),
+    "dense-model": ("dense", ["--ffn", "1"], [], "afd: the model (MistralForCausalLM) has no routed-experts layer"),
+    "not-a-vllm-argument": (
+        "mixtral",
+        ["--ffn", "1"],
+        ["--no-such-flag"],
+        "not vLLM engine or server arguments: --no-such-flag",
+    ),
+    "missing-model-folder": ("missing", ["--ffn", "1"], [], "model folder {model} does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_setup_exits_2_in_one_line_before_any_role_starts(models: dict[str, Path], case: str) -> None:
+    name, args, vllm_args, expected = CASES[case]
+    model = models[name]
+    exe = Path(sys.executable).with_name("afd-mrv2")
+    cmd = [str(exe), "serve", str(model), "--attention", "1", *args, "--port", str(free_port_block(4))]
+    start = time.monotonic()
+    proc = subprocess.run([*cmd, "--", "--dtype", "float32", *vllm_args], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    lines = proc.stderr.strip().splitlines()
+    print(f"\n[preflight] {case}: exit {proc.returncode} in {took:.1f} s: {lines}", flush=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("afd-mrv2 serve: error: ") and expected.format(model=model) in lines[0], lines
+    assert "started pid" not in proc.stderr  # no role process was started
+    assert took < LIMIT_S, f"{case}: refused after {took:.1f} s"
