@@ -19,7 +19,7 @@ import torch
 
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import DeviceBackend, make_backend
-from afd_mrv2.hooks.cam.common import TEST_OPS_RESOURCE
+from afd_mrv2.hooks.cam.common import OPS_RESOURCE
 from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
@@ -128,7 +128,7 @@ def run_rank(
     backend = backend or make_backend(spec.backend)
     res: dict[str, Any] = {"model": model.spec, "role_rank": rank, **(resources or {})}
     if ops is not None:
-        res[TEST_OPS_RESOURCE] = ops
+        res[OPS_RESOURCE] = ops
     res.setdefault("hccl_groups", tuple(f"afd{s}" for s in range(spec.num_stages)))
     res.setdefault("cam_group", "afd_async_cam")
     stages, outputs = (), {}

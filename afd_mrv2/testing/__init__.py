@@ -33,7 +33,7 @@ What it holds:
 
 Nothing in afd-mrv2 selects a double by default: a connector uses them only when
 the embedding code passes an :class:`~afd_mrv2.hooks.cam.ops.OpSet` built here as
-the runtime resource ``cam_test_ops`` (the explicit test switch, see
+the runtime resource ``cam_ops`` (passed in by the code that builds the connector, see
 :mod:`afd_mrv2.hooks.cam.common`).  Resources come from code, never from the
 ``afd`` configuration, so a deployment cannot pick a double by mistake.
 """

@@ -38,7 +38,7 @@ from typing import Any
 
 from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, OpSet
-from afd_mrv2.hooks.cam.stage_tags import StageId
+from afd_mrv2.items import WorkItem
 from afd_mrv2.testing.cam_fabric import Fabric, ForeignWorker, Message
 
 
@@ -52,16 +52,16 @@ class PayloadStageTags:
     """
 
     def __init__(self) -> None:
-        self._stamped: dict[int, StageId] = {}
-        self._delivered: dict[tuple[int, int], deque[StageId]] = defaultdict(deque)
+        self._stamped: dict[int, WorkItem] = {}
+        self._delivered: dict[tuple[int, int], deque[WorkItem]] = defaultdict(deque)
         self._lock = threading.Lock()
         self.taken = 0  # identities the connectors took (checked)
 
-    def stamp(self, sender: int, stage: StageId) -> None:
+    def stamp(self, sender: int, stage: WorkItem) -> None:
         with self._lock:
             self._stamped[sender] = stage
 
-    def claim(self, sender: int) -> StageId | None:
+    def claim(self, sender: int) -> WorkItem | None:
         """What ``sender`` stamped for the send operator it is calling now (None: nothing); used once."""
         with self._lock:
             return self._stamped.pop(sender, None)
@@ -73,7 +73,7 @@ class PayloadStageTags:
             with self._lock:
                 self._delivered[(receiver, message.src)].append(stage)
 
-    def take(self, receiver: int, sender: int) -> StageId | None:
+    def take(self, receiver: int, sender: int) -> WorkItem | None:
         with self._lock:
             queue = self._delivered.get((receiver, sender))
             if not queue:

@@ -10,7 +10,7 @@ without this package knowing about vLLM.
 from __future__ import annotations
 
 from afd_mrv2.ubatch.metadata import PAD_SLOT_ID, StageMetadata, build_stage_metadata, merge_tokens, split_tokens
-from afd_mrv2.ubatch.pairing import PairingError, PendingFifo, StageKey, attention_items, ffn_items
+from afd_mrv2.ubatch.pairing import PairingError, PendingFifo, attention_items, ffn_items
 from afd_mrv2.ubatch.planner import NUM_STAGES, SPLITS, Stage, plan_stages
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "PairingError",
     "PendingFifo",
     "Stage",
-    "StageKey",
     "StageMetadata",
     "attention_items",
     "build_stage_metadata",

@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from afd_mrv2.errors import ConfigError
@@ -40,17 +39,6 @@ T = TypeVar("T")
 
 class PairingError(RuntimeError):
     """A combine found no matching dispatch, or transfers piled up past the limit."""
-
-
-@dataclass(frozen=True, order=True)
-class StageKey:
-    """The identity a transfer carries through dispatch and combine."""
-
-    layer: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"(layer={self.layer}, stage={self.stage})"
 
 
 class PendingFifo(Generic[T]):
@@ -64,11 +52,11 @@ class PendingFifo(Generic[T]):
     def __init__(self, what: str, *, limit: int) -> None:
         self._what = what
         self._limit = limit
-        self._items: dict[StageKey, deque[T]] = {}
+        self._items: dict[WorkItem, deque[T]] = {}
         self._count = 0
         self._lock = threading.Lock()
 
-    def push(self, key: StageKey, value: T) -> None:
+    def push(self, key: WorkItem, value: T) -> None:
         with self._lock:
             if self._count >= self._limit:
                 raise PairingError(
@@ -78,7 +66,7 @@ class PendingFifo(Generic[T]):
             self._items.setdefault(key, deque()).append(value)
             self._count += 1
 
-    def pop(self, key: StageKey) -> T:
+    def pop(self, key: WorkItem) -> T:
         """The oldest value pushed under ``key``; :class:`PairingError` if there is none."""
         value = self.pop_or_none(key)
         if value is None:
@@ -87,7 +75,7 @@ class PendingFifo(Generic[T]):
             raise PairingError(f"{self._what}: nothing pending for {key} (pending: {pending})")
         return value
 
-    def pop_or_none(self, key: StageKey) -> T | None:
+    def pop_or_none(self, key: WorkItem) -> T | None:
         with self._lock:
             queue = self._items.get(key)
             if not queue:
@@ -101,7 +89,7 @@ class PendingFifo(Generic[T]):
     def __len__(self) -> int:
         return self._count
 
-    def keys(self) -> list[StageKey]:
+    def keys(self) -> list[WorkItem]:
         with self._lock:
             return sorted(self._items)
 

@@ -5,36 +5,37 @@ from __future__ import annotations
 import pytest
 
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.ubatch import PairingError, PendingFifo, StageKey, attention_items, ffn_items
+from afd_mrv2.items import WorkItem
+from afd_mrv2.ubatch import PairingError, PendingFifo, attention_items, ffn_items
 from afd_mrv2.ubatch.pairing import attention_buffers, check_attention_depth
 
 
 def test_fifo_within_a_key_and_independent_keys() -> None:
     fifo: PendingFifo[str] = PendingFifo("test", limit=8)
-    fifo.push(StageKey(0, 0), "a")
-    fifo.push(StageKey(0, 1), "b")
-    fifo.push(StageKey(0, 0), "c")
-    assert fifo.pop(StageKey(0, 1)) == "b"
-    assert fifo.pop(StageKey(0, 0)) == "a"
-    assert fifo.pop(StageKey(0, 0)) == "c"
-    assert len(fifo) == 0 and fifo.pop_or_none(StageKey(0, 0)) is None
+    fifo.push(WorkItem.stage(0, 0), "a")
+    fifo.push(WorkItem.stage(0, 1), "b")
+    fifo.push(WorkItem.stage(0, 0), "c")
+    assert fifo.pop(WorkItem.stage(0, 1)) == "b"
+    assert fifo.pop(WorkItem.stage(0, 0)) == "a"
+    assert fifo.pop(WorkItem.stage(0, 0)) == "c"
+    assert len(fifo) == 0 and fifo.pop_or_none(WorkItem.stage(0, 0)) is None
 
 
 def test_missing_key_names_what_is_pending() -> None:
     fifo: PendingFifo[int] = PendingFifo("dispatches", limit=4)
-    fifo.push(StageKey(1, 0), 1)
+    fifo.push(WorkItem.stage(1, 0), 1)
     with pytest.raises(
-        PairingError, match=r"dispatches: nothing pending for \(layer=0, stage=1\) \(pending: \(layer=1, stage=0\)\)"
+        PairingError, match=r"dispatches: nothing pending for layer=0 stage 1 of 1 \(pending: layer=1 stage 0 of 1\)"
     ):
-        fifo.pop(StageKey(0, 1))
+        fifo.pop(WorkItem.stage(0, 1))
 
 
 def test_limit_bounds_outstanding_transfers() -> None:
     fifo: PendingFifo[int] = PendingFifo("arrivals", limit=2)
-    fifo.push(StageKey(0, 0), 1)
-    fifo.push(StageKey(0, 1), 2)
+    fifo.push(WorkItem.stage(0, 0), 1)
+    fifo.push(WorkItem.stage(0, 1), 2)
     with pytest.raises(PairingError, match="more than 2 transfers outstanding"):
-        fifo.push(StageKey(1, 0), 3)
+        fifo.push(WorkItem.stage(1, 0), 3)
     assert fifo.clear() == 2 and fifo.keys() == []
 
 

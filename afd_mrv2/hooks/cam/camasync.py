@@ -83,11 +83,12 @@ from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBa
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CAMASYNC_MOVED, CamAsyncOptions, options
-from afd_mrv2.hooks.cam.stage_tags import StageId, check_stage
+from afd_mrv2.hooks.cam.stage_tags import check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
+from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.topology import ATTENTION
-from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
+from afd_mrv2.ubatch.pairing import PendingFifo
 from afd_mrv2.work import Work
 
 _UNPROBED = (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`")
@@ -184,7 +185,7 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
             *self._common(),
             self.group_name,
         )
-        expected = StageId(sent.layer_idx, sent.stage_idx, sent.num_stages)
+        expected = WorkItem.stage(sent.layer_idx, sent.stage_idx, sent.num_stages)
         for ffn in range(self.num_ffn):  # every FFN rank answers every dispatch
             self._check_stage_from(self.num_attention + ffn, expected, f"the combine of {expected}")
         return combined
@@ -211,9 +212,9 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
             topk_weights=out.topk_weights,
             reference=out.hidden_states,
         )
-        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
+        self._sent.push(item.stage_id, state)
         sizes = (self.max_seq_len, batch, m.hidden_size, m.topk, *self._common(), item.layer_idx)
-        self._stamp(StageId.of(item))
+        self._stamp(item.stage_id)
         self.cam.dispatch_send(
             stream, out.hidden_states, out.topk_ids, self.comm_args, self.comm_id, *sizes, *self._quant()
         )
@@ -230,7 +231,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             "camasync arrivals ahead of the schedule", limit=self.fifo_limit
         )
         self._ordinal: dict[tuple[int, int], int] = defaultdict(int)
-        self._last_stage: dict[tuple[int, int], StageId] = {}  # (source, layer) -> its latest arrival's identity
+        self._last_stage: dict[tuple[int, int], WorkItem] = {}  # (source, layer) -> its latest arrival's identity
         #: observability: arrivals parked ahead of the schedule, placeholder rows sent
         self.stats = {"parked": 0, "placeholders": 0}
 
@@ -255,8 +256,8 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
             batch_size=self.max_seq_len,
             hidden_size=m.hidden_size,
             topk=m.topk,
-            layer_idx=stage.layer,
-            stage_idx=stage.stage,
+            layer_idx=stage.layer_idx,
+            stage_idx=stage.stage_idx,
             num_stages=stage.num_stages,
             source_rank=src,
             source_tokens=batch,
@@ -270,7 +271,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         )
         return state, CamAsyncRows(expand_x[:routed], shared[:num_shared])
 
-    def _stage_of(self, src: int, layer: int) -> StageId:
+    def _stage_of(self, src: int, layer: int) -> WorkItem:
         """The stage identity of the arrival just received from ``src`` for ``layer``.
 
         From the side channel when there is one (its layer must be the header's);
@@ -280,9 +281,9 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         if self.stage_tags is None:
             ordinal = self._ordinal[(src, layer)]
             self._ordinal[(src, layer)] += 1
-            return StageId(layer, ordinal % self.stages, self.stages)
+            return WorkItem.stage(layer, ordinal % self.stages, self.stages)
         tag = self.stage_tags.take(self.world_rank, src)
-        if tag is not None and tag.layer != layer:
+        if tag is not None and tag.layer_idx != layer:
             raise PluginError(
                 f"camasync: {self.describe_world(self.world_rank)} received a dispatch of layer {layer} from "
                 f"{self.describe_world(src)} whose side-channel stage identity is {tag}: "
@@ -291,10 +292,10 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         # CAM is FIFO per (source, destination, layer) and combine-send answers in that order, so one
         # source's stages of a layer must arrive in stage order: 0, 1, .. n-1, then the next step's 0
         last = self._last_stage.get((src, layer))
-        if last is None or last.stage == last.num_stages - 1:
-            expected = StageId(layer, 0, tag.num_stages if tag is not None else self.stages)
+        if last is None or last.stage_idx == last.num_stages - 1:
+            expected = WorkItem.stage(layer, 0, tag.num_stages if tag is not None else self.stages)
         else:
-            expected = StageId(layer, last.stage + 1, last.num_stages)
+            expected = WorkItem.stage(layer, last.stage_idx + 1, last.num_stages)
         check_stage(
             tag,
             expected,
@@ -308,26 +309,26 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
-        want = StageKey(work.item.layer_idx, work.item.stage_idx)
+        want = work.item.stage_id
         while True:
             arrival = self._arrived.pop_or_none(want)
             if arrival is None:
                 work.raise_if_cancelled()
                 arrival = self._receive(work, stream)
             state, rows = arrival
-            if StageKey(state.layer_idx, state.stage_idx) == want:
+            if WorkItem.stage(state.layer_idx, state.stage_idx, state.num_stages) == want:
                 if self.stage_tags is not None:  # an inferred identity is this rank's own guess: nothing to check
                     self._check_arrival(work, state)
                 work.transfer[TRANSFER], work.inputs.state = state, rows
                 return
-            self._arrived.push(StageKey(state.layer_idx, state.stage_idx), arrival)
+            self._arrived.push(WorkItem.stage(state.layer_idx, state.stage_idx, state.num_stages), arrival)
             self.stats["parked"] += 1
 
     def _check_arrival(self, work: Work, state: AFDAsyncTransferState) -> None:
         """The arrival paired with ``work.item`` by (layer, stage) must also agree on the step's stage count."""
         check_stage(
-            StageId(state.layer_idx, state.stage_idx, state.num_stages),
-            StageId.of(work.item),
+            WorkItem.stage(state.layer_idx, state.stage_idx, state.num_stages),
+            work.item.stage_id,
             connector=self.name,
             what="a dispatch",
             sender_name=self.describe_world(state.source_rank),
@@ -372,7 +373,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         send: CamAsyncFfnSend = work.outputs.state
         sizes = (s.batch_size, s.hidden_size, s.topk, *self._common(), self.tp_size)
         header = s.token_nums_rankid_layeridx
-        self._stamp(StageId(s.layer_idx, s.stage_idx, s.num_stages))
+        self._stamp(WorkItem.stage(s.layer_idx, s.stage_idx, s.num_stages))
         self.cam.combine_send(
             stream, send.routed, send.shared, self.comm_args, header, self.comm_id, *sizes, self.group_name
         )

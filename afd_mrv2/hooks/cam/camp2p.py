@@ -61,12 +61,11 @@ from afd_mrv2.hooks.cam.common import TRANSFER, CamAttentionBase, CamConnectorBa
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
-from afd_mrv2.hooks.cam.stage_tags import StageId
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.topology import FFN
-from afd_mrv2.ubatch.pairing import PendingFifo, StageKey
+from afd_mrv2.ubatch.pairing import PendingFifo
 from afd_mrv2.work import Work
 
 _SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"
@@ -114,8 +113,8 @@ class CAMP2PTransferState:
     num_stages: int = 1  # the step's stage count: with layer_idx and stage_idx, the transfer's stage identity
 
     @property
-    def stage_id(self) -> StageId:
-        return StageId(self.layer_idx, self.stage_idx, self.num_stages)
+    def stage_id(self) -> WorkItem:
+        return WorkItem.stage(self.layer_idx, self.stage_idx, self.num_stages)
 
 
 def select_group(stage_idx: int, groups: Sequence[str]) -> str:
@@ -225,7 +224,7 @@ class CamP2PAttention(CamP2PConnector, CamAttentionBase):
         state.reference = outputs
         self._stamp(state.stage_id)
         state.atten_batch_size = self._a2e(stream, outputs, None, None, state)[3]
-        self._sent.push(StageKey(item.layer_idx, item.stage_idx), state)
+        self._sent.push(item.stage_id, state)
 
 
 class CamP2PFfn(CamP2PConnector, CamFfnBase):

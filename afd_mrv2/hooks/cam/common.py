@@ -28,6 +28,7 @@ slot): that is what keeps a tensor read on another stream alive long enough.
 from __future__ import annotations
 
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,19 +41,22 @@ from afd_mrv2.devices.base import Stream
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
 from afd_mrv2.hooks.cam.ops import OpSet, installed_versions, load_evidence, torch_opset
-from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageId, StageTags, check_stage
+from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageTags, check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
 from afd_mrv2.support_matrix import check_deployment
 from afd_mrv2.topology import ATTENTION, FFN
-from afd_mrv2.ubatch.pairing import PendingFifo, StageKey, check_attention_depth
+from afd_mrv2.ubatch.pairing import PendingFifo, check_attention_depth
 from afd_mrv2.work import Work
 
-#: Resource name of the explicit test switch: an :class:`OpSet` built by
-#: :mod:`afd_mrv2.testing`.  Only code can provide it (resources are
-#: not configuration), and nothing provides it by default.
-TEST_OPS_RESOURCE = "cam_test_ops"
+#: Resource name of the CAM operators to use instead of resolving ``torch.ops.<namespace>``: an
+#: :class:`OpSet` the embedding code builds (tests pass doubles, a runner may pass wrapped real
+#: operators).  Only code can provide it (resources are not configuration); without it the
+#: connector resolves the real operators.
+OPS_RESOURCE = "cam_ops"
+#: Its name before hook API 1 (served with a DeprecationWarning).
+OLD_OPS_RESOURCE = "cam_test_ops"
 
 
 @dataclass(frozen=True)
@@ -160,14 +164,21 @@ class CamConnectorBase(ABC):
         """The test doubles when the test switch is set, else the real operators of
         ``torch.ops.<namespace>`` (with any stream evidence from the options); then
         the start-up capability check of this role's operators."""
-        ops = context.resources.get(TEST_OPS_RESOURCE)
+        ops = context.resources.get(OPS_RESOURCE)
+        if ops is None and OLD_OPS_RESOURCE in context.resources:
+            warnings.warn(
+                f"resource {OLD_OPS_RESOURCE!r} is deprecated since hook API 1: use {OPS_RESOURCE!r}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            ops = context.resources[OLD_OPS_RESOURCE]
         if ops is None:
             evidence = load_evidence(context.config.extra, "afd.connector_extra_config.stream_evidence")
             ops = torch_opset(
                 namespace, known, evidence=evidence, environment=installed_versions(), install_hint=install_hint
             )
         elif not isinstance(ops, OpSet):
-            raise PluginError(f"resource {TEST_OPS_RESOURCE!r} must be an OpSet from afd_mrv2.testing")
+            raise PluginError(f"resource {OPS_RESOURCE!r} must be an OpSet (afd_mrv2.hooks.cam.ops)")
         ops.check_start_up(self.recv_ops, self.send_ops, connector=self.name, pipelined=self.pipelined)
         tags = context.resources.get(STAGE_TAGS_RESOURCE, ops.stage_tags)
         self.stage_tags = tags
@@ -177,12 +188,12 @@ class CamConnectorBase(ABC):
         """``attention rank a`` / ``FFN rank f`` of operator world rank ``world`` (each family's numbering)."""
         return f"{self.name} world rank {world}"
 
-    def _stamp(self, stage: StageId) -> None:
+    def _stamp(self, stage: WorkItem) -> None:
         """Before a send operator: the identity of the transfer it sends goes on the side channel."""
         if self.stage_tags is not None:
             self.stage_tags.stamp(self.world_rank, stage)
 
-    def _check_stage_from(self, sender: int, expected: StageId, what: str) -> StageId | None:
+    def _check_stage_from(self, sender: int, expected: WorkItem, what: str) -> WorkItem | None:
         """After a receive operator: the identity of what ``sender`` sent must be ``expected``; returns it.
 
         Without a side channel nothing can be checked (the operators' order is trusted): returns None.
@@ -278,7 +289,7 @@ class CamAttentionBase(CamConnectorBase):
             return
         # the dispatch this item combines: per-item transfer state, kept (with the
         # operator arguments it holds) until this item's send returned
-        sent = work.transfer[TRANSFER] = self._sent.pop(StageKey(item.layer_idx - 1, item.stage_idx))
+        sent = work.transfer[TRANSFER] = self._sent.pop(WorkItem.stage(item.layer_idx - 1, item.stage_idx, item.num_stages))
         work.inputs.state = self._combine(stream, sent)
 
     @hookimpl

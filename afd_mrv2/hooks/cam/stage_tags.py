@@ -1,5 +1,8 @@
 """Stage identity of CAM transfers: the side channel that carries it, and the check.
 
+A stage identity is a :class:`~afd_mrv2.items.WorkItem` without its sequence number
+(:meth:`WorkItem.stage`; text ``layer=L stage S of N``), afd-mrv2's one item identity.
+
 With async-MoE stages an attention rank sends, per layer, one transfer per stage
 (stage 0 of 2, then stage 1 of 2), and a step the planner cannot split runs as
 one stage (stage 0 of 1).  The CAM operators' wire format is fixed: CAMAsync's
@@ -42,7 +45,6 @@ Providers:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from afd_mrv2.errors import PluginError
@@ -52,30 +54,14 @@ from afd_mrv2.items import WorkItem
 STAGE_TAGS_RESOURCE = "cam_stage_tags"
 
 
-@dataclass(frozen=True)
-class StageId:
-    """The stage identity of one transfer: its layer, its stage and its step's stage count."""
-
-    layer: int
-    stage: int
-    num_stages: int
-
-    @classmethod
-    def of(cls, item: WorkItem) -> StageId:
-        return cls(item.layer_idx, item.stage_idx, item.num_stages)
-
-    def __str__(self) -> str:
-        return f"layer={self.layer} stage {self.stage} of {self.num_stages}"
-
-
 class StageTags(Protocol):
     """The side channel the stage identity of CAM transfers travels on (see the module docstring)."""
 
-    def stamp(self, sender: int, stage: StageId) -> None:
+    def stamp(self, sender: int, stage: WorkItem) -> None:
         """World rank ``sender``'s next send-operator call carries ``stage``; call right before it, on its thread."""
         ...
 
-    def take(self, receiver: int, sender: int) -> StageId | None:
+    def take(self, receiver: int, sender: int) -> WorkItem | None:
         """The identity of the oldest transfer from ``sender`` that ``receiver``'s receive operator delivered and
         that was not taken yet; None when that transfer carried none (its sender stamped nothing)."""
         ...
@@ -84,17 +70,18 @@ class StageTags(Protocol):
 class StageMismatch(PluginError):
     """A transfer's stage identity is not the one the receiving work item expects."""
 
-    def __init__(self, message: str, *, sender: StageId | None, expected: StageId) -> None:
+    def __init__(self, message: str, *, sender: WorkItem | None, expected: WorkItem) -> None:
         super().__init__(message)
         self.sender = sender
         self.expected = expected
 
 
 def check_stage(
-    got: StageId | None, expected: StageId, *, connector: str, what: str, sender_name: str, receiver_name: str
+    got: WorkItem | None, expected: WorkItem, *, connector: str, what: str, sender_name: str, receiver_name: str
 ) -> None:
-    """Raise :class:`StageMismatch` naming both sides unless ``got`` is ``expected``."""
-    if got == expected:
+    """Raise :class:`StageMismatch` naming both sides unless ``got`` is ``expected`` (stage identities,
+    :meth:`WorkItem.stage`: layer and ``stage i of n``)."""
+    if expected.same_stage(got):
         return
     sent = (
         "no stage identity (none was delivered: its sender stamped none, or the receive operator's outputs were "

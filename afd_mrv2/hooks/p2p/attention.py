@@ -178,7 +178,7 @@ class AttentionSide(Side):
                     buffer[: wire.combine_nbytes(self.shape.hidden_size, count)],
                     ffn,
                     wire.TAG_COMBINE,
-                    f"combine message (layer={item.layer_idx} stage={item.stage_idx})",
+                    f"combine message ({item.stage_id})",
                 )
                 for ffn, buffer, count in zip(self.peers, inbox.buffers, dispatch.counts, strict=True)
             ]

@@ -96,6 +96,15 @@ class Header:
         values = [int(v) for v in words.tolist()]
         return cls(**dict(zip(FIELDS, values, strict=True)))
 
+    @property
+    def item(self) -> WorkItem:
+        """The work item this header carries (afd-mrv2's one item identity, :class:`WorkItem`)."""
+        return WorkItem(self.layer, self.stage, self.seq, max(self.stages, 1))
+
+    def names(self) -> str:
+        """The item's identity in its one text form, with its stage count: ``layer=L stage S of N (seq=Q)``."""
+        return f"{self.item.stage_id} (seq={self.seq})"
+
 
 def item_header(kind: int, src: int, dst: int, item: WorkItem, tokens: int) -> Header:
     """The header of ``item``'s ``kind`` message from global rank ``src`` to ``dst``.
@@ -132,10 +141,8 @@ def validate_header(
         value, want = getattr(got, field), getattr(expected, field)
         if field in STAGE_FIELDS and got.magic == expected.magic and value != want:
             detail = (
-                f"stage identity mismatch: {peer_name} sent layer={got.layer} stage {got.stage} of {got.stages} "
-                f"(seq={got.seq}), but {me} expects layer={expected.layer} stage {expected.stage} of "
-                f"{expected.stages} (seq={expected.seq}); both sides must split the step into the same stages "
-                "and issue them in the same order"
+                f"stage identity mismatch: {peer_name} sent {got.names()}, but {me} expects {expected.names()}; "
+                "both sides must split the step into the same stages and issue them in the same order"
             )
             raise _bad(expected.src, field, detail, peer_name, what)
         if field == "tokens" and max_tokens is not None:

@@ -7,7 +7,7 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.cam.common import TEST_OPS_RESOURCE
+from afd_mrv2.hooks.cam.common import OPS_RESOURCE
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.support_matrix import Deployment, check_deployment
@@ -48,7 +48,7 @@ def build(config, *, evidence=CURRENT_EVIDENCE, doubles=True, **resources):
         **resources,
     }
     if doubles:
-        res[TEST_OPS_RESOURCE] = kind(Fabric()).opset(0, evidence)
+        res[OPS_RESOURCE] = kind(Fabric()).opset(0, evidence)
     return load_plugins(config, resources=res).connector
 
 
@@ -151,7 +151,7 @@ def test_test_switch_must_be_an_opset() -> None:
                 "source": 1,
                 "sink": 1,
                 "cam_group": "g",
-                TEST_OPS_RESOURCE: object(),
+                OPS_RESOURCE: object(),
             },
         )
 
@@ -218,3 +218,10 @@ def test_supported_deployments(deployment: Deployment) -> None:
 
 def test_torch_dtype_of_placeholders_follows_the_model() -> None:
     assert build(camasync())._recv_placeholder.dtype == torch.float32
+
+
+def test_the_old_ops_resource_name_works_with_a_deprecation_warning():
+    ops = CamAsyncDoubles(Fabric()).opset(0, CURRENT_EVIDENCE)
+    with pytest.warns(DeprecationWarning, match=r"'cam_test_ops' is deprecated since hook API 1: use 'cam_ops'"):
+        connector = build(camasync(), doubles=False, cam_test_ops=ops)
+    assert connector.ops is ops

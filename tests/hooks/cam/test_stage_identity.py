@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from afd_mrv2.errors import PipelineError
-from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageId, StageMismatch, StageTags
+from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageMismatch, StageTags
 from afd_mrv2.items import WorkItem
 from afd_mrv2.probe import cluster
 from afd_mrv2.probe.cluster import ClusterSpec, RankResult, run_rank, world_rank
@@ -103,7 +103,7 @@ def test_two_stages_against_one_fails_naming_both_ranks_and_both_identities(
     split = two_stages(connector)
     _, errors, _ = run_pair(split, replace(split, split=None))
     error = mismatch(errors)
-    assert error.sender == StageId(0, 0, 2) and error.expected == StageId(0, 0, 1)
+    assert (str(error.sender), str(error.expected)) == ("layer=0 stage 0 of 2", "layer=0 stage 0 of 1")
     text = str(error)
     assert f"{connector}: stage identity mismatch" in text
     assert f"{sender} sent layer=0 stage 0 of 2, but {receiver} expects layer=0 stage 0 of 1" in text
@@ -125,7 +125,7 @@ def test_camasync_stages_issued_in_the_other_order_fail_naming_both_sides(monkey
     monkeypatch.setattr(cluster, "attention_items", swapped)  # the FFN rank uses ffn_items: unchanged
     _, errors, _ = run_pair(spec, spec)
     error = mismatch(errors)
-    assert error.sender == StageId(0, 1, 2) and error.expected == StageId(0, 0, 2)
+    assert (str(error.sender), str(error.expected)) == ("layer=0 stage 1 of 2", "layer=0 stage 0 of 2")
     assert (
         "attention rank 0 (CAM world rank 0) sent layer=0 stage 1 of 2, but FFN rank 0 (CAM world rank 1) "
         "expects layer=0 stage 0 of 2" in str(error)
@@ -139,7 +139,7 @@ def test_camp2p_stages_on_swapped_hccl_groups_fail_naming_both_sides() -> None:
     resources = {("attention", 0): {"hccl_groups": ("afd1", "afd0")}}
     _, errors, _ = run_pair(spec, spec, resources=resources)
     error = mismatch(errors)
-    assert error.sender == StageId(0, 1, 2) and error.expected == StageId(0, 0, 2)
+    assert (str(error.sender), str(error.expected)) == ("layer=0 stage 1 of 2", "layer=0 stage 0 of 2")
     assert (
         "attention rank 0 (CAMP2P world rank 1) sent layer=0 stage 1 of 2, but FFN rank 0 (CAMP2P world rank 0) "
         "expects layer=0 stage 0 of 2" in str(error)
@@ -152,10 +152,10 @@ class Misstamping:
 
     inner: PayloadStageTags
 
-    def stamp(self, sender: int, stage: StageId) -> None:
+    def stamp(self, sender: int, stage: WorkItem) -> None:
         self.inner.stamp(sender, replace(stage, num_stages=3))
 
-    def take(self, receiver: int, sender: int) -> StageId | None:
+    def take(self, receiver: int, sender: int) -> WorkItem | None:
         return self.inner.take(receiver, sender)
 
 
@@ -170,7 +170,7 @@ def test_a_combine_of_another_stage_fails_on_the_attention_side(connector: str, 
     spec = two_stages(connector)
     _, errors, _ = run_pair(spec, spec, ffn_tags=Misstamping)
     error = mismatch(errors)
-    assert error.sender == StageId(0, 0, 3) and error.expected == StageId(0, 0, 2)
+    assert (str(error.sender), str(error.expected)) == ("layer=0 stage 0 of 3", "layer=0 stage 0 of 2")
     assert f"{sender} sent layer=0 stage 0 of 3, but {receiver} expects layer=0 stage 0 of 2" in str(error)
 
 

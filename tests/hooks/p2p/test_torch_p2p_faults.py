@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.procs import Proc, free_port, running
+from afd_mrv2.procs import free_port
+from tests.procs import Proc, running
 
 PEER = str(__import__("pathlib").Path(__file__).with_name("p2p_peer.py"))
 
