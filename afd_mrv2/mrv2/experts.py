@@ -15,10 +15,7 @@ model):
   an unsupported combination fails the model's construction, before any link exists;
 * role ``attention``: :class:`~afd_mrv2.mrv2.standin.RemoteExpertsMethod`: no
   routed-expert weights, and each call is one AFD transfer to the FFN role
-  (:mod:`afd_mrv2.mrv2.remote`);
-* TEST ONLY, environment variable :data:`ZERO_ENV` = ``1``:
-  :class:`~afd_mrv2.mrv2.standin.ZeroExpertsMethod` (the routed experts
-  contribute zeros), for the sensitivity checks of tests/vllm.
+  (:mod:`afd_mrv2.mrv2.remote`).
 
 The decision is made in ``_get_quant_method`` (called once, from
 ``RoutedExperts.__init__``, before the weights are created).  That is the one
@@ -29,7 +26,6 @@ method overridden; each upstream symbol used is a seam contract in
 from __future__ import annotations
 
 import logging
-import os
 
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import maybe_get_oot_by_class
@@ -42,16 +38,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.deployment import check_vllm_deployment
 from afd_mrv2.mrv2.remote import MoeShape, attach
-from afd_mrv2.mrv2.standin import RemoteExpertsMethod, ZeroExpertsMethod
+from afd_mrv2.mrv2.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.upstream import load_handoff
 from afd_mrv2.validation import validate
 
 log = logging.getLogger(__name__)
-
-#: TEST ONLY.  ``1`` makes every routed-experts layer of the process contribute zeros
-#: (tests/vllm uses it to prove its checkpoints are sensitive to the MoE output).
-#: Never set it in a deployment.
-ZERO_ENV = "AFD_MRV2_TEST_ZERO_ROUTED_EXPERTS"
 
 
 class AfdRoutedExperts(RoutedExperts):
@@ -60,9 +51,6 @@ class AfdRoutedExperts(RoutedExperts):
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
     ) -> FusedMoEMethodBase:
-        if os.environ.get(ZERO_ENV) == "1":
-            log.warning("%s=1 (test only): the routed experts of %s contribute zeros", ZERO_ENV, prefix)
-            return ZeroExpertsMethod(moe_config, extract_layer_index(prefix))
         vllm_config = get_current_vllm_config()
         # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
         config = validate(vllm_config.additional_config, v2_runner=vllm_config.use_v2_model_runner)

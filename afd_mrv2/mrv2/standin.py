@@ -32,9 +32,6 @@ there by the support matrix (SP) or never reached (EPLB is not an AFD path).
 
 * :class:`RemoteExpertsMethod`: the Attention role; ``apply`` is one AFD round
   trip through the opaque ``afd_mrv2::remote_routed_experts`` op.
-* :class:`ZeroExpertsMethod`: TEST ONLY (sensitivity checks): the routed experts
-  contribute zeros.  Selected only by the test-only environment variable
-  :data:`afd_mrv2.mrv2.experts.ZERO_ENV`.
 """
 
 from __future__ import annotations
@@ -128,11 +125,3 @@ class RemoteExpertsMethod(WeightlessExpertsMethod):
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         assert remote.OP_NAME == "afd_mrv2::remote_routed_experts"
         return torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)
-
-
-class ZeroExpertsMethod(WeightlessExpertsMethod):
-    """TEST ONLY: routed experts that contribute nothing (see the module docstring)."""
-
-    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        del topk_weights, topk_ids
-        return torch.zeros_like(x)

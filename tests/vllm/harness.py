@@ -35,7 +35,7 @@ ENGINE = Path(__file__).with_name("engine.py")
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE_TIMEOUT_S = 600
-ZERO_ENV = "AFD_MRV2_TEST_ZERO_ROUTED_EXPERTS"  # afd_mrv2.mrv2.experts.ZERO_ENV (not imported: needs vLLM)
+ZERO_PLUGIN = "afd_mrv2_test_zero"  # tests/vllm/thirdparty/afd_mrv2_test_zero.py: routed experts give zeros
 TRITON_STANDIN = Path(__file__).with_name("triton_cpu_standin")  # its sitecustomize.py; see its docstring
 STANDIN_ENV = "AFD_MRV2_TEST_TRITON_CPU_STANDIN"  # triton_cpu_standin/sitecustomize.py STANDIN_ENV
 V2_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", STANDIN_ENV)
@@ -77,9 +77,25 @@ class EngineRun:
     engine_args: dict[str, Any] | None = None  # added to engine.py's ENGINE_ARGS
 
 
+def zero_env(folder: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` plus what installs the TEST-ONLY zero-experts vLLM plugin into one run: its own dist-info first on
+    ``PYTHONPATH``, and ``VLLM_PLUGINS`` naming it alone (afd-mrv2's plugin stays out of that run)."""
+    site = folder / "zero-plugin-site"
+    site.mkdir(parents=True, exist_ok=True)
+    source = Path(__file__).with_name("thirdparty") / f"{ZERO_PLUGIN}.py"
+    (site / source.name).write_text(source.read_text())
+    info = site / f"{ZERO_PLUGIN}-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {ZERO_PLUGIN.replace('_', '-')}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ZERO_PLUGIN} = {ZERO_PLUGIN}:register\n")
+    env = dict(env or {})
+    paths = [str(site), *filter(None, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths), "VLLM_PLUGINS": ZERO_PLUGIN}
+
+
 def _env(extra: dict[str, str] | None, core: str) -> dict[str, str]:
     env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": core}
-    for key in (ZERO_ENV, *V2_KEYS):  # the test-only switches reach only the runs that ask for them
+    for key in (*V2_KEYS, "VLLM_PLUGINS"):  # the test-only switches reach only the runs that ask for them
         env.pop(key, None)
     env.update(extra or {})
     return env

@@ -11,7 +11,7 @@ engines run once per module (module-scoped fixtures, two at a time on two cores)
 * ``plain``: vLLM with afd-mrv2 installed and no ``afd`` section;
 * ``disabled``: the same with the plugin excluded (``VLLM_PLUGINS`` allow-list);
 * ``again``: ``plain`` once more (plain vLLM reproduces itself);
-* ``zero``: TEST ONLY switch ``AFD_MRV2_TEST_ZERO_ROUTED_EXPERTS=1``: routed experts give zeros;
+* ``zero``: the TEST-ONLY vLLM plugin tests/vllm/thirdparty/afd_mrv2_test_zero.py: routed experts give zeros;
 * ``afd``: 1A1F: the FFN role process (``python -m afd_mrv2.mrv2.ffn_role``, core 1)
   started first, then the Attention engine (core 0) with role ``attention``.
 
@@ -51,7 +51,6 @@ from tests.vllm.harness import (
     V1_RUNNER,
     V2_ENGINE_ARGS,
     V2_RUNNER,
-    ZERO_ENV,
     EngineRun,
     FfnRole,
     afd_section,
@@ -62,6 +61,7 @@ from tests.vllm.harness import (
     make_model,
     run_engines,
     v2_env,
+    zero_env,
 )
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1800)]
@@ -87,7 +87,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         EngineRun("disabled", env={"VLLM_PLUGINS": "none"}, engine_args=args),
     )
     reports = run_engines(model, folder, [plain, disabled])
-    again, zero = EngineRun("again", engine_args=args), EngineRun("zero", env={ZERO_ENV: "1"}, engine_args=args)
+    again, zero = EngineRun("again", engine_args=args), EngineRun("zero", env=zero_env(folder), engine_args=args)
     reports |= run_engines(model, folder, [again, zero])
     attention_core, ffn_core = cores()
     port = PORTS[arch]
@@ -154,7 +154,7 @@ def runs_v2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     try:
         plain = EngineRun("plain", env=env, engine_args=V2_ENGINE_ARGS)
         reports = run_engines(
-            model, folder, [plain, EngineRun("zero", env={**env, ZERO_ENV: "1"}, engine_args=V2_ENGINE_ARGS)]
+            model, folder, [plain, EngineRun("zero", env=zero_env(folder, env), engine_args=V2_ENGINE_ARGS)]
         )
         ffn.wait_ready()
         afd = EngineRun(

@@ -31,7 +31,6 @@ import pytest
 
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import (
-    ZERO_ENV,
     EngineRun,
     FfnRole,
     afd_section,
@@ -41,6 +40,7 @@ from tests.vllm.harness import (
     cores,
     make_model,
     run_engines,
+    zero_env,
 )
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1800)]
@@ -58,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     port = free_port_block(1)
     ffn = FfnRole(model, afd_section("ffn", port), folder / "ffn.log", ffn_core)  # starts while plain and zero run
     try:
-        reports = run_engines(model, folder, [EngineRun("plain"), EngineRun("zero", env={ZERO_ENV: "1"})])
+        reports = run_engines(model, folder, [EngineRun("plain"), EngineRun("zero", env=zero_env(folder))])
         ffn.wait_ready()
         reports |= run_engines(
             model, folder, [EngineRun("afd", afd=afd_section("attention", port))], core_list=[attention_core]

@@ -289,7 +289,9 @@ class CamAttentionBase(CamConnectorBase):
             return
         # the dispatch this item combines: per-item transfer state, kept (with the
         # operator arguments it holds) until this item's send returned
-        sent = work.transfer[TRANSFER] = self._sent.pop(WorkItem.stage(item.layer_idx - 1, item.stage_idx, item.num_stages))
+        sent = work.transfer[TRANSFER] = self._sent.pop(
+            WorkItem.stage(item.layer_idx - 1, item.stage_idx, item.num_stages)
+        )
         work.inputs.state = self._combine(stream, sent)
 
     @hookimpl
