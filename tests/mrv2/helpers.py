@@ -20,7 +20,8 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.mrv2.handoff import Handoff
 from afd_mrv2.mrv2.remote import RemoteExperts
 from afd_mrv2.mrv2.upstream import UBatchApi, Upstream
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _free_port, _reference, afd, start_ffn
+from afd_mrv2.procs import free_port
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn
 from tests.standins.vllm import forward_context
 from tests.standins.vllm.utils import torch_utils
 from tests.standins.vllm.v1.worker import ubatching
@@ -129,7 +130,7 @@ class FfnPair:
         handoff: Handoff = HANDOFF,
         **extra: Any,
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.done: dict[str, Any] = {}
         calls = [0]
 

@@ -23,12 +23,13 @@ import torch
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.mrv2.handoff import Handoff, SplitStep, close_step, open_step
 from afd_mrv2.mrv2.remote import RemoteExperts
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _free_port, _reference, afd, start_ffn
+from afd_mrv2.procs import free_port
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn
 
 
 def _pair(done: dict[str, Any], current: list[int]) -> tuple[threading.Thread, RemoteExperts]:
     """A real serve_ffn thread and one Attention side whose (stage, stage count) is ``current``."""
-    port = _free_port()
+    port = free_port()
     thread = start_ffn(done, afd("ffn", port))
     handoff = Handoff(active=lambda: current[1] > 1, current=lambda: current[0], hand_over=lambda: None)
     remote = RemoteExperts(parse_afd_config(afd("attention", port)), max_tokens=32, handoff=handoff)

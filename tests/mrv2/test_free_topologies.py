@@ -14,8 +14,9 @@ import torch
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.mrv2.ffn_server import FfnReport
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
+from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
-from tests.mrv2.test_vllm_path import LAYERS, _free_port, afd, start_ffn
+from tests.mrv2.test_vllm_path import LAYERS, afd, start_ffn
 
 
 def _weights(shape: MoeShape, layer: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def test_free_topology_round_trips_match_the_unsharded_reference(
 ) -> None:
     shape = MoeShape(hidden_size=16, top_k=2, num_experts=experts)
     topology = Topology(attention, ffn, experts)
-    port = _free_port()
+    port = free_port()
     ranks: dict[str, Any] = {"num_attention_ranks": attention, "num_ffn_ranks": ffn}
     done: dict[str, Any] = {}
 

@@ -14,7 +14,8 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.mrv2.remote import RemoteExperts
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _expert_weights, _free_port, _reference, afd, start_ffn
+from afd_mrv2.procs import free_port
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _expert_weights, _reference, afd, start_ffn
 
 QUANT = {"connector_extra_config": {"quant": "w8a8"}}
 
@@ -27,7 +28,7 @@ def _bound(ordinal: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 
 
 def test_quantized_round_trips_on_the_vllm_path_stay_within_the_int8_bound(one_torch_thread: None) -> None:
-    port = _free_port()
+    port = free_port()
     done: dict[str, Any] = {}
     thread = start_ffn(done, afd("ffn", port, **QUANT))
     remote = RemoteExperts(parse_afd_config(afd("attention", port, **QUANT)), max_tokens=32)
