@@ -10,46 +10,10 @@ documents them; :data:`HOOK_API_VERSION` is its version).  Beyond it:
 
 from __future__ import annotations
 
-from afd_mrv2.api import (
-    HOOK_API_VERSION,
-    HOOKS,
-    OLDEST_SERVED_HOOK_API,
-    AfdError,
-    BufferSlot,
-    ComputeFn,
-    ConnectorContext,
-    DeviceBackend,
-    Event,
-    PipelineAborted,
-    PipelineError,
-    PluginError,
-    Stream,
-    Work,
-    WorkItem,
-    hookimpl,
-    hookspec,
-)
+from afd_mrv2 import api
+from afd_mrv2.api import *  # noqa: F403 - the package exports exactly the declared API
 from afd_mrv2.plugins import package_version
 
-__all__ = [
-    "HOOKS",
-    "HOOK_API_VERSION",
-    "OLDEST_SERVED_HOOK_API",
-    "AfdError",
-    "BufferSlot",
-    "ComputeFn",
-    "ConnectorContext",
-    "DeviceBackend",
-    "Event",
-    "PipelineAborted",
-    "PipelineError",
-    "PluginError",
-    "Stream",
-    "Work",
-    "WorkItem",
-    "__version__",
-    "hookimpl",
-    "hookspec",
-]
+__all__ = [*api.__all__, "__version__"]
 
 __version__ = package_version()

@@ -65,14 +65,19 @@ def _wrong(outputs: dict[int, torch.Tensor]) -> list[int]:
     ]
 
 
+def _installed_run(dist, connector, buffers, tmp_path, monkeypatch, caplog) -> set[str]:
+    """Install ``dist``, run ``connector`` at ``buffers``, check every output is exact; the deprecation messages."""
+    install_distribution(dist, tmp_path, monkeypatch)
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.WARNING, "afd_mrv2"):
+        warnings.simplefilter("always")
+        outputs = _run(connector, buffers)
+    assert _wrong(outputs) == []
+    return {str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)}
+
+
 @pytest.mark.parametrize("buffers", [(2, 2), (2, 4), (1, 3), (3, 3)])
 def test_an_api0_connector_runs_unchanged_with_its_old_lifetimes(tmp_path, monkeypatch, caplog, buffers):
-    install_distribution("afd_echo_api0", tmp_path, monkeypatch)
-    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.WARNING, "afd_mrv2.plugins"):
-        warnings.simplefilter("always")
-        outputs = _run("echo_api0", buffers)
-    assert _wrong(outputs) == []
-    messages = {str(w.message) for w in seen if w.category is DeprecationWarning}
+    messages = _installed_run("afd_echo_api0", "echo_api0", buffers, tmp_path, monkeypatch, caplog)
     assert "work.slot is deprecated since hook API 1: use work.inputs and work.outputs (hook API 1)" in messages
     assert "work.scratch is deprecated since hook API 1: use work.transfer (hook API 1)" in messages
     assert "connector echo_api0 was written for hook API 0" in caplog.text
@@ -88,12 +93,7 @@ def test_api0_slots_aliased_without_their_lifetime_corrupt_outputs(tmp_path, mon
 
 @pytest.mark.parametrize("buffers", [(2, 2), (1, 3), (3, 3)])
 def test_an_api1_connector_runs_with_no_warning(tmp_path, monkeypatch, caplog, buffers):
-    install_distribution("afd_echo_api1", tmp_path, monkeypatch)
-    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.WARNING, "afd_mrv2"):
-        warnings.simplefilter("always")
-        outputs = _run("echo_api1", buffers)
-    assert _wrong(outputs) == []
-    assert [w for w in seen if issubclass(w.category, DeprecationWarning)] == []
+    assert _installed_run("afd_echo_api1", "echo_api1", buffers, tmp_path, monkeypatch, caplog) == set()
     assert caplog.records == []
 
 

@@ -168,19 +168,6 @@ def third_party_site(folder: Path, module: str, connector: str, factory: str) ->
     return folder
 
 
-def general_plugin_site(folder: Path, module: str) -> Path:
-    """A site folder holding the TEST-ONLY vLLM general plugin ``tests/vllm/thirdparty/<module>.py`` (its
-    ``register``), installed as a ``vllm.general_plugins`` entry point of its own dist-info."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(THIRD_PARTY / f"{module}.py", folder / f"{module}.py")
-    info = folder / f"{module}-0.0.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:register\n")
-    (info / "top_level.txt").write_text(f"{module}\n")
-    return folder
-
-
 def with_site(site: Path) -> dict[str, str]:
     """The ``PYTHONPATH`` of this environment with ``site`` first (for a child's environment)."""
     paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
