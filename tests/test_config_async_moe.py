@@ -53,6 +53,6 @@ def test_more_than_two_stages_is_refused_even_when_disabled() -> None:
 
 def test_enabled_needs_the_gate_on_attention() -> None:
     with pytest.raises(ConfigError) as info:
-        parse(async_moe={"enabled": True})
+        parse(compute_gate_on_attention=False, async_moe={"enabled": True})
     assert info.value.key == "afd.async_moe.enabled"
     assert "afd.compute_gate_on_attention" in str(info.value)

@@ -58,6 +58,7 @@ from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs, vllm_serve_parser
 from afd_mrv2.support_matrix import Deployment, check_deployment
+from afd_mrv2.validation import Gate, validate
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,34 @@ def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, triton: bool |
     return deployment
 
 
+def admit(
+    vllm_config: Any,
+    *,
+    gate: Gate | None = None,
+    v2_runner: bool | None = None,
+    triton: bool | None = None,
+    model: bool = False,
+) -> AfdConfig | None:
+    """The one admission call of a vLLM process, before anything AFD exists; None without an ``afd`` section.
+
+    In order, each refusal one line: the section parses (:class:`ConfigError` naming the key), its
+    connector and observers are installed and of a hook API version served here (:class:`PluginError`),
+    the runtime pair grants what this process needs (``CompatRefused``), with ``model`` the model has
+    routed experts that shard over the FFN ranks (:func:`check_experts`), and the support matrix accepts
+    this ``VllmConfig`` (:func:`check_vllm_deployment`).  ``v2_runner`` None: the config's own
+    ``use_v2_model_runner``; ``gate`` and ``triton``: see :func:`afd_mrv2.validation.validate` and
+    :func:`deployment_of`.
+    """
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False)) if v2_runner is None else v2_runner
+    config = validate(vllm_config.additional_config, gate=gate, v2_runner=v2)
+    if config is None:
+        return None
+    if model:
+        check_experts(config, vllm_config.model_config)
+    check_vllm_deployment(config, vllm_config, triton=triton)
+    return config
+
+
 def check_experts(config: AfdConfig, model_config: Any) -> int:
     """Refuse a model AFD cannot split: one without routed experts, or whose routed experts do not shard
     evenly over ``afd.num_ffn_ranks`` (each FFN rank holds ``E / F`` of them).  Returns ``E``.
@@ -239,7 +268,7 @@ def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list
         kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
     vllm_config = engine_config(model, kwargs, {"afd": dict(section)})
     check_experts(config, vllm_config.model_config)
-    return check_vllm_deployment(config, vllm_config)
+    return check_vllm_deployment(config, vllm_config)  # the plugins and runtime pair: serve's own gate
 
 
 def main(argv: list[str] | None = None) -> int:

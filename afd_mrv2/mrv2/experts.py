@@ -10,9 +10,9 @@ model):
 
 * no ``afd`` section, or role ``ffn``: exactly upstream (the only override
   defers to ``super()``; the FFN role serves ``forward_modular`` of these layers);
-* with an ``afd`` section of either role, the support matrix is checked first on
-  the engine's ``VllmConfig`` (:func:`~afd_mrv2.mrv2.deployment.check_vllm_deployment`):
-  an unsupported combination fails the model's construction, before any link exists;
+* with an ``afd`` section of either role, the engine's ``VllmConfig`` is admitted first
+  (:func:`~afd_mrv2.mrv2.deployment.admit`: section, plugins, runtime pair, support matrix):
+  a refused one fails the model's construction, before any link exists;
 * role ``attention``: :class:`~afd_mrv2.mrv2.standin.RemoteExpertsMethod`: no
   routed-expert weights, and each call is one AFD transfer to the FFN role
   (:mod:`afd_mrv2.mrv2.remote`).
@@ -36,11 +36,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.mrv2.deployment import check_vllm_deployment
+from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.remote import MoeShape, attach
 from afd_mrv2.mrv2.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.upstream import load_handoff
-from afd_mrv2.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,7 @@ class AfdRoutedExperts(RoutedExperts):
     ) -> FusedMoEMethodBase:
         vllm_config = get_current_vllm_config()
         # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
-        config = validate(vllm_config.additional_config, v2_runner=vllm_config.use_v2_model_runner)
-        if config is not None:  # the support matrix on this engine's VllmConfig, either role, before any link
-            check_vllm_deployment(config, vllm_config)
+        config = admit(vllm_config)  # section, plugins, runtime pair, support matrix: before any link
         if config is None or config.role != ATTENTION:
             return super()._get_quant_method(prefix, quant_config, moe_config)
         remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, handoff=load_handoff())

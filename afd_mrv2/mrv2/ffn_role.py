@@ -23,9 +23,9 @@ arguments (front-end ones such as ``--api-key``) are ignored with a line on
 stderr.  The ``afd`` section is ``--afd``, else the ``afd`` key of an
 ``--additional-config`` among VLLM ARGS (whose other keys are kept).
 ``enforce_eager`` defaults to true here: the FFN engine runs no model forward
-of its own beyond vLLM's start-up.  Before it builds the engine, the support
-matrix is checked on the ``VllmConfig`` these arguments make
-(:func:`afd_mrv2.mrv2.deployment.check_vllm_deployment`).
+of its own beyond vLLM's start-up.  Before it builds the engine, the ``VllmConfig``
+these arguments make is admitted (:func:`afd_mrv2.mrv2.deployment.admit`: section,
+plugins, runtime pair, routed experts that shard over the FFN ranks, support matrix).
 Exit status: 0 after a session, 2 for a bad ``--afd`` or VLLM ARGS or an
 unsupported combination (one line, nothing started).
 """
@@ -39,7 +39,7 @@ import sys
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2 import WORKER_EXTENSION
-from afd_mrv2.mrv2.deployment import check_experts, check_vllm_deployment
+from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config
 from afd_mrv2.mrv2.leader import LEADER_KEY
@@ -66,16 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             additional["afd"] = json_object(args.afd, "--afd")
         if not isinstance(additional.get("afd"), dict):
             raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
-        config = ffn_serving_config(additional["afd"])  # fail before any engine exists
+        ffn_serving_config(additional["afd"])  # fail before any engine exists (the FFN role's own checks)
         other = engine_args.pop("worker_extension_cls", WORKER_EXTENSION)
         if other != WORKER_EXTENSION:
             raise AfdError(f"--worker-extension-cls: the FFN role needs {WORKER_EXTENSION}, got {other}")
         engine_args = {**FFN_ENGINE_DEFAULTS, **engine_args}
         engine_args.pop("model", None)
         # the support matrix on the VllmConfig these arguments make, before the engine (and any link) exists
-        vllm_config = engine_config(args.model, engine_args, additional)
-        check_experts(config, vllm_config.model_config)  # a MoE model whose experts shard over F
-        check_vllm_deployment(config, vllm_config)
+        admit(engine_config(args.model, engine_args, additional), model=True)  # the one admission call
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,8 @@ routed-experts layer as afd-mrv2's out-of-tree replacement,
 overrides four methods:
 
 ``__init__(vllm_config, device, ...)``
-    validates ``additional_config["afd"]`` and the runtime pair
-    (:func:`afd_mrv2.validation.validate`) and the support matrix on the real
-    ``VllmConfig`` (:func:`afd_mrv2.mrv2.deployment.check_vllm_deployment`)
+    admits its ``VllmConfig`` (:func:`afd_mrv2.mrv2.deployment.admit`: the ``afd`` section,
+    its plugins, the runtime pair and the support matrix)
     **before** calling the upstream constructor, so a bad config, an unsupported
     combination or a refused pair fails before any upstream state exists.
 ``load_model(...)``
@@ -50,7 +49,7 @@ from typing import Any
 
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.errors import ConfigError, PipelineError
-from afd_mrv2.mrv2.deployment import check_vllm_deployment
+from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.handoff import current_step
 from afd_mrv2.mrv2.remote import RemoteExperts, attached
 from afd_mrv2.mrv2.split_policy import SplitPolicy, afd_graph_manager_class
@@ -58,7 +57,7 @@ from afd_mrv2.mrv2.step_stats import StepStats, batch_kind
 from afd_mrv2.mrv2.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport
-from afd_mrv2.validation import Gate, validate
+from afd_mrv2.validation import Gate
 
 
 class AfdAttentionRunnerMixin:
@@ -68,11 +67,10 @@ class AfdAttentionRunnerMixin:
     _afd_gate: Gate | None = None
 
     def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
-        config = validate(vllm_config.additional_config, gate=type(self)._afd_gate, v2_runner=True)
+        # before upstream's constructor and any AFD resource; triton: this V2 runner's modules imported Triton
+        config = admit(vllm_config, gate=type(self)._afd_gate, v2_runner=True, triton=True)
         if config is not None and config.role != "attention":
             raise ConfigError("afd.role", f"the Attention runner serves role attention, got {config.role!r}")
-        if config is not None:  # the support matrix, before upstream's constructor and any AFD resource
-            check_vllm_deployment(config, vllm_config, triton=True)  # this V2 runner's modules imported Triton
         self.afd_config: AfdConfig | None = config
         self.afd_remote: RemoteExperts | None = None
         self.afd_policy: SplitPolicy | None = None

@@ -37,7 +37,7 @@ import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.models.utils import extract_layer_index
 
-from afd_mrv2.mrv2.deployment import check_vllm_deployment
+from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.remote import MoeShape, attached
@@ -97,7 +97,7 @@ class AfdWorkerExtension:
         if not isinstance(raw, Mapping):
             raise RuntimeError("afd_ffn_serve: this engine has no additional_config['afd'] section of role ffn")
         config = ffn_serving_config(raw)
-        check_vllm_deployment(config, self.vllm_config)  # the support matrix, before serve_ffn opens the link
+        admit(self.vllm_config)  # the one admission call, before serve_ffn opens the link
         layers = routed_experts_layers(self.model_runner.get_model())
         if not layers:
             raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")

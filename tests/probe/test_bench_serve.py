@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from afd_mrv2.procs import stat_fields
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 
@@ -55,7 +57,7 @@ TREE = textwrap.dedent(
 
 
 def _state(pid: int) -> str:
-    fields = serving._stat(pid)
+    fields = stat_fields(pid)
     return "gone" if fields is None else fields[0]
 
 
