@@ -4,7 +4,7 @@ Every ``submit``, ``record``, ``wait`` and host-side ``synchronize`` is appended
 ``backend.log``.  Submitted work runs immediately on the caller's thread, so
 results are exactly those of program order; what the log adds is the *claim* the
 schedule makes about a real device, where streams run concurrently.  The
-happens-before checker (:mod:`afd_mrv2.testing.happens_before`) replays the log
+happens-before checker (:mod:`tests.support.happens_before`) replays the log
 with device-stream semantics and proves which orderings a device would guarantee.
 
 Span times come from a logical clock (1 us per submitted op), so traces produced

@@ -17,7 +17,7 @@ from afd_mrv2.devices.recording import RecordingBackend
 from afd_mrv2.pipeline import Executor, Work, WorkItem
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
-from afd_mrv2.testing.happens_before import check_happens_before
+from tests.support.happens_before import check_happens_before
 
 ROWS, WIDTH = 2048, 2048
 

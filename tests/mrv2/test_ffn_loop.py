@@ -12,7 +12,7 @@ from afd_mrv2.devices import make_backend
 from afd_mrv2.mrv2.ffn import FfnLoop
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.plugins import load_plugins
-from afd_mrv2.testing.happens_before import check_happens_before
+from tests.support.happens_before import check_happens_before
 
 
 def _loop(backend: str, latency_us: float, *, layers=3, stages=2):

@@ -12,9 +12,9 @@ from afd_mrv2.devices.base import Event
 from afd_mrv2.devices.recording import Op
 from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.plugins import plugins_for
-from afd_mrv2.testing.happens_before import HappensBeforeError, check_happens_before, find_violations
 from afd_mrv2.work import Work
 from tests.connectors import RecordingConnector, grid, matmul_compute
+from tests.support.happens_before import HappensBeforeError, check_happens_before, find_violations
 
 
 class DropsInputReuseEdge(Executor):

@@ -26,8 +26,8 @@ from afd_mrv2.pipeline.schedule_model import (
 )
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
-from afd_mrv2.testing.happens_before import check_happens_before
 from tests.connectors import RecordingConnector, grid, run_pipelined_on_threads
+from tests.support.happens_before import check_happens_before
 
 
 def test_closed_forms_for_balanced_phases() -> None:

@@ -27,7 +27,7 @@ identities.  The protocol is two calls, made by the connectors:
 
 Providers:
 
-* the CAM test doubles (:mod:`afd_mrv2.testing`) carry the stamped identity in
+* the CAM test doubles (:mod:`tests.support`) carry the stamped identity in
   each message's payload metadata (what a transport with a spare header word
   would do) and hand it to ``take`` when their receive operator delivers the
   message; their ``OpSet`` brings it (``OpSet.stage_tags``);

@@ -10,10 +10,10 @@ import torch
 from afd_mrv2.hooks.cam.evidence import Evidence
 from afd_mrv2.probe.cluster import ClusterSpec, RankResult, reference, run_in_threads, world_rank
 from afd_mrv2.probe.toy import ToyMoE
-from afd_mrv2.testing.cam_fabric import Fabric, Message
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
-from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
-from afd_mrv2.testing.probe_doubles import probe_camasync, probe_camp2p
+from tests.support.cam_fabric import Fabric, Message
+from tests.support.camasync_doubles import CamAsyncDoubles
+from tests.support.camp2p_doubles import CamP2PDoubles
+from tests.support.probe_doubles import probe_camasync, probe_camp2p
 
 # 8 experts on 2 FFN ranks (4 each): layer 1 starves FFN rank 1, layer 2 starves FFN rank 0
 MODEL = ToyMoE.build(hidden=16, num_experts=8, topk=2, num_layers=4, starve={1: (4, 8), 2: (0, 4)})

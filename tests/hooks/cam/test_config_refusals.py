@@ -11,10 +11,10 @@ from afd_mrv2.hooks.cam.common import OPS_RESOURCE
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.support_matrix import Deployment, check_deployment
-from afd_mrv2.testing.cam_fabric import Fabric
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
-from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
 from tests.hooks.cam.harness import MODEL
+from tests.support.cam_fabric import Fabric
+from tests.support.camasync_doubles import CamAsyncDoubles
+from tests.support.camp2p_doubles import CamP2PDoubles
 
 CURRENT_EVIDENCE = Evidence(
     {},

@@ -2,7 +2,7 @@
 
 The contract is the one written down for the real operators (argument order and
 outputs in ``afd_mrv2/hooks/cam/camasync.py`` / ``camp2p.py``, the mimicked
-behaviour in the docstrings of ``afd_mrv2/testing/*_doubles.py``, and the
+behaviour in the docstrings of ``tests/support/*_doubles.py``, and the
 afd-plugin facts in shared/FACTS.md): shapes and dtypes, routing grouped by local
 expert in token order, the shared-expert rank ``source % F``, the one-row
 zero-token placeholder, per-row int8 quantization, FIFO per (source,
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from afd_mrv2.hooks.cam.evidence import StreamBehaviour
-from afd_mrv2.testing.cam_fabric import DelayEveryOther, Fabric, FabricAborted, ForeignWorker, Message
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles, quantize, route_rows
-from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
-from afd_mrv2.testing.probe_doubles import probe_camasync, probe_camp2p
+from tests.support.cam_fabric import DelayEveryOther, Fabric, FabricAborted, ForeignWorker, Message
+from tests.support.camasync_doubles import CamAsyncDoubles, quantize, route_rows
+from tests.support.camp2p_doubles import CamP2PDoubles
+from tests.support.probe_doubles import probe_camasync, probe_camp2p
 
 H, K = 4, 2
 A, F, E_R = 2, 2, 2  # CAMAsync: attention world ranks 0..A-1, FFN A..A+F-1, E_R experts per FFN rank

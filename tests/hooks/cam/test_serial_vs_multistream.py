@@ -17,9 +17,9 @@ import torch
 from afd_mrv2.devices import RecordingBackend
 from afd_mrv2.hooks.cam.camasync_state import CamAsyncFfnBatch
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
-from afd_mrv2.testing.cam_fabric import DelayChannel, DelayEveryOther
-from afd_mrv2.testing.happens_before import _Clocks, check_happens_before
 from tests.hooks.cam.harness import MODEL, assert_matches_reference, run
+from tests.support.cam_fabric import DelayChannel, DelayEveryOther
+from tests.support.happens_before import _Clocks, check_happens_before
 
 CAMP2P = ClusterSpec("camp2p", num_attention=2, num_ffn=2, batches=((5, 3, 4), (9,)), split="token")
 CAMASYNC = ClusterSpec("camasync", num_attention=2, num_ffn=2, batches=((5, 3, 4), (9,)), split="token")

@@ -28,11 +28,11 @@ from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageMismatch, St
 from afd_mrv2.items import WorkItem
 from afd_mrv2.probe import cluster
 from afd_mrv2.probe.cluster import ClusterSpec, RankResult, run_rank, world_rank
-from afd_mrv2.testing.cam_fabric import Fabric
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
-from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
-from afd_mrv2.testing.doubles_base import PayloadStageTags
 from tests.hooks.cam.harness import MODEL, assert_matches_reference
+from tests.support.cam_fabric import Fabric
+from tests.support.camasync_doubles import CamAsyncDoubles
+from tests.support.camp2p_doubles import CamP2PDoubles
+from tests.support.doubles_base import PayloadStageTags
 
 
 def two_stages(connector: str) -> ClusterSpec:

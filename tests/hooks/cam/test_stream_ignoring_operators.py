@@ -15,9 +15,9 @@ import torch
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 from afd_mrv2.probe.cluster import ClusterSpec, reference
-from afd_mrv2.testing.cam_fabric import DelayEveryOther
-from afd_mrv2.testing.happens_before import check_happens_before
 from tests.hooks.cam.harness import MODEL, assert_matches_reference, run
+from tests.support.cam_fabric import DelayEveryOther
+from tests.support.happens_before import check_happens_before
 
 SPECS = {
     "camp2p": ClusterSpec("camp2p", num_attention=2, num_ffn=2, batches=((5, 3, 4), (9,))),

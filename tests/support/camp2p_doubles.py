@@ -15,7 +15,7 @@ attention ranks ``r*g .. r*g+g-1`` (``g = A / F``) over the HCCL group
 Stage identity: not an operator argument (the real wire format has none; the
 real stages are the per-stage HCCL groups); the send calls put what their rank
 stamped on ``doubles.stage_tags`` into each message's payload metadata and the
-receive calls hand it back there (see :mod:`afd_mrv2.testing.doubles_base`).
+receive calls hand it back there (see :mod:`tests.support.doubles_base`).
 
 Deviations, on purpose: the real operators produce bf16; the doubles keep the
 input dtype so float32 tests can compare exactly.  More than ``batch_size``
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from afd_mrv2.testing.doubles_base import CamDoubles, operator
+from tests.support.doubles_base import CamDoubles, operator
 
 #: the arguments a2e and e2a share, in the operators' order (after their tensors)
 CAMP2P_SIZES = (

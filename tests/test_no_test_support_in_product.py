@@ -1,4 +1,5 @@
-"""afd_mrv2.testing is opt-in test support: no product module imports it, not even lazily."""
+"""The test support (tests/, its CAM doubles and happens-before oracle in tests/support) is not product code:
+no module of afd_mrv2 imports it, not even lazily (the import-linter contract sees only static imports)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import afd_mrv2
 
 PACKAGE = Path(afd_mrv2.__file__).resolve().parent
-TESTING = "afd_mrv2.testing"
+TESTING = "tests"
 
 
 def module_name(path: Path) -> str:
@@ -31,7 +32,7 @@ def _is_testing(name: str) -> bool:
 
 
 def imports_of_testing(source: str, module: str, *, is_package: bool = False) -> list[str]:
-    """Every place in ``source`` that imports afd_mrv2.testing, at any depth, as ``line: what``.
+    """Every place in ``source`` that imports tests.support, at any depth, as ``line: what``.
 
     Covers ``import``, ``from ... import`` (relative ones resolved against
     ``module``) and a string naming the package passed to any call
@@ -52,7 +53,7 @@ def imports_of_testing(source: str, module: str, *, is_package: bool = False) ->
 
 
 def product_modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if (PACKAGE / "testing") not in p.parents)
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def test_no_product_module_imports_the_test_support() -> None:
@@ -73,13 +74,12 @@ def test_no_product_module_imports_the_test_support() -> None:
 @pytest.mark.parametrize(
     ("source", "module"),
     [
-        ("import afd_mrv2.testing.cam_fabric", "afd_mrv2.probe.cluster"),
-        ("from afd_mrv2 import testing", "afd_mrv2.probe.cluster"),
-        ("def f():\n    from afd_mrv2.testing.happens_before import check_happens_before\n", "afd_mrv2.cli.run"),
-        ("class A:\n    def m(self):\n        from ..testing import probe_doubles\n", "afd_mrv2.probe.cluster"),
-        ("from .. import testing", "afd_mrv2.probe.cluster"),
-        ("import importlib\nimportlib.import_module('afd_mrv2.testing.camp2p_doubles')", "afd_mrv2.bench.grid"),
-        ("__import__('afd_mrv2.testing')", "afd_mrv2.bench.grid"),
+        ("import tests.support.cam_fabric", "afd_mrv2.probe.cluster"),
+        ("from tests import support", "afd_mrv2.probe.cluster"),
+        ("def f():\n    from tests.support.happens_before import check_happens_before\n", "afd_mrv2.cli.run"),
+        ("class A:\n    def m(self):\n        from tests.support import probe_doubles\n", "afd_mrv2.probe.cluster"),
+        ("import importlib\nimportlib.import_module('tests.support.camp2p_doubles')", "afd_mrv2.bench.grid"),
+        ("__import__('tests.support')", "afd_mrv2.bench.grid"),
     ],
 )
 def test_the_check_sees_every_way_of_importing(source: str, module: str) -> None:
@@ -89,10 +89,10 @@ def test_the_check_sees_every_way_of_importing(source: str, module: str) -> None
 @pytest.mark.parametrize(
     ("source", "module"),
     [
-        ("import afd_mrv2.testingx", "afd_mrv2.bench.grid"),
+        ("import testsx", "afd_mrv2.bench.grid"),
         ("from afd_mrv2.hooks.cam import common", "afd_mrv2.probe.cluster"),
-        ("from . import testing", "afd_mrv2.probe.cluster"),  # afd_mrv2.probe.testing, another module
-        ("x = 'see afd_mrv2.testing'", "afd_mrv2.bench.grid"),  # a mention, not a call
+        ("from . import tests", "afd_mrv2.probe.cluster"),  # afd_mrv2.probe.tests, another module
+        ("x = 'see tests.support'", "afd_mrv2.bench.grid"),  # a mention, not a call
     ],
 )
 def test_the_check_passes_what_is_not_an_import_of_it(source: str, module: str) -> None:
@@ -100,10 +100,10 @@ def test_the_check_passes_what_is_not_an_import_of_it(source: str, module: str) 
 
 
 def test_the_docstring_names_every_support_module() -> None:
-    import afd_mrv2.testing
+    import tests.support
 
-    doc = afd_mrv2.testing.__doc__ or ""
-    for path in sorted((PACKAGE / "testing").glob("*.py")):
+    doc = tests.support.__doc__ or ""
+    for path in sorted(Path(tests.support.__file__).parent.glob("*.py")):
         if path.name != "__init__.py":
-            assert f":mod:`afd_mrv2.testing.{path.stem}`" in doc, path.stem
+            assert f":mod:`tests.support.{path.stem}`" in doc, path.stem
     assert "nothing in the product" in doc and "imports it" in doc

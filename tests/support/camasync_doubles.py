@@ -26,7 +26,7 @@ layers or sources may overtake each other (use the fabric's delays to make them)
 Stage identity: not an operator argument (the real wire format has none); the
 send operators put what their rank stamped on ``doubles.stage_tags`` into each
 message's payload metadata and the receive operators hand it back there (see
-:mod:`afd_mrv2.testing.doubles_base`).
+:mod:`tests.support.doubles_base`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from afd_mrv2.testing.doubles_base import CamDoubles, operator
+from tests.support.doubles_base import CamDoubles, operator
 
 
 def route_rows(topk_ids: torch.Tensor, ffn_rank: int, experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,9 @@ import torch
 from afd_mrv2.devices import HostBackend
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
 from afd_mrv2.probe.streams import ProbeCheck, classify_late
-from afd_mrv2.testing.camasync_doubles import CamAsyncDoubles
-from afd_mrv2.testing.camp2p_doubles import CamP2PDoubles
-from afd_mrv2.testing.doubles_base import CamDoubles
+from tests.support.camasync_doubles import CamAsyncDoubles
+from tests.support.camp2p_doubles import CamP2PDoubles
+from tests.support.doubles_base import CamDoubles
 
 _H, _K, _E, _T = 4, 2, 4, 3
 

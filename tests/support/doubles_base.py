@@ -39,7 +39,7 @@ from typing import Any
 from afd_mrv2.hooks.cam.evidence import Evidence, StreamBehaviour
 from afd_mrv2.hooks.cam.ops import BoundOp, OpCapability, OpSet
 from afd_mrv2.items import WorkItem
-from afd_mrv2.testing.cam_fabric import Fabric, ForeignWorker, Message
+from tests.support.cam_fabric import Fabric, ForeignWorker, Message
 
 
 class PayloadStageTags:
