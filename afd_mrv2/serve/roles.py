@@ -128,7 +128,9 @@ class RoleProcess:
         members = group_members(self.proc.pid)
         if members is None:
             return
-        if self.first_lost is None and self.proc.returncode is None:
+        # only while the leader itself still runs (it is listed): a group that ends after its leader was
+        # killed is not a cause, and the leader's exit may not be reaped here yet
+        if self.first_lost is None and self.proc.pid in members:
             gone = sorted(set(self._members) - set(members) - {self.proc.pid})
             if gone:
                 self.first_lost = (gone[0], self._members[gone[0]])

@@ -5,6 +5,7 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 * ``ready_delay`` (s, default 0.2) before it is ready; ``ffn_ready``: ``"line"`` (prints the
   marker) or ``"file"`` (creates ``--ready-file``);
 * ``grandchild``: spawn a ``sleep`` child in the same process group (serve must stop it too);
+* ``grandchild_dies_after``: seconds after ready, kill that child, then exit 0 a second later;
 * ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
 * ``report_term``: on SIGTERM print ``term <ROLE> <RANK>``, then exit 0;
 * ``exit_after`` (s): exit with code 3 after this long;
@@ -115,6 +116,12 @@ async def main(argv: list[str]) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
         print(f"listening on {_opt(argv, '--port')}", flush=True)
+    if "grandchild_dies_after" in behaviour:  # like vLLM's EngineCore dying under its API server
+        await asyncio.sleep(float(behaviour["grandchild_dies_after"]))
+        child.kill()
+        child.wait()
+        await asyncio.sleep(1.0)  # the leader notices later and exits 0, as vLLM's API server does
+        sys.exit(0)
     if "exit_after" in behaviour:
         await asyncio.sleep(float(behaviour["exit_after"]))
         print("exiting on purpose", flush=True)

@@ -168,3 +168,17 @@ def test_ready_timeout(start_serve):
     serve, _ = start_serve(1, 1, {"ready_delay": 30}, "--ready-timeout", "1")
     assert serve.wait() == 1
     assert "not ready after 1 s" in serve.err_lines()[-1]
+
+
+def test_a_role_whose_group_member_died_first_is_reported_with_that_cause(start_serve):
+    """vLLM's API server exits 0 some time after its EngineCore was killed: serve names the process that
+    ended first instead of reporting a bare 'exit code 0'."""
+    serve, _ = start_serve(1, 1, {"grandchild": True, "grandchild_dies_after": 3.0})
+    serve.wait_ready()
+    pids = serve.pids()
+    assert serve.wait() == 1
+    last = serve.err_lines()[-1]
+    assert last == (
+        f"afd-mrv2 serve: error: ffn rank 0 (pid {pids['ffn 0']}) exited (exit code 0, after sleep "
+        f"(pid {pids['grandchild of ffn 0']}) of its process group had ended); stopped every role"
+    ), last
