@@ -291,3 +291,24 @@ def test_a_missing_model_folder_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     check_model_folder(str(tmp_path))
     check_model_folder("mistralai/Mixtral-8x7B-v0.1")  # a Hugging Face repository id is vLLM's to resolve
+
+
+def test_a_plugin_of_an_unserved_hook_api_is_refused_in_the_preflight(tmp_path, monkeypatch, capsys, no_spawn):
+    """serve resolves the plugins every role will load before it plans a process: a connector written for a
+    hook API this afd-mrv2 does not serve is one line, exit 2, nothing started (the runtime gate not reached)."""
+    from tests.connectors import install_distribution
+
+    install_distribution("afd_echo_api1", tmp_path, monkeypatch)
+    (tmp_path / "afd_echo_api1.py").write_text(
+        (tmp_path / "afd_echo_api1.py").read_text().replace("hook_api_version = 1", "hook_api_version = 2")
+    )
+    commands, _planned = no_spawn
+    gated = []
+    argv = ["/m", "--attention", "1", "--ffn", "1", "--connector", "echo_api1", "--port", str(free_port_block(3))]
+    rc = serve_cli.main(argv, commands=commands, gate=gated.append)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "afd-mrv2 serve: error: connector 'echo_api1' (afd_echo_api1.EchoLink) was written for hook API 2; "
+    ), err
+    assert "serves hook API 0 to 1" in err[0] and gated == []
