@@ -52,6 +52,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from afd_mrv2.config import AfdConfig, parse_afd_config
@@ -214,7 +215,7 @@ def check_experts(config: AfdConfig, model_config: Any) -> int:
 
     ``model_config``: vLLM's ``ModelConfig`` (``get_num_experts()``, 0 for a dense model).
     """
-    experts = int(model_config.get_num_experts())
+    experts = int(model_config.get_num_experts() or 0)
     if experts <= 0:
         archs = ", ".join(getattr(model_config, "architectures", None) or ["unknown architecture"])
         raise ConfigError(
@@ -233,6 +234,53 @@ def check_experts(config: AfdConfig, model_config: Any) -> int:
     return experts
 
 
+#: The ``config.json`` keys vLLM reads a model's routed-expert count from (``ModelConfig.get_num_experts``,
+#: vLLM 0.32/0.33), in its order: a list value counts its first element.
+EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+class CheckpointExperts:
+    """A local checkpoint's routed-expert count read from its ``config.json`` without vLLM, for serve's
+    pre-flight to refuse a dense model or an uneven shard in a second instead of after vLLM's import.
+
+    Conservative: :meth:`get_num_experts` is None (undecided: leave it to vLLM's own check, which every
+    role runs again) unless the count is under one of :data:`EXPERT_COUNT_KEYS` (top level, or
+    ``text_config``), or no key of the config mentions experts at all (a dense model: 0).
+    """
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = raw
+        self.architectures = list(raw.get("architectures") or [])
+
+    @classmethod
+    def read(cls, model: str) -> CheckpointExperts | None:
+        path = Path(model).expanduser() / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(raw) if isinstance(raw, dict) else None
+
+    def get_num_experts(self) -> int | None:
+        for section in (self.raw, self.raw.get("text_config")):
+            if not isinstance(section, Mapping):
+                continue
+            for key in EXPERT_COUNT_KEYS:
+                value = section.get(key)
+                if isinstance(value, list) and value:
+                    value = value[0]
+                if isinstance(value, int) and value > 0:
+                    return value
+        return 0 if "expert" not in json.dumps(self.raw) else None
+
+
+def precheck_experts(config: AfdConfig, model: str) -> None:
+    """:func:`check_experts` on a local checkpoint's ``config.json`` where that decides (:class:`CheckpointExperts`)."""
+    facts = CheckpointExperts.read(model)
+    if facts is not None and facts.get_num_experts() is not None:
+        check_experts(config, facts)
+
+
 def check_serve_arguments(vllm_args: list[str]) -> None:
     """Refuse arguments vLLM's OpenAI server would refuse (unknown ones, bad values), in one line.
 
@@ -243,11 +291,18 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
     import contextlib
     import io
 
-    parser = vllm_serve_parser()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            _, unknown = parser.parse_known_args(vllm_args)
+            # the engine's own parser first (fast); vLLM's server parser, which imports the whole OpenAI
+            # server (seconds), only for what the engine's leaves: front-end arguments, or mistakes
+            engine = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
+            _, unknown = engine.parse_known_args(vllm_args)
+            if unknown:
+                _, unknown = vllm_serve_parser().parse_known_args(vllm_args)
     except SystemExit:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
         why = lines[-1].split("error: ", 1)[-1] if lines else "rejected"
@@ -294,12 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(head)
     result: dict[str, Any] = {"deployments": {}}
     code = 0
-    try:
-        check_serve_arguments(vllm_args)
-    except AfdError as exc:
-        with open(args.out, "w") as out:
-            json.dump({"refused": str(exc)}, out)
-        return 2
     for text in args.section:
         section = json.loads(text)
         role = section.get("role")
@@ -315,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
             result, code = {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}, 3
             break
         result["deployments"][role] = dict(vars(deployment))
+    if code == 0:
+        try:  # the arguments the FFN role would drop (it takes engine arguments only) but the engine would refuse
+            check_serve_arguments(vllm_args)
+        except AfdError as exc:
+            result, code = {"refused": str(exc)}, 2
     with open(args.out, "w") as out:
         json.dump(result, out)
     return code

@@ -246,3 +246,31 @@ def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> N
         "use one of 1, 2, 4, 8"
     )
     assert "\n" not in str(dense.value) + str(uneven.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "experts"),
+    [
+        ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, 8),
+        ({"n_routed_experts": 64, "num_experts_per_tok": 6}, 64),
+        ({"moe_num_experts": [16, 16]}, 16),
+        ({"text_config": {"num_experts": 60}}, 60),
+        ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, 0),  # nothing about experts: dense
+        ({"expert_count_of_some_new_kind": 8}, None),  # mentions experts, no key vLLM reads: vLLM decides
+    ],
+)
+def test_the_checkpoint_expert_count_is_read_as_vllm_reads_it_or_left_undecided(tmp_path, raw, experts) -> None:
+    import json
+
+    from afd_mrv2.mrv2.deployment import CheckpointExperts, precheck_experts
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    facts = CheckpointExperts.read(str(tmp_path))
+    assert facts is not None and facts.get_num_experts() == experts
+    ffn7 = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 7})  # divides none
+    if experts is None:
+        precheck_experts(ffn7, str(tmp_path))  # undecided: no refusal here
+    else:
+        with pytest.raises(ConfigError, match="no routed-experts layer" if experts == 0 else "do not shard evenly"):
+            precheck_experts(ffn7, str(tmp_path))
+    assert CheckpointExperts.read(str(tmp_path / "missing")) is None

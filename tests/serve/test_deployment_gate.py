@@ -61,14 +61,13 @@ def test_a_refusal_is_serves_one_line(child) -> None:
 
 def test_the_child_gets_one_section_per_role_and_the_engine_arguments(child, monkeypatch) -> None:
     seen: list[list[str]] = []
-    real_run = app.subprocess.run
+    real_popen = app.subprocess.Popen
 
-    def run(cmd, **kwargs):
-        done = real_run(cmd, **kwargs)
+    def popen(cmd, **kwargs):
         seen.append(list(cmd))
-        return done
+        return real_popen(cmd, **kwargs)
 
-    monkeypatch.setattr(app.subprocess, "run", run)
+    monkeypatch.setattr(app.subprocess, "Popen", popen)
     child({"deployments": {}})
     app.check_deployments(plan("--dtype", "float32", "--enforce-eager"))
     (cmd,) = seen
@@ -99,13 +98,13 @@ def test_under_ubatches_the_attention_check_sees_the_v2_runner_and_eager(child, 
     """``--ubatches``: the child checks the Attention section with the V2 runner's environment and the
     ``--enforce-eager`` serve adds for that role only, in a form the child's own parser takes."""
     seen: list[tuple[list[str], dict[str, str]]] = []
-    real_run = app.subprocess.run
+    real_popen = app.subprocess.Popen
 
-    def run(cmd, **kwargs):
+    def popen(cmd, **kwargs):
         seen.append((list(cmd), dict(kwargs["env"])))
-        return real_run(cmd, **kwargs)
+        return real_popen(cmd, **kwargs)
 
-    monkeypatch.setattr(app.subprocess, "run", run)
+    monkeypatch.setattr(app.subprocess, "Popen", popen)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     child({"deployments": {}})
     opts = ServeOptions("/models/m", 1, 1, port=free_port_block(3), ubatches=2, extra=("--dtype", "float32"))

@@ -137,7 +137,9 @@ def test_real_command_refuses_before_starting(args, tmp_path):
     if not args and _vllm_installed():
         pytest.skip("an accepted vLLM runtime is installed: the gate would pass")
     port = free_port_block(3)
-    (tmp_path / "config.json").write_text("{}")  # a model folder (the runtime gate checks it first)
+    (tmp_path / "config.json").write_text(
+        '{"num_local_experts": 8}'
+    )  # a model folder (the runtime gate checks it first)
     cmd = [sys.executable, "-m", "afd_mrv2.cli", "serve", str(tmp_path), "--attention", "1", "--ffn", "1"]
     proc = subprocess.run([*cmd, "--port", str(port), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -246,7 +248,7 @@ def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch,
 
     monkeypatch.setattr(app, "check_runtime", fake_check)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
-    (tmp_path / "config.json").write_text("{}")  # the gate checks the model folder first
+    (tmp_path / "config.json").write_text('{"num_local_experts": 8}')  # the gate checks the model folder first
     plan = build_plan(ServeOptions(str(tmp_path), 1, 1, port=free_port_block(3), depth=(args or [None, None])[1]))
     with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted"):
         app.runtime_gate(plan)
@@ -288,7 +290,7 @@ def test_a_missing_model_folder_is_refused_in_one_line(tmp_path):
         check_model_folder(str(tmp_path / "nope"))
     with pytest.raises(AfdError, match=r"has no config.json"):
         check_model_folder(str(tmp_path))
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"num_local_experts": 8}')
     check_model_folder(str(tmp_path))
     check_model_folder("mistralai/Mixtral-8x7B-v0.1")  # a Hugging Face repository id is vLLM's to resolve
 
