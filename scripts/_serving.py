@@ -5,8 +5,8 @@
 * :class:`ServeServer`: ``afd-mrv2 serve MODEL --attention A --ffn F ...`` (stdout read for the ready
   line, stderr to a log file; the FFN roles' ``afd-mrv2 ffn: done {...}`` reports read back from it);
 * :func:`run_requests`: R completions from C concurrent clients, timed;
-* :meth:`_Child.pause` / :meth:`_Child.resume`: SIGSTOP / SIGCONT of every process of a server's tree
-  (checked: each in state ``T``), :meth:`_Child.processes` / :func:`process_cpu`: each process by role
+* :meth:`Child.pause` / :meth:`Child.resume`: SIGSTOP / SIGCONT of every process of a server's tree
+  (checked: each in state ``T``), :meth:`Child.processes` / :func:`process_cpu`: each process by role
   and kind (``APIServer``, ``EngineCore``, ``Worker``, ...) and its CPU seconds;
 * :func:`collective_rpc` / :func:`engine_steps`: a vLLM server's ``POST /collective_rpc`` (needs
   ``VLLM_SERVER_DEV_MODE=1``) and its engine-step count (``vllm:iteration_tokens_total``, ``GET /metrics``);
@@ -168,7 +168,7 @@ def count_cores(bind: str) -> int:
         return 0
 
 
-class _Child:
+class Child:
     """A server process in its own session, its output in a log file."""
 
     name = "server"
@@ -310,7 +310,7 @@ class _Child:
         self._log_file.close()
         return self.proc.returncode
 
-    def __enter__(self) -> _Child:
+    def __enter__(self) -> Child:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -347,7 +347,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _wait_health(child: _Child, url: str, timeout_s: float) -> float:
+def wait_health(child: Child, url: str, timeout_s: float) -> float:
     deadline = child.started + timeout_s
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
@@ -362,14 +362,14 @@ def _wait_health(child: _Child, url: str, timeout_s: float) -> float:
     raise ServerError(f"{child.name} not ready within {timeout_s:.0f} s (log {child.log})")
 
 
-def last_line(child: _Child) -> str:
+def last_line(child: Child) -> str:
     """serve's one-line error if it printed one, else the log's last non-empty line."""
     lines = [line for line in child.log_text().splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(SERVE_ERROR)]
     return (errors or lines or [f"(empty log {child.log})"])[-1].strip()
 
 
-class PlainServer(_Child):
+class PlainServer(Child):
     """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section), pinned to ``cores``."""
 
     name = "plain vLLM"
@@ -384,7 +384,7 @@ class PlainServer(_Child):
         super().__init__(cmd, _env({**(env or {}), BIND_ENV: cores}), log, stdout_pipe=False)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
-        return _wait_health(self, self.url, timeout_s)
+        return wait_health(self, self.url, timeout_s)
 
 
 @dataclass
@@ -419,7 +419,7 @@ class FfnDone:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-class ServeServer(_Child):
+class ServeServer(Child):
     """``afd-mrv2 serve`` (next to this Python) with the given topology and engine arguments."""
 
     name = "afd-mrv2 serve"

@@ -52,15 +52,15 @@ from typing import Any
 import vllm_matrix
 from _serving import (
     ENGINE_ARGS,
+    Child,
     ServerError,
     ServeTopology,
     UsageError,
-    _Child,
-    _wait_health,
     check_vllm,
     guarded,
     load_average,
     run_requests,
+    wait_health,
 )
 
 from afd_mrv2.errors import AfdError
@@ -240,7 +240,7 @@ def accuracy_rows(args: argparse.Namespace, url: str, cell: str) -> list[Check]:
     return rows
 
 
-class Launched(_Child):
+class Launched(Child):
     """One cell's deployment, started by the hardware owner's ``--launch`` command."""
 
     name = "launched deployment"
@@ -268,7 +268,7 @@ def launched_rows(args: argparse.Namespace) -> list[Check]:
             print(f"{cell.name}: launching", flush=True)
             child = Launched(args.launch, cell, args.connector, work / f"{cell.name}.log")
             try:
-                ready = _wait_health(child, args.endpoint, args.ready_timeout)
+                ready = wait_health(child, args.endpoint, args.ready_timeout)
                 print(f"{cell.name}: ready after {ready:.0f} s", flush=True)
                 child.track()
                 rows += accuracy_rows(args, args.endpoint, cell.name)

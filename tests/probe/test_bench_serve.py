@@ -62,7 +62,7 @@ def _state(pid: int) -> str:
 
 
 def test_pause_stops_every_process_of_the_tree_and_stop_ends_a_paused_one(tmp_path: Path) -> None:
-    child = serving._Child([sys.executable, "-c", TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
+    child = serving.Child([sys.executable, "-c", TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
     try:
         deadline = time.monotonic() + 30
         while len(child.track()) < 3 and time.monotonic() < deadline:
@@ -258,7 +258,7 @@ def _nice(pid: int) -> list[int]:
 
 
 def test_engine_core_nice_renices_every_thread_of_the_engine_cores_only(tmp_path: Path) -> None:
-    child = serving._Child([sys.executable, "-c", ENGINE_TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
+    child = serving.Child([sys.executable, "-c", ENGINE_TREE], {}, tmp_path / "tree.log", stdout_pipe=False)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -271,7 +271,7 @@ def test_engine_core_nice_renices_every_thread_of_the_engine_cores_only(tmp_path
         assert set(_nice(child.proc.pid)) == {0}  # the front end keeps its priority
     finally:
         child.stop()
-    plain = serving._Child(
+    plain = serving.Child(
         [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "p.log", stdout_pipe=False
     )
     try:
