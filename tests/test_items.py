@@ -44,3 +44,14 @@ def test_the_wire_header_carries_the_item_and_names_it_in_the_same_form():
     assert "attention rank 0 sent layer=2 stage 0 of 1 (seq=40), but FFN rank 0 expects layer=2 stage 1 of 2" in str(
         bad.value
     )
+
+
+def test_the_old_stage_identity_names_still_work_with_a_deprecation_warning():
+    import afd_mrv2.ubatch
+    from afd_mrv2.hooks.cam import stage_tags
+
+    with pytest.warns(DeprecationWarning, match=r"StageKey is deprecated since hook API 1: use afd_mrv2.WorkItem"):
+        key = afd_mrv2.ubatch.StageKey(0, 1)
+    with pytest.warns(DeprecationWarning, match=r"StageId is deprecated since hook API 1: use afd_mrv2.WorkItem"):
+        stage = stage_tags.StageId(0, 1, 2)
+    assert key == WorkItem.stage(0, 1) and str(stage) == "layer=0 stage 1 of 2"

@@ -28,3 +28,19 @@ __all__ = [
     "plan_stages",
     "split_tokens",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``StageKey(layer, stage)``, removed in hook API 1: served one more API version as :meth:`WorkItem.stage`."""
+    if name == "StageKey":
+        import warnings
+
+        from afd_mrv2.items import WorkItem
+
+        warnings.warn(
+            "afd_mrv2.ubatch.StageKey is deprecated since hook API 1: use afd_mrv2.WorkItem.stage(layer, stage)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return WorkItem.stage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -95,3 +95,19 @@ def check_stage(
         sender=got,
         expected=expected,
     )
+
+
+def __getattr__(name: str) -> object:
+    """``StageId(layer, stage, num_stages)``, removed in hook API 1: served one more API version as
+    :meth:`WorkItem.stage` (its fields are ``layer_idx`` / ``stage_idx`` / ``num_stages``)."""
+    if name == "StageId":
+        import warnings
+
+        warnings.warn(
+            "afd_mrv2.hooks.cam.stage_tags.StageId is deprecated since hook API 1: use "
+            "afd_mrv2.WorkItem.stage(layer, stage, num_stages)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return WorkItem.stage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
