@@ -14,6 +14,7 @@ import importlib
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -221,6 +222,11 @@ def install_distribution(name: str, site: Path, monkeypatch: pytest.MonkeyPatch)
     dist, version = project.group(1), project.group(2)
     for module in source.glob("*.py"):
         shutil.copy(module, site / module.name)
+        # a fresh import from this site, and none left behind: pop what an earlier test imported, then let
+        # monkeypatch remember the name as absent so that its undo removes what this test imports
+        sys.modules.pop(module.stem, None)
+        monkeypatch.setitem(sys.modules, module.stem, None)  # type: ignore[arg-type]
+        del sys.modules[module.stem]
     info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")

@@ -1,7 +1,7 @@
 """Test support for afd-mrv2's tests: doubles and oracles that are not product code.
 
-It lives with the tests, outside the ``afd_mrv2`` package, and **nothing in the
-product imports it**: no module of ``afd_mrv2`` imports ``tests`` or
+It lives with the tests, outside the ``afd_mrv2`` package, and nothing in the product imports it:
+no module of ``afd_mrv2`` imports ``tests`` or
 ``tests.support``, not even lazily inside a function (checked by
 ``tests/test_no_test_support_in_product.py`` and by an import-linter contract).  What the product itself runs is product code
 and lives with it (e.g. the no-op connector ``afd-mrv2 bench`` measures with is
