@@ -6,7 +6,7 @@ its stand-in quant method on the Attention role (which runs the shared experts
 itself, after the routed round trip: ``mk_can_overlap_shared_experts`` and
 ``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED``), the current-config lookup that
 lets the layer decide its role at construction, the support matrix's reads of the
-real ``VllmConfig`` (and ``vllm.triton_utils.HAS_TRITON``), the FFN role's worker
+real ``VllmConfig`` (:mod:`afd_mrv2.compat.deployment_seams`; and ``vllm.triton_utils.HAS_TRITON``), the FFN role's worker
 extension and ``collective_rpc``, and the OpenAI server module that ``afd-mrv2 serve`` runs.
 On CPU, ``CPUWorker.init_device`` builds the V2 runner inline, so the Attention
 runner substitution happens there (``platforms={"cpu"}``).
@@ -17,6 +17,7 @@ tests/compat/test_contracts.py.
 
 from __future__ import annotations
 
+from afd_mrv2.compat.deployment_seams import DEPLOYMENT_SEAMS
 from afd_mrv2.compat.seam import Seam
 
 CUSTOM_OP = "vllm.model_executor.custom_op"
@@ -331,50 +332,7 @@ MOE_SEAMS: tuple[Seam, ...] = (
         fields=("worker_cls", "worker_extension_cls"),
         capability=MOE,
     ),
-    # the support matrix on the vLLM path reads these (afd_mrv2.mrv2.deployment.deployment_of)
-    Seam(
-        "vllm",
-        "vllm.config.parallel",
-        "ParallelConfig",
-        "the support matrix reads the parallel sizes and the native micro-batching flags of the real VllmConfig",
-        fields=(
-            "enable_dbo",
-            "ubatch_size",
-            "data_parallel_size",
-            "tensor_parallel_size",
-            "prefill_context_parallel_size",
-            "decode_context_parallel_size",
-        ),
-        capability=MOE,
-    ),
-    *(
-        Seam(
-            "vllm",
-            "vllm.config.parallel",
-            f"ParallelConfig.{name}",
-            f"the support matrix reads {name} (native micro-batching, sequence-parallel MoE)",
-            params=(),
-            decorators=("property",),
-            capability=MOE,
-        )
-        for name in ("use_ubatching", "num_ubatches", "use_sequence_parallel_moe")
-    ),
-    Seam(
-        "vllm",
-        "vllm.config.model",
-        "ModelConfig",
-        "the support matrix reads enforce_eager (CAMAsync and multistream run eager only)",
-        fields=("enforce_eager",),
-        capability=MOE,
-    ),
-    Seam(
-        "vllm",
-        "vllm.config.compilation",
-        "CompilationConfig",
-        "the support matrix counts compile mode and graph mode both NONE as eager",
-        fields=("mode", "cudagraph_mode", "pass_config"),
-        capability=MOE,
-    ),
+    *DEPLOYMENT_SEAMS,  # the support matrix on the vLLM path (compat/deployment_seams.py)
     Seam(
         "vllm",
         "vllm.v1.worker.worker_base",

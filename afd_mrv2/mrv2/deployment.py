@@ -48,6 +48,8 @@ micro-batching of any count is refused: only afd-mrv2's own micro-batch runner
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import sys
@@ -288,9 +290,6 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
     FFN role, which takes only engine arguments, never drops one silently that the Attention engine
     then fails on.
     """
-    import contextlib
-    import io
-
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

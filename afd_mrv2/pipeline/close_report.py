@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from afd_mrv2.errors import PipelineError
 from afd_mrv2.items import WorkItem
+from afd_mrv2.work import Work
+
+log = logging.getLogger("afd_mrv2.pipeline.executor")  # the executor's own messages
 
 
 @dataclass
@@ -37,3 +43,17 @@ class Failure:
     error: BaseException
     item: WorkItem | None
     phase: str | None
+
+    def as_error(self) -> PipelineError:
+        """The :class:`PipelineError` the executor raises for this failure, naming the item and phase."""
+        where = f"on_{self.phase} failed for work item {self.item}" if self.item else "the pipeline failed"
+        return PipelineError(f"{where}: {type(self.error).__name__}: {self.error}", item=self.item, phase=self.phase)
+
+
+def clean_up(on_cleanup: Callable[..., object], abandoned: Iterable[Work], reason: BaseException) -> None:
+    """``on_cleanup`` once for every abandoned item, in issue order; an exception is logged and swallowed."""
+    for work in abandoned:
+        try:
+            on_cleanup(work=work, error=reason)
+        except Exception:
+            log.exception("on_cleanup raised for %s; continuing", work.item)

@@ -54,7 +54,7 @@ from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import PHASES, WorkItem
 from afd_mrv2.pipeline.autodepth import DepthChoice, DepthTuner
 from afd_mrv2.pipeline.buffer_bytes import BufferBytes, measure_slots
-from afd_mrv2.pipeline.close_report import CloseReport, Failure
+from afd_mrv2.pipeline.close_report import CloseReport, Failure, clean_up
 from afd_mrv2.pipeline.events import EventPool
 from afd_mrv2.pipeline.inflight import InFlight
 from afd_mrv2.pipeline.spans import SpanCollector
@@ -104,8 +104,7 @@ class Executor:
         self._spans = SpanCollector(backend, trace=trace, tuner=tuner)
         self._compute = compute
         self._plugins = plugins
-        # hook API 0 (a plugin that declares no hook_api_version): one slot per item, held from
-        # recv until its send completed, so the input slot is freed by send, not by compute
+        # hook API 0 (no hook_api_version): its one slot per item lives until its send, so send frees inputs
         self._api0 = plugins.legacy_slots
         hook = plugins.hook
         self._hook = hook
@@ -375,9 +374,7 @@ class Executor:
         assert failure is not None
         if self._report is None:
             self._stop(failure.error, time.monotonic() + self.config.close_timeout_s)
-        where = f"on_{failure.phase} failed for work item {failure.item}" if failure.item else "the pipeline failed"
-        message = f"{where}: {type(failure.error).__name__}: {failure.error}"
-        raise PipelineError(message, item=failure.item, phase=failure.phase) from failure.error
+        raise failure.as_error() from failure.error
 
     def _stop(self, error: BaseException | None, deadline: float) -> CloseReport:
         """Stop everything, clean up abandoned items once each, and record the report."""
@@ -389,11 +386,7 @@ class Executor:
         # send that was running when we aborted may have completed meanwhile.
         abandoned = self._in_flight.unsent()
         reason = error if error is not None else PipelineAborted("abandoned at close")
-        for work in abandoned:
-            try:
-                self._hook.on_cleanup(work=work, error=reason)
-            except Exception:
-                log.exception("on_cleanup raised for %s; continuing", work.item)
+        clean_up(self._hook.on_cleanup, abandoned, reason)
         self._in_flight.clear()
         self._report = CloseReport(
             abandoned=[w.item for w in abandoned],
