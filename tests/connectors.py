@@ -33,6 +33,7 @@ from afd_mrv2.pipeline import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import plugins_for
 from afd_mrv2.work import Work
+from tests.dists import write_dist_info
 
 
 def item_inputs(item: WorkItem, rows: int = 8, width: int = 32) -> torch.Tensor:
@@ -198,10 +199,7 @@ class CountingHost(Counting, HostBackend):
 def install_entry_point(site: Path, monkeypatch: pytest.MonkeyPatch, dist: str, name: str, target: str) -> None:
     """Install ``name = target`` in the ``afd_mrv2`` entry-point group as a third party would: a
     ``<dist>-0.1.dist-info`` in ``site``, which goes on ``sys.path`` for the test."""
-    info = site / f"{dist}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{name} = {target}\n")
+    write_dist_info(site, dist, "0.1", {"afd_mrv2": {name: target}})
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
 
@@ -227,10 +225,8 @@ def install_distribution(name: str, site: Path, monkeypatch: pytest.MonkeyPatch)
         sys.modules.pop(module.stem, None)
         monkeypatch.setitem(sys.modules, module.stem, None)  # type: ignore[arg-type]
         del sys.modules[module.stem]
-    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text("[afd_mrv2]\n" + section.group(1).replace('"', ""))
+    points = dict(line.replace('"', "").split(" = ", 1) for line in section.group(1).splitlines())
+    write_dist_info(site, dist, version, {"afd_mrv2": points})
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     importlib.invalidate_caches()

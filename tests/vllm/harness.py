@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_mrv2.serve.client import compare as compare_greedy
+from tests.dists import write_dist_info
 
 ENGINE = Path(__file__).with_name("engine.py")
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
@@ -84,10 +85,7 @@ def zero_env(folder: Path, env: dict[str, str] | None = None) -> dict[str, str]:
     site.mkdir(parents=True, exist_ok=True)
     source = Path(__file__).with_name("thirdparty") / f"{ZERO_PLUGIN}.py"
     (site / source.name).write_text(source.read_text())
-    info = site / f"{ZERO_PLUGIN}-0.0.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {ZERO_PLUGIN.replace('_', '-')}\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ZERO_PLUGIN} = {ZERO_PLUGIN}:register\n")
+    write_dist_info(site, ZERO_PLUGIN, "0.0.0", {"vllm.general_plugins": {ZERO_PLUGIN: f"{ZERO_PLUGIN}:register"}})
     env = dict(env or {})
     paths = [str(site), *filter(None, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(os.pathsep))]
     return {**env, "PYTHONPATH": os.pathsep.join(paths), "VLLM_PLUGINS": ZERO_PLUGIN}

@@ -30,6 +30,7 @@ from typing import Any
 from afd_mrv2.serve.client import LineReader, complete, greedy
 from afd_mrv2.serve.client import body as body  # re-exported for the tests
 from afd_mrv2.serve.client import compare as compare
+from tests.dists import write_dist_info
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import BASE_ENV, cores
 
@@ -159,12 +160,7 @@ def third_party_site(folder: Path, module: str, connector: str, factory: str) ->
     ``tests/vllm/thirdparty/<module>.py`` and its dist-info declaring ``[afd_mrv2] connector = module:factory``."""
     folder.mkdir(parents=True)
     shutil.copy(THIRD_PARTY / f"{module}.py", folder / f"{module}.py")
-    info = folder / f"{module}-0.0.0.dist-info"
-    info.mkdir()
-    name = module.replace("_", "-")
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[afd_mrv2]\n{connector} = {module}:{factory}\n")
-    (info / "top_level.txt").write_text(f"{module}\n")
+    write_dist_info(folder, module, "0.0.0", {"afd_mrv2": {connector: f"{module}:{factory}"}})
     return folder
 
 
