@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _serving import (
+from serving import (
     PlainServer,
     ServerError,
     ServeServer,
@@ -57,7 +57,6 @@ from _serving import (
     collective_rpc,
     count_cores,
     engine_steps,
-    free_port_block,
     guarded,
     load_average,
     parse_cpu_list,
@@ -67,13 +66,12 @@ from _serving import (
     run_requests,
     write_json,
 )
+from serving.matrix import STANDIN
 
+from afd_mrv2.serve.plan import free_port_block
 from afd_mrv2.table import format_table
 
 PROG = "bench_serve"
-REPO = Path(__file__).resolve().parent.parent
-#: The test-only triton "cpu" stand-in vLLM's V2 runner needs on CPU (a sitecustomize), prepended to PYTHONPATH.
-STANDIN = REPO / "tests" / "vllm" / "triton_cpu_standin"
 #: Every process of the run (plain vLLM, serve and, through serve's environment, its roles).
 STANDIN_ENV = {"TRITON_INTERPRET": "1", "AFD_MRV2_TEST_TRITON_CPU_STANDIN": "1"}
 #: Plain vLLM selects V2 itself; serve selects it for its Attention engines under --ubatches.

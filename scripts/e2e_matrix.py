@@ -49,8 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import vllm_matrix
-from _serving import (
+from serving import (
     ENGINE_ARGS,
     Child,
     ServerError,
@@ -59,6 +58,7 @@ from _serving import (
     check_vllm,
     guarded,
     load_average,
+    matrix,
     run_requests,
     wait_health,
 )
@@ -154,7 +154,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--min-accuracy", type=float, default=0.2, help="pass threshold (default %(default)s)")
     parser.add_argument("--ready-timeout", type=float, default=1800, help="--launch: seconds to /health 200")
     parser.add_argument("--arch", default="mixtral", help="CPU: the tiny checkpoint's architecture")
-    parser.add_argument("--runner", default="v1", choices=list(vllm_matrix.RUNNERS), help="CPU: vLLM runner")
+    parser.add_argument("--runner", default="v1", choices=list(matrix.RUNNERS), help="CPU: vLLM runner")
     parser.add_argument("--evidence", default="out/e2e-matrix/evidence.json", help="evidence document to write")
     parser.add_argument("--work", default="out/e2e-matrix", help="logs, models and runs (default %(default)s)")
     args = parser.parse_args(head)
@@ -172,8 +172,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         bad = [v for v in values if v not in known]
         if bad:
             raise UsageError(f"--{name}: expected some of {', '.join(known)}, got {', '.join(bad)}")
-    if cpu and args.arch not in vllm_matrix.ARCHS:
-        raise UsageError(f"--arch: expected one of {', '.join(vllm_matrix.ARCHS)}, got {args.arch}")
+    if cpu and args.arch not in matrix.ARCHS:
+        raise UsageError(f"--arch: expected one of {', '.join(matrix.ARCHS)}, got {args.arch}")
     if not 0.0 <= args.min_accuracy <= 1.0 or args.concurrency < 1 or args.shots < 0:
         raise UsageError("--min-accuracy must be in 0..1, --concurrency >= 1, --shots >= 0")
     return args, list(engine)
@@ -296,35 +296,33 @@ def launched_rows(args: argparse.Namespace) -> list[Check]:
 # --- CPU: topology axis through serve, async-MoE axis on the embedded run ---------------------------------
 
 
-def config_of(attention: int, ffn: int) -> vllm_matrix.Config:
+def config_of(attention: int, ffn: int) -> matrix.Config:
     """vllm_matrix's config for ``AxF`` (its pass criteria: 1A exact, more Attention engines 31/32)."""
-    criteria = vllm_matrix.ONE_ATTENTION if attention == 1 else vllm_matrix.TWO_ATTENTION
-    return vllm_matrix.CONFIGS.get(f"{attention}a{ffn}f", vllm_matrix.Config(ServeTopology(attention, ffn), criteria))
+    criteria = matrix.ONE_ATTENTION if attention == 1 else matrix.TWO_ATTENTION
+    return matrix.CONFIGS.get(f"{attention}a{ffn}f", matrix.Config(ServeTopology(attention, ffn), criteria))
 
 
 def topology_rows(args: argparse.Namespace, engine_args: list[str]) -> list[Check]:
-    """AFD == plain vLLM per topology (scripts/vllm_matrix.py's rows), tiny ``--arch`` checkpoint."""
+    """AFD == plain vLLM per topology (serving.matrix rows, as scripts/vllm_matrix.py), tiny ``--arch`` checkpoint."""
     check_vllm()
     work = Path(args.work)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    model = vllm_matrix.make_model(work / "models" / args.arch, args.arch)
-    runner = vllm_matrix.RUNNERS[args.runner]
-    engine = [*engine_args, *runner.engine_args, *vllm_matrix.ARCH_ENGINE_ARGS.get(args.arch, ())]
+    model = matrix.make_model(work / "models" / args.arch, args.arch)
+    runner = matrix.RUNNERS[args.runner]
+    engine = [*engine_args, *runner.engine_args, *matrix.ARCH_ENGINE_ARGS.get(args.arch, ())]
     names = [f"{a}a{f}f" for a, f in args.topologies]
     try:
-        plain, plain_vs_plain, _ = vllm_matrix.plain_reference(
-            model, runner, engine, logs, f"{args.arch}-{args.runner}"
-        )
-    except (vllm_matrix.RunnerUnavailable, ServerError) as exc:
+        plain, plain_vs_plain, _ = matrix.plain_reference(model, runner, engine, logs, f"{args.arch}-{args.runner}")
+    except (matrix.RunnerUnavailable, ServerError) as exc:
         return [Check(f"e2e:topology:{n}", FAIL, None, f"plain vLLM reference failed: {exc}") for n in names]
     rows = []
     for (attention, ffn), name in zip(args.topologies, names, strict=True):
         config = config_of(attention, ffn)
         try:
-            found = vllm_matrix.serve_row(model, config, runner, engine, logs, f"{args.arch}-{name}", plain)
-            verdict = vllm_matrix.verdict(config, found)
-        except (vllm_matrix.RunnerUnavailable, ServerError) as exc:
+            found = matrix.serve_row(model, config, runner, engine, logs, f"{args.arch}-{name}", plain)
+            verdict = matrix.verdict(config, found)
+        except (matrix.RunnerUnavailable, ServerError) as exc:
             found, verdict = {}, f"FAILED: {exc}"
         if found.get("residual_pids"):
             verdict += f" (left processes {found['residual_pids']})"
@@ -337,7 +335,7 @@ def topology_rows(args: argparse.Namespace, engine_args: list[str]) -> list[Chec
         c = config.criteria
         detail = (
             f"afd-mrv2 serve {name.upper()} vs plain vLLM, {args.arch} tiny checkpoint, runner {args.runner}: "
-            f"{found.get('identical', '-')}/{vllm_matrix.COMPLETIONS} greedy completions identical "
+            f"{found.get('identical', '-')}/{matrix.COMPLETIONS} greedy completions identical "
             f"(needs >= {c.min_identical}, max |dlogprob| <= {c.max_logprob_diff:g}): {verdict}"
         )
         rows.append(Check(f"e2e:topology:{name}", PASS if verdict == "PASS" else FAIL, clean(measured), detail))

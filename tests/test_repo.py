@@ -44,3 +44,14 @@ def test_every_product_module_is_forbidden_to_import_test_support() -> None:
     modules = {f"afd_mrv2.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"}
     modules |= {f"afd_mrv2.{p.parent.name}" for p in package.glob("*/__init__.py")}
     assert listed == modules
+
+
+def test_readme_layers_are_the_import_linter_layers() -> None:
+    """The README's layer list is the one lint-imports enforces (it had drifted: a removed package stayed listed)."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"checked by `lint-imports` in the test\ncommand:\n\n```\n(.+?)\n```", text, re.S)
+    assert block is not None, "README lost its layer list"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    listing = pyproject.split('type = "layers"', 1)[1].split("layers = [", 1)[1].split("]", 1)[0]
+    layers = re.findall(r'"([^"]+)"', listing)
+    assert block.group(1).splitlines() == [layer.replace("afd_mrv2.", "") for layer in layers]

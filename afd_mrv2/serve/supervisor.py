@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
+from afd_mrv2.serve.plan import HOST, Plan, RoleSpec, ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 
@@ -89,6 +89,7 @@ class Supervisor:
             except OSError as exc:
                 await proxy.close()
                 raise AfdError(f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}") from None
+            self._warn_ephemeral()
             Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
             try:
                 if await self._start(self.plan.of(FFN)) and await self._start(self.plan.of(ATTENTION)):
@@ -105,6 +106,19 @@ class Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         return self._report()
+
+    def _warn_ephemeral(self) -> None:
+        """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range
+        (their port-0 sockets may take it first: the Attention engine then fails with EADDRINUSE)."""
+        later = [p for r in self.plan.of(ATTENTION) if (p := r.port) is not None] + [int(self.plan.afd["port"])]
+        risky = ports_in_ephemeral_range(later)
+        if risky:
+            eph = ephemeral_ports()
+            self._say(
+                f"warning: port(s) {', '.join(map(str, risky))} lie in the kernel's ephemeral range "
+                f"{eph.start}-{eph.stop - 1}; another process's socket may take one before its role binds it "
+                f"(choose a --port below {eph.start - len(later) - 1})"
+            )
 
     def _reason(self) -> str:
         if self.death is not None:

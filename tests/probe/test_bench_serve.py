@@ -9,6 +9,7 @@ tree of plain Pythons stands in for a server (pause / resume / stop / labels), a
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ SCRIPTS = ROOT / "scripts"
 
 
 def load(name: str) -> ModuleType:
-    """A script as a module (its sibling _serving importable while it loads)."""
+    """A script as a module (its sibling package serving importable while it loads)."""
     if name in sys.modules:
         return sys.modules[name]
     sys.path.insert(0, str(SCRIPTS))
@@ -42,7 +43,7 @@ def load(name: str) -> ModuleType:
 
 
 bench = load("bench_serve")
-serving = sys.modules["_serving"]
+serving = sys.modules["serving"]
 
 #: A root that starts a child in a session of its own (as serve starts its roles) which starts a grandchild.
 TREE = textwrap.dedent(
@@ -69,7 +70,7 @@ def test_pause_stops_every_process_of_the_tree_and_stop_ends_a_paused_one(tmp_pa
             time.sleep(0.05)
         pids = child.track()
         assert len(pids) == 3, pids  # root, the child in its own session, its child
-        assert len({serving.os.getpgid(p) for p in pids}) == 2  # a killpg of the root's group would miss two
+        assert len({os.getpgid(p) for p in pids}) == 2  # a killpg of the root's group would miss two
         paused = child.pause()
         assert sorted(paused) == sorted(pids)
         assert {_state(p) for p in pids} == {"T"} and child.not_stopped() == []

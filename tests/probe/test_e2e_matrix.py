@@ -48,7 +48,7 @@ def fake_server(port: int) -> subprocess.Popen[bytes]:
 
 
 def load_script():
-    """The script as a module (its siblings _serving and vllm_matrix importable while it loads)."""
+    """The script as a module (its sibling package serving importable while it loads)."""
     if "e2e_matrix" in sys.modules:
         return sys.modules["e2e_matrix"]
     sys.path.insert(0, str(SCRIPT.parent))
@@ -125,9 +125,9 @@ def test_cell_environment_for_the_launch_command() -> None:
         "async_moe": {"enabled": True, "split": "token"},
     }
     assert "async_moe" not in matrix.Cell(1, 1, "off").afd("torch_p2p")
-    assert matrix.config_of(2, 1) is matrix.vllm_matrix.CONFIGS["2a1f"]
-    free = matrix.config_of(3, 2)  # not in vllm_matrix's list: serve decides whether it serves it
-    assert (free.topology.attention, free.topology.ffn, free.criteria) == (3, 2, matrix.vllm_matrix.TWO_ATTENTION)
+    assert matrix.config_of(2, 1) is matrix.matrix.CONFIGS["2a1f"]
+    free = matrix.config_of(3, 2)  # not in serving.matrix.CONFIGS: serve decides whether it serves it
+    assert (free.topology.attention, free.topology.ffn, free.criteria) == (3, 2, matrix.matrix.TWO_ATTENTION)
 
 
 @pytest.mark.parametrize(

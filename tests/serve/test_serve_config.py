@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -14,7 +15,8 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
 from afd_mrv2.serve import roles as roles_module
-from afd_mrv2.serve.plan import RANK_KEY, cpu_binds
+from afd_mrv2.serve.plan import RANK_KEY, cpu_binds, ephemeral_ports, ports_in_ephemeral_range
+from afd_mrv2.serve.supervisor import Supervisor
 from tests.serve.conftest import free_port_block
 
 BAD = [
@@ -314,3 +316,26 @@ def test_a_plugin_of_an_unserved_hook_api_is_refused_in_the_preflight(tmp_path, 
         "afd-mrv2 serve: error: connector 'echo_api1' (afd_echo_api1.EchoLink) was written for hook API 2; "
     ), err
     assert "serves hook API 0 to 1" in err[0] and gated == []
+
+
+def test_test_port_blocks_avoid_the_kernels_ephemeral_range():
+    """A block picked for a test lies outside the range the FFN engines' port-0 sockets draw from
+    (CI once lost an Attention engine to EADDRINUSE: its port, free at pick time, was taken meanwhile)."""
+    eph = ephemeral_ports()
+    for _ in range(50):
+        base = free_port_block(4)
+        assert not ports_in_ephemeral_range(range(base, base + 4)), (base, eph)
+
+
+def test_serve_warns_when_a_port_bound_after_the_ffn_ranks_is_ephemeral(tmp_path):
+    eph = ephemeral_ports()
+    log = io.StringIO()
+    risky = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start + 100))
+    Supervisor(risky, out=io.StringIO(), log=log)._warn_ephemeral()
+    line = log.getvalue().strip()
+    assert line.startswith("[serve] warning: port(s) ") and f"{eph.start + 101}, {eph.start + 102}" in line
+    assert f"--port below {eph.start - 4}" in line and len(line.splitlines()) == 1
+    safe = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start - 10))
+    quiet = io.StringIO()
+    Supervisor(safe, out=io.StringIO(), log=quiet)._warn_ephemeral()
+    assert quiet.getvalue() == ""

@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from afd_mrv2.serve.client import PROMPTS
+from scripts.serving import PROMPTS
 
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
 

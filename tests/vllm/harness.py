@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afd_mrv2.serve.client import compare as compare_greedy
+from scripts.serving import BASE_ENV as BASE_ENV  # re-exported for the tests
+from scripts.serving import compare as compare_greedy
 from tests.dists import write_dist_info
 
 ENGINE = Path(__file__).with_name("engine.py")
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
-BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ENGINE_TIMEOUT_S = 600
 ZERO_PLUGIN = "afd_mrv2_test_zero"  # tests/vllm/thirdparty/afd_mrv2_test_zero.py: routed experts give zeros
 TRITON_STANDIN = Path(__file__).with_name("triton_cpu_standin")  # its sitecustomize.py; see its docstring
@@ -195,7 +195,7 @@ class FfnRole:
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Greedy results of two engine reports side by side (:func:`afd_mrv2.serve.client.compare`)."""
+    """Greedy results of two engine reports side by side (:func:`scripts.serving.compare`)."""
     ra, rb = a["results"], b["results"]
     assert [r["prompt"] for r in ra] == [r["prompt"] for r in rb]
     return compare_greedy([(r["tokens"], r["logprobs"]) for r in ra], [(r["tokens"], r["logprobs"]) for r in rb])

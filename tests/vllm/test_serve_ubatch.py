@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from afd_mrv2.serve.client import prompts
+from scripts.serving import prompts
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import V2_RUNNER, make_model, v2_env
 from tests.vllm.serving import (

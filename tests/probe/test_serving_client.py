@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from afd_mrv2.serve.client import body, compare, complete, greedy
+from scripts.serving import body, compare, complete, greedy
 from tests.serve.conftest import free_port_block
 
 
@@ -40,7 +40,7 @@ def test_line_reader_waits_for_a_prefix_and_gives_up_when_the_writer_is_gone() -
     import sys
     import time
 
-    from afd_mrv2.serve.client import LineReader
+    from scripts.serving import LineReader
 
     code = "import time; print('starting', flush=True); time.sleep(0.3); print('ready at x', flush=True)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
