@@ -348,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(head)
     result: dict[str, Any] = {"deployments": {}}
     code = 0
-    for text in args.section:
+    try:  # first (no config is built for arguments vLLM refuses): what the FFN role would drop, since it
+        # takes engine arguments only, but the Attention engine would refuse
+        check_serve_arguments(vllm_args)
+    except AfdError as exc:
+        result, code = {"refused": str(exc)}, 2
+    for text in args.section if code == 0 else []:
         section = json.loads(text)
         role = section.get("role")
         try:
@@ -363,11 +368,6 @@ def main(argv: list[str] | None = None) -> int:
             result, code = {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}, 3
             break
         result["deployments"][role] = dict(vars(deployment))
-    if code == 0:
-        try:  # the arguments the FFN role would drop (it takes engine arguments only) but the engine would refuse
-            check_serve_arguments(vllm_args)
-        except AfdError as exc:
-            result, code = {"refused": str(exc)}, 2
     with open(args.out, "w") as out:
         json.dump(result, out)
     return code

@@ -1,0 +1,113 @@
+"""Where each routed expert lives when experts are replicated, and which live holder serves it.
+
+``E`` routed experts, ``F`` FFN ranks, ``R`` replicas (``1 <= R <= F``, ``E % F == 0``).
+Expert ``e``'s *primary* holder is the FFN rank owning its contiguous block, as in
+:class:`~afd_mrv2.topology.Topology` (``e // (E/F)``); its replicas are the next ``R-1``
+ranks around the ring::
+
+    holders(e) = (p, p+1, ..., p+R-1) mod F        p = e // (E/F)
+
+So with ``R = 1`` the placement is exactly today's blocks; every FFN rank holds ``R`` blocks
+(``R * E/F`` experts: the load is even); the ``R`` holders of an expert are distinct, so the
+loss of any ``R-1`` ranks leaves every expert a live holder.
+
+Routing policy (:meth:`Placement.route`): a (token, expert) pair goes to the expert's first
+*live* holder in that order, primary first.  Deterministic, it keeps the ``R = 1`` path and a
+healthy ``R >= 2`` deployment identical to today's (every expert computed by its primary, whose
+weights are the ones that ran), and a failover moves exactly the lost rank's share, to its ring
+successor, which already holds those experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from afd_mrv2.errors import AfdError
+
+
+class NoLiveHolder(AfdError):
+    """Some expert has no live holder left: the deployment cannot serve (serve stops, as without replicas)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The expert-to-holders table of ``num_experts`` experts on ``num_ffn`` ranks, ``replicas`` copies each."""
+
+    num_experts: int
+    num_ffn: int
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_ffn < 1:
+            raise AfdError(f"need at least one FFN rank, got {self.num_ffn}")
+        if not 1 <= self.replicas <= self.num_ffn:
+            raise AfdError(f"expert_replicas must be in 1..{self.num_ffn} (the FFN ranks), got {self.replicas}")
+        if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
+            raise AfdError(f"num_experts ({self.num_experts}) must be a multiple of the FFN ranks ({self.num_ffn})")
+
+    @property
+    def block(self) -> int:
+        """Experts per block (``E / F``): an FFN rank's primary experts."""
+        return self.num_experts // self.num_ffn
+
+    @cached_property
+    def holders(self) -> tuple[tuple[int, ...], ...]:
+        """``holders[e]``: the FFN ranks holding expert ``e``, primary first."""
+        return tuple(
+            tuple((e // self.block + j) % self.num_ffn for j in range(self.replicas)) for e in range(self.num_experts)
+        )
+
+    def held_by(self, ffn: int) -> tuple[int, ...]:
+        """The experts FFN rank ``ffn`` keeps (ascending): ``R`` blocks."""
+        if not 0 <= ffn < self.num_ffn:
+            raise AfdError(f"no FFN rank {ffn} among {self.num_ffn}")
+        return tuple(e for e, h in enumerate(self.holders) if ffn in h)
+
+    def route(self, expert: int, live: Iterable[int]) -> int:
+        """The FFN rank that computes ``expert`` while the ranks ``live`` are up: its first live holder."""
+        up = set(live)
+        for ffn in self.holders[expert]:
+            if ffn in up:
+                return ffn
+        raise NoLiveHolder(
+            f"expert {expert} has no live holder: its holders {list(self.holders[expert])} are all lost "
+            f"(live FFN ranks: {sorted(up) or 'none'})"
+        )
+
+    def routing(self, live: Iterable[int]) -> tuple[int, ...]:
+        """``routing[e]``: the FFN rank computing expert ``e`` (:meth:`route` for every expert);
+        :class:`NoLiveHolder` naming the first expert without a live holder."""
+        up = frozenset(live)
+        return tuple(self.route(e, up) for e in range(self.num_experts))
+
+    def survives(self, lost: Sequence[int]) -> bool:
+        """Whether every expert keeps a live holder when the ranks ``lost`` are gone."""
+        gone = set(lost)
+        return all(any(h not in gone for h in hs) for hs in self.holders)
+
+    def describe(self) -> list[str]:
+        """One line per FFN rank: the experts it holds, as ranges (what serve prints at start)."""
+        lines = []
+        for ffn in range(self.num_ffn):
+            held = self.held_by(ffn)
+            primary = [e for e in held if self.holders[e][0] == ffn]
+            lines.append(f"FFN rank {ffn}: experts {_ranges(held)} ({len(held)}; primary {_ranges(primary)})")
+        return lines
+
+
+def _ranges(experts: Sequence[int]) -> str:
+    """``0-3,8-11``: ascending experts as compact ranges."""
+    parts: list[str] = []
+    start = prev = None
+    for e in experts:
+        if prev is not None and e == prev + 1:
+            prev = e
+            continue
+        if start is not None:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = e
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts) or "none"
