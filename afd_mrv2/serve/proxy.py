@@ -2,6 +2,9 @@
 
 * ``GET /health`` is answered here: 200 once every role is ready, 503 while
   starting or stopping.
+* ``GET /metrics`` (every engine's vLLM metrics, relabelled by Attention rank, and
+  serve's AFD metrics) and ``GET /afd/status`` (JSON) are answered here too, at any
+  time (:mod:`afd_mrv2.serve.metrics`).
 * Every other path (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
   ...) goes to one Attention engine, picked by least outstanding requests (ties
   broken round robin) or plain round robin.  Method, path, query, headers
@@ -28,6 +31,8 @@ from typing import Any, TextIO, TypeVar
 
 import aiohttp
 from aiohttp import web
+
+from afd_mrv2.serve import metrics
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +77,24 @@ def error_body(status: int, message: str) -> dict[str, object]:
 class Proxy:
     """Balance requests over ``backends`` (``(name, base_url)`` pairs)."""
 
-    def __init__(self, backends: Sequence[tuple[str, str]], *, balance: str = BALANCE[0], log: TextIO) -> None:
+    def __init__(
+        self,
+        backends: Sequence[tuple[str, str]],
+        *,
+        balance: str = BALANCE[0],
+        log: TextIO,
+        num_ffn: int = 0,
+        roles: metrics.RoleStates = tuple,
+    ) -> None:
+        """``backends``: the Attention engines in rank order; ``roles``: the role processes' states now
+        (for ``/metrics`` and ``/afd/status``), ``num_ffn`` the topology's FFN ranks."""
         if balance not in BALANCE:
             raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
         self.backends = [Backend(name, url) for name, url in backends]
         self.balance = balance
         self.log = log
+        self.num_ffn = num_ffn
+        self.roles = roles
         self.ready = False
         self.down: str | None = None
         self._turn = itertools.count()
@@ -92,6 +109,8 @@ class Proxy:
         self._down = asyncio.get_running_loop().create_future()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/afd/status", self._status)
         app.router.add_route("*", "/{tail:.*}", self._forward)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
@@ -142,6 +161,45 @@ class Proxy:
         if self.ready and self.down is None:
             return web.Response(status=200)
         return web.json_response(error_body(503, self.down or "starting"), status=503)
+
+    def _engine_counts(self) -> list[metrics.EngineCount]:
+        return [metrics.EngineCount(rank, b.served, b.outstanding) for rank, b in enumerate(self.backends)]
+
+    async def _scrape(self, rank: int, backend: Backend) -> list[metrics.Metric] | None:
+        """One engine's own metrics, relabelled; None when it does not answer in time (or is down)."""
+        if self._session is None:
+            return None
+        try:
+            timeout = aiohttp.ClientTimeout(total=metrics.SCRAPE_TIMEOUT_S)
+            async with self._session.get(backend.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                text = (await resp.read()).decode(errors="replace")
+            return metrics.relabel(text, rank)
+        except (*BACKEND_ERRORS, ValueError) as exc:
+            log.debug("metrics of %s: %s", backend.name, exc)
+            return None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        scraped = await asyncio.gather(*(self._scrape(rank, b) for rank, b in enumerate(self.backends)))
+        engines = metrics.merge(f for families in scraped if families for f in families)
+        ready = self.ready and self.down is None
+        afd = metrics.afd_families(
+            len(self.backends),
+            self.num_ffn,
+            self.roles(),
+            self._engine_counts(),
+            {rank: families is not None for rank, families in enumerate(scraped)},
+            ready,
+        )
+        body = metrics.render([*afd, *engines])
+        return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        doc = metrics.status(
+            len(self.backends), self.num_ffn, self.roles(), self._engine_counts(), self.ready, self.down
+        )
+        return web.json_response(doc)
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         if not self.ready or self.down is not None or self._session is None:

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.serve.metrics import RoleState
 from afd_mrv2.serve.plan import HOST, Plan, RoleSpec, ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
@@ -82,7 +83,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         opts = self.plan.options
         names = [(r.name, url) for r, url in zip(self.plan.of(ATTENTION), self.plan.backends, strict=True)]
-        proxy = Proxy(names, balance=opts.balance, log=self.log)
+        proxy = Proxy(names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states)
         try:
             try:
                 await proxy.start(HOST, opts.port)
@@ -106,6 +107,10 @@ class Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         return self._report()
+
+    def role_states(self) -> list[RoleState]:
+        """Every role process started so far, and whether its process group is alive (``/metrics``)."""
+        return [RoleState(r.spec.role, r.spec.rank, r.pid, r.alive()) for r in self.roles]
 
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range

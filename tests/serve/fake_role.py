@@ -13,6 +13,9 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 
 An Attention fake serves ``/health``, ``/v1/models`` and ``/v1/completions`` (a JSON body,
 or SSE chunks with ``"stream": true``) with aiohttp; the completion names the rank and pid.
+Its ``/metrics`` is what a vLLM OpenAI server exports, made the way vLLM makes it
+(``prometheus_client``; every sample labelled ``engine="0"``, as each independent engine does):
+a gauge, a counter of finished requests and a latency histogram.
 A prompt ``"die"`` makes the process SIGKILL itself in the middle of the response.
 Every fake prints ``pid <ROLE> <RANK> <PID>`` (and ``grandchild <PID>``) so tests can check them.
 """
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 MARKER = "afd-mrv2 ffn: ready"
 
@@ -50,6 +54,15 @@ def completion(rank: int, text: str) -> dict[str, object]:
 
 def attention_app(rank: int, behaviour: dict[str, object]) -> web.Application:
     delay = float(behaviour.get("token_delay", 0.05))  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    labels = {"engine": "0", "model_name": "fake"}
+    running = Gauge("vllm:num_requests_running", "Requests running.", list(labels), registry=registry)
+    finished = Counter("vllm:request_success", "Finished requests.", list(labels), registry=registry)
+    latency = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", list(labels), registry=registry)
+    running.labels(**labels).set(0)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -58,6 +71,16 @@ def attention_app(rank: int, behaviour: dict[str, object]) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        running.labels(**labels).inc()
+        try:
+            return await complete(request)
+        finally:
+            running.labels(**labels).dec()
+            finished.labels(**labels).inc()
+            latency.labels(**labels).observe(time.monotonic() - started)
+
+    async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         tokens = int(body.get("max_tokens", 4))
         die = body.get("prompt") == "die"
@@ -83,6 +106,7 @@ def attention_app(rank: int, behaviour: dict[str, object]) -> web.Application:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     return app
 

@@ -1,0 +1,170 @@
+"""``GET /metrics`` and ``GET /afd/status`` on serve's endpoint.
+
+``/metrics`` (Prometheus text format, built with ``prometheus_client``) carries:
+
+* every Attention engine's own vLLM metrics, read from its ``/metrics``.  Each engine is an
+  independent vLLM server that labels its samples ``engine="0"``; here each sample's
+  ``engine`` label is the engine's Attention rank (added where a sample has none), so the
+  engines' series stay apart.  An engine that does not answer within
+  :data:`SCRAPE_TIMEOUT_S` is left out, and ``afd_engine_scrape_ok`` says so;
+* serve's own AFD metrics (:data:`AFD_METRICS`, documented in docs/serve.md).
+
+``/afd/status`` answers JSON: the topology, each role process and whether it is live, the
+requests the endpoint sent to each engine, and whether the endpoint is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+#: The ``Content-Type`` of ``/metrics`` (Prometheus text format).
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: How long ``/metrics`` waits for one engine's ``/metrics``.
+SCRAPE_TIMEOUT_S = 5.0
+
+#: The AFD metrics serve itself exports: name -> (type, help).  Their names fall under the
+#: CHANGELOG's rule (a rename keeps the old name for one more hook API version).
+AFD_METRICS: dict[str, tuple[str, str]] = {
+    "afd_attention_ranks": ("gauge", "Attention engines in the topology (A)."),
+    "afd_ffn_ranks": ("gauge", "FFN ranks in the topology (F)."),
+    "afd_attention_ranks_live": ("gauge", "Attention engines whose process group is alive."),
+    "afd_ffn_ranks_live": ("gauge", "FFN ranks whose process group is alive."),
+    "afd_role_live": ("gauge", "1 when the role process group (role, rank) is alive, else 0."),
+    "afd_ready": ("gauge", "1 once every role is ready and until serve stops, else 0."),
+    "afd_endpoint_requests": (
+        "counter",
+        "Requests the endpoint finished relaying to each Attention engine (any status).",
+    ),
+    "afd_endpoint_requests_in_flight": ("gauge", "Requests the endpoint is relaying to each Attention engine now."),
+    "afd_engine_scrape_ok": ("gauge", "1 when the engine's own /metrics answered this scrape, else 0."),
+}
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """One role process as ``/metrics`` and ``/afd/status`` report it."""
+
+    role: str
+    rank: int
+    pid: int
+    live: bool
+
+
+@dataclass(frozen=True)
+class EngineCount:
+    """The endpoint's own counts for one Attention engine."""
+
+    rank: int
+    requests: int
+    in_flight: int
+
+
+def relabel(text: str, rank: int) -> list[Metric]:
+    """The metric families of one engine's ``/metrics`` text, each sample labelled ``engine=<rank>``."""
+    families = []
+    for family in text_string_to_metric_families(text):
+        samples = [s._replace(labels={**s.labels, "engine": str(rank)}) for s in family.samples]
+        family.samples = samples
+        families.append(family)
+    return families
+
+
+def merge(families: Iterable[Metric]) -> list[Metric]:
+    """Families of the same name (one per engine) as one family, samples in engine order: the text
+    format allows each family's ``# HELP`` / ``# TYPE`` once."""
+    merged: dict[str, Metric] = {}
+    for family in families:
+        into = merged.get(family.name)
+        if into is None:
+            into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+        into.samples.extend(family.samples)
+    return list(merged.values())
+
+
+def afd_families(
+    attention: int,
+    ffn: int,
+    roles: Sequence[RoleState],
+    engines: Sequence[EngineCount],
+    scraped: Mapping[int, bool],
+    ready: bool,
+) -> list[Metric]:
+    """serve's own metrics (:data:`AFD_METRICS`) from what the supervisor and the endpoint know now."""
+
+    def gauge(name: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, AFD_METRICS[name][1], value=value)
+
+    out: list[Metric] = [
+        gauge("afd_attention_ranks", attention),
+        gauge("afd_ffn_ranks", ffn),
+        gauge("afd_attention_ranks_live", sum(r.live for r in roles if r.role == "attention")),
+        gauge("afd_ffn_ranks_live", sum(r.live for r in roles if r.role == "ffn")),
+        gauge("afd_ready", 1 if ready else 0),
+    ]
+    live = GaugeMetricFamily("afd_role_live", AFD_METRICS["afd_role_live"][1], labels=["role", "rank"])
+    for r in roles:
+        live.add_metric([r.role, str(r.rank)], 1 if r.live else 0)
+    requests = CounterMetricFamily("afd_endpoint_requests", AFD_METRICS["afd_endpoint_requests"][1], labels=["engine"])
+    in_flight = GaugeMetricFamily(
+        "afd_endpoint_requests_in_flight", AFD_METRICS["afd_endpoint_requests_in_flight"][1], labels=["engine"]
+    )
+    for e in engines:
+        requests.add_metric([str(e.rank)], e.requests)
+        in_flight.add_metric([str(e.rank)], e.in_flight)
+    scrape = GaugeMetricFamily("afd_engine_scrape_ok", AFD_METRICS["afd_engine_scrape_ok"][1], labels=["engine"])
+    for rank in sorted(scraped):
+        scrape.add_metric([str(rank)], 1 if scraped[rank] else 0)
+    return [*out, live, requests, in_flight, scrape]
+
+
+class _Families:
+    """A one-shot collector: ``prometheus_client`` renders what it yields."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
+
+
+def render(families: list[Metric]) -> bytes:
+    """The Prometheus text exposition of ``families`` (``prometheus_client.generate_latest``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)
+
+
+def status(
+    attention: int,
+    ffn: int,
+    roles: Sequence[RoleState],
+    engines: Sequence[EngineCount],
+    ready: bool,
+    down: str | None,
+) -> dict[str, Any]:
+    """The ``/afd/status`` document."""
+    return {
+        "topology": {"attention": attention, "ffn": ffn},
+        "ready": ready,
+        "down": down,
+        "roles": [{"role": r.role, "rank": r.rank, "pid": r.pid, "live": r.live} for r in roles],
+        "live": {
+            "attention": [r.rank for r in roles if r.role == "attention" and r.live],
+            "ffn": [r.rank for r in roles if r.role == "ffn" and r.live],
+        },
+        "lost": {
+            "attention": [r.rank for r in roles if r.role == "attention" and not r.live],
+            "ffn": [r.rank for r in roles if r.role == "ffn" and not r.live],
+        },
+        "requests": {str(e.rank): {"finished": e.requests, "in_flight": e.in_flight} for e in engines},
+    }
+
+
+#: What the supervisor hands the endpoint: the role states now.
+RoleStates = Callable[[], Sequence[RoleState]]

@@ -1,0 +1,107 @@
+"""``GET /metrics`` and ``GET /afd/status`` on serve's endpoint: the engines' own metrics relabelled by
+Attention rank, serve's AFD metrics, and the status document (fake roles, no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from afd_mrv2.serve import metrics
+
+ENGINE_TEXT = """# HELP vllm:num_requests_running Requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+# HELP vllm:request_success_total Finished requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",model_name="m"} 5.0
+# HELP process_open_fds Open fds.
+# TYPE process_open_fds gauge
+process_open_fds 7.0
+"""
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition: (name, sorted labels) -> value (parsed, so valid)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_engines_are_relabelled_by_attention_rank_and_each_family_is_declared_once() -> None:
+    families = metrics.merge([*metrics.relabel(ENGINE_TEXT, 0), *metrics.relabel(ENGINE_TEXT.replace("5.0", "9.0"), 1)])
+    text = metrics.render(families).decode()
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert text.count("# HELP vllm:request_success_total") == 1
+    got = samples(text)
+    assert got[("vllm:request_success_total", (("engine", "0"), ("model_name", "m")))] == 5.0
+    assert got[("vllm:request_success_total", (("engine", "1"), ("model_name", "m")))] == 9.0
+    # a sample without an engine label gets one: the two servers' series stay apart
+    assert got[("process_open_fds", (("engine", "0"),))] == 7.0 and got[("process_open_fds", (("engine", "1"),))] == 7.0
+
+
+def test_afd_metrics_count_live_roles_and_endpoint_requests() -> None:
+    roles = [
+        metrics.RoleState("ffn", 0, 10, True),
+        metrics.RoleState("ffn", 1, 11, False),
+        metrics.RoleState("attention", 0, 12, True),
+    ]
+    engines = [metrics.EngineCount(0, 4, 1)]
+    text = metrics.render(metrics.afd_families(1, 2, roles, engines, {0: True}, ready=True)).decode()
+    got = samples(text)
+    assert got[("afd_ffn_ranks", ())] == 2 and got[("afd_ffn_ranks_live", ())] == 1
+    assert got[("afd_role_live", (("rank", "1"), ("role", "ffn")))] == 0
+    assert got[("afd_endpoint_requests_total", (("engine", "0"),))] == 4
+    assert got[("afd_endpoint_requests_in_flight", (("engine", "0"),))] == 1
+    assert got[("afd_engine_scrape_ok", (("engine", "0"),))] == 1 and got[("afd_ready", ())] == 1
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert names == {n.removesuffix("_total") for n in metrics.AFD_METRICS}  # every documented metric, no other
+    doc = metrics.status(1, 2, roles, engines, True, None)
+    assert doc["live"] == {"attention": [0], "ffn": [0]} and doc["lost"] == {"attention": [], "ffn": [1]}
+
+
+def get(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=20) as resp:
+        return resp.status, resp.headers["Content-Type"], resp.read().decode()
+
+
+def post(url: str) -> int:
+    req = urllib.request.Request(
+        url, json.dumps({"prompt": "x", "max_tokens": 2}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        return resp.status
+
+
+def test_metrics_and_status_on_a_running_serve(start_serve) -> None:
+    serve, _ = start_serve(2, 2, {"token_delay": 0.01})
+    url = serve.wait_ready()
+    base = url.removesuffix("/v1")
+    assert [post(url + "/completions") for _ in range(5)] == [200] * 5
+    status, kind, text = get(base + "/metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    got = samples(text)
+    assert got[("afd_ffn_ranks_live", ())] == 2 and got[("afd_attention_ranks_live", ())] == 2
+    assert got[("afd_ready", ())] == 1
+    assert sum(v for (name, _), v in got.items() if name == "afd_endpoint_requests_total") == 5
+    per_engine = {
+        dict(labels)["engine"]: v for (name, labels), v in got.items() if name == "vllm:request_success_total"
+    }
+    assert set(per_engine) == {"0", "1"} and sum(per_engine.values()) == 5  # both engines, told apart
+    assert {
+        dict(labels)["engine"] for (name, labels), v in got.items() if name == "afd_engine_scrape_ok" and v == 1
+    } == {
+        "0",
+        "1",
+    }
+    status, kind, body = get(base + "/afd/status")
+    doc = json.loads(body)
+    assert status == 200 and doc["ready"] is True and doc["topology"] == {"attention": 2, "ffn": 2}
+    assert doc["live"] == {"attention": [0, 1], "ffn": [0, 1]} and doc["lost"] == {"attention": [], "ffn": []}
+    assert sum(e["finished"] for e in doc["requests"].values()) == 5
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
