@@ -253,9 +253,9 @@ ENGINE_TREE = textwrap.dedent(
 
 
 def _nice(pid: int) -> list[int]:
-    """The nice value of every thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
-    tasks = Path(f"/proc/{pid}/task")
-    return [int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()]
+    """The nice value of every thread of ``pid`` (field 19 of its stat: /proc/TID is the thread's)."""
+    tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    return [int(fields[16]) for tid in tids if (fields := stat_fields(tid)) is not None]
 
 
 def test_engine_core_nice_renices_every_thread_of_the_engine_cores_only(tmp_path: Path) -> None:

@@ -19,11 +19,13 @@ import socket
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import free_port_block
 from tests.vllm.engine import PROMPTS
@@ -182,6 +184,25 @@ def test_clients_that_hang_up_after_done_leave_no_traceback(served: Serve, model
     assert status == 200  # serving goes on
     log = served.log_text()
     assert "Traceback" not in log and "ClientConnectionResetError" not in log, log[-3000:]
+
+
+def test_metrics_carry_the_engines_vllm_metrics_by_attention_rank_and_the_afd_ones(served: Serve) -> None:
+    """``GET /metrics`` on the endpoint: the real engine's ``vllm:*`` families with ``engine="0"`` (its
+    Attention rank), serve's AFD gauges, and one ``# TYPE`` line per family (valid for Prometheus)."""
+    with urllib.request.urlopen(served.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    vllm_engines = {dict(labels).get("engine") for (name, labels) in found if name.startswith("vllm:")}
+    assert vllm_engines == {"0"}, sorted(vllm_engines, key=str)
+    assert any(name == "vllm:num_requests_running" for name, _ in found)
+    assert found[("afd_ffn_ranks_live", ())] == 1 and found[("afd_attention_ranks_live", ())] == 1
+    assert found[("afd_engine_scrape_ok", (("engine", "0"),))] == 1
+    with urllib.request.urlopen(served.url + "/afd/status", timeout=30) as resp:
+        status = json.loads(resp.read())
+    assert status["live"] == {"attention": [0], "ffn": [0]} and status["ready"] is True
 
 
 def test_sigterm_stops_serve_within_10s(served: Serve) -> None:
