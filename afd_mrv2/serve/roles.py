@@ -32,6 +32,12 @@ POLL_S = 0.1
 #: Known noise roles print while they exit: counted, shown as one line at the end instead of each
 #: (nanobind, used by vLLM's dependencies, lists every object still alive at interpreter exit).
 EXIT_NOISE = ("nanobind: leaked", "nanobind: this is likely caused by a reference counting issue")
+#: vLLM's own abort shutdown (``--shutdown-timeout 0``, its default) kills the EngineCore before it
+#: cancels the API server's output handler, which then may log ``AsyncLLM output_handler failed.`` and
+#: an ``EngineDeadError`` traceback.  Once serve has told a role to stop, such a block (each of its lines
+#: tagged with the same logger location) is folded into one line; any other block is shown as it is.
+ABORT_BLOCK_START = "AsyncLLM output_handler failed."
+ABORT_BLOCK_END = "EngineDeadError"
 MEMBER_POLLS = 5  # the group's processes are listed every MEMBER_POLLS * POLL_S
 LINE_LIMIT = 1 << 20
 
@@ -59,6 +65,11 @@ class RoleProcess:
         self.first_lost: tuple[int, str] | None = None
         self._members: dict[int, str] = {}
         self._noise = 0
+        #: serve sent the stop signal: vLLM's abort-shutdown traceback is expected from now on
+        self.stopping = False
+        self._fold: list[str] = []  # the lines of a block that may be vLLM's abort-shutdown traceback
+        self._fold_tag = ""
+        self._folded = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -104,9 +115,35 @@ class RoleProcess:
             if line.lstrip().startswith(EXIT_NOISE):
                 self._noise += 1
                 continue
+            if self._folding(line):
+                continue
             self._say(line)
             if self.spec.role != ATTENTION and FFN_READY_MARKER in line:
                 self.ready.set()
+
+    def _folding(self, line: str) -> bool:
+        """Whether ``line`` belongs to a block held back as vLLM's abort-shutdown traceback (see
+        :data:`ABORT_BLOCK_START`); a held block that turns out to be something else is shown."""
+        if self._fold:
+            if self._fold_tag in line:
+                self._fold.append(line)
+                return True
+            self._end_fold()
+        if self.stopping and ABORT_BLOCK_START in line:
+            # the logger's location tag, ``[async_llm.py:906]``, marks every line of the block
+            head = line.split(ABORT_BLOCK_START, 1)[0].rstrip()
+            self._fold_tag = head[head.rfind("[") :] if head.endswith("]") and "[" in head else ABORT_BLOCK_START
+            self._fold = [line]
+            return True
+        return False
+
+    def _end_fold(self) -> None:
+        block, self._fold = self._fold, []
+        if any(ABORT_BLOCK_END in line for line in block):
+            self._folded += len(block)
+            return
+        for held in block:
+            self._say(held)
 
     async def _wait(self) -> None:
         # Polled, not ``await proc.wait()``: that also waits for the output pipe to close, which a
@@ -172,6 +209,7 @@ class RoleProcess:
         """Send ``sig`` to the role's whole process group (the leader may be gone, its children not)."""
         if self.proc is None:
             return
+        self.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
@@ -180,13 +218,20 @@ class RoleProcess:
 
     async def close(self, drain_s: float = 0.5) -> None:
         """Stop the watchers; give the log pump ``drain_s`` to copy the last lines."""
-        if not self._tasks:
-            return
-        pump, *watchers = self._tasks
-        for task in watchers:
-            task.cancel()
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(pump, drain_s)
+        if self._tasks:
+            pump, *watchers = self._tasks
+            for task in watchers:
+                task.cancel()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(pump, drain_s)
+        if self._fold:
+            self._end_fold()
+        if self._folded:
+            self._say(
+                f"({self._folded} lines of vLLM's abort shutdown not shown: 'AsyncLLM output_handler failed' "
+                "with EngineDeadError, its EngineCore stopped by serve first)"
+            )
+            self._folded = 0
         if self._noise:
             self._say(f"({self._noise} 'nanobind: leaked ...' lines at exit not shown: known shutdown noise)")
             self._noise = 0
