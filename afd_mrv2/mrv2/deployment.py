@@ -59,6 +59,7 @@ from typing import Any
 
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
+from afd_mrv2.mrv2 import serve_options
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs, vllm_serve_parser
 from afd_mrv2.support_matrix import Deployment, check_deployment
 from afd_mrv2.validation import Gate, validate
@@ -297,11 +298,17 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
     try:
         with contextlib.redirect_stderr(errors):
             # the engine's own parser first (fast); vLLM's server parser, which imports the whole OpenAI
-            # server (seconds), only for what the engine's leaves: front-end arguments, or mistakes
+            # server (seconds), only for what the engine's leaves (front-end arguments, or mistakes), or
+            # once per vLLM version to cache every option name for serve's next pre-flights
             engine = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
             _, unknown = engine.parse_known_args(vllm_args)
-            if unknown:
-                _, unknown = vllm_serve_parser().parse_known_args(vllm_args)
+            cached = serve_options.load() is not None
+            if unknown or not cached:
+                server = vllm_serve_parser()
+                if not cached:
+                    serve_options.write(serve_options.parser_options([engine, server]))
+                if unknown:
+                    _, unknown = server.parse_known_args(vllm_args)
     except SystemExit:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
         why = lines[-1].split("error: ", 1)[-1] if lines else "rejected"

@@ -21,6 +21,7 @@ from afd_mrv2.compat import check_runtime, v2_runner_selected
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.mrv2 import serve_options
 from afd_mrv2.mrv2.deployment import precheck_experts
 from afd_mrv2.plugins import check_plugins
 from afd_mrv2.serve.plan import (
@@ -167,9 +168,23 @@ def begin_runtime_gate(plan: Plan) -> PendingGate:
     return PendingGate(finish, child)
 
 
+def check_option_names(plan: Plan) -> None:
+    """Refuse an argument after ``--`` that is no option of vLLM's OpenAI server, from the option names
+    cached by an earlier pre-flight with this vLLM (:mod:`afd_mrv2.mrv2.serve_options`; nothing is
+    imported); without a cache, or for what it cannot judge, vLLM's own parser decides in the child."""
+    options = serve_options.load()
+    if options is None:
+        return
+    _, extra = split_additional_config(plan.options.extra)
+    bad = serve_options.unknown(extra, options)
+    if bad:
+        raise AfdError(f"not vLLM engine or server arguments: {' '.join(bad)} (see vllm serve --help)")
+
+
 def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:
     """Every check that runs before a process starts: plan, runtime gate (None skips it), ports."""
     plan = build_plan(opts, commands)
+    check_option_names(plan)
     # the real gate starts its vLLM child first, so that the checks here overlap it
     pending = begin_runtime_gate(plan) if gate is runtime_gate else None
     try:

@@ -1,0 +1,110 @@
+"""The option names vLLM's OpenAI server accepts, cached per installed vLLM version, so that serve's
+pre-flight refuses an unknown one at once instead of after importing vLLM's parser (~13 s on a
+2-core machine).
+
+The pre-flight's vLLM child (:mod:`afd_mrv2.mrv2.deployment`) builds vLLM's own parsers and
+writes every option string they know, and whether it takes a value, to
+``$XDG_CACHE_HOME/afd-mrv2/vllm-<version>-serve-options.json`` (``~/.cache`` by default).  Later
+pre-flights with the same vLLM read that file without importing vLLM.  The cache only ever
+*refuses faster*: an argument it cannot judge (an abbreviation argparse would expand, a dotted
+``--json-arg.key``, anything after an option whose arity it does not know) is left to vLLM's
+parser in the child, which stays the authority.  Set ``AFD_MRV2_NO_OPTION_CACHE=1`` to skip it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+
+#: Skips the cache (read and write) when set to 1.
+NO_CACHE_ENV = "AFD_MRV2_NO_OPTION_CACHE"
+_NUMBER = re.compile(r"^-\d|^-\.\d")
+
+
+def cache_file(version: str | None = None) -> Path | None:
+    """Where the option names of the installed vLLM (or of ``version``) are cached; None without vLLM."""
+    if version is None:
+        try:
+            version = metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            return None
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "afd-mrv2" / f"vllm-{version}-serve-options.json"
+
+
+def write(options: Mapping[str, bool], version: str | None = None) -> None:
+    """Cache ``options`` (option string -> takes a value); a cache that cannot be written is skipped."""
+    path = cache_file(version)
+    if path is None or os.environ.get(NO_CACHE_ENV) == "1":
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(dict(sorted(options.items())), tmp)
+        os.replace(tmp.name, path)
+    except OSError:
+        return
+
+
+def load(version: str | None = None) -> dict[str, bool] | None:
+    """The cached options of the installed vLLM (or of ``version``), None when there are none."""
+    path = cache_file(version)
+    if path is None or os.environ.get(NO_CACHE_ENV) == "1":
+        return None
+    try:
+        options = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(options, dict) or not options:
+        return None
+    return {str(k): bool(v) for k, v in options.items()}
+
+
+def parser_options(parsers: Iterable[object]) -> dict[str, bool]:
+    """Every option string of these argparse parsers -> whether it takes a value (``nargs`` not 0)."""
+    found: dict[str, bool] = {}
+    for parser in parsers:
+        for action in getattr(parser, "_actions", []):
+            for option in action.option_strings:
+                found[option] = action.nargs != 0
+    return found
+
+
+def unknown(args: Sequence[str], options: Mapping[str, bool]) -> list[str]:
+    """The arguments of ``args`` that are certainly not options of ``options``.
+
+    An option token is judged by its name (before ``=``, with ``_`` read as ``-``); it is
+    *certainly* unknown only when no option starts with it (argparse expands abbreviations)
+    and, for a single-dash token, none is a prefix of it (``-O3``).  Judging stops at the first
+    token this cannot place: a dotted ``--json-arg.key``, or a value after an option whose arity
+    is unknown.
+    """
+    found = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("-") or token == "-" or _NUMBER.match(token):
+            continue  # a positional or a value
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if "." in name:
+            break  # --json-arg.key: vLLM's own syntax, left to its parser
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        if name in options:
+            if options[name] and "=" not in token:
+                i += 1  # its value
+            continue
+        if any(option.startswith(name) for option in options):
+            break  # an abbreviation argparse may expand: its arity is unknown
+        if not name.startswith("--") and any(name.startswith(option) for option in options if len(option) == 2):
+            continue  # -O3: a short option with its value attached
+        found.append(token)
+    return found
