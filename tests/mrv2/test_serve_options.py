@@ -43,13 +43,13 @@ def test_only_certainly_unknown_options_are_found(args, bad) -> None:
 
 def test_the_cache_round_trips_per_vllm_version(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert serve_options.load("9.9.9") is None
-    serve_options.write(OPTIONS, "9.9.9")
-    assert serve_options.load("9.9.9") == OPTIONS
-    assert serve_options.cache_file("9.9.9") == tmp_path / "afd-mrv2" / "vllm-9.9.9-serve-options.json"
-    assert serve_options.load("9.9.10") is None  # another vLLM: its own options
+    assert serve_options.load("vllm-9.9.9") is None
+    serve_options.write(OPTIONS, "vllm-9.9.9")
+    assert serve_options.load("vllm-9.9.9") == OPTIONS
+    assert serve_options.cache_file("vllm-9.9.9") == tmp_path / "afd-mrv2" / "vllm-9.9.9-serve-options.json"
+    assert serve_options.load("vllm-9.9.10") is None  # another vLLM: its own options
     monkeypatch.setenv(serve_options.NO_CACHE_ENV, "1")
-    assert serve_options.load("9.9.9") is None
+    assert serve_options.load("vllm-9.9.9") is None
 
 
 def test_parser_options_reads_every_option_string_and_its_arity() -> None:
@@ -63,10 +63,10 @@ def test_parser_options_reads_every_option_string_and_its_arity() -> None:
 
 
 def test_the_preflight_refuses_a_cached_unknown_option_before_anything(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(serve_options, "load", lambda version=None: OPTIONS)
+    monkeypatch.setattr(serve_options, "load", lambda vllm=None: OPTIONS)
     plan = build_plan(ServeOptions(str(tmp_path), 1, 1, extra=("--dtype", "float32", "--no-such-flag")))
     with pytest.raises(AfdError, match=r"^not vLLM engine or server arguments: --no-such-flag \(see vllm serve"):
         check_option_names(plan)
     check_option_names(build_plan(ServeOptions(str(tmp_path), 1, 1, extra=("--dtype", "float32"))))
-    monkeypatch.setattr(serve_options, "load", lambda version=None: None)  # no cache: vLLM's parser decides
+    monkeypatch.setattr(serve_options, "load", lambda vllm=None: None)  # no cache: vLLM's parser decides
     check_option_names(plan)
