@@ -28,12 +28,15 @@ callables hold only the block's weights (the worker cut the others away after
 loading), so ids are also shifted into the block (``id - start``; entries outside
 it point at the block's first expert with weight 0).
 
-The session ends when an Attention rank leaves (its process exits or fails): the
-connector reports the lost peer, the executors stop, and :func:`serve_ffn`
-returns a :class:`FfnReport` saying why.  The other loops see the same loss
-within one wait slice; one that does not end within ``grace_s`` (a loop that
-failed on its own while its peer lives) is ended by aborting the link, which
-tells every peer why.
+An Attention rank that leaves (its process exits or fails) ends the loop serving it:
+the connector reports the lost peer and that loop's executor stops.  On a scoped
+link (the vLLM path's, :func:`~afd_mrv2.mrv2.p2p_link.open_peer_link`) the other
+loops go on serving their engines, and the session ends when the last loop ended;
+on an unscoped one every loop sees the loss within one wait slice.  A loop that
+fails on its own (a bad header, say, while its peer lives) aborts the link, which
+tells every peer why, and the session ends: the other loops get ``grace_s`` to end,
+then the link is aborted again.  :func:`serve_ffn` returns a :class:`FfnReport`
+saying how each loop ended.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ class FfnReport:
         }
 
 
+#: How often a scoped session checks whether its loops are all done (or one failed on its own).
+SESSION_POLL_S = 0.2
 #: How a session's ``end`` starts when an Attention engine went away at a step boundary (its normal stop).
 LEFT_BETWEEN_STEPS = "left between steps"
 
@@ -303,6 +308,7 @@ def serve_ffn(
         )
         loops.append(FfnLoop(executor, num_layers=len(experts), num_stages=1))
     first_end = threading.Event()
+    own_fault = threading.Event()  # a loop failed on its own (not because its peer left): the session ends
 
     def serve(a: int, loop: FfnLoop) -> None:
         end, abandoned = "stopped", 0
@@ -314,6 +320,7 @@ def serve_ffn(
             if left_between_steps(exc):  # a normal stop of the engine: nothing of a step was lost
                 end = f"{LEFT_BETWEEN_STEPS}: attention rank {a} closed its connection while no step was in flight"
             elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
+                own_fault.set()
                 link.abort(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
         finally:
             try:
@@ -328,7 +335,11 @@ def serve_ffn(
     ]
     for thread in threads:
         thread.start()
-    first_end.wait()
+    if link.scoped:  # each loop ends when its own engine leaves; the session, when the last one did
+        while not own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
+            pass
+    else:
+        first_end.wait()
     deadline = time.monotonic() + grace_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

@@ -12,6 +12,10 @@ then FFN ranks).  FFN rank 0 hosts the store (it starts first: the Attention
 engine's warm-up forward already reaches the FFN, see docs/vllm.md); the other
 ranks connect as clients and retry until ``connect_timeout_s``.
 
+Faults are scoped to the peers a wait is on (``PeerLink(scoped=True)``): an
+Attention engine that dies ends only the FFN ranks' loops serving it, and the other
+engines go on.
+
 Timeouts: a serving FFN rank waits for the next item as long as its Attention
 engines stay idle, so the group's own timeout (on expiry gloo aborts the whole
 group, not one wait) is set to ``idle_timeout_s`` (default one week).  Dead
@@ -69,4 +73,5 @@ def open_peer_link(
     store.set(f"{STORE_PREFIX}/label/{rank}", label)
     labels = {peer: store.get(f"{STORE_PREFIX}/label/{peer}").decode() for peer in range(topology.world_size)}
     # the group holds the store (through the prefix store), so the master's server lives as long as the link
-    return PeerLink(topology, rank, group, labels=labels)
+    # scoped: every Attention rank is an independent engine, so a peer's loss fails only the waits on that peer
+    return PeerLink(topology, rank, group, labels=labels, scoped=True)

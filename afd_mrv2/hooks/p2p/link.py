@@ -19,6 +19,13 @@ finishes sends ``BYE``.  A peer whose process dies closes its sockets, which
 fails that pending receive at once ("Connection closed by peer").  Every wait
 checks the control channel, so a dead peer is named by every surviving rank
 within one slice, even by ranks that exchange no data with it.
+
+Scoped faults (``scoped=True``, the vLLM path's independent engines): a wait
+checks only the control channels of the peers it waits on, so a peer that dies
+fails the waits on it and no other.  gloo's pairs are independent (probed on
+torch 2.13: after one rank of three died, the other two kept exchanging), so an
+FFN rank goes on serving the Attention engines that remain, and an Attention
+engine is not failed by another engine's death.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -93,13 +100,22 @@ class PeerLink:
     :param group: the torch.distributed process group (None: the default group).
     :param labels: optional extra description per global rank (``"pid 123 on host"``),
         appended wherever a peer is named.
+    :param scoped: a wait fails only for the peers it waits on (see the module docstring);
+        otherwise for any peer's loss.
     """
 
     def __init__(
-        self, topology: Topology, rank: int, group: Any = None, *, labels: Mapping[int, str] | None = None
+        self,
+        topology: Topology,
+        rank: int,
+        group: Any = None,
+        *,
+        labels: Mapping[int, str] | None = None,
+        scoped: bool = False,
     ) -> None:
         self.topology = topology
         self.rank = rank
+        self.scoped = scoped
         self.group = group
         self._pg = group if group is not None else dist.group.WORLD
         self.labels = dict(labels or {})
@@ -159,11 +175,12 @@ class PeerLink:
         :param option: the connector option holding ``timeout_s``, for messages.
         """
         deadline = time.monotonic() + timeout_s
+        scope = {p.peer for p in pendings} if self.scoped else None
         for pending in pendings:
             while not pending.done.wait(_SLICE_S):
                 if work is not None:
                     work.raise_if_cancelled()
-                self.check_peers()
+                self.check_peers(scope)
                 if time.monotonic() >= deadline:
                     verb = "sent no" if pending.direction == "recv" else "did not accept the"
                     raise PeerTimeout(
@@ -174,15 +191,20 @@ class PeerLink:
                         peer_name=self.describe(pending.peer),
                     )
             if pending.error is not None:
-                self._raise_earlier_loss(pending.done_at)
+                self._raise_earlier_loss(pending.done_at, scope)
                 self._raise_if_it_said_why(pending.peer)
                 raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
 
-    def check_peers(self) -> None:
-        """Raise if a peer died (the first to die) or aborted (then); peers that said BYE are fine."""
-        self._raise_earlier_loss(float("inf"))
+    def check_peers(self, peers: Collection[int] | None = None) -> None:
+        """Raise if a peer died (the first to die) or aborted (then); peers that said BYE are fine.
+
+        :param peers: only these peers count (None: every peer).
+        """
+        self._raise_earlier_loss(float("inf"), peers)
         aborted: tuple[int, str] | None = None
         for peer, pending in self._control.items():
+            if peers is not None and peer not in peers:
+                continue
             if not pending.done.is_set() or pending.error is not None:
                 continue
             header = wire.Header.read(wire.header_view(pending.tensor))
@@ -213,13 +235,18 @@ class PeerLink:
                 peer_name=self.describe(peer),
             )
 
-    def _raise_earlier_loss(self, before: float) -> None:
-        """Raise PeerLost for the peer whose connection closed first, if that was before ``before``.
+    def _raise_earlier_loss(self, before: float, peers: Collection[int] | None = None) -> None:
+        """Raise PeerLost for the peer whose connection closed first, if that was before ``before``
+        (among ``peers``; None: every peer).
 
         When one process dies, the ranks that then fail because of it close their
         connections too; naming the earliest loss names the root cause.
         """
-        lost = [(p.done_at, peer, p) for peer, p in self._control.items() if p.done.is_set() and p.error is not None]
+        lost = [
+            (p.done_at, peer, p)
+            for peer, p in self._control.items()
+            if p.done.is_set() and p.error is not None and (peers is None or peer in peers)
+        ]
         if lost:
             done_at, peer, pending = min(lost, key=lambda entry: entry[0])
             if done_at <= before:

@@ -110,3 +110,24 @@ def test_abort_lingers_after_its_notices_went_out_so_peers_can_read_them_before_
     start = time.monotonic()
     alone.abort("FFN rank 0 failed", linger_s=5.0)
     assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("scoped", [True, False])
+def test_a_scoped_wait_fails_only_for_the_peers_it_waits_on(scoped: bool) -> None:
+    """The FFN rank of 2A1F waits on attention rank 1 while attention rank 0's connection closes: a scoped
+    link (independent engines, the vLLM path) completes the wait; an unscoped one names the lost rank."""
+    group = _Group()
+    link = PeerLink(Topology(2, 1, 2), 2, group, scoped=scoped)
+    header = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    data = link.irecv(header, 1, wire.TAG_DISPATCH_HEADER, "dispatch header")
+    group.recvs[(0, wire.TAG_CONTROL)].fail("Connection closed by peer")  # attention rank 0 died
+    threading.Timer(0.3, group.recvs[(1, wire.TAG_DISPATCH_HEADER)].complete).start()
+    if scoped:
+        link.wait([data], timeout_s=5, work=None, action="serving", option="recv_timeout_s")
+        assert data.done.is_set() and data.error is None
+        with pytest.raises(PeerLost, match=r"lost attention rank 0 \(global rank 0\)"):
+            link.check_peers({0})  # a wait on the dead rank itself still names it
+        link.check_peers({1})
+    else:
+        with pytest.raises(PeerLost, match=r"lost attention rank 0 \(global rank 0\)"):
+            link.wait([data], timeout_s=5, work=None, action="serving", option="recv_timeout_s")
