@@ -11,6 +11,9 @@
   (less hop-by-hop ones), body and status pass through; the response body is
   copied chunk by chunk as it arrives, so ``"stream": true`` server-sent events
   reach the client unbuffered.
+* :meth:`Proxy.mark_lost` (serve calls it when one of several Attention engines
+  died) takes that engine out of the rotation and breaks its in-flight exchanges at
+  once; the others go on serving.
 * A backend that fails before its response started gives the client a 502 with
   an OpenAI-style error body; one that fails mid-stream ends the event stream
   with a ``data: {"error": ...}`` event (no ``[DONE]``), as vLLM reports errors
@@ -67,6 +70,10 @@ class Backend:
     url: str
     outstanding: int = 0
     served: int = 0
+    #: why this engine is out of the rotation (None: serving)
+    lost: str | None = None
+    #: set when it is lost: breaks its in-flight exchanges
+    gone: asyncio.Future[None] | None = None
 
 
 def error_body(status: int, message: str) -> dict[str, object]:
@@ -106,7 +113,10 @@ class Proxy:
 
     async def start(self, host: str, port: int) -> None:
         """Listen on ``host:port`` (503 for everything until :attr:`ready`)."""
-        self._down = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._down = loop.create_future()
+        for backend in self.backends:
+            backend.gone = loop.create_future()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -121,6 +131,18 @@ class Proxy:
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port, reuse_address=True).start()
 
+    def mark_lost(self, index: int, reason: str) -> None:
+        """Take backend ``index`` out of the rotation and break its in-flight exchanges (their clients get
+        an error); the other backends go on."""
+        backend = self.backends[index]
+        backend.lost = reason
+        if backend.gone is not None and not backend.gone.done():
+            backend.gone.set_result(None)
+
+    def serving(self) -> list[Backend]:
+        """The backends in the rotation."""
+        return [b for b in self.backends if b.lost is None]
+
     async def fail_all(self, reason: str) -> None:
         """Refuse new requests and break every in-flight backend exchange (their clients get an error)."""
         self.down = reason
@@ -128,18 +150,19 @@ class Proxy:
             self._down.set_result(None)
         await asyncio.sleep(0)  # let the broken exchanges answer their clients
 
-    async def _unless_down(self, step: Awaitable[T]) -> T:
-        """Await one backend step, or raise :class:`ProxyDown` as soon as :meth:`fail_all` ran."""
+    async def _unless_down(self, step: Awaitable[T], backend: Backend) -> T:
+        """Await one backend step, or raise :class:`ProxyDown` as soon as :meth:`fail_all` ran or
+        ``backend`` was lost (:meth:`mark_lost`)."""
         task: asyncio.Future[T] = asyncio.ensure_future(step)
-        assert self._down is not None
-        waits: set[asyncio.Future[Any]] = {task, self._down}
+        assert self._down is not None and backend.gone is not None
+        waits: set[asyncio.Future[Any]] = {task, self._down, backend.gone}
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, *BACKEND_ERRORS):
             await task
-        raise ProxyDown(self.down)
+        raise ProxyDown(self.down or backend.lost)
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:
@@ -150,15 +173,19 @@ class Proxy:
     # ------------------------------------------------------------ routing
 
     def pick(self) -> Backend:
+        """The next backend in the rotation (:meth:`serving`; :class:`ProxyDown` when none is left)."""
+        serving = self.serving()
+        if not serving:
+            raise ProxyDown("no Attention engine is serving")
         turn = next(self._turn)
-        n = len(self.backends)
-        order = [self.backends[(turn + i) % n] for i in range(n)]
+        n = len(serving)
+        order = [serving[(turn + i) % n] for i in range(n)]
         if self.balance == "round-robin":
             return order[0]
         return min(order, key=lambda b: b.outstanding)  # min() keeps the first of equals: round robin on ties
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.ready and self.down is None:
+        if self.ready and self.down is None and self.serving():
             return web.Response(status=200)
         return web.json_response(error_body(503, self.down or "starting"), status=503)
 
@@ -204,7 +231,10 @@ class Proxy:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         if not self.ready or self.down is not None or self._session is None:
             return web.json_response(error_body(503, self.down or "afd-mrv2 serve is starting"), status=503)
-        backend = self.pick()
+        try:
+            backend = self.pick()
+        except ProxyDown as exc:
+            return web.json_response(error_body(503, str(exc)), status=503)
         backend.outstanding += 1
         try:
             return await self._relay(request, backend, self._session)
@@ -221,7 +251,8 @@ class Proxy:
             upstream = await self._unless_down(
                 session.request(
                     request.method, backend.url + request.path_qs, data=body, headers=headers, allow_redirects=False
-                )
+                ),
+                backend,
             )
         except BACKEND_ERRORS as exc:
             return self._failed(backend, exc)
@@ -235,7 +266,7 @@ class Proxy:
             await resp.prepare(request)
             while True:
                 try:
-                    chunk = await self._unless_down(upstream.content.readany())
+                    chunk = await self._unless_down(upstream.content.readany(), backend)
                 except BACKEND_ERRORS as exc:
                     await self._failed_midway(request, resp, upstream, backend, exc)
                     return resp
@@ -259,7 +290,7 @@ class Proxy:
 
     def _message(self, backend: Backend, exc: BaseException) -> str:
         if isinstance(exc, ProxyDown):
-            return f"{self.down}; request to {backend.name} abandoned"
+            return f"{self.down or backend.lost}; request to {backend.name} abandoned"
         cause = f"{type(exc).__name__}: {exc}".rstrip(": ")
         if self.down is not None:
             return f"{self.down} (request to {backend.name} broken: {cause})"

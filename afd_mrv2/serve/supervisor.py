@@ -50,6 +50,9 @@ class Supervisor:
         self.roles: list[RoleProcess] = []
         self.stopping = False
         self.death: RoleProcess | None = None
+        #: Attention engines that died while others served on (the endpoint routes around them)
+        self.lost: list[RoleProcess] = []
+        self.proxy: Proxy | None = None
         self.failure: str | None = None
         self.signal: int | None = None
         self._stop = asyncio.Event()
@@ -63,8 +66,31 @@ class Supervisor:
     def _on_exit(self, role: RoleProcess) -> None:
         if self.stopping or self.death is not None:
             return
+        if role.spec.role == ATTENTION and self._degrade(role):
+            return
         self.death = role
         self._stop.set()
+
+    def _degrade(self, role: RoleProcess) -> bool:
+        """One of several Attention engines died: take it out of the endpoint's rotation and serve on with
+        the others (the FFN ranks go on serving them: faults are scoped to a peer on the vLLM path).
+        False when it was the last engine serving, or before every role was ready."""
+        proxy = self.proxy
+        if proxy is None or not proxy.ready:
+            return False
+        index = role.spec.rank
+        others = [b for i, b in enumerate(proxy.backends) if i != index and b.lost is None]
+        if not others:
+            return False
+        reason = f"{role.describe()} exited ({role.describe_exit()})"
+        proxy.mark_lost(index, reason)
+        self.lost.append(role)
+        role.signal_group(signal.SIGKILL)  # what is left of its group (vLLM's EngineCore, its worker) serves no one
+        self._say(
+            f"{reason}: the endpoint serves on with {', '.join(b.name for b in others)} "
+            f"({len(others)} of {len(proxy.backends)} Attention engines)"
+        )
+        return True
 
     def _on_signal(self, sig: int) -> None:
         if self.signal is None:
@@ -83,7 +109,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         opts = self.plan.options
         names = [(r.name, url) for r, url in zip(self.plan.of(ATTENTION), self.plan.backends, strict=True)]
-        proxy = Proxy(names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states)
+        proxy = self.proxy = Proxy(names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states)
         try:
             try:
                 await proxy.start(HOST, opts.port)
@@ -110,7 +136,7 @@ class Supervisor:
 
     def role_states(self) -> list[RoleState]:
         """Every role process started so far, and whether its process group is alive (``/metrics``)."""
-        return [RoleState(r.spec.role, r.spec.rank, r.pid, r.alive()) for r in self.roles]
+        return [RoleState(r.spec.role, r.spec.rank, r.pid, r not in self.lost and r.alive()) for r in self.roles]
 
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range
@@ -133,10 +159,11 @@ class Supervisor:
         return self.failure or "afd-mrv2 serve is stopping"
 
     def _report(self) -> int:
+        earlier = f" (lost earlier: {', '.join(r.describe() for r in self.lost)})" if self.lost else ""
         if self.death is not None:
             print(
                 f"afd-mrv2 serve: error: {self.death.describe()} exited ({self.death.describe_exit()}); "
-                "stopped every role",
+                f"stopped every role{earlier}",
                 file=self.log,
                 flush=True,
             )
@@ -145,7 +172,7 @@ class Supervisor:
             print(f"afd-mrv2 serve: error: {self.failure}; stopped every role", file=self.log, flush=True)
             return EXIT_FAILED
         name = signal.Signals(self.signal).name if self.signal is not None else "stop"
-        self._say(f"stopped every role ({name})")
+        self._say(f"stopped every role ({name}){earlier}")
         return EXIT_STOPPED
 
     async def _start(self, specs: Sequence[RoleSpec]) -> bool:

@@ -115,9 +115,11 @@ def _in_flight(url: str, n: int, stream: bool) -> tuple[list[tuple[int, str]], l
     return results, threads
 
 
-@pytest.mark.parametrize("victim", ["ffn 0", "attention 1"])
+@pytest.mark.parametrize("victim", ["ffn 0", "attention 0"])
 def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_serve, victim):
-    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True})
+    """An FFN rank, or the only Attention engine: every in-flight request fails and serve exits 1 naming it."""
+    attention = 2 if victim.startswith("ffn") else 1
+    serve, _ = start_serve(attention, 1, {"token_delay": 0.05, "grandchild": True})
     url = serve.wait_ready()
     pids = serve.pids()
     plain, plain_threads = _in_flight(url, 4, stream=False)
@@ -145,6 +147,48 @@ def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_se
         assert status != 200 or ('"error"' in text and "[DONE]" not in text), text
     assert [name for name, pid in pids.items() if alive(pid)] == []
     print(f"fault ({victim}) -> serve exit: {elapsed:.2f} s")
+
+
+def test_a_killed_engine_of_two_fails_only_its_requests_and_the_endpoint_serves_on(start_serve):
+    """With two Attention engines, one that dies takes only its own in-flight requests along (each gets an
+    error, never a hang); the endpoint routes every later request to the survivor, and serve keeps running
+    until told to stop (this changed: serve used to stop every role)."""
+    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True})
+    url = serve.wait_ready()
+    base = url.removesuffix("/v1")
+    pids = serve.pids()
+    plain, plain_threads = _in_flight(url, 4, stream=False)
+    streamed, stream_threads = _in_flight(url, 4, stream=True)
+    time.sleep(1.0)  # mid-generation: 200 tokens take 10 s
+    t0 = time.monotonic()
+    os.kill(pids["attention 1"], signal.SIGKILL)
+    for t in plain_threads + stream_threads:
+        t.join(20)
+        assert not t.is_alive(), "a client hangs"
+    ok = [text for status, text in plain + streamed if status == 200 and '"error"' not in text]
+    failed = [text for status, text in plain + streamed if status != 200 or '"error"' in text]
+    assert len(ok) == 4 and len(failed) == 4, (ok, failed)  # least-outstanding: four on each engine
+    assert all('"rank": 0' in text for text in ok) and all("[DONE]" not in text for text in failed)
+    assert serve.proc.poll() is None  # serve serves on
+    line = next(line for line in serve.err_lines() if "the endpoint serves on with" in line)
+    assert line == (
+        f"[serve] attention rank 1 (pid {pids['attention 1']}) exited (signal SIGKILL): "
+        "the endpoint serves on with attention 0 (1 of 2 Attention engines)"
+    )
+    after = [post(url + "/completions", {"prompt": "x", "max_tokens": 3}) for _ in range(4)]
+    assert all(status == 200 and '"rank": 0' in text for status, text in after), after
+    with urllib.request.urlopen(base + "/afd/status", timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["live"]["attention"] == [0] and status["lost"]["attention"] == [1] and status["ready"] is True
+    with urllib.request.urlopen(base + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    print(f"engine loss -> in-flight answered and failed within {time.monotonic() - t0:.2f} s")
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+    assert serve.err_lines()[-1] == (
+        f"[serve] stopped every role (SIGTERM) (lost earlier: attention rank 1 (pid {pids['attention 1']}))"
+    )
+    assert [name for name, pid in pids.items() if alive(pid)] == []
 
 
 def test_backend_dying_mid_response_gives_error_not_hang(start_serve):
