@@ -29,7 +29,7 @@ from afd_mrv2.procs import alive, group_alive
 from tests.serve.conftest import free_port_block
 from tests.vllm.engine import PROMPTS
 from tests.vllm.harness import FfnRole, afd_section, make_model, v2_env
-from tests.vllm.serving import Serve, body, complete, stream
+from tests.vllm.serving import Serve, body, complete, ffn_reports, stream
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
 
@@ -131,6 +131,71 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
         assert serve.stdout == [f"afd-mrv2 serve: ready at {serve.url}/v1"]
     finally:
         serve.stop()
+
+
+@pytest.mark.vllm_full
+def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_serve_on(
+    model: Path, tmp_path: Path
+) -> None:
+    """2A1F: SIGKILL of attention rank 1's whole process group (API server, EngineCore, worker) while 8
+    clients generate.  Its clients get errors, never a hang; attention rank 0's complete; the FFN rank
+    goes on serving rank 0 (faults scoped to a peer), so every later request succeeds; serve keeps
+    running until SIGTERM, then exits 0 and the FFN's report says how each engine left."""
+    serve = Serve(model, free_port_block(4), tmp_path / "serve.log", attention=2, ffn=1)
+    tokens = 48
+    try:
+        ready_s = serve.wait_ready()
+        pid = serve.role_pid("attention 1")
+        results: list[Any] = [None] * 8
+        first = threading.Event()
+
+        def client(i: int) -> None:
+            payload = body(model, PROMPTS[i], tokens)
+            results[i] = stream(serve.url, payload, first=first) if i % 2 else complete(serve.url, payload)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert first.wait(120), "no streamed token arrived"
+        time.sleep(0.5)
+        killed = time.monotonic()
+        os.killpg(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        answered = time.monotonic() - killed
+
+        def finished(i: int) -> bool:
+            status, answer = results[i]
+            if i % 2:
+                events = [e for e in answer if e != "[DONE]"]
+                text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e)
+                return status == 200 and answer[-1] == "[DONE]" and bool(text) and "error" not in str(events[-1])
+            return status == 200 and answer["usage"]["completion_tokens"] == tokens
+
+        done = [i for i in range(8) if finished(i)]
+        assert len(done) == 4, results  # least-outstanding: four on each engine; rank 0's four complete
+        assert serve.proc.poll() is None, "serve stopped"
+        after = [complete(serve.url, body(model, PROMPTS[i], 8)) for i in range(4)]
+        assert all(status == 200 and a["usage"]["completion_tokens"] == 8 for status, a in after), after
+        log = serve.log_text()
+        assert (
+            f"[serve] attention rank 1 (pid {pid}) exited (signal SIGKILL): the endpoint serves on with attention 0"
+            in log
+        )
+        print(
+            f"\n[faults] 2A1F ready after {ready_s:.1f} s; attention rank 1 killed mid-generation: clients answered "
+            f"within {answered:.2f} s, {len(done)}/8 completed (attention rank 0's), 4/4 later requests served",
+            flush=True,
+        )
+    finally:
+        code = serve.stop()
+    assert code == 0
+    reports = ffn_reports(serve.log_text())
+    ends = reports[0]["ends"]
+    print(f"[faults] FFN rank 0: items per engine {reports[0]['items_per_attention']}, ends {ends}", flush=True)
+    assert "attention rank 1" in ends["1"] and ends["0"].startswith("left between steps: attention rank 0")
+    assert reports[0]["items_per_attention"]["0"] > reports[0]["items_per_attention"]["1"] > 0
 
 
 @pytest.mark.vllm_full
