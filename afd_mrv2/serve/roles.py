@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -38,6 +39,9 @@ EXIT_NOISE = ("nanobind: leaked", "nanobind: this is likely caused by a referenc
 #: tagged with the same logger location) is folded into one line; any other block is shown as it is.
 ABORT_BLOCK_START = "AsyncLLM output_handler failed."
 ABORT_BLOCK_END = "EngineDeadError"
+#: A group member that ended this long before its leader is no cause of the leader's exit (a compiler
+#: run vLLM started, say); one that ended within it is named as the cause (vLLM's EngineCore, say).
+CAUSE_WINDOW_S = 10.0
 MEMBER_POLLS = 5  # the group's processes are listed every MEMBER_POLLS * POLL_S
 LINE_LIMIT = 1 << 20
 
@@ -51,6 +55,15 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def cause_of_exit(
+    gone: Sequence[tuple[float, int, str]], exited: float, window_s: float = CAUSE_WINDOW_S
+) -> tuple[int, str] | None:
+    """The first of the group members ``gone`` (when seen gone, pid, name) that ended at most ``window_s``
+    before the leader ``exited``: the likely cause of its exit; None when none did."""
+    recent = [(pid, name) for seen, pid, name in gone if seen >= exited - window_s]
+    return recent[0] if recent else None
+
+
 class RoleProcess:
     """One started role; ``ready`` is set once it is ready, ``on_exit`` is called once when its leader exits."""
 
@@ -61,8 +74,10 @@ class RoleProcess:
         self.ready = asyncio.Event()
         self.proc: asyncio.subprocess.Process | None = None
         self.returncode: int | None = None
-        #: the first process of the role's group (not its leader) seen to end while the leader ran: (pid, name)
+        #: the first process of the role's group (not its leader) seen to end while the leader ran, at most
+        #: CAUSE_WINDOW_S before the leader exited: (pid, name); set when the leader's exit is seen
         self.first_lost: tuple[int, str] | None = None
+        self._gone: list[tuple[float, int, str]] = []  # (when seen gone, pid, name) of such processes
         self._members: dict[int, str] = {}
         self._noise = 0
         #: serve sent the stop signal: vLLM's abort-shutdown traceback is expected from now on
@@ -156,6 +171,7 @@ class RoleProcess:
             polls += 1
             await asyncio.sleep(POLL_S)
         self.returncode = code
+        self.first_lost = cause_of_exit(self._gone, time.monotonic())
         self.on_exit(self)
 
     def _watch_members(self) -> None:
@@ -167,10 +183,10 @@ class RoleProcess:
             return
         # only while the leader itself still runs (it is listed): a group that ends after its leader was
         # killed is not a cause, and the leader's exit may not be reaped here yet
-        if self.first_lost is None and self.proc.pid in members:
-            gone = sorted(set(self._members) - set(members) - {self.proc.pid})
-            if gone:
-                self.first_lost = (gone[0], self._members[gone[0]])
+        if self.proc.pid in members:
+            now = time.monotonic()
+            for pid in sorted(set(self._members) - set(members) - {self.proc.pid}):
+                self._gone.append((now, pid, self._members[pid]))
         self._members = members
 
     def describe_exit(self) -> str:

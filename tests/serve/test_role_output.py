@@ -7,7 +7,7 @@ import asyncio
 import io
 
 from afd_mrv2.serve.plan import RoleSpec
-from afd_mrv2.serve.roles import RoleProcess
+from afd_mrv2.serve.roles import RoleProcess, cause_of_exit
 
 TAG = "(APIServer pid=7) ERROR 12-02 07:56:17 [async_llm.py:906]"
 ABORT = [
@@ -55,3 +55,12 @@ def test_another_traceback_is_shown_in_full_even_while_stopping() -> None:
 def test_the_same_traceback_before_any_stop_is_shown_in_full() -> None:
     out = copied([*ABORT, AFTER], stopping=False)
     assert out == [f"[attention 0] {line}" for line in [*ABORT, AFTER]]
+
+
+def test_a_group_member_that_ended_long_before_the_leader_is_not_named_as_the_cause() -> None:
+    """vLLM starts short-lived compiler runs (g++) in an engine's group: one that ended minutes before the
+    engine died is not why it died; vLLM's EngineCore that ended a second before it is."""
+    gone = [(100.0, 41, "g++"), (398.5, 42, "VLLM::EngineCor")]
+    assert cause_of_exit(gone, 400.0) == (42, "VLLM::EngineCor")
+    assert cause_of_exit(gone[:1], 400.0) is None
+    assert cause_of_exit([(395.0, 41, "g++"), (398.5, 42, "VLLM::EngineCor")], 400.0) == (41, "g++")
