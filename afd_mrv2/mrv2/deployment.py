@@ -314,7 +314,7 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
         why = lines[-1].split("error: ", 1)[-1] if lines else "rejected"
         raise AfdError(f"vLLM's argument parser refused the engine arguments: {why}") from None
     if unknown:
-        raise AfdError(f"not vLLM engine or server arguments: {' '.join(unknown)} (see vllm serve --help)")
+        raise serve_options.refusal(unknown)
 
 
 def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list[str]) -> Deployment:

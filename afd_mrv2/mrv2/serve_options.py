@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from afd_mrv2.compat.detect import VLLM_PROVIDERS, installed_version
+from afd_mrv2.errors import AfdError
 
 #: Skips the cache (read and write) when set to 1.
 NO_CACHE_ENV = "AFD_MRV2_NO_OPTION_CACHE"
@@ -82,6 +83,11 @@ def parser_options(parsers: Iterable[object]) -> dict[str, bool]:
             for option in action.option_strings:
                 found[option] = action.nargs != 0
     return found
+
+
+def refusal(unknown: Sequence[str]) -> AfdError:
+    """The one-line refusal of arguments vLLM's OpenAI server does not take (the cache's and vLLM's parser's)."""
+    return AfdError(f"not vLLM engine or server arguments: {' '.join(unknown)} (see vllm serve --help)")
 
 
 def unknown(args: Sequence[str], options: Mapping[str, bool]) -> list[str]:

@@ -178,7 +178,7 @@ def check_option_names(plan: Plan) -> None:
     _, extra = split_additional_config(plan.options.extra)
     bad = serve_options.unknown(extra, options)
     if bad:
-        raise AfdError(f"not vLLM engine or server arguments: {' '.join(bad)} (see vllm serve --help)")
+        raise serve_options.refusal(bad)
 
 
 def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:
@@ -198,7 +198,7 @@ def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: P
         pending.finish()
     elif gate is not None:
         gate(plan)
-    check_ports_free([p for r in plan.roles if (p := r.port) is not None] + [int(plan.afd["port"])])
+    check_ports_free(plan.role_ports)
     return plan
 
 

@@ -23,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from afd_mrv2.items import ATTENTION, FFN
+
 #: The ``Content-Type`` of ``/metrics`` (Prometheus text format).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: How long ``/metrics`` waits for one engine's ``/metrics``.
@@ -103,8 +105,8 @@ def afd_families(
     out: list[Metric] = [
         gauge("afd_attention_ranks", attention),
         gauge("afd_ffn_ranks", ffn),
-        gauge("afd_attention_ranks_live", sum(r.live for r in roles if r.role == "attention")),
-        gauge("afd_ffn_ranks_live", sum(r.live for r in roles if r.role == "ffn")),
+        gauge("afd_attention_ranks_live", len(_ranks(roles, ATTENTION, live=True))),
+        gauge("afd_ffn_ranks_live", len(_ranks(roles, FFN, live=True))),
         gauge("afd_ready", 1 if ready else 0),
     ]
     live = GaugeMetricFamily("afd_role_live", AFD_METRICS["afd_role_live"][1], labels=["role", "rank"])
@@ -121,6 +123,11 @@ def afd_families(
     for rank in sorted(scraped):
         scrape.add_metric([str(rank)], 1 if scraped[rank] else 0)
     return [*out, live, requests, in_flight, scrape]
+
+
+def _ranks(roles: Sequence[RoleState], role: str, *, live: bool) -> list[int]:
+    """The ranks of ``role`` that are live (or lost)."""
+    return [r.rank for r in roles if r.role == role and r.live == live]
 
 
 class _Families:
@@ -154,14 +161,8 @@ def status(
         "ready": ready,
         "down": down,
         "roles": [{"role": r.role, "rank": r.rank, "pid": r.pid, "live": r.live} for r in roles],
-        "live": {
-            "attention": [r.rank for r in roles if r.role == "attention" and r.live],
-            "ffn": [r.rank for r in roles if r.role == "ffn" and r.live],
-        },
-        "lost": {
-            "attention": [r.rank for r in roles if r.role == "attention" and not r.live],
-            "ffn": [r.rank for r in roles if r.role == "ffn" and not r.live],
-        },
+        "live": {role: _ranks(roles, role, live=True) for role in (ATTENTION, FFN)},
+        "lost": {role: _ranks(roles, role, live=False) for role in (ATTENTION, FFN)},
         "requests": {str(e.rank): {"finished": e.requests, "in_flight": e.in_flight} for e in engines},
     }
 

@@ -191,6 +191,11 @@ class Plan:
     def backends(self) -> tuple[str, ...]:
         return tuple(f"http://{HOST}:{r.port}" for r in self.of(ATTENTION))
 
+    @property
+    def role_ports(self) -> list[int]:
+        """The ports the roles bind (each Attention engine's, then the AFD rendezvous), after the endpoint's."""
+        return [p for r in self.roles if (p := r.port) is not None] + [int(self.afd["port"])]
+
 
 def split_additional_config(extra: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Take ``--additional-config JSON`` (or ``=JSON``) out of the EXTRA VLLM ARGS: serve rewrites it per role."""

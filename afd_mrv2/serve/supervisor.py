@@ -141,7 +141,7 @@ class Supervisor:
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range
         (their port-0 sockets may take it first: the Attention engine then fails with EADDRINUSE)."""
-        later = [p for r in self.plan.of(ATTENTION) if (p := r.port) is not None] + [int(self.plan.afd["port"])]
+        later = self.plan.role_ports
         risky = ports_in_ephemeral_range(later)
         if risky:
             eph = ephemeral_ports()

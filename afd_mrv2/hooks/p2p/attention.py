@@ -216,7 +216,7 @@ class AttentionSide(Side):
         with inbox.cond:
             while inbox.sent is None or inbox.sent.layer_idx != layer:
                 work.raise_if_cancelled()
-                self.link.check_peers(set(self.peers) if self.link.scoped else None)
+                self.link.check_peers(self.peers)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"{self.link.me}: the dispatch of layer={layer} stage={work.item.stage_idx} was never sent, "

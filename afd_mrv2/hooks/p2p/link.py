@@ -175,7 +175,7 @@ class PeerLink:
         :param option: the connector option holding ``timeout_s``, for messages.
         """
         deadline = time.monotonic() + timeout_s
-        scope = {p.peer for p in pendings} if self.scoped else None
+        scope = self._scope({p.peer for p in pendings})
         for pending in pendings:
             while not pending.done.wait(_SLICE_S):
                 if work is not None:
@@ -195,11 +195,18 @@ class PeerLink:
                 self._raise_if_it_said_why(pending.peer)
                 raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
 
+    def _scope(self, peers: Collection[int] | None) -> Collection[int] | None:
+        """The peers whose loss counts for a caller that depends on ``peers``: those on a scoped link,
+        every peer (None) otherwise."""
+        return peers if self.scoped else None
+
     def check_peers(self, peers: Collection[int] | None = None) -> None:
         """Raise if a peer died (the first to die) or aborted (then); peers that said BYE are fine.
 
-        :param peers: only these peers count (None: every peer).
+        :param peers: the peers the caller depends on; on a scoped link only their loss counts
+            (None, or an unscoped link: every peer's).
         """
+        peers = self._scope(peers)
         self._raise_earlier_loss(float("inf"), peers)
         aborted: tuple[int, str] | None = None
         for peer, pending in self._control.items():
