@@ -225,7 +225,10 @@ class AfdConfig:
     ``num_attention_ranks`` or ``num_ffn_ranks``): ``afd-mrv2 serve`` sets it per
     process.  ``num_attention_ranks`` and ``num_ffn_ranks`` are independent (any A >= 1,
     F >= 1: experts are sharded over the FFN ranks and every FFN rank serves every
-    attention rank; a connector that pairs ranks checks its own rule).  ``connector_extra_config``
+    attention rank; a connector that pairs ranks checks its own rule).  ``expert_replicas``
+    (1..``num_ffn_ranks``, default 1): on how many FFN ranks every routed expert lives
+    (:class:`~afd_mrv2.placement.Placement`); with 2 or more, the loss of an FFN rank is
+    survived by failover to the other holders (torch_p2p on the vLLM path).  ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
 
@@ -234,6 +237,7 @@ class AfdConfig:
     rank: int = option(integer(0, (1 << 16) - 1), 0)
     num_attention_ranks: int = option(integer(1, 1 << 16), 1)
     num_ffn_ranks: int = option(integer(1, 1 << 16), 1)
+    expert_replicas: int = option(integer(1, 1 << 16), 1)
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
     compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false
@@ -263,6 +267,11 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
         raise ConfigError(
             f"{key}.rank",
             f"expected an integer in 0..{ranks - 1} (num_{config.role}_ranks is {ranks}), got {config.rank}",
+        )
+    if config.expert_replicas > config.num_ffn_ranks:
+        raise ConfigError(
+            f"{key}.expert_replicas",
+            f"expected an integer in 1..{config.num_ffn_ranks} (num_ffn_ranks), got {config.expert_replicas}",
         )
     if config.async_moe.enabled and not config.compute_gate_on_attention:
         raise ConfigError(

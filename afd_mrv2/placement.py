@@ -87,6 +87,11 @@ class Placement:
         gone = set(lost)
         return all(any(h not in gone for h in hs) for hs in self.holders)
 
+    @staticmethod
+    def ranges(experts: Sequence[int]) -> str:
+        """``0-3,8-11``: ascending experts as compact ranges."""
+        return _ranges(experts)
+
     def describe(self) -> list[str]:
         """One line per FFN rank: the experts it holds, as ranges (what serve prints at start)."""
         lines = []

@@ -20,6 +20,12 @@ anyway, so the shared expert costs no extra transfer, and an FFN rank none of
 whose experts is selected receives no token at all (the case "an FFN rank
 receives zero tokens" is real, not a formality).
 
+Expert replicas (``expert_replicas = R``, default 1): every routed expert lives on
+``R`` distinct FFN ranks, its primary (the block owner above) and the next ``R-1``
+ranks around the ring (:class:`~afd_mrv2.placement.Placement`); FFN rank ``f`` then
+holds ``R`` blocks (:meth:`Topology.held_by`), and each (token, expert) pair goes to
+the expert's first live holder.  ``R = 1`` is exactly the blocks above.
+
 Attention and FFN rank counts are independent (any ``A >= 1``, ``F >= 1``, e.g.
 3A2F or 2A3F): since every FFN rank serves every attention rank, nothing pairs an
 attention rank with one FFN rank, and ``F`` need not divide ``A`` (the upstream
@@ -30,23 +36,34 @@ CAMP2P, which checks it itself).  Only ``E % F == 0`` is required.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.placement import Placement
 
 
 @dataclass(frozen=True)
 class Topology:
-    """``num_attention`` x ``num_ffn`` ranks sharing ``num_experts`` routed experts."""
+    """``num_attention`` x ``num_ffn`` ranks sharing ``num_experts`` routed experts, each on
+    ``expert_replicas`` FFN ranks."""
 
     num_attention: int
     num_ffn: int
     num_experts: int
+    expert_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.num_attention < 1 or self.num_ffn < 1:
             raise ValueError(f"need at least one attention and one FFN rank, got {self.num_attention}A{self.num_ffn}F")
         if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
             raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of num_ffn ({self.num_ffn})")
+        if not 1 <= self.expert_replicas <= self.num_ffn:
+            raise ValueError(f"expert_replicas must be in 1..{self.num_ffn} (num_ffn), got {self.expert_replicas}")
+
+    @cached_property
+    def placement(self) -> Placement:
+        """The expert-to-holders table (``expert_replicas`` holders per expert)."""
+        return Placement(self.num_experts, self.num_ffn, self.expert_replicas)
 
     @property
     def world_size(self) -> int:
@@ -79,12 +96,17 @@ class Topology:
         return [self.global_rank(ATTENTION, a) for a in range(self.num_attention)]
 
     def experts_of(self, ffn_index: int) -> range:
-        """The routed experts FFN rank ``ffn_index`` owns."""
+        """The routed experts FFN rank ``ffn_index`` owns (its primary block)."""
         per = self.experts_per_ffn
         return range(ffn_index * per, (ffn_index + 1) * per)
 
+    def held_by(self, ffn_index: int) -> tuple[int, ...]:
+        """The routed experts FFN rank ``ffn_index`` keeps (ascending): its block and, with replicas,
+        the ``R-1`` blocks before it around the ring."""
+        return self.placement.held_by(ffn_index)
+
     def owner_of(self, expert: int) -> int:
-        """The FFN rank owning routed expert ``expert``."""
+        """The FFN rank owning routed expert ``expert`` (its primary holder)."""
         return expert // self.experts_per_ffn
 
     def describe(self, global_rank: int) -> str:
@@ -93,4 +115,5 @@ class Topology:
         return f"{'attention' if role == ATTENTION else 'FFN'} rank {index} (global rank {global_rank})"
 
     def __str__(self) -> str:
-        return f"{self.num_attention}A{self.num_ffn}F, {self.num_experts} experts"
+        replicas = f", {self.expert_replicas} replicas" if self.expert_replicas > 1 else ""
+        return f"{self.num_attention}A{self.num_ffn}F, {self.num_experts} experts{replicas}"

@@ -21,12 +21,14 @@ identity (``stage i of n``) come from the Attention side's header (torch_p2p's
 side accepts both stage counts, step by step, and checks the order (stages of a
 layer in order, layers in order, a new stage count only where a step begins).
 
-Experts on several FFN ranks: FFN rank ``f`` owns the block
-``topology.experts_of(f)``.  Top-k entries outside the block weigh 0 here (the
-Attention side sums the ranks' partial outputs).  With ``local_experts_only`` the
-callables hold only the block's weights (the worker cut the others away after
-loading), so ids are also shifted into the block (``id - start``; entries outside
-it point at the block's first expert with weight 0).
+Experts on several FFN ranks: FFN rank ``f`` holds ``topology.held_by(f)`` (its
+block, and with expert replicas the blocks before it around the ring).  Top-k
+entries outside them weigh 0 here, and so do entries the Attention side routed to
+another holder (it sends them with weight 0; the Attention side sums the ranks'
+partial outputs).  With ``local_experts_only`` the callables hold only those
+experts' weights (the worker cut the others away after loading), so ids are also
+mapped onto the kept experts' positions (entries outside them point at the first
+kept expert with weight 0).
 
 An Attention rank that leaves (its process exits or fails) ends the loop serving it:
 the connector reports the lost peer and that loop's executor stops.  On a scoped
@@ -98,12 +100,15 @@ class FfnReport:
     expert computations, ``busy_s`` long in all; ``tokens_per_item`` counts them
     by token count).  ``items_by_stage_count``: items served per stage count as the
     wire named it (``{1: ...}`` unsplit steps, ``{2: ...}`` steps of two micro-batches).
+    ``redispatched``: of the items, the re-sends an Attention rank made here after it lost another FFN
+    rank holding the same experts (expert replicas).
     """
 
     moe_layers: int
     computed: int = 0
     busy_s: float = 0.0
     end: str = ""
+    redispatched: int = 0
     tokens_per_item: Counter[int] = field(default_factory=Counter)
     items_per_attention: Counter[int] = field(default_factory=Counter)
     items_by_stage_count: Counter[int] = field(default_factory=Counter)
@@ -130,9 +135,10 @@ class FfnReport:
             self.busy_s += seconds
             self.tokens_per_item[tokens] += 1
 
-    def loop_ended(self, attention: int, served: int, end: str, executor: Executor) -> None:
-        """Attention rank ``attention``'s loop ended after serving ``served`` items."""
+    def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
+        """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends)."""
         with self._lock:
+            self.redispatched += redispatched
             self.items_per_attention[attention] = served
             self.ends[attention] = end
             self.executors[attention] = {
@@ -151,6 +157,7 @@ class FfnReport:
             "items_per_attention": {str(a): n for a, n in sorted(self.items_per_attention.items())},
             "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
             "computed": self.computed,
+            "redispatched": self.redispatched,
             "busy_s": round(self.busy_s, 6),
             "end": self.end,
             "ends": {str(a): text for a, text in sorted(self.ends.items())},
@@ -218,15 +225,19 @@ def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
 
 
 def local_routing(
-    topk_ids: torch.Tensor, weights: torch.Tensor, block: range, num_experts: int, *, shift: bool
+    topk_ids: torch.Tensor, weights: torch.Tensor, held: Sequence[int], num_experts: int, *, shift: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and weights as this FFN rank computes them (see the module docstring)."""
-    if block.start == 0 and block.stop == num_experts:
+    """Top-k ids and weights as this FFN rank computes them, holding the experts ``held`` (ascending;
+    see the module docstring)."""
+    if len(held) == num_experts:
         return topk_ids, weights
-    mine = (topk_ids >= block.start) & (topk_ids < block.stop)
+    position = torch.full((num_experts,), -1, dtype=torch.long)
+    position[torch.tensor(list(held), dtype=torch.long)] = torch.arange(len(held))
+    local = position[topk_ids.long()]
+    mine = local >= 0
     weights = weights * mine
     if shift:
-        topk_ids = torch.where(mine, topk_ids - block.start, torch.zeros_like(topk_ids))
+        topk_ids = torch.where(mine, local, torch.zeros_like(local)).to(topk_ids.dtype)
     return topk_ids, weights
 
 
@@ -250,15 +261,15 @@ def serve_ffn(
     :param device: where the experts' weights live.
     :param index: this FFN rank's index.
     :param link: an already-open link (tests); by default one is opened on ``afd.host:afd.port``.
-    :param local_experts_only: the callables hold only this rank's expert block.
+    :param local_experts_only: the callables hold only the experts this rank holds.
     :param grace_s: how long the other loops may take to end after the first one ended.
     """
     if not experts:
         raise ValueError("the FFN role needs at least one MoE layer; the loaded model has none")
-    topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts)
+    topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts, config.expert_replicas)
     if link is None:
         link = open_peer_link(topology, topology.global_rank(FFN, index), host=config.host, port=config.port)
-    block = topology.experts_of(index)
+    block = topology.held_by(index)
     report = FfnReport(moe_layers=len(experts))
     compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
 
@@ -283,6 +294,7 @@ def serve_ffn(
     p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
     traces: list[Trace] = []
     loops: list[FfnLoop] = []
+    connectors: list[object] = []
     for a in range(topology.num_attention):
         peer = topology.global_rank(ATTENTION, a)
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
@@ -298,8 +310,10 @@ def serve_ffn(
         )
         if trace is not None:
             traces.append(trace)
+        plugins = load_plugins(config, resources=resources)
+        connectors.append(plugins.connector)
         executor = Executor(
-            load_plugins(config, resources=resources),
+            plugins,
             make_backend(config.multistream.backend),
             config.multistream,
             compute=compute,
@@ -326,7 +340,8 @@ def serve_ffn(
             try:
                 abandoned = len(loop.close().abandoned)
             finally:
-                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor)
+                side = getattr(connectors[a], "side", None)  # torch_p2p's FFN side counts the re-sends it served
+                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor, getattr(side, "redispatched", 0))
                 first_end.set()
 
     threads = [

@@ -135,6 +135,7 @@ class RemoteExperts:
         self._layers: dict[int, MoeShape] = {}  # model layer index -> shape, as constructed
         self._order: list[int] = []  # model layer indices, sorted (set on the first call)
         self._session: _Session | None = None
+        self._failover_record: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
         self.steps = 0  # forwards seen (calls of the first MoE layer)
@@ -235,7 +236,7 @@ class RemoteExperts:
         self._order = sorted(self._layers)
         moe = next(iter(self._layers.values()))
         config = self.config
-        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts)
+        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
         rank = topology.global_rank(ATTENTION, config.rank)
         link = open_peer_link(topology, rank, host=config.host, port=config.port)
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
@@ -263,12 +264,22 @@ class RemoteExperts:
         The FFN ranks end their serving loop with that reason (a process that
         simply exits is noticed too: its connections close).
         """
+        if self._session is not None:
+            self._failover_record = self.failovers()
         session, self._session = self._session, None
         if session is None:
             return None
         report = session.executor.close(deadline_s)
         session.link.abort("the attention rank closed its AFD session")
         return report
+
+    def failovers(self) -> dict[str, Any] | None:
+        """The connector's failover record (FFN ranks lost, re-sends and when), None where it keeps none."""
+        session = self._session
+        if session is None:
+            return self._failover_record  # what the last session did, once closed
+        log = getattr(getattr(session.plugins.connector, "side", None), "failovers", None)  # torch_p2p's
+        return None if log is None else log.as_dict()  # type: ignore[no-any-return]
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -277,6 +288,7 @@ class RemoteExperts:
             "tokens_per_call": dict(sorted(self.tokens.items())),
             "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
             "overlap": self.meter.snapshot(),
+            "failover": self.failovers(),
         }
 
 

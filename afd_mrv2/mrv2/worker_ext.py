@@ -9,8 +9,11 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
     the FFN role: after vLLM loaded the model the normal way (its loader, its
     quant method, its MoE kernel), serve the routed experts of every MoE layer to
     the Attention role until it leaves (:func:`afd_mrv2.mrv2.ffn_server.serve_ffn`).
-    With several FFN ranks each keeps only its block of experts
-    (:func:`keep_expert_block`), right after loading and before serving.
+    With several FFN ranks each keeps only the experts it holds (its block, and with
+    ``expert_replicas`` R >= 2 the R-1 blocks before it around the ring;
+    :func:`keep_experts`), right after loading and before serving.  The report gives
+    the routed-expert bytes at the peak (vLLM's loader loads every expert first) and
+    in steady state (after the cut).
     The engine core is blocked in this call for the whole session; the FFN engine
     serves no requests of its own.
 ``afd_routed_expert_bytes()``
@@ -30,7 +33,7 @@ does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,23 +55,24 @@ def routed_experts_layers(model: torch.nn.Module) -> list[RoutedExperts]:
     return [layers[index] for index in sorted(layers)]
 
 
-def keep_expert_block(layer: RoutedExperts, block: range) -> None:
-    """Keep only the routed experts ``block`` of ``layer``: each parameter whose leading
-    dimension is the global expert count (weights, biases, scales) is cut to the block.
+def keep_experts(layer: RoutedExperts, held: Sequence[int]) -> None:
+    """Keep only the routed experts ``held`` (ascending) of ``layer``: each parameter whose leading
+    dimension is the global expert count (weights, biases, scales) is cut to those experts, in order.
 
     Kernel-neutral: vLLM's modular kernel reads the local expert count from the
     weights (``w1.shape[0]``), and :func:`~afd_mrv2.mrv2.ffn_server.local_routing`
-    shifts the ids into the block.  Each parameter's storage is replaced in place
+    maps the ids onto the kept experts' positions.  Each parameter's storage is replaced in place
     (``Tensor.set_``), so objects that hold the parameter (the quant config holds
     the biases) see the cut tensor.
     """
     total = layer.moe_config.num_experts
-    if block.start == 0 and block.stop == total:
+    if list(held) == list(range(total)):
         return
     for name, param in layer.named_parameters(recurse=False):
         if param.dim() and param.shape[0] == total:
+            index = torch.tensor(list(held), dtype=torch.long, device=param.device)
             with torch.no_grad():  # in place: the Parameter object (and who holds it) stays the same
-                param.set_(param.detach()[block.start : block.stop].clone())
+                param.set_(param.detach().index_select(0, index).contiguous())
         elif param.numel():
             raise RuntimeError(
                 f"{layer.layer_name}.{name}: shape {list(param.shape)} is not per expert; cannot shard it"
@@ -102,9 +106,10 @@ class AfdWorkerExtension:
         if not layers:
             raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")
         moe = layers[0].moe_config
-        block = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts).experts_of(config.rank)
+        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
+        loaded_bytes = self.afd_routed_expert_bytes()  # the peak: vLLM's loader loaded every expert
         for layer in layers:  # this FFN rank holds only its experts
-            keep_expert_block(layer, block)
+            keep_experts(layer, topology.held_by(config.rank))
         first = next(layers[0].parameters())
         # started by ffn_role: end with that process while serving (mrv2.leader)
         watch = watch_role_leader(leader_pid(self.vllm_config.additional_config))
@@ -125,6 +130,7 @@ class AfdWorkerExtension:
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
         summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()
+        summary["routed_expert_bytes_peak"] = loaded_bytes
         return summary
 
     def afd_routed_expert_bytes(self) -> int:

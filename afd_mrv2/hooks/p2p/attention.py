@@ -7,9 +7,11 @@ Work item ``(layer l, stage s)`` on an attention rank::
     on_compute  sum the FFN partials into one [T, H] tensor (token order of the
                 stage), call ``compute(item, combined)`` -> (x, topk_ids,
                 topk_weights) or None, and pack, for every FFN rank, the rows of
-                the tokens routed to at least one of its experts (with option
-                ``quant: w8a8``: the rows quantized per token to int8, and their
-                scales)
+                the tokens with at least one (token, expert) pair routed to it
+                (each expert to its first live holder, :class:`~afd_mrv2.placement.Placement`;
+                without replicas, the block owner), the pairs routed elsewhere
+                weighing 0 in that rank's copy (with option ``quant: w8a8``: the
+                rows quantized per token to int8, and their scales)
     on_send     post the receives for this item's combine, then send a header
                 (and, for n > 0 tokens, the payload) to every FFN rank
 
@@ -59,11 +61,19 @@ class _Outputs:
 
 @dataclass
 class _Dispatch:
-    """Per-item transfer state (``work.transfer["dispatch"]``), from compute to send."""
+    """Per-item transfer state (``work.transfer["dispatch"]``), from compute to send.
+
+    Per FFN rank (peer order): the rows sent (``counts``, ``indices`` into the item's
+    tokens) and which of their top-k pairs are routed there (``masks`` [count, k]).
+    ``routed``: the item's (hidden as sent, scales or None, topk_ids, topk_weights),
+    kept for a failover's re-send.
+    """
 
     tokens: int
     counts: list[int]
     indices: list[torch.Tensor]
+    masks: list[torch.Tensor] = field(default_factory=list)
+    routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -84,7 +94,10 @@ class AttentionSide(Side):
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
         super().__init__(link, shape, options)
-        self.experts_per_ffn = link.topology.experts_per_ffn
+        self.placement = link.topology.placement
+        #: the FFN ranks (indices) this side routes to, and ``route[e]``: the one computing expert ``e``
+        self.live: frozenset[int] = frozenset(range(self.placement.num_ffn))
+        self.route = torch.tensor(self.placement.routing(self.live), dtype=torch.long)
         self._inboxes: dict[int, _Inbox] = {}
         self._inbox_lock = threading.Lock()
 
@@ -146,25 +159,43 @@ class AttentionSide(Side):
     def _pack(
         self, work: Work, slot: _Outputs, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> None:
-        """Pack, per FFN rank, the rows routed to its experts into ``slot``; record the dispatch."""
+        """Pack, per FFN rank, the rows routed to it into ``slot``; record the dispatch."""
         item, layout = work.item, self.layout
-        owners = torch.div(topk_ids, self.experts_per_ffn, rounding_mode="floor")
+        owners = self.route[topk_ids.long()]
         dispatch = work.transfer["dispatch"] = _Dispatch(hidden.shape[0], [], [])
         scales = None
         if layout.quant is not None:  # per token, once for all FFN ranks, before anything is sent
             hidden, scales = quantize_per_token(hidden)
+        dispatch.routed = (hidden, scales, topk_ids, topk_weights)
         for f, ffn in enumerate(self.peers):
-            index = (owners == f).any(dim=1).nonzero().squeeze(1)
+            assigned = owners == f
+            index = assigned.any(dim=1).nonzero().squeeze(1)
+            mask = assigned.index_select(0, index)
             count = index.numel()
-            rows, weights, ids = layout.views(slot.staging[f], count)
-            torch.index_select(hidden, 0, index, out=rows)
-            if scales is not None:
-                torch.index_select(scales, 0, index, out=layout.scales(slot.staging[f], count))
-            torch.index_select(topk_weights, 0, index, out=weights)
-            ids.copy_(topk_ids.index_select(0, index))
+            self.pack_rows(slot.staging[f], index, mask, dispatch.routed)
             wire.item_header(layout.kind, self.link.rank, ffn, item, count).write(slot.headers[f])
             dispatch.counts.append(count)
             dispatch.indices.append(index)
+            dispatch.masks.append(mask)
+
+    def pack_rows(
+        self,
+        staging: torch.Tensor,
+        index: torch.Tensor,
+        mask: torch.Tensor,
+        routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Write the dispatch payload of the token rows ``index`` into ``staging``: their hidden rows
+        (and scales), ids, and weights, a pair outside ``mask`` (routed to another rank) weighing 0."""
+        hidden, scales, topk_ids, topk_weights = routed
+        layout, count = self.layout, index.numel()
+        rows, weights, ids = layout.views(staging, count)
+        torch.index_select(hidden, 0, index, out=rows)
+        if scales is not None:
+            torch.index_select(scales, 0, index, out=layout.scales(staging, count))
+        torch.index_select(topk_weights, 0, index, out=weights)
+        weights.mul_(mask)
+        ids.copy_(topk_ids.index_select(0, index))
 
     def on_send(self, work: Work) -> None:
         item, dispatch = work.item, work.transfer.get("dispatch")

@@ -16,6 +16,12 @@ Work item ``(layer l, stage s)`` on FFN rank ``f``::
                 (the received scales, after recv completed; compute dequantizes)
     on_send     send every combine message and wait until each was accepted
 
+A re-send (kind ``redispatch``, after the Attention side lost another FFN rank
+holding the same experts; owners with ``follow_stages`` only) is served like a
+dispatch: it names an item already seen (its layer and stage), carries only the
+rows of the lost rank's share, and does not move the stage order ``follow_stages``
+checks.  ``on_item`` is called for it too; ``redispatched`` counts them.
+
 An attention rank that routed no token here still sends a header (tokens = 0) and
 gets one back, so an FFN rank with zero tokens takes part in every item without
 any special case on the wire; with N = 0 the owner's compute is not called.
@@ -71,8 +77,10 @@ class FfnSide(Side):
         self.follow_stages = follow_stages
         self.on_item = on_item
         self._last: tuple[int, int, int] | None = None  # follow_stages: (layer, stage, stages) of the last item
-        local = link.topology.experts_of(link.index)
-        self.local_experts = (local.start, local.stop)
+        self.held = link.topology.held_by(link.index)  # the experts this rank keeps (with replicas: R blocks)
+        self._held = torch.zeros(shape.num_experts, dtype=torch.bool)
+        self._held[list(self.held)] = True
+        self.redispatched = 0  # re-sends served (failovers of the Attention side)
         if peers is not None:
             unknown = sorted(set(peers) - set(self.peers))
             if not peers or unknown or len(set(peers)) != len(peers):
@@ -112,11 +120,19 @@ class FfnSide(Side):
         ]
         self.wait(headers, work, "recv", action)
         counts: list[int] = work.transfer.setdefault("counts", [])  # per-item transfer state, until on_send
+        kind = self.layout.kind
         if self.follow_stages:
-            item = work.transfer["item"] = self._follow(wire.Header.read(slot.headers[0]), item, self.peers[0])
+            first = wire.Header.read(slot.headers[0])
+            if first.kind == self.layout.redispatch_kind and first.magic == wire.MAGIC:  # a failover's re-send
+                kind = first.kind
+                item = WorkItem(first.layer, first.stage, item.seq, num_stages=max(first.stages, 1))
+                self.redispatched += 1
+            else:
+                item = self._follow(first, item, self.peers[0])
+            work.transfer["item"] = item
         for a, peer in enumerate(self.peers):
             got = wire.Header.read(slot.headers[a])
-            expected = wire.item_header(self.layout.kind, peer, link.rank, item, tokens=0)
+            expected = wire.item_header(kind, peer, link.rank, item, tokens=0)
             wire.validate_header(
                 got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity, me=link.me
             )
@@ -232,14 +248,16 @@ class FfnSide(Side):
     # ------------------------------------------------------------------ checks
 
     def _check_routing(self, staging: torch.Tensor, tokens: int, peer: int) -> None:
-        """Every id in 0..E-1 and every row routed to at least one local expert: no silent mis-route."""
+        """Every id in 0..E-1 and every row routed to at least one expert held here: no silent mis-route."""
         _, _, ids = self.layout.views(staging, tokens)
-        low, high = self.local_experts
         problem = None
         if int(ids.min()) < 0 or int(ids.max()) >= self.shape.num_experts:
             problem = f"expert ids must be in 0..{self.shape.num_experts - 1}, got {int(ids.min())}..{int(ids.max())}"
-        elif not ((ids >= low) & (ids < high)).any(dim=1).all():
-            problem = f"a token routed to none of this rank's experts {low}..{high - 1} was dispatched here"
+        elif not self._held[ids.long()].any(dim=1).all():
+            problem = (
+                f"a token routed to none of this rank's experts "
+                f"{self.link.topology.placement.ranges(self.held)} was dispatched here"
+            )
         if problem:
             raise ProtocolError(
                 f"malformed dispatch payload from {self.link.describe(peer)}: field 'topk_ids': {problem}",

@@ -26,6 +26,18 @@ that caller, item by item::
 
 The FFN side is unchanged (:mod:`afd_mrv2.hooks.p2p.ffn`): it sees the same
 messages as from the pipelined side, item ``(layer, stage, seq)`` by item.
+
+Failover (expert replicas, ``Topology.expert_replicas`` R >= 2, on a scoped link):
+each FFN rank's part of an item is a :class:`Share`, numbered on its pair.  When an
+FFN rank is lost (its connection closed, it aborted, or it passed the deadline)
+while a share of it is unanswered, this side stops routing to it (the experts go
+to their next live holder, :meth:`~afd_mrv2.placement.Placement.routing`) and
+re-sends that share's rows to the new holders as ``redispatch`` messages, only the
+pairs the lost rank computed weighing non-zero; their partials are summed in the
+lost one's place, and the caller never sees the loss.  One line on stderr says so
+(``afd-mrv2 failover: ...``); :class:`FailoverLog` keeps the counts and times.
+Without replicas, or when some expert has no live holder left, the loss fails the
+item as it always did.
 The combine receive is posted before the dispatch is sent, so the FFN rank's
 combine send (a gloo rendezvous) never waits on this side.
 
@@ -46,8 +58,11 @@ gets this side; one that provides neither drives the pipelined side.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,16 +71,45 @@ import torch
 
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.attention import AttentionSide, _Dispatch
-from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape
+from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
+from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
+from afd_mrv2.placement import NoLiveHolder, Placement
 from afd_mrv2.work import Work
 
 RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, Any], None]
 #: the attribute a ``sink`` sets to True to receive :class:`CombineInFlight` results instead of tensors
 ACCEPTS_IN_FLIGHT = "accepts_in_flight"
+
+
+@dataclass(eq=False)
+class Share:
+    """One FFN rank's part of an item on the wire: the message posted to it and the combine due back.
+
+    ``index``: the item's token rows sent; ``mask`` [count, k]: which of their pairs it computes;
+    ``seq``: the message's number on the pair; ``failed``: the loss seen while posting or sending.
+    """
+
+    ffn: int  # FFN rank index
+    seq: int
+    index: torch.Tensor
+    mask: torch.Tensor
+    buffer: torch.Tensor  # where the combine lands
+    receive: Pending | None = None
+    sends: list[Pending] = field(default_factory=list)
+    failed: PeerError | None = None
+    resent: bool = False
+
+    @property
+    def count(self) -> int:
+        return self.index.numel()
+
+
+#: what ends a pair: its FFN rank died, aborted, or stalled past the deadline (a bad header is not one)
+LOSSES = (PeerLost, PeerAborted, PeerTimeout)
 
 
 @dataclass(eq=False)
@@ -79,40 +123,63 @@ class CombineInFlight:
     item: WorkItem
     dispatch: _Dispatch
     inbox: list[torch.Tensor]
-    receives: list[Pending]
+    shares: list[Share]
     delivered_ns: int = 0
     _result: torch.Tensor | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
-        """Wait for every FFN rank's partial (under ``recv_timeout_s``), check each header, sum them."""
+        """Wait for every FFN rank's partial (under ``recv_timeout_s``), check each header, sum them.
+
+        A share whose FFN rank is lost meanwhile is re-sent to live holders of its experts
+        (:meth:`RoundTripAttentionSide.fail_over`) and their partials are summed in its place.
+        """
         if self._result is not None:
             return self._result
         side, item, dispatch = self.side, self.item, self.dispatch
-        side.link.wait(
-            self.receives,
-            timeout_s=side.options.recv_timeout_s,
-            work=None,
-            action=f"receiving the combine of {item}",
-            option="recv_timeout_s",
-        )
-        arrived = max(p.done_at for p in self.receives)
+        hidden_size = side.shape.hidden_size
+        combined = torch.zeros(dispatch.tokens, hidden_size)
+        arrived = time.perf_counter()
+        nbytes = 0
+        todo = deque(self.shares)
+        while todo:
+            share = todo.popleft()
+            peer = side.peers[share.ffn]
+            try:
+                if share.failed is not None:
+                    raise share.failed
+                assert share.receive is not None
+                side.link.wait(
+                    [share.receive],
+                    timeout_s=side.options.recv_timeout_s,
+                    work=None,
+                    action=f"receiving the combine of {item}",
+                    option="recv_timeout_s",
+                )
+            except LOSSES as exc:
+                self._retire(share)
+                todo.extend(side.fail_over(item, dispatch, share, exc))
+                continue
+            arrived, nbytes = max(arrived, share.receive.done_at), nbytes + share.receive.nbytes
+            sent = WorkItem(item.layer_idx, item.stage_idx, share.seq, item.num_stages)
+            expected = wire.item_header(wire.KIND_COMBINE, peer, side.link.rank, sent, share.count)
+            got = wire.Header.read(wire.header_view(share.buffer))
+            wire.validate_header(got, expected, peer_name=side.link.describe(peer), what="combine", me=side.link.me)
+            if share.count:
+                combined.index_add_(0, share.index, wire.combine_rows(share.buffer, hidden_size, share.count))
         link = side.options.link
         if link is not None:  # the simulated link delivers the bytes later than gloo did
-            nbytes = sum(p.nbytes for p in self.receives)
             arrived += link.cost_s("recv", nbytes)
             time.sleep(max(0.0, arrived - time.perf_counter()))
         self.delivered_ns = int(arrived * 1e9)
-        hidden_size = side.shape.hidden_size
-        combined = torch.zeros(dispatch.tokens, hidden_size)
-        for ffn, buffer, count, index in zip(side.peers, self.inbox, dispatch.counts, dispatch.indices, strict=True):
-            expected = wire.item_header(wire.KIND_COMBINE, ffn, side.link.rank, item, count)
-            got = wire.Header.read(wire.header_view(buffer))
-            wire.validate_header(got, expected, peer_name=side.link.describe(ffn), what="combine", me=side.link.me)
-            if count:
-                combined.index_add_(0, index, wire.combine_rows(buffer, hidden_size, count))
         side.give_back(self.inbox)
         self._result = combined
         return combined
+
+    def _retire(self, share: Share) -> None:
+        """A lost pair may still write into its combine buffer (a stalled peer): never reuse it."""
+        for position, buffer in enumerate(self.inbox):
+            if buffer is share.buffer:
+                self.inbox[position] = torch.empty_like(buffer)
 
 
 class RoundTripAttentionSide(AttentionSide):
@@ -128,6 +195,10 @@ class RoundTripAttentionSide(AttentionSide):
         self.sink_accepts_in_flight = getattr(sink, ACCEPTS_IN_FLIGHT, False) is True
         self._free_inboxes: list[list[torch.Tensor]] = []
         self._inbox_lock = threading.Lock()
+        self._pair_seq = [0] * len(self.peers)  # the next message's number on each pair
+        self._pair_locks = [threading.Lock() for _ in self.peers]
+        self._failover_lock = threading.Lock()
+        self.failovers = FailoverLog()
 
     def _take_inbox(self) -> list[torch.Tensor]:
         """Per FFN rank, uint8 [header + max_tokens * H * 4]: where one item's combines land."""
@@ -151,21 +222,154 @@ class RoundTripAttentionSide(AttentionSide):
 
     def on_send(self, work: Work) -> None:
         item, dispatch, slot = work.item, work.transfer["dispatch"], self._outputs(work)
-        hidden_size = self.shape.hidden_size
         inbox = self._take_inbox()
-        receives = [
-            self.link.irecv(
-                buffer[: wire.combine_nbytes(hidden_size, count)], ffn, wire.TAG_COMBINE, f"combine message ({item})"
-            )
-            for ffn, buffer, count in zip(self.peers, inbox, dispatch.counts, strict=True)
+        live = self.live
+        shares = [
+            self._post(item, f, self.layout.kind, slot.headers[f], slot.staging[f], index, mask, inbox[f])
+            for f, (index, mask) in enumerate(zip(dispatch.indices, dispatch.masks, strict=True))
+            if f in live or index.numel()
         ]
-        self._dispatch(work, slot, dispatch.counts)
-        in_flight = CombineInFlight(self, item, dispatch, inbox, receives)
+        self._await_sends(shares, work, f"dispatching {item}")
+        charge_link(self.options, work, "send", [p for share in shares for p in share.sends])
+        in_flight = CombineInFlight(self, item, dispatch, inbox, shares)
         self.sink(item, in_flight if self.sink_accepts_in_flight else in_flight.wait())
+
+    def _post(
+        self,
+        item: WorkItem,
+        f: int,
+        kind: int,
+        header: torch.Tensor,
+        payload: torch.Tensor,
+        index: torch.Tensor,
+        mask: torch.Tensor,
+        buffer: torch.Tensor,
+    ) -> Share:
+        """Post FFN rank ``f``'s combine receive, then send it its header and payload, as the next message of
+        the pair (one lock per pair: the pair's messages go out in ``seq`` order, gloo matches in posting order)."""
+        peer, count = self.peers[f], index.numel()
+        with self._pair_locks[f]:
+            seq = self._pair_seq[f]
+            self._pair_seq[f] += 1
+            share = Share(f, seq, index, mask, buffer, resent=kind == self.layout.redispatch_kind)
+            sent = WorkItem(item.layer_idx, item.stage_idx, seq, item.num_stages)
+            wire.item_header(kind, self.link.rank, peer, sent, count).write(header)
+            try:
+                share.receive = self.link.irecv(
+                    buffer[: wire.combine_nbytes(self.shape.hidden_size, count)],
+                    peer,
+                    wire.TAG_COMBINE,
+                    f"combine message ({item})",
+                )
+                share.sends.append(self.link.isend(header, peer, wire.TAG_DISPATCH_HEADER, "dispatch header"))
+                if count:
+                    message = payload[: self.layout.nbytes(count)]
+                    share.sends.append(self.link.isend(message, peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
+            except LOSSES as exc:  # the pair is already closed
+                share.failed = exc
+        return share
+
+    def _await_sends(self, shares: list[Share], work: Work | None, action: str) -> None:
+        """Wait until every share's FFN rank took its messages; with replicas a lost rank only marks its share."""
+        for share in shares:
+            if share.failed is not None:
+                continue
+            try:
+                self.link.wait(
+                    share.sends,
+                    timeout_s=self.options.send_timeout_s,
+                    work=work,
+                    action=action,
+                    option="send_timeout_s",
+                )
+            except LOSSES as exc:
+                if self.placement.replicas == 1 or not self.link.scoped:
+                    raise
+                share.failed = exc
+
+    def fail_over(self, item: WorkItem, dispatch: _Dispatch, share: Share, loss: PeerError) -> list[Share]:
+        """``share``'s FFN rank is lost: stop routing to it and re-send its part of ``item`` to the live
+        holders of its experts (kind ``redispatch``); returns the new shares.  Without replicas, on a link
+        whose faults are not scoped to a peer (a wait there names any lost peer, not only its own), or when
+        some expert has no live holder left, the loss is raised as it came."""
+        if self.placement.replicas == 1 or not self.link.scoped or loss.peer != self.peers[share.ffn]:
+            raise loss
+        with self._failover_lock:
+            if share.ffn in self.live:
+                live = self.live - {share.ffn}
+                try:
+                    route = torch.tensor(self.placement.routing(live), dtype=torch.long)
+                except NoLiveHolder as exc:
+                    raise loss from exc
+                self.live, self.route = live, route
+                self.failovers.lost(share.ffn, loss, self.placement, live, self.link.me)
+        assert dispatch.routed is not None
+        topk_ids = dispatch.routed[2]
+        owners = self.route[topk_ids.index_select(0, share.index).long()]
+        shares = []
+        for g in sorted(self.live):
+            pairs = share.mask & (owners == g)
+            rows = pairs.any(dim=1).nonzero().squeeze(1)
+            if not rows.numel():
+                continue
+            index, mask = share.index.index_select(0, rows), pairs.index_select(0, rows)
+            payload = torch.empty(self.layout.nbytes(index.numel()), dtype=torch.uint8)
+            self.pack_rows(payload, index, mask, dispatch.routed)
+            header = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
+            buffer = torch.empty(wire.combine_nbytes(self.shape.hidden_size, index.numel()), dtype=torch.uint8)
+            shares.append(self._post(item, g, self.layout.redispatch_kind, header, payload, index, mask, buffer))
+        self._await_sends(shares, None, f"re-sending FFN rank {share.ffn}'s share of {item}")
+        self.failovers.resent(share.ffn, item, sum(s.count for s in shares))
+        return shares
 
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)
         super().on_cleanup(work)
+
+
+class FailoverLog:
+    """What failovers this side made (thread-safe): FFN ranks lost, re-sends, and when (``time.time()``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0  # FFN ranks failed over
+        self.lost_at: dict[int, float] = {}  # FFN rank -> when this side stopped routing to it
+        self.first_resend_at: dict[int, float] = {}  # FFN rank -> when its first share was re-sent
+        self.resent_items = 0
+        self.resent_rows = 0
+        self.reasons: dict[int, str] = {}
+
+    def lost(self, ffn: int, loss: PeerError, placement: Placement, live: frozenset[int], me: str) -> None:
+        now = time.time()
+        with self._lock:
+            self.count += 1
+            self.lost_at[ffn] = now
+            self.reasons[ffn] = str(loss).splitlines()[0]
+        moved = placement.ranges(placement.held_by(ffn))
+        line = (
+            f"afd-mrv2 failover: {me}: FFN rank {ffn} lost ({type(loss).__name__}); its experts {moved} go to "
+            f"their next live holders, FFN ranks {sorted(live)} (at {now:.3f})"
+        )
+        sys.stderr.flush()
+        os.write(2, f"{line}\n".encode())
+
+    def resent(self, ffn: int, item: WorkItem, rows: int) -> None:
+        with self._lock:
+            self.first_resend_at.setdefault(ffn, time.time())
+            self.resent_items += 1
+            self.resent_rows += rows
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "failovers": self.count,
+                "lost": {
+                    str(f): {"at": round(t, 3), "reason": self.reasons[f]} for f, t in sorted(self.lost_at.items())
+                },
+                "first_resend_at": {str(f): round(t, 3) for f, t in sorted(self.first_resend_at.items())},
+                "resent_items": self.resent_items,
+                "resent_rows": self.resent_rows,
+            }
 
 
 def _on_host(routed: Any) -> Any:

@@ -19,6 +19,13 @@ Messages per work item and (attention rank, FFN rank) pair::
                                              post this receive before the FFN rank even has the data)
     any -> any         TAG_CONTROL           [header | UTF-8 text]: ABORT (with the reason) or BYE
 
+A re-send after a failover (expert replicas: an FFN rank was lost with the share of
+an item it had not answered) travels on the same tags as a dispatch, with kind
+``redispatch`` (``redispatch-w8a8``): the header names the same item (layer, stage,
+stages) and the token rows of the lost rank's experts only; its combine comes back
+as usual.  The header's ``seq`` is the message's number on its (attention rank, FFN
+rank) pair: equal to the item's seq until a re-send adds a message to a pair.
+
 The header names the work item (layer, stage, seq), the stage count of its step
 (``stages``: 1 for an unsplit step), both ends (src, dst global ranks) and the
 token count.  :func:`validate_header` checks every field against what the
@@ -56,12 +63,17 @@ KIND_BYE = 4
 #: a dispatch whose hidden rows are per-token int8 with float32 scales (option ``quant: w8a8``); a
 #: different kind, so that ranks configured differently fail on the header, not on the payload size
 KIND_DISPATCH_W8A8 = 5
+#: a re-send of the lost FFN rank's share of an item to a live holder (see the module docstring)
+KIND_REDISPATCH = 6
+KIND_REDISPATCH_W8A8 = 7
 KIND_NAMES = {
     KIND_DISPATCH: "dispatch",
     KIND_COMBINE: "combine",
     KIND_ABORT: "abort",
     KIND_BYE: "bye",
     KIND_DISPATCH_W8A8: "dispatch-w8a8",
+    KIND_REDISPATCH: "redispatch",
+    KIND_REDISPATCH_W8A8: "redispatch-w8a8",
 }
 
 TAG_DISPATCH_HEADER = 0x0A01
@@ -202,6 +214,11 @@ class DispatchLayout:
     def kind(self) -> int:
         """The header kind of a dispatch in this layout."""
         return KIND_DISPATCH if self.quant is None else KIND_DISPATCH_W8A8
+
+    @property
+    def redispatch_kind(self) -> int:
+        """The header kind of a re-send (failover) in this layout."""
+        return KIND_REDISPATCH if self.quant is None else KIND_REDISPATCH_W8A8
 
     @property
     def hidden_dtype(self) -> torch.dtype:

@@ -1,0 +1,167 @@
+"""Expert replicas on the vLLM path's vLLM-free parts: an FFN rank killed (SIGKILL, its own process) while
+it computes an item costs the Attention side no answer.  The Attention side re-sends the lost rank's
+share of the item in flight to the live holders (``redispatch``), routes to them from then on, and every
+output still equals the unsharded reference.  Without replicas the same kill fails the call, naming the
+rank, as it always did."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.errors import PipelineError
+from afd_mrv2.mrv2.ffn_server import FfnReport
+from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
+from afd_mrv2.procs import free_port
+from afd_mrv2.topology import Topology
+from tests.mrv2.test_free_topologies import _moe, _weights
+from tests.mrv2.test_vllm_path import LAYERS, afd, start_ffn
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN, TOP_K = 16, 2
+
+#: One FFN rank as its own process: serves the full experts (ids stay global) and, on its
+#: ``stall_at``-th expert computation, says "computing" and sleeps until it is killed.
+FFN_PROCESS = """
+import sys, time, torch
+from afd_mrv2.mrv2.ffn_server import ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.remote import MoeShape
+from tests.mrv2.test_free_topologies import _moe, _weights
+from tests.mrv2.test_vllm_path import LAYERS, afd
+raw, experts, stall_at = eval(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+shape = MoeShape(16, 2, experts)
+calls = [0]
+def experts_of(layer):
+    weights = _weights(shape, layer)
+    def run(x, w, ids):
+        calls[0] += 1
+        if calls[0] == stall_at:
+            print("computing", flush=True)
+            time.sleep(600)
+        return _moe(weights, x, w, ids)
+    return run
+serve_ffn(ffn_serving_config(raw), [experts_of(layer) for layer in range(len(LAYERS))], shape,
+          max_tokens=16, dtype=torch.float32, device=torch.device("cpu"), index=raw["rank"])
+"""
+
+
+def _held_experts(shape: MoeShape, layer: int, held: tuple[int, ...]) -> Any:
+    """One MoE layer holding only the experts ``held`` (ids arrive mapped onto their positions)."""
+    weights = _weights(shape, layer).index_select(0, torch.tensor(held))
+
+    def run(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert int(ids.min()) >= 0 and int(ids.max()) < len(held), "ids must be positions among the held experts"
+        return _moe(weights, x, w, ids)
+
+    return run
+
+
+def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any], dict[str, Any], RemoteExperts]:
+    """1 Attention rank, ``ffn`` FFN ranks, FFN rank ``killed`` a process killed mid-item.
+
+    Returns (the outcome of each forward: None when exact, else the exception), the FFN threads' results,
+    and the Attention side."""
+    shape = MoeShape(HIDDEN, TOP_K, experts)
+    topology = Topology(1, ffn, experts, replicas)
+    port = free_port()
+    ranks = {"num_attention_ranks": 1, "num_ffn_ranks": ffn, "expert_replicas": replicas}
+    done: dict[str, Any] = {}
+    servers = [
+        start_ffn(
+            done,
+            {**afd("ffn", port), **ranks, "rank": f},
+            [_held_experts(shape, layer, topology.held_by(f)) for layer in range(len(LAYERS))],
+            key=f,
+            shape=shape,
+            max_tokens=16,
+            index=f,
+            local_experts_only=True,
+        )
+        for f in range(ffn)
+        if f != killed
+    ]
+    victim = subprocess.Popen(
+        [sys.executable, "-c", FFN_PROCESS, repr({**afd("ffn", port), **ranks, "rank": killed}), str(experts), "3"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
+    for layer in LAYERS:
+        remote.add_layer(layer, shape)
+    outcomes: list[Any] = []
+
+    def forwards() -> None:
+        gen = torch.Generator().manual_seed(7)
+        for tokens in (16, 16, 5, 16, 1):
+            for ordinal, layer in enumerate(LAYERS):
+                x = torch.randn(tokens, HIDDEN, generator=gen)
+                w = torch.rand(tokens, TOP_K, generator=gen)
+                ids = torch.randint(0, experts, (tokens, TOP_K), generator=gen, dtype=torch.int32)
+                try:
+                    out = remote.exchange(layer, x, w, ids)
+                    torch.testing.assert_close(out, _moe(_weights(shape, ordinal), x, w, ids), rtol=1e-5, atol=1e-5)
+                    outcomes.append(None)
+                except Exception as exc:  # noqa: BLE001 - the test reads it
+                    outcomes.append(exc)
+                    return
+
+    client = threading.Thread(target=forwards, daemon=True)
+    try:
+        client.start()
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "computing"
+        os.killpg(victim.pid, signal.SIGKILL)  # mid-item: its share of the item in flight is unanswered
+        victim.wait(10)
+        client.join(60)
+        assert not client.is_alive(), "the Attention side hung after the kill"
+    finally:
+        remote.close()
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+    for thread in servers:
+        thread.join(60)
+    return outcomes, done, remote
+
+
+@pytest.mark.parametrize(
+    ("ffn", "experts", "killed"),
+    [(2, 4, 1), (2, 4, 0), (3, 6, 0), (3, 6, 1), (3, 6, 2)],
+    ids=["1A2F-kill-1", "1A2F-kill-0", "1A3F-kill-0", "1A3F-kill-1", "1A3F-kill-2"],
+)
+def test_an_ffn_rank_killed_mid_item_with_replicas_costs_no_answer(
+    one_torch_thread: None, capfd: pytest.CaptureFixture[str], ffn: int, experts: int, killed: int
+) -> None:
+    outcomes, done, remote = _run(ffn, experts, replicas=2, killed=killed)
+    assert outcomes == [None] * 10, outcomes  # every call answered, exact
+    assert not any("error" in k for k in done), done
+    log = remote.stats()["failover"]
+    assert log is not None and log["failovers"] == 1 and list(log["lost"]) == [str(killed)], log
+    assert log["resent_items"] >= 1 and log["resent_rows"] >= 1, log
+    assert log["first_resend_at"][str(killed)] >= log["lost"][str(killed)]["at"]
+    err = capfd.readouterr().err
+    assert "afd-mrv2 failover: attention rank 0 (global rank 0" in err and f"FFN rank {killed} lost" in err, err
+    served: dict[int, FfnReport] = {f: done[f"report{f}"] for f in range(ffn) if f != killed}
+    placement = Topology(1, ffn, experts, 2).placement
+    # the re-sends went to the ring successor: the next holder of every expert the lost rank computed
+    successor = (killed + 1) % ffn
+    assert {placement.route(e, set(served)) for e in range(experts) if placement.holders[e][0] == killed} == {successor}
+    assert served[successor].redispatched == log["resent_items"], {f: r.as_dict() for f, r in served.items()}
+    assert all(r.redispatched == 0 for f, r in served.items() if f != successor)
+
+
+def test_without_replicas_an_ffn_rank_killed_mid_item_fails_the_call_naming_it(one_torch_thread: None) -> None:
+    outcomes, _, remote = _run(2, 4, replicas=1, killed=1)
+    assert outcomes[:-1] == [None] * (len(outcomes) - 1) and isinstance(outcomes[-1], PipelineError), outcomes
+    assert "lost FFN rank 1 (global rank 2" in str(outcomes[-1]), outcomes[-1]
+    assert remote.stats()["failover"]["failovers"] == 0
