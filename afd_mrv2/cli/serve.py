@@ -1,4 +1,4 @@
-"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--ubatches N] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
 
 Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
 each on its own port) and serves one OpenAI-compatible endpoint in front of
@@ -42,6 +42,13 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PORT,
         help="the endpoint's port on 127.0.0.1; Attention rank i listens on PORT+1+i (default %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-replicas",
+        type=int,
+        metavar="R",
+        help="keep every routed expert on R FFN ranks (1..F, default 1): with R >= 2 the loss of an FFN rank is "
+        "survived, its experts served by their other holders (afd.expert_replicas)",
     )
     parser.add_argument(
         "--ubatches",
@@ -99,6 +106,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         port=args.port,
         depth=args.depth,
         ubatches=args.ubatches,
+        expert_replicas=args.expert_replicas,
         connector=args.connector,
         afd_json=args.afd,
         extra=tuple(extra),

@@ -59,6 +59,7 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
+from afd_mrv2.mrv2.live_stats import StatsWriter, stats_path
 from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S, open_peer_link
 from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
@@ -134,6 +135,16 @@ class FfnReport:
             self.computed += 1
             self.busy_s += seconds
             self.tokens_per_item[tokens] += 1
+
+    def live(self) -> dict[str, Any]:
+        """The running counts serve's ``/metrics`` shows (:mod:`afd_mrv2.mrv2.live_stats`)."""
+        with self._lock:
+            return {
+                "items": sum(self.items_by_stage_count.values()),
+                "computed": self.computed,
+                "tokens": sum(t * n for t, n in self.tokens_per_item.items()),
+                "busy_s": round(self.busy_s, 6),
+            }
 
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
         """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends)."""
@@ -348,13 +359,21 @@ def serve_ffn(
         threading.Thread(target=serve, args=(a, loop), name=f"afd-ffn{index}-serves-attention{a}", daemon=True)
         for a, loop in enumerate(loops)
     ]
+    started = time.monotonic()
+
+    def live() -> dict[str, Any]:
+        redispatched = sum(getattr(getattr(c, "side", None), "redispatched", 0) for c in connectors)
+        return {**report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - started, 3)}
+
+    figures = StatsWriter(stats_path(FFN, index), live)
     for thread in threads:
         thread.start()
     if link.scoped:  # each loop ends when its own engine leaves; the session, when the last one did
         while not own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
-            pass
+            figures.maybe_write()
     else:
-        first_end.wait()
+        while not first_end.wait(SESSION_POLL_S):
+            figures.maybe_write()
     deadline = time.monotonic() + grace_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

@@ -54,6 +54,7 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.items import ATTENTION, WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
 from afd_mrv2.mrv2.handoff import Handoff, SiblingFailed, SplitStep, current_step
+from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, stats_path
 from afd_mrv2.mrv2.overlap import OverlapMeter
 from afd_mrv2.mrv2.p2p_link import open_peer_link
 from afd_mrv2.pipeline.executor import CloseReport, Executor
@@ -113,6 +114,11 @@ class _Session:
     executor: Executor
     exchange: UBatchExchange
 
+    @property
+    def failover_log(self) -> Any:
+        """torch_p2p's record of failovers (:class:`~afd_mrv2.hooks.p2p.roundtrip.FailoverLog`), or None."""
+        return getattr(getattr(self.plugins.connector, "side", None), "failovers", None)
+
 
 class RemoteExperts:
     """The Attention process's AFD side; see the module docstring.
@@ -139,6 +145,9 @@ class RemoteExperts:
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
         self.steps = 0  # forwards seen (calls of the first MoE layer)
+        self.round_trips = Histogram()  # seconds from dispatch to the combined result, per call
+        self._failovers_seen = 0
+        self._live = StatsWriter(stats_path(ATTENTION, config.rank), self.live_stats)
 
     def add_layer(self, layer_index: int, shape: MoeShape) -> None:
         """Register a MoE layer at construction (every layer before the first call)."""
@@ -198,13 +207,30 @@ class RemoteExperts:
                 raise
         out, delivered_ns = session.exchange.finish_timed(ticket)
         self.meter.round_trip(ubatch, ticket.started_ns, delivered_ns)
+        self.round_trips.observe(max(0, delivered_ns - ticket.started_ns) / 1e9)
         if step is None:
             self._resumed_ns = time.perf_counter_ns()
         else:
             step.resumed(ubatch)
         tokens = x.shape[0]
         self.tokens[tokens] += 1
+        log = session.failover_log
+        failovers = log.count if log is not None else 0
+        self._live.maybe_write(force=failovers != self._failovers_seen)  # a failover is shown at once
+        self._failovers_seen = failovers
         return out.to(device=x.device, dtype=x.dtype)
+
+    def live_stats(self) -> dict[str, Any]:
+        """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.mrv2.live_stats`)."""
+        overlap = self.meter.snapshot().values()
+        return {
+            "calls": self.calls,
+            "tokens": sum(t * n for t, n in self.tokens.items()),
+            "round_trip_seconds": self.round_trips.as_dict(),
+            "round_trip_total_s": sum(o["round_trip_total_ms"] for o in overlap) / 1e3,
+            "hidden_total_s": sum(o["hidden_total_ms"] for o in overlap) / 1e3,
+            "failover": self.failovers(),
+        }
 
     def _log_layout(self, tokens: int, stages: int) -> None:
         """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
@@ -278,7 +304,7 @@ class RemoteExperts:
         session = self._session
         if session is None:
             return self._failover_record  # what the last session did, once closed
-        log = getattr(getattr(session.plugins.connector, "side", None), "failovers", None)  # torch_p2p's
+        log = session.failover_log
         return None if log is None else log.as_dict()  # type: ignore[no-any-return]
 
     def stats(self) -> dict[str, Any]:

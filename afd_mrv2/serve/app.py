@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -22,7 +23,7 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2 import serve_options
-from afd_mrv2.mrv2.deployment import precheck_experts
+from afd_mrv2.mrv2.deployment import CheckpointExperts, precheck_experts
 from afd_mrv2.plugins import check_plugins
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
@@ -199,7 +200,8 @@ def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: P
     elif gate is not None:
         gate(plan)
     check_ports_free(plan.role_ports)
-    return plan
+    facts = CheckpointExperts.read(opts.model)
+    return replace(plan, num_experts=facts.get_num_experts() if facts is not None else None)
 
 
 def serve(

@@ -9,18 +9,24 @@
   :data:`SCRAPE_TIMEOUT_S` is left out, and ``afd_engine_scrape_ok`` says so;
 * serve's own AFD metrics (:data:`AFD_METRICS`, documented in docs/serve.md).
 
-``/afd/status`` answers JSON: the topology, each role process and whether it is live, the
-requests the endpoint sent to each engine, and whether the endpoint is ready.
+* the failover and live per-rank figures each role process writes to serve's run folder
+  (:mod:`afd_mrv2.mrv2.live_stats`, at most a second old): items, tokens, re-sends and busy
+  fraction per FFN rank; failovers, the round-trip histogram and the hidden fraction per
+  Attention engine.
+
+``/afd/status`` answers JSON: the topology, the placement, each role process and whether it
+is live, the failovers, each role's live figures, the requests the endpoint sent to each
+engine, and whether the endpoint is ready.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from afd_mrv2.items import ATTENTION, FFN
@@ -45,6 +51,25 @@ AFD_METRICS: dict[str, tuple[str, str]] = {
     ),
     "afd_endpoint_requests_in_flight": ("gauge", "Requests the endpoint is relaying to each Attention engine now."),
     "afd_engine_scrape_ok": ("gauge", "1 when the engine's own /metrics answered this scrape, else 0."),
+    "afd_ffn_failovers": (
+        "counter",
+        "FFN ranks lost while every expert kept a live holder (--expert-replicas >= 2): serve served on.",
+    ),
+    "afd_expert_replicas": ("gauge", "FFN ranks each routed expert lives on (R)."),
+    "afd_ffn_items": ("counter", "Work items (MoE layer calls of an engine, re-sends included) each FFN rank served."),
+    "afd_ffn_tokens": ("counter", "Tokens each FFN rank computed its experts for (the A/F skew, per rank)."),
+    "afd_ffn_redispatched": ("counter", "Re-sent shares each FFN rank served after an Attention engine's failover."),
+    "afd_ffn_busy_fraction": ("gauge", "Share of each FFN rank's serving time spent computing experts."),
+    "afd_attention_failovers": ("counter", "FFN ranks each Attention engine stopped routing to and failed over."),
+    "afd_attention_resent_items": ("counter", "Work items of which each Attention engine re-sent a lost rank's share."),
+    "afd_attention_round_trip_seconds": (
+        "histogram",
+        "Seconds from dispatch to the combined result of each MoE call, per Attention engine.",
+    ),
+    "afd_attention_hidden_fraction": (
+        "gauge",
+        "Share of each Attention engine's round-trip time that ran under another micro-batch's compute.",
+    ),
 }
 
 
@@ -56,6 +81,17 @@ class RoleState:
     rank: int
     pid: int
     live: bool
+
+
+@dataclass(frozen=True)
+class Health:
+    """What the supervisor knows beyond the role processes: failovers, the placement, and each role's live
+    figures (:func:`afd_mrv2.mrv2.live_stats.read_stats`: ``{(role, rank): document}``)."""
+
+    failovers: int = 0
+    replicas: int = 1
+    placement: tuple[str, ...] = ()
+    figures: Mapping[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +132,7 @@ def afd_families(
     engines: Sequence[EngineCount],
     scraped: Mapping[int, bool],
     ready: bool,
+    health: Health | None = None,
 ) -> list[Metric]:
     """serve's own metrics (:data:`AFD_METRICS`) from what the supervisor and the endpoint know now."""
 
@@ -122,7 +159,44 @@ def afd_families(
     scrape = GaugeMetricFamily("afd_engine_scrape_ok", AFD_METRICS["afd_engine_scrape_ok"][1], labels=["engine"])
     for rank in sorted(scraped):
         scrape.add_metric([str(rank)], 1 if scraped[rank] else 0)
-    return [*out, live, requests, in_flight, scrape]
+    return [*out, live, requests, in_flight, scrape, *_health_families(health or Health())]
+
+
+def _health_families(health: Health) -> list[Metric]:
+    """The failover and live-figure metrics: one sample per role that wrote figures."""
+
+    def labelled(kind: Any, name: str, label: str) -> Any:
+        return kind(name, AFD_METRICS[name][1], labels=[label])
+
+    failovers = CounterMetricFamily("afd_ffn_failovers", AFD_METRICS["afd_ffn_failovers"][1], value=health.failovers)
+    replicas = GaugeMetricFamily("afd_expert_replicas", AFD_METRICS["afd_expert_replicas"][1], value=health.replicas)
+    ffn_counters = {
+        key: labelled(CounterMetricFamily, f"afd_ffn_{key}", "ffn") for key in ("items", "tokens", "redispatched")
+    }
+    busy = labelled(GaugeMetricFamily, "afd_ffn_busy_fraction", "ffn")
+    att_failovers = labelled(CounterMetricFamily, "afd_attention_failovers", "engine")
+    resent = labelled(CounterMetricFamily, "afd_attention_resent_items", "engine")
+    hidden = labelled(GaugeMetricFamily, "afd_attention_hidden_fraction", "engine")
+    round_trip = labelled(HistogramMetricFamily, "afd_attention_round_trip_seconds", "engine")
+    for (role, rank), doc in sorted(health.figures.items()):
+        label = [str(rank)]
+        if role == FFN:
+            for key, family in ffn_counters.items():
+                family.add_metric(label, float(doc.get(key, 0)))
+            up = float(doc.get("up_s", 0))
+            busy.add_metric(label, float(doc.get("busy_s", 0)) / up if up > 0 else 0.0)
+        elif role == ATTENTION:
+            log = doc.get("failover") or {}
+            att_failovers.add_metric(label, float(log.get("failovers", 0)))
+            resent.add_metric(label, float(log.get("resent_items", 0)))
+            total = float(doc.get("round_trip_total_s", 0))
+            hidden.add_metric(label, float(doc.get("hidden_total_s", 0)) / total if total > 0 else 0.0)
+            hist = doc.get("round_trip_seconds") or {}
+            bounds, counts = hist.get("buckets", []), hist.get("counts", [])
+            buckets = [(repr(float(b)), float(c)) for b, c in zip(bounds, counts, strict=False)]
+            buckets.append(("+Inf", float(hist.get("count", 0))))
+            round_trip.add_metric(label, buckets, float(hist.get("sum", 0)))
+    return [failovers, replicas, *ffn_counters.values(), busy, att_failovers, resent, hidden, round_trip]
 
 
 def _ranks(roles: Sequence[RoleState], role: str, *, live: bool) -> list[int]:
@@ -154,10 +228,15 @@ def status(
     engines: Sequence[EngineCount],
     ready: bool,
     down: str | None,
+    health: Health | None = None,
 ) -> dict[str, Any]:
     """The ``/afd/status`` document."""
+    health = health or Health()
     return {
-        "topology": {"attention": attention, "ffn": ffn},
+        "topology": {"attention": attention, "ffn": ffn, "expert_replicas": health.replicas},
+        "placement": list(health.placement),
+        "failovers": health.failovers,
+        "figures": {f"{role} {rank}": dict(doc) for (role, rank), doc in sorted(health.figures.items())},
         "ready": ready,
         "down": down,
         "roles": [{"role": r.role, "rank": r.rank, "pid": r.pid, "live": r.live} for r in roles],
@@ -167,5 +246,6 @@ def status(
     }
 
 
-#: What the supervisor hands the endpoint: the role states now.
+#: What the supervisor hands the endpoint: the role states now, and the rest of what it knows.
 RoleStates = Callable[[], Sequence[RoleState]]
+HealthNow = Callable[[], Health]

@@ -29,7 +29,9 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2 import WORKER_EXTENSION
+from afd_mrv2.mrv2.live_stats import STATS_DIR_ENV
 from afd_mrv2.options import json_object
+from afd_mrv2.placement import Placement
 from afd_mrv2.plugins import entry_points
 
 HOST = "127.0.0.1"
@@ -148,6 +150,8 @@ class ServeOptions:
     ffn: int
     port: int = DEFAULT_PORT
     depth: str | None = None
+    #: ``--expert-replicas R``: afd.expert_replicas, on how many FFN ranks each routed expert lives (None: as configured)
+    expert_replicas: int | None = None
     #: ``--ubatches N``: afd.ubatch.num_ubatches, and the Attention engines on Model Runner V2 (None: as configured)
     ubatches: int | None = None
     connector: str | None = None
@@ -183,6 +187,18 @@ class Plan:
     roles: tuple[RoleSpec, ...]
     run_dir: str
     afd: Mapping[str, Any] = field(default_factory=dict)
+    #: the model's routed experts per MoE layer, where its config.json says (set by serve's pre-flight)
+    num_experts: int | None = None
+
+    @property
+    def expert_replicas(self) -> int:
+        return int(self.afd.get("expert_replicas", 1))
+
+    @property
+    def placement(self) -> Placement:
+        """Where the experts live: per FFN rank, by expert where the count is known, else by block (E = F)."""
+        ffn = self.options.ffn
+        return Placement(self.num_experts or ffn, ffn, self.expert_replicas)
 
     def of(self, role: str) -> tuple[RoleSpec, ...]:
         return tuple(r for r in self.roles if r.role == role)
@@ -227,10 +243,10 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     afd = dict(base)
     if opts.afd_json is not None:
         afd.update(json_object(opts.afd_json, "--afd"))
-    for key, flag, value in (
-        ("num_attention_ranks", "--attention", opts.attention),
-        ("num_ffn_ranks", "--ffn", opts.ffn),
-    ):
+    flags = [("num_attention_ranks", "--attention", opts.attention), ("num_ffn_ranks", "--ffn", opts.ffn)]
+    if opts.expert_replicas is not None:
+        flags.append(("expert_replicas", "--expert-replicas", opts.expert_replicas))
+    for key, flag, value in flags:
         if key in afd and afd[key] != value:
             raise ConfigError(f"afd.{key}", f"{afd[key]!r} conflicts with {flag} {value}")
         afd[key] = value
@@ -362,7 +378,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         for rank in range(count):
             section = {**afd, "role": role, RANK_KEY: rank}
             parse_afd_config(section)  # rank below its role's count
-            env = dict(ROLE_ENV)
+            env = {**ROLE_ENV, STATS_DIR_ENV: run_dir}  # where the role writes its live figures (/metrics)
             if role == ATTENTION and opts.ubatches is not None:
                 env.update(V2_RUNNER_ENV)
             if bind[role][rank]:

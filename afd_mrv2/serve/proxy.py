@@ -92,6 +92,7 @@ class Proxy:
         log: TextIO,
         num_ffn: int = 0,
         roles: metrics.RoleStates = tuple,
+        health: metrics.HealthNow = metrics.Health,
     ) -> None:
         """``backends``: the Attention engines in rank order; ``roles``: the role processes' states now
         (for ``/metrics`` and ``/afd/status``), ``num_ffn`` the topology's FFN ranks."""
@@ -102,6 +103,7 @@ class Proxy:
         self.log = log
         self.num_ffn = num_ffn
         self.roles = roles
+        self.health = health
         self.ready = False
         self.down: str | None = None
         self._turn = itertools.count()
@@ -218,13 +220,14 @@ class Proxy:
             self._engine_counts(),
             {rank: families is not None for rank, families in enumerate(scraped)},
             ready,
+            self.health(),
         )
         body = metrics.render([*afd, *engines])
         return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def _status(self, request: web.Request) -> web.Response:
         doc = metrics.status(
-            len(self.backends), self.num_ffn, self.roles(), self._engine_counts(), self.ready, self.down
+            len(self.backends), self.num_ffn, self.roles(), self._engine_counts(), self.ready, self.down, self.health()
         )
         return web.json_response(doc)
 

@@ -6,8 +6,14 @@ proxy takes requests and exactly one stdout line says so::
 
     afd-mrv2 serve: ready at http://127.0.0.1:PORT/v1
 
-From then on serve waits for SIGINT/SIGTERM or for any role to exit.  Either
-way it breaks in-flight requests (their clients get an error response), sends
+Before the FFN ranks start, serve prints where the experts live (one line per FFN
+rank, :meth:`~afd_mrv2.placement.Placement.describe`).
+
+From then on serve waits for SIGINT/SIGTERM or for a role to exit.  Two exits do
+not stop it: one of several Attention engines (the endpoint routes around it), and,
+with ``--expert-replicas`` R >= 2, an FFN rank whose experts all keep a live holder
+(the Attention engines fail over to those holders by themselves; serve kills what is
+left of the rank's process group and says so in one line).  Otherwise it breaks in-flight requests (their clients get an error response), sends
 SIGTERM to every Attention engine's process group, lets the FFN ranks end their
 sessions (each prints its report) or sends them SIGTERM, SIGKILL to what is still
 alive after the grace, and exits: 0 after a signal, 1 when a role died (one line naming role,
@@ -28,7 +34,8 @@ from typing import Any, TextIO
 
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.serve.metrics import RoleState
+from afd_mrv2.mrv2.live_stats import read_stats
+from afd_mrv2.serve.metrics import Health, RoleState
 from afd_mrv2.serve.plan import HOST, Plan, RoleSpec, ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
@@ -50,8 +57,11 @@ class Supervisor:
         self.roles: list[RoleProcess] = []
         self.stopping = False
         self.death: RoleProcess | None = None
-        #: Attention engines that died while others served on (the endpoint routes around them)
+        #: roles that died while serve served on: Attention engines the endpoint routes around, FFN ranks
+        #: whose experts their other holders serve
         self.lost: list[RoleProcess] = []
+        #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
+        self.failovers = 0
         self.proxy: Proxy | None = None
         self.failure: str | None = None
         self.signal: int | None = None
@@ -67,6 +77,8 @@ class Supervisor:
         if self.stopping or self.death is not None:
             return
         if role.spec.role == ATTENTION and self._degrade(role):
+            return
+        if role.spec.role == FFN and self._fail_over(role):
             return
         self.death = role
         self._stop.set()
@@ -92,6 +104,27 @@ class Supervisor:
         )
         return True
 
+    def _fail_over(self, role: RoleProcess) -> bool:
+        """An FFN rank died while every expert keeps a live holder (``--expert-replicas`` R >= 2): serve on.
+        The Attention engines notice the loss themselves and re-send its share to the other holders.
+        False without replicas, when some expert lost its last holder, or before every role was ready."""
+        proxy = self.proxy
+        if proxy is None or not proxy.ready or self.plan.expert_replicas < 2:
+            return False
+        lost = [r.spec.rank for r in self.lost if r.spec.role == FFN] + [role.spec.rank]
+        placement = self.plan.placement
+        if not placement.survives(lost):
+            return False
+        self.lost.append(role)
+        self.failovers += 1
+        role.signal_group(signal.SIGKILL)  # what is left of its group serves no one
+        live = [f for f in range(placement.num_ffn) if f not in lost]
+        self._say(
+            f"{role.describe()} exited ({role.describe_exit()}): its experts are served by their other holders, "
+            f"FFN rank(s) {', '.join(map(str, live))} ({len(live)} of {placement.num_ffn} live)"
+        )
+        return True
+
     def _on_signal(self, sig: int) -> None:
         if self.signal is None:
             self.signal = sig
@@ -109,7 +142,9 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         opts = self.plan.options
         names = [(r.name, url) for r, url in zip(self.plan.of(ATTENTION), self.plan.backends, strict=True)]
-        proxy = self.proxy = Proxy(names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states)
+        proxy = self.proxy = Proxy(
+            names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states, health=self.health
+        )
         try:
             try:
                 await proxy.start(HOST, opts.port)
@@ -117,6 +152,7 @@ class Supervisor:
                 await proxy.close()
                 raise AfdError(f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}") from None
             self._warn_ephemeral()
+            self._say_placement()
             Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
             try:
                 if await self._start(self.plan.of(FFN)) and await self._start(self.plan.of(ATTENTION)):
@@ -134,6 +170,15 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
         return self._report()
 
+    def health(self) -> Health:
+        """Failovers, the placement and every role's live figures (``/metrics``, ``/afd/status``)."""
+        return Health(
+            self.failovers,
+            self.plan.expert_replicas,
+            tuple(self.plan.placement.describe()),
+            read_stats(self.plan.run_dir),
+        )
+
     def role_states(self) -> list[RoleState]:
         """Every role process started so far, and whether its process group is alive (``/metrics``)."""
         return [RoleState(r.spec.role, r.spec.rank, r.pid, r not in self.lost and r.alive()) for r in self.roles]
@@ -150,6 +195,18 @@ class Supervisor:
                 f"{eph.start}-{eph.stop - 1}; another process's socket may take one before its role binds it "
                 f"(choose a --port below {eph.start - len(later) - 1})"
             )
+
+    def _say_placement(self) -> None:
+        """Where the experts live, one line per FFN rank (only where there is more than one FFN rank)."""
+        placement = self.plan.placement
+        if placement.num_ffn < 2:
+            return
+        unit = "experts" if self.plan.num_experts else "expert blocks"
+        self._say(
+            f"placement: {placement.num_experts} {unit} on {placement.num_ffn} FFN ranks, {placement.replicas} each"
+        )
+        for line in placement.describe():
+            self._say(f"placement: {line if self.plan.num_experts else line.replace('experts', 'blocks')}")
 
     def _reason(self) -> str:
         if self.death is not None:

@@ -191,6 +191,46 @@ def test_a_killed_engine_of_two_fails_only_its_requests_and_the_endpoint_serves_
     assert [name for name, pid in pids.items() if alive(pid)] == []
 
 
+def test_with_expert_replicas_a_killed_ffn_rank_is_survived_and_the_last_holder_is_not(start_serve):
+    """``--expert-replicas 2`` at 1A2F: the loss of FFN rank 1 leaves every expert a live holder, so serve
+    serves on (the engines fail over by themselves) and says so in one line; losing FFN rank 0 as well
+    leaves none, and serve stops as without replicas, naming it."""
+    serve, _ = start_serve(1, 2, {"token_delay": 0.01, "grandchild": True}, "--expert-replicas", "2")
+    url = serve.wait_ready()
+    base = url.removesuffix("/v1")
+    pids = serve.pids()
+    placement = [line for line in serve.err_lines() if line.startswith("[serve] placement:")]
+    assert placement == [
+        "[serve] placement: 2 expert blocks on 2 FFN ranks, 2 each",
+        "[serve] placement: FFN rank 0: blocks 0-1 (2; primary 0)",
+        "[serve] placement: FFN rank 1: blocks 0-1 (2; primary 1)",
+    ], placement
+    os.kill(pids["ffn 1"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not any("its experts are served by" in line for line in serve.err_lines()):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.err_lines()
+        time.sleep(0.1)
+    line = next(line for line in serve.err_lines() if "its experts are served by" in line)
+    assert line == (
+        f"[serve] ffn rank 1 (pid {pids['ffn 1']}) exited (signal SIGKILL): its experts are served by their other "
+        "holders, FFN rank(s) 0 (1 of 2 live)"
+    )
+    assert post(url + "/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+    with urllib.request.urlopen(base + "/afd/status", timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["live"]["ffn"] == [0] and status["lost"]["ffn"] == [1] and status["ready"] is True
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert "afd_ffn_ranks_live 1.0" in text and "afd_ffn_failovers_total 1.0" in text, text
+    os.kill(pids["ffn 0"], signal.SIGKILL)
+    assert serve.wait() == 1
+    assert serve.err_lines()[-1] == (
+        f"afd-mrv2 serve: error: ffn rank 0 (pid {pids['ffn 0']}) exited (signal SIGKILL); stopped every role "
+        f"(lost earlier: ffn rank 1 (pid {pids['ffn 1']}))"
+    )
+    assert [name for name, pid in pids.items() if alive(pid)] == []
+
+
 def test_backend_dying_mid_response_gives_error_not_hang(start_serve):
     serve, _ = start_serve(1, 1, {"token_delay": 0.02})
     url = serve.wait_ready()

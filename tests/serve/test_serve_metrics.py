@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,6 +65,47 @@ def test_afd_metrics_count_live_roles_and_endpoint_requests() -> None:
     assert doc["live"] == {"attention": [0], "ffn": [0]} and doc["lost"] == {"attention": [], "ffn": [1]}
 
 
+def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> None:
+    """What each role process writes (the live-stats files) is read back and shown per rank: the FFN
+    ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip histogram and
+    hidden fraction."""
+    from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, read_stats
+
+    hist = Histogram()
+    for seconds in (0.002, 0.004, 0.3):
+        hist.observe(seconds)
+    attention = {
+        "round_trip_seconds": hist.as_dict(),
+        "round_trip_total_s": 2.0,
+        "hidden_total_s": 0.5,
+        "failover": {"failovers": 1, "resent_items": 3},
+    }
+    StatsWriter(tmp_path / "attention-0.json", lambda: attention).maybe_write()
+    ffn = {"items": 40, "tokens": 300, "redispatched": 3, "busy_s": 1.0, "up_s": 4.0}
+    StatsWriter(tmp_path / "ffn-0.json", lambda: ffn).maybe_write()
+    (tmp_path / "ffn-1.json").write_text("{half a docu")  # unreadable: left out, never an error
+    figures = read_stats(tmp_path)
+    assert set(figures) == {("attention", 0), ("ffn", 0)} and figures[("ffn", 0)]["at"] > 0
+    health = metrics.Health(failovers=1, replicas=2, placement=("FFN rank 0: experts 0-7",), figures=figures)
+    text = metrics.render(metrics.afd_families(1, 2, [], [], {}, ready=True, health=health)).decode()
+    got = samples(text)
+    assert got[("afd_ffn_failovers_total", ())] == 1 and got[("afd_expert_replicas", ())] == 2
+    ffn0 = (("ffn", "0"),)
+    assert got[("afd_ffn_items_total", ffn0)] == 40 and got[("afd_ffn_tokens_total", ffn0)] == 300
+    assert got[("afd_ffn_redispatched_total", ffn0)] == 3 and got[("afd_ffn_busy_fraction", ffn0)] == 0.25
+    engine0 = (("engine", "0"),)
+    assert (
+        got[("afd_attention_failovers_total", engine0)] == 1 and got[("afd_attention_resent_items_total", engine0)] == 3
+    )
+    assert got[("afd_attention_hidden_fraction", engine0)] == 0.25
+    assert got[("afd_attention_round_trip_seconds_count", engine0)] == 3
+    assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "0.005")))] == 2
+    assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "+Inf")))] == 3
+    doc = metrics.status(1, 2, [], [], True, None, health)
+    assert doc["topology"]["expert_replicas"] == 2 and doc["failovers"] == 1
+    assert doc["placement"] == ["FFN rank 0: experts 0-7"] and doc["figures"]["ffn 0"]["items"] == 40
+
+
 def get(url: str) -> tuple[int, str, str]:
     with urllib.request.urlopen(url, timeout=20) as resp:
         return resp.status, resp.headers["Content-Type"], resp.read().decode()
@@ -100,7 +142,9 @@ def test_metrics_and_status_on_a_running_serve(start_serve) -> None:
     }
     status, kind, body = get(base + "/afd/status")
     doc = json.loads(body)
-    assert status == 200 and doc["ready"] is True and doc["topology"] == {"attention": 2, "ffn": 2}
+    assert (
+        status == 200 and doc["ready"] is True and doc["topology"] == {"attention": 2, "ffn": 2, "expert_replicas": 1}
+    )
     assert doc["live"] == {"attention": [0, 1], "ffn": [0, 1]} and doc["lost"] == {"attention": [], "ffn": []}
     assert sum(e["finished"] for e in doc["requests"].values()) == 5
     serve.signal(signal.SIGTERM)
