@@ -1,0 +1,153 @@
+"""Lose an FFN rank, lose no request: ``afd-mrv2 serve --expert-replicas 2`` at 1A2F on real vLLM (mixtral).
+
+32 concurrent streamed greedy requests of 64 tokens (logprobs on); mid-generation the whole process
+group of one FFN rank gets SIGKILL (its role leader, vLLM's EngineCore and worker).  The Attention
+engine notices the lost rank within the link deadline, re-sends that rank's share of every item in
+flight to the other holder of its experts (``redispatch``) and routes there from then on:
+
+* all 32 complete, and no client sees an error;
+* at least 31 of 32 are token-identical to plain vLLM (afd-mrv2 installed, no ``afd`` section) with
+  max |logprob difference| <= 1e-4 (the failed-over items sum their partials in another order);
+* serve says so in one line and serves on; ``/metrics`` shows one live FFN rank, one failover on
+  serve's side and on the engine's, and the surviving rank's re-sends; later requests are served;
+* the time from the kill to the engine's failover and to its first re-send are printed.
+
+Killing FFN rank 1 runs in the reduced matrix; killing FFN rank 0 (it hosted the rendezvous store) is
+``vllm_full``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve.conftest import free_port_block
+from tests.vllm.harness import make_model
+from tests.vllm.serving import PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+
+TOKENS = 64
+CLIENTS = 32
+PROMPT_WORDS = ("the", "a", "one", "some")
+SUBJECTS = ("cat", "river", "engine", "garden", "letter", "mountain", "city", "song")
+
+
+def prompts() -> list[str]:
+    return [f"{w} {s} of the day" for w in PROMPT_WORDS for s in SUBJECTS][:CLIENTS]
+
+
+def payloads(model: Path) -> list[dict[str, Any]]:
+    return [body(model, p, TOKENS, logprobs=1, return_token_ids=True) for p in prompts()]
+
+
+def streamed_greedy(events: list[Any]) -> tuple[list[int], list[float]]:
+    """Token ids and logprobs of a streamed completion (``return_token_ids``, ``logprobs: 1``)."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for event in events:
+        if not isinstance(event, dict) or not event.get("choices"):
+            continue
+        choice = event["choices"][0]
+        ids += choice.get("token_ids") or []
+        logprobs += [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+    return ids, logprobs
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("failover-mixtral") / "model", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[int], list[float]]]:
+    server = PlainServer(model, free_port_block(1), tmp_path_factory.mktemp("plain") / "plain.log")
+    try:
+        server.wait_ready()
+        got = complete_all(server.url, payloads(model))
+    finally:
+        server.stop()
+    assert all(status == 200 for status, _ in got), got
+    return [greedy(a) for _, a in got]  # type: ignore[arg-type]
+
+
+def metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.vllm_full)])
+def test_an_ffn_rank_killed_mid_generation_costs_no_request(
+    model: Path, tmp_path: Path, plain: list[tuple[list[int], list[float]]], killed: int
+) -> None:
+    port = free_port_block(4)
+    serve = Serve(model, port, tmp_path / "serve.log", "--expert-replicas", "2", attention=1, ffn=2)
+    try:
+        ready_s = serve.wait_ready()
+        pid = serve.role_pid(f"ffn {killed}")
+        results: list[Any] = [None] * CLIENTS
+        first = threading.Event()
+
+        def client(i: int, payload: dict[str, Any]) -> None:
+            results[i] = stream(serve.url, payload, first=first)
+
+        threads = [threading.Thread(target=client, args=c, daemon=True) for c in enumerate(payloads(model))]
+        for t in threads:
+            t.start()
+        assert first.wait(300), "no streamed token arrived"
+        time.sleep(1.0)  # mid-generation: 64 tokens of 32 requests take far longer
+        killed_at = time.time()
+        os.killpg(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(600)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        answered_s = time.time() - killed_at
+        errors = [
+            (i, status, events[-2:])
+            for i, (status, events) in enumerate(results)
+            if status != 200 or events[-1:] != ["[DONE]"] or any("error" in str(e).lower() for e in events)
+        ]
+        got = [streamed_greedy(events) for _, events in results]
+        assert not errors, errors
+        assert all(len(ids) == TOKENS for ids, _ in got), [len(ids) for ids, _ in got]
+        versus_plain = compare(plain, got)
+        log = serve.log_text()
+        (line,) = [line for line in log.splitlines() if "its experts are served by" in line]
+        failover = re.search(rf"afd-mrv2 failover: .*FFN rank {killed} lost .*\(at ([0-9.]+)\)", log)
+        assert failover is not None, log[-3000:]
+        with urllib.request.urlopen(serve.url + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        with urllib.request.urlopen(serve.url + "/afd/status", timeout=30) as resp:
+            status = json.loads(resp.read())
+        resend_at = status["figures"]["attention 0"]["failover"]["first_resend_at"][str(killed)]
+        after = [complete(serve.url, body(model, p, 8)) for p in prompts()[:4]]
+        print(
+            f"\n[failover] 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
+            f"SIGKILLed mid-generation: {CLIENTS - len(errors)}/{CLIENTS} completed, 0 errors, answered within "
+            f"{answered_s:.1f} s; kill -> failover {float(failover.group(1)) - killed_at:.3f} s, kill -> first "
+            f"re-send {resend_at - killed_at:.3f} s; vs plain vLLM {versus_plain}\n[failover] {line}",
+            flush=True,
+        )
+        assert versus_plain["identical"] >= CLIENTS - 1 and versus_plain["max_logprob_diff"] <= 1e-4, versus_plain
+        assert line.startswith(f"[serve] ffn rank {killed} (pid {pid}) exited (signal SIGKILL)"), line
+        survivor = 1 - killed
+        assert line.endswith(f"FFN rank(s) {survivor} (1 of 2 live)"), line
+        assert metric(metrics, "afd_ffn_ranks_live") == 1 and metric(metrics, "afd_ffn_failovers_total") == 1
+        assert metric(metrics, 'afd_attention_failovers_total{engine="0"}') == 1, metrics
+        assert (metric(metrics, f'afd_ffn_redispatched_total{{ffn="{survivor}"}}') or 0) >= 1, metrics
+        assert status["lost"]["ffn"] == [killed] and status["live"]["ffn"] == [survivor]
+        assert 0 <= resend_at - killed_at < 10
+        assert all(code == 200 for code, _ in after), after
+        assert serve.proc.poll() is None, "serve stopped"
+    finally:
+        code = serve.stop()
+    assert code == 0
