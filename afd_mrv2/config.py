@@ -42,6 +42,9 @@ from afd_mrv2.options import (
 )
 
 ROLES = (ATTENTION, FFN)
+#: Who hosts the AFD rendezvous store on ``host:port``: FFN rank 0, or someone else (``afd-mrv2 serve``'s
+#: supervisor), which also lets restarted roles rejoin (``afd.rendezvous``)
+RENDEZVOUS = ("ffn0", "external")
 #: The communication phases (the first and last of the work item's three).
 STREAM_PHASES = (PHASES[0], PHASES[-1])
 BACKENDS = ("auto", "accelerator", "host", "inline", "recording")
@@ -228,7 +231,10 @@ class AfdConfig:
     attention rank; a connector that pairs ranks checks its own rule).  ``expert_replicas``
     (1..``num_ffn_ranks``, default 1): on how many FFN ranks every routed expert lives
     (:class:`~afd_mrv2.placement.Placement`); with 2 or more, the loss of an FFN rank is
-    survived by failover to the other holders (torch_p2p on the vLLM path).  ``connector_extra_config``
+    survived by failover to the other holders (torch_p2p on the vLLM path).  ``rendezvous``
+    (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
+    ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
+    and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.p2p_link`).  ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
 
@@ -238,6 +244,7 @@ class AfdConfig:
     num_attention_ranks: int = option(integer(1, 1 << 16), 1)
     num_ffn_ranks: int = option(integer(1, 1 << 16), 1)
     expert_replicas: int = option(integer(1, 1 << 16), 1)
+    rendezvous: str = option(one_of(RENDEZVOUS), "ffn0")
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
     compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false

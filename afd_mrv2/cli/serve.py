@@ -51,6 +51,16 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "survived, its experts served by their other holders (afd.expert_replicas)",
     )
     parser.add_argument(
+        "--no-restart-ffn",
+        action="store_true",
+        help="with --expert-replicas >= 2: leave a lost FFN rank lost instead of restarting it (serve runs degraded)",
+    )
+    parser.add_argument(
+        "--no-restart-attention",
+        action="store_true",
+        help="with --attention >= 2: leave a lost Attention engine lost instead of restarting it",
+    )
+    parser.add_argument(
         "--ubatches",
         type=int,
         metavar="N",
@@ -107,6 +117,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         depth=args.depth,
         ubatches=args.ubatches,
         expert_replicas=args.expert_replicas,
+        restart_ffn=not args.no_restart_ffn,
+        restart_attention=not args.no_restart_attention,
         connector=args.connector,
         afd_json=args.afd,
         extra=tuple(extra),

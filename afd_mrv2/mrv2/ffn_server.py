@@ -60,7 +60,18 @@ from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
 from afd_mrv2.mrv2.live_stats import StatsWriter, stats_path
-from afd_mrv2.mrv2.p2p_link import IDLE_TIMEOUT_S, open_peer_link
+from afd_mrv2.mrv2.p2p_link import (
+    IDLE_TIMEOUT_S,
+    POLL_S,
+    connect_store,
+    incarnation,
+    join_pair,
+    label,
+    open_peer_link,
+    pairs_enabled,
+    register,
+    stop_requested,
+)
 from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction
@@ -147,10 +158,11 @@ class FfnReport:
             }
 
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
-        """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends)."""
+        """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends);
+        a restarted engine's next loop adds to its counts, its end replaces the last."""
         with self._lock:
             self.redispatched += redispatched
-            self.items_per_attention[attention] = served
+            self.items_per_attention[attention] += served
             self.ends[attention] = end
             self.executors[attention] = {
                 "pipelined": executor.pipelined,
@@ -278,8 +290,15 @@ def serve_ffn(
     if not experts:
         raise ValueError("the FFN role needs at least one MoE layer; the loaded model has none")
     topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts, config.expert_replicas)
-    if link is None:
-        link = open_peer_link(topology, topology.global_rank(FFN, index), host=config.host, port=config.port)
+    me = topology.global_rank(FFN, index)
+    store = None
+    if link is None and pairs_enabled():
+        store = connect_store(config.host, config.port, master=config.rendezvous == "ffn0" and index == 0)
+        incarnation_ = register(store, FFN, index)
+    elif link is None:
+        link = open_peer_link(
+            topology, me, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0"
+        )
     block = topology.held_by(index)
     report = FfnReport(moe_layers=len(experts))
     compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
@@ -304,9 +323,10 @@ def serve_ffn(
 
     p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
     traces: list[Trace] = []
-    loops: list[FfnLoop] = []
-    connectors: list[object] = []
-    for a in range(topology.num_attention):
+    links: dict[int, PeerLink] = {}  # attention rank -> the link its loop runs on now
+    connectors: dict[int, list[object]] = {a: [] for a in range(topology.num_attention)}
+
+    def make_loop(a: int, link: PeerLink) -> FfnLoop:
         peer = topology.global_rank(ATTENTION, a)
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
         resources = {
@@ -316,13 +336,12 @@ def serve_ffn(
             "follow_stages": True,
             "on_item": report.item_seen,
         }
-        trace = (
-            Trace(rank=link.rank, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
-        )
+        trace = Trace(rank=me, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
         if trace is not None:
             traces.append(trace)
         plugins = load_plugins(config, resources=resources)
-        connectors.append(plugins.connector)
+        connectors[a].append(plugins.connector)
+        links[a] = link
         executor = Executor(
             plugins,
             make_backend(config.multistream.backend),
@@ -331,9 +350,14 @@ def serve_ffn(
             role=FFN,
             trace=trace,
         )
-        loops.append(FfnLoop(executor, num_layers=len(experts), num_stages=1))
+        return FfnLoop(executor, num_layers=len(experts), num_stages=1)
+
     first_end = threading.Event()
     own_fault = threading.Event()  # a loop failed on its own (not because its peer left): the session ends
+
+    def abort_all(reason: str) -> None:
+        for each in list(links.values()):
+            each.abort(reason)
 
     def serve(a: int, loop: FfnLoop) -> None:
         end, abandoned = "stopped", 0
@@ -346,39 +370,83 @@ def serve_ffn(
                 end = f"{LEFT_BETWEEN_STEPS}: attention rank {a} closed its connection while no step was in flight"
             elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
                 own_fault.set()
-                link.abort(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
+                abort_all(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
         finally:
             try:
                 abandoned = len(loop.close().abandoned)
             finally:
-                side = getattr(connectors[a], "side", None)  # torch_p2p's FFN side counts the re-sends it served
+                side = getattr(connectors[a][-1], "side", None)  # torch_p2p's FFN side counts the re-sends it served
                 report.loop_ended(a, loop.submitted - abandoned, end, loop.executor, getattr(side, "redispatched", 0))
                 first_end.set()
 
+    rejoin = store is not None and config.rendezvous == "external"
+
+    def attend(a: int) -> None:
+        """Pairs: serve Attention rank ``a``'s incarnations, each on a pair of its own; with ``rejoin``
+        the next one after the last left (a restarted engine), until the store says stop."""
+        assert store is not None
+        served = 0
+
+        def done() -> bool:
+            return own_fault.is_set() or (rejoin and stop_requested(store))
+
+        while not done():
+            i = incarnation(store, ATTENTION, a)
+            if i <= served:
+                if served and not rejoin:
+                    return
+                time.sleep(POLL_S)
+                continue
+            pair = join_pair(
+                store,
+                topology,
+                FFN,
+                (a, i),
+                (index, incarnation_),
+                give_up=lambda i=i: done() or incarnation(store, ATTENTION, a) != i,  # type: ignore[misc]
+            )
+            if pair is None:
+                continue
+            peer = topology.global_rank(ATTENTION, a)
+            labels = {peer: label(store, ATTENTION, a, i), me: label(store, FFN, index, incarnation_)}
+            serve(a, make_loop(a, PeerLink(topology, me, pairs={peer: pair}, labels=labels, scoped=True)))
+            served = i
+            if not rejoin:
+                return
+
+    if store is None:
+        assert link is not None
+        loops = [make_loop(a, link) for a in range(topology.num_attention)]
+        targets = [(serve, (a, loop)) for a, loop in enumerate(loops)]
+    else:
+        targets = [(attend, (a,)) for a in range(topology.num_attention)]
     threads = [
-        threading.Thread(target=serve, args=(a, loop), name=f"afd-ffn{index}-serves-attention{a}", daemon=True)
-        for a, loop in enumerate(loops)
+        threading.Thread(target=target, args=args, name=f"afd-ffn{index}-serves-attention{a}", daemon=True)
+        for a, (target, args) in enumerate(targets)
     ]
     started = time.monotonic()
 
     def live() -> dict[str, Any]:
-        redispatched = sum(getattr(getattr(c, "side", None), "redispatched", 0) for c in connectors)
+        sides = [getattr(c, "side", None) for each in connectors.values() for c in each]
+        redispatched = sum(getattr(side, "redispatched", 0) for side in sides)
         return {**report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - started, 3)}
 
     figures = StatsWriter(stats_path(FFN, index), live)
     for thread in threads:
         thread.start()
-    if link.scoped:  # each loop ends when its own engine leaves; the session, when the last one did
+    if store is not None or (link is not None and link.scoped):
+        # each loop ends when its own engine leaves; the session, when the last one did
         while not own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
             figures.maybe_write()
     else:
         while not first_end.wait(SESSION_POLL_S):
             figures.maybe_write()
+    figures.maybe_write(force=True)
     deadline = time.monotonic() + grace_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     if any(thread.is_alive() for thread in threads):
-        link.abort(f"FFN rank {index} stopped serving: {report.end}")
+        abort_all(f"FFN rank {index} stopped serving: {report.end}")
         for thread in threads:
             thread.join(grace_s)
     if config.multistream.trace:

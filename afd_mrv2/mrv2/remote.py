@@ -51,12 +51,13 @@ from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
-from afd_mrv2.items import ATTENTION, WorkItem
+from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
 from afd_mrv2.mrv2.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, stats_path
 from afd_mrv2.mrv2.overlap import OverlapMeter
-from afd_mrv2.mrv2.p2p_link import open_peer_link
+from afd_mrv2.mrv2.p2p_link import connect_store, open_attention_link, open_peer_link, pairs_enabled
+from afd_mrv2.mrv2.rejoin import Rejoiner
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import Plugins, load_plugins
 from afd_mrv2.topology import Topology
@@ -113,11 +114,17 @@ class _Session:
     backend: DeviceBackend
     executor: Executor
     exchange: UBatchExchange
+    rejoiner: Rejoiner | None = None
+
+    @property
+    def side(self) -> Any:
+        """torch_p2p's Attention side (failover, take-back), or None for another connector."""
+        return getattr(self.plugins.connector, "side", None)
 
     @property
     def failover_log(self) -> Any:
         """torch_p2p's record of failovers (:class:`~afd_mrv2.hooks.p2p.roundtrip.FailoverLog`), or None."""
-        return getattr(getattr(self.plugins.connector, "side", None), "failovers", None)
+        return getattr(self.side, "failovers", None)
 
 
 class RemoteExperts:
@@ -191,6 +198,7 @@ class RemoteExperts:
             stage = (ubatch, step.num_ubatches)
             step.check(ubatch)  # a sibling failed: start nothing more
         if ordinal == 0 and ubatch == 0:  # the first MoE layer's first stage: a new engine step
+            self._take_back(session)
             self.steps += 1
             if layout_log_enabled():
                 self._log_layout(x.shape[0], stage[1])
@@ -232,6 +240,16 @@ class RemoteExperts:
             "failover": self.failovers(),
         }
 
+    def _take_back(self, session: _Session) -> None:
+        """Between two steps (nothing in flight): install the pairs of restarted FFN ranks the rejoiner
+        joined meanwhile, and let the connector route to them again."""
+        if session.rejoiner is None:
+            return
+        for comeback in session.rejoiner.take():
+            topology = session.link.topology
+            session.link.install(topology.global_rank(FFN, comeback.ffn), comeback.pair, comeback.label)
+            session.side.take_back(comeback.ffn)
+
     def _log_layout(self, tokens: int, stages: int) -> None:
         """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
 
@@ -264,14 +282,29 @@ class RemoteExperts:
         config = self.config
         topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
         rank = topology.global_rank(ATTENTION, config.rank)
-        link = open_peer_link(topology, rank, host=config.host, port=config.port)
+        rejoin: tuple[Any, int, dict[int, int]] | None = None
+        if pairs_enabled():
+            store = connect_store(config.host, config.port, master=False)
+            link, me, joined = open_attention_link(store, topology, config.rank)
+            if config.rendezvous == "external" and config.expert_replicas > 1:
+                rejoin = (store, me, joined)
+        else:
+            link = open_peer_link(
+                topology, rank, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0"
+            )
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange()
         plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
         backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        return _Session(link, plugins, backend, executor, exchange)
+        session = _Session(link, plugins, backend, executor, exchange)
+        side = session.side
+        if rejoin is not None and side is not None and hasattr(side, "take_back"):
+            store, me, joined = rejoin
+            lost = lambda: set(range(topology.num_ffn)) - set(side.live)  # noqa: E731
+            session.rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
+        return session
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
         """Streams for ``roles`` from the connector's ``create_streams`` hook, on this session's
@@ -295,6 +328,8 @@ class RemoteExperts:
         session, self._session = self._session, None
         if session is None:
             return None
+        if session.rejoiner is not None:
+            session.rejoiner.close()
         report = session.executor.close(deadline_s)
         session.link.abort("the attention rank closed its AFD session")
         return report

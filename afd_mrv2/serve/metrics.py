@@ -56,6 +56,7 @@ AFD_METRICS: dict[str, tuple[str, str]] = {
         "FFN ranks lost while every expert kept a live holder (--expert-replicas >= 2): serve served on.",
     ),
     "afd_expert_replicas": ("gauge", "FFN ranks each routed expert lives on (R)."),
+    "afd_role_restarts": ("counter", "Restarts of each role rank that got ready (a lost FFN rank or engine)."),
     "afd_ffn_items": ("counter", "Work items (MoE layer calls of an engine, re-sends included) each FFN rank served."),
     "afd_ffn_tokens": ("counter", "Tokens each FFN rank computed its experts for (the A/F skew, per rank)."),
     "afd_ffn_redispatched": ("counter", "Re-sent shares each FFN rank served after an Attention engine's failover."),
@@ -92,6 +93,8 @@ class Health:
     replicas: int = 1
     placement: tuple[str, ...] = ()
     figures: Mapping[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
+    #: restarts that got ready, by ``"<role> <rank>"``
+    restarts: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,9 @@ def _health_families(health: Health) -> list[Metric]:
 
     failovers = CounterMetricFamily("afd_ffn_failovers", AFD_METRICS["afd_ffn_failovers"][1], value=health.failovers)
     replicas = GaugeMetricFamily("afd_expert_replicas", AFD_METRICS["afd_expert_replicas"][1], value=health.replicas)
+    restarts = CounterMetricFamily("afd_role_restarts", AFD_METRICS["afd_role_restarts"][1], labels=["role", "rank"])
+    for name, n in sorted(health.restarts.items()):
+        restarts.add_metric(name.split(" ", 1), n)
     ffn_counters = {
         key: labelled(CounterMetricFamily, f"afd_ffn_{key}", "ffn") for key in ("items", "tokens", "redispatched")
     }
@@ -196,7 +202,7 @@ def _health_families(health: Health) -> list[Metric]:
             buckets = [(repr(float(b)), float(c)) for b, c in zip(bounds, counts, strict=False)]
             buckets.append(("+Inf", float(hist.get("count", 0))))
             round_trip.add_metric(label, buckets, float(hist.get("sum", 0)))
-    return [failovers, replicas, *ffn_counters.values(), busy, att_failovers, resent, hidden, round_trip]
+    return [failovers, replicas, restarts, *ffn_counters.values(), busy, att_failovers, resent, hidden, round_trip]
 
 
 def _ranks(roles: Sequence[RoleState], role: str, *, live: bool) -> list[int]:
@@ -236,6 +242,7 @@ def status(
         "topology": {"attention": attention, "ffn": ffn, "expert_replicas": health.replicas},
         "placement": list(health.placement),
         "failovers": health.failovers,
+        "restarts": dict(health.restarts),
         "figures": {f"{role} {rank}": dict(doc) for (role, rank), doc in sorted(health.figures.items())},
         "ready": ready,
         "down": down,

@@ -152,6 +152,10 @@ class ServeOptions:
     depth: str | None = None
     #: ``--expert-replicas R``: afd.expert_replicas, on how many FFN ranks each routed expert lives (None: as configured)
     expert_replicas: int | None = None
+    #: ``--no-restart-ffn``: leave a lost FFN rank lost (with replicas; serve runs degraded)
+    restart_ffn: bool = True
+    #: ``--no-restart-attention``: leave a lost Attention engine lost (with A >= 2)
+    restart_attention: bool = True
     #: ``--ubatches N``: afd.ubatch.num_ubatches, and the Attention engines on Model Runner V2 (None: as configured)
     ubatches: int | None = None
     connector: str | None = None
@@ -266,6 +270,7 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
         if not isinstance(ubatch, dict):
             raise ConfigError("afd.ubatch", f"expected a mapping, got {type(ubatch).__name__}")
         afd["ubatch"] = {**ubatch, "num_ubatches": opts.ubatches}
+    afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
     afd.setdefault("host", HOST)
     afd.setdefault("port", opts.port + opts.attention + 1)
     return afd

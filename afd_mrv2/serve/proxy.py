@@ -141,6 +141,12 @@ class Proxy:
         if backend.gone is not None and not backend.gone.done():
             backend.gone.set_result(None)
 
+    def revive(self, index: int) -> None:
+        """Backend ``index`` (a restarted engine, ready) takes requests again."""
+        backend = self.backends[index]
+        backend.lost = None
+        backend.gone = asyncio.get_running_loop().create_future()
+
     def serving(self) -> list[Backend]:
         """The backends in the rotation."""
         return [b for b in self.backends if b.lost is None]

@@ -28,6 +28,7 @@ import contextlib
 import shutil
 import signal
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +48,8 @@ KILL_WAIT_S = 2.0
 FFN_OWN_END_S = 2.0
 FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
+#: The most restarts of one role rank in one serve run.
+MAX_RESTARTS = 3
 
 
 class Supervisor:
@@ -57,9 +60,16 @@ class Supervisor:
         self.roles: list[RoleProcess] = []
         self.stopping = False
         self.death: RoleProcess | None = None
-        #: roles that died while serve served on: Attention engines the endpoint routes around, FFN ranks
-        #: whose experts their other holders serve
+        #: roles that died while serve served on and are not back: Attention engines the endpoint routes
+        #: around, FFN ranks whose experts their other holders serve
         self.lost: list[RoleProcess] = []
+        #: every role that died while serve served on (restarted since or not), for the stop line
+        self.gone: list[RoleProcess] = []
+        #: restarts per (role, rank) that got ready
+        self.restarts: Counter[tuple[str, int]] = Counter()
+        self._restart_attempts: Counter[tuple[str, int]] = Counter()
+        self._tasks: list[asyncio.Future[None]] = []
+        self.store: Any = None  # the AFD rendezvous store serve hosts (afd.rendezvous: external)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
         self.failovers = 0
         self.proxy: Proxy | None = None
@@ -96,13 +106,64 @@ class Supervisor:
             return False
         reason = f"{role.describe()} exited ({role.describe_exit()})"
         proxy.mark_lost(index, reason)
-        self.lost.append(role)
+        self._lose(role)
         role.signal_group(signal.SIGKILL)  # what is left of its group (vLLM's EngineCore, its worker) serves no one
         self._say(
             f"{reason}: the endpoint serves on with {', '.join(b.name for b in others)} "
             f"({len(others)} of {len(proxy.backends)} Attention engines)"
         )
+        if self.plan.options.restart_attention:
+            self._restart_later(role)
         return True
+
+    def _lose(self, role: RoleProcess) -> None:
+        self.lost.append(role)
+        self.gone.append(role)
+
+    def _restart_later(self, role: RoleProcess) -> None:
+        key = (role.spec.role, role.spec.rank)
+        if self._restart_attempts[key] >= MAX_RESTARTS:
+            self._say(f"{role.spec.name}: not restarted again ({MAX_RESTARTS} restarts already)")
+            return
+        self._restart_attempts[key] += 1
+        self._tasks.append(asyncio.ensure_future(self._restart(role)))
+
+    async def _restart(self, old: RoleProcess) -> None:
+        """Start ``old``'s role again once its group is gone; when ready it is back (an engine rejoins the
+        endpoint's rotation; an FFN rank is taken back by the engines at their next step)."""
+        await self._wait_dead([old], KILL_WAIT_S)
+        if self.stopping:
+            return
+        spec = old.spec
+        if spec.ready_file is not None:
+            Path(spec.ready_file).unlink(missing_ok=True)
+        started = time.monotonic()
+        new = RoleProcess(spec, self.log, self._on_exit)
+        try:
+            await new.start()
+        except OSError as exc:
+            self._say(f"cannot restart {spec.name}: {exc}")
+            return
+        self.roles.append(new)
+        self._say(f"{spec.name}: restarting (pid {new.pid})")
+        ready = asyncio.ensure_future(new.ready.wait())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait(
+            {ready, stop}, timeout=self.plan.options.ready_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in (ready, stop):
+            task.cancel()
+        if self.stopping or not new.ready.is_set() or not new.alive():
+            return
+        if old in self.lost:
+            self.lost.remove(old)
+        self.restarts[(spec.role, spec.rank)] += 1
+        if spec.role == ATTENTION and self.proxy is not None:
+            self.proxy.revive(spec.rank)
+            back = "the endpoint routes to it again"
+        else:
+            back = "the Attention engines take it back at their next step"
+        self._say(f"{new.describe()} restarted: ready after {time.monotonic() - started:.1f} s; {back}")
 
     def _fail_over(self, role: RoleProcess) -> bool:
         """An FFN rank died while every expert keeps a live holder (``--expert-replicas`` R >= 2): serve on.
@@ -115,14 +176,17 @@ class Supervisor:
         placement = self.plan.placement
         if not placement.survives(lost):
             return False
-        self.lost.append(role)
-        self.failovers += 1
+        self._lose(role)
+        if role.ready.is_set():  # a restart that died before it was ready lost nothing
+            self.failovers += 1
         role.signal_group(signal.SIGKILL)  # what is left of its group serves no one
         live = [f for f in range(placement.num_ffn) if f not in lost]
         self._say(
             f"{role.describe()} exited ({role.describe_exit()}): its experts are served by their other holders, "
             f"FFN rank(s) {', '.join(map(str, live))} ({len(live)} of {placement.num_ffn} live)"
         )
+        if self.plan.options.restart_ffn:
+            self._restart_later(role)
         return True
 
     def _on_signal(self, sig: int) -> None:
@@ -155,13 +219,20 @@ class Supervisor:
             self._say_placement()
             Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
             try:
-                if await self._start(self.plan.of(FFN)) and await self._start(self.plan.of(ATTENTION)):
+                if (
+                    self._host_store()
+                    and await self._start(self.plan.of(FFN))
+                    and await self._start(self.plan.of(ATTENTION))
+                ):
                     proxy.ready = True
                     print(f"{READY_PREFIX} http://{HOST}:{opts.port}/v1", file=self.out, flush=True)
                     await self._stop.wait()
             finally:
                 self.stopping = True
                 await proxy.fail_all(self._reason())
+                self._tell_store_stop()
+                for task in self._tasks:
+                    task.cancel()
                 await self._stop_roles()
                 await proxy.close()
                 shutil.rmtree(self.plan.run_dir, ignore_errors=True)
@@ -179,9 +250,34 @@ class Supervisor:
             read_stats(self.plan.run_dir),
         )
 
+    def _host_store(self) -> bool:
+        """Host the AFD rendezvous store (``afd.rendezvous: external``); False, with the failure set, when the
+        port cannot be bound."""
+        if self.plan.afd.get("rendezvous") != "external":
+            return True
+        from afd_mrv2.mrv2.p2p_link import connect_store  # imports torch: only when serving for real
+
+        host, port = str(self.plan.afd.get("host", HOST)), int(self.plan.afd["port"])
+        try:
+            self.store = connect_store(host, port, master=True, timeout_s=30.0)
+        except (RuntimeError, OSError) as exc:
+            self.failure = f"cannot host the AFD rendezvous store on {host}:{port}: {str(exc).splitlines()[0]}"
+            return False
+        return True
+
+    def _tell_store_stop(self) -> None:
+        if self.store is None:
+            return
+        from afd_mrv2.mrv2.p2p_link import request_stop
+
+        with contextlib.suppress(RuntimeError, OSError):
+            request_stop(self.store)
+
     def role_states(self) -> list[RoleState]:
-        """Every role process started so far, and whether its process group is alive (``/metrics``)."""
-        return [RoleState(r.spec.role, r.spec.rank, r.pid, r not in self.lost and r.alive()) for r in self.roles]
+        """The latest process of every role rank started so far, and whether its process group is alive
+        (``/metrics``)."""
+        latest = {(r.spec.role, r.spec.rank): r for r in self.roles}
+        return [RoleState(r.spec.role, r.spec.rank, r.pid, r not in self.lost and r.alive()) for r in latest.values()]
 
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range
@@ -216,7 +312,7 @@ class Supervisor:
         return self.failure or "afd-mrv2 serve is stopping"
 
     def _report(self) -> int:
-        earlier = f" (lost earlier: {', '.join(r.describe() for r in self.lost)})" if self.lost else ""
+        earlier = f" (lost earlier: {', '.join(r.describe() for r in self.gone)})" if self.gone else ""
         if self.death is not None:
             print(
                 f"afd-mrv2 serve: error: {self.death.describe()} exited ({self.death.describe_exit()}); "

@@ -6,11 +6,13 @@ rank, as it always did."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ HIDDEN, TOP_K = 16, 2
 #: One FFN rank as its own process: serves the full experts (ids stay global) and, on its
 #: ``stall_at``-th expert computation, says "computing" and sleeps until it is killed.
 FFN_PROCESS = """
-import sys, time, torch
+import json, sys, time, torch
 from afd_mrv2.mrv2.ffn_server import ffn_serving_config, serve_ffn
 from afd_mrv2.mrv2.remote import MoeShape
 from tests.mrv2.test_free_topologies import _moe, _weights
@@ -49,8 +51,9 @@ def experts_of(layer):
             time.sleep(600)
         return _moe(weights, x, w, ids)
     return run
-serve_ffn(ffn_serving_config(raw), [experts_of(layer) for layer in range(len(LAYERS))], shape,
-          max_tokens=16, dtype=torch.float32, device=torch.device("cpu"), index=raw["rank"])
+report = serve_ffn(ffn_serving_config(raw), [experts_of(layer) for layer in range(len(LAYERS))], shape,
+                   max_tokens=16, dtype=torch.float32, device=torch.device("cpu"), index=raw["rank"])
+print("report", json.dumps(report.as_dict()), flush=True)
 """
 
 
@@ -63,6 +66,17 @@ def _held_experts(shape: MoeShape, layer: int, held: tuple[int, ...]) -> Any:
         return _moe(weights, x, w, ids)
 
     return run
+
+
+def _spawn_ffn(raw: dict[str, Any], experts: int, stall_at: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", FFN_PROCESS, repr(raw), str(experts), str(stall_at)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any], dict[str, Any], RemoteExperts]:
@@ -89,14 +103,7 @@ def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any],
         for f in range(ffn)
         if f != killed
     ]
-    victim = subprocess.Popen(
-        [sys.executable, "-c", FFN_PROCESS, repr({**afd("ffn", port), **ranks, "rank": killed}), str(experts), "3"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": killed}, experts, 3)
     remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
     for layer in LAYERS:
         remote.add_layer(layer, shape)
@@ -165,3 +172,96 @@ def test_without_replicas_an_ffn_rank_killed_mid_item_fails_the_call_naming_it(o
     assert outcomes[:-1] == [None] * (len(outcomes) - 1) and isinstance(outcomes[-1], PipelineError), outcomes
     assert "lost FFN rank 1 (global rank 2" in str(outcomes[-1]), outcomes[-1]
     assert remote.stats()["failover"]["failovers"] == 0
+
+
+def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
+    one_torch_thread: None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The store hosted outside the ranks (``rendezvous: external``, as serve does): FFN rank 1 is killed
+    mid-item and the Attention side fails over; a new FFN rank 1 process then registers as the next
+    incarnation, the Attention side joins its pair on a thread of its own and takes it back between two
+    forwards; the new process serves items again (its experts are primary there) and every output stays
+    exact throughout."""
+    from afd_mrv2.mrv2.p2p_link import connect_store, request_stop
+
+    experts = 4
+    shape = MoeShape(HIDDEN, TOP_K, experts)
+    port = free_port()
+    store = connect_store("127.0.0.1", port, master=True, timeout_s=30)
+    ranks = {"num_attention_ranks": 1, "num_ffn_ranks": 2, "expert_replicas": 2, "rendezvous": "external"}
+    done: dict[str, Any] = {}
+    survivor = start_ffn(
+        done,
+        {**afd("ffn", port), **ranks, "rank": 0},
+        [_held_experts(shape, layer, Topology(1, 2, experts, 2).held_by(0)) for layer in range(len(LAYERS))],
+        key=0,
+        shape=shape,
+        max_tokens=16,
+        index=0,
+        local_experts_only=True,
+    )
+    victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 3)
+    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
+    for layer in LAYERS:
+        remote.add_layer(layer, shape)
+    enough = threading.Event()
+    outcomes: list[Any] = []
+
+    def forwards() -> None:
+        gen = torch.Generator().manual_seed(3)
+        while not enough.is_set():
+            for ordinal, layer in enumerate(LAYERS):
+                x, w = torch.randn(9, HIDDEN, generator=gen), torch.rand(9, TOP_K, generator=gen)
+                ids = torch.randint(0, experts, (9, TOP_K), generator=gen, dtype=torch.int32)
+                try:
+                    out = remote.exchange(layer, x, w, ids)
+                    torch.testing.assert_close(out, _moe(_weights(shape, ordinal), x, w, ids), rtol=1e-5, atol=1e-5)
+                    outcomes.append(None)
+                except Exception as exc:  # noqa: BLE001 - the test reads it
+                    outcomes.append(exc)
+                    return
+            time.sleep(0.02)
+
+    client = threading.Thread(target=forwards, daemon=True)
+    restarted = None
+    try:
+        client.start()
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "computing"
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        deadline = time.monotonic() + 30
+        while not (remote.failovers() or {}).get("failovers"):
+            assert time.monotonic() < deadline and client.is_alive(), outcomes[-1:]
+            time.sleep(0.05)
+        restarted = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 0)
+        while not (remote.failovers() or {}).get("rejoins"):
+            assert time.monotonic() < deadline + 60 and client.is_alive(), outcomes[-1:]
+            time.sleep(0.05)
+        calls = len(outcomes)
+        while len(outcomes) < calls + 10 and client.is_alive():  # a few forwards with the rank back
+            time.sleep(0.05)
+        enough.set()
+        client.join(30)
+        assert not client.is_alive()
+    finally:
+        enough.set()
+        remote.close()
+        request_stop(store)  # the FFN ranks serve no new incarnation: their sessions end
+        for proc in (victim, restarted):
+            if proc is not None and proc.poll() is None:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    survivor.join(30)
+    assert outcomes and all(o is None for o in outcomes), [o for o in outcomes if o is not None][:1]
+    assert not survivor.is_alive() and "error0" not in done, done
+    assert restarted is not None and restarted.stdout is not None
+    lines = restarted.stdout.read().splitlines()
+    report = json.loads(next(line for line in lines if line.startswith("report ")).removeprefix("report "))
+    assert report["items"] >= 10 and report["computed"] > 0, report  # the new process served again
+    log = remote.failovers()
+    assert log is not None and log["failovers"] == 1 and log["rejoins"] == 1, log
+    assert log["rejoined_at"]["1"] > log["lost"]["1"]["at"]
+    err = capfd.readouterr().err
+    assert "afd-mrv2 rejoin: attention rank 0 (global rank 0" in err and "FFN rank 1 is back (pair a0.1-f1.2)" in err

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, parse_options
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout, ProtocolError
-from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hooks.p2p.link import Pair, PeerLink
 
 __all__ = [
     "P2pOptions",
     "P2pShape",
+    "Pair",
     "PeerAborted",
     "PeerError",
     "PeerLink",

@@ -20,6 +20,12 @@ fails that pending receive at once ("Connection closed by peer").  Every wait
 checks the control channel, so a dead peer is named by every surviving rank
 within one slice, even by ranks that exchange no data with it.
 
+Pairs (the vLLM path): instead of one group of every rank, a link may run on one
+two-rank group per peer (:class:`Pair`), so that a peer that dies or restarts
+touches only its own pair.  :meth:`PeerLink.install` puts a new pair in place of a
+peer's lost one (a restarted process, a new generation): the link's next
+operations with that peer go there, with a fresh control channel.
+
 Scoped faults (``scoped=True``, the vLLM path's independent engines): a wait
 checks only the control channels of the peers it waits on, so a peer that dies
 fails the waits on it and no other.  gloo's pairs are independent (probed on
@@ -34,6 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +54,17 @@ from afd_mrv2.work import Work
 _SLICE_S = 0.05  # how often a wait re-checks cancellation, peers and its deadline
 _SETTLE_S = 0.25  # how long a lost peer's ABORT may take to be handed over (see _raise_if_it_said_why)
 _LINGER_S = 0.25  # how long an aborting rank waits for its notice to be read before it may exit (see abort)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A two-rank process group joining this rank and one peer: ``me`` and ``peer`` are the two
+    ranks in it; ``generation`` names it in messages (``a0.1-f1.2``: the ranks' incarnations)."""
+
+    group: Any
+    me: int
+    peer: int
+    generation: str = ""
 
 
 class Pending:
@@ -102,6 +120,8 @@ class PeerLink:
         appended wherever a peer is named.
     :param scoped: a wait fails only for the peers it waits on (see the module docstring);
         otherwise for any peer's loss.
+    :param pairs: instead of ``group``: one :class:`Pair` per peer (global rank) this link
+        talks to; the link's peers are then exactly these.
     """
 
     def __init__(
@@ -112,21 +132,48 @@ class PeerLink:
         *,
         labels: Mapping[int, str] | None = None,
         scoped: bool = False,
+        pairs: Mapping[int, Pair] | None = None,
     ) -> None:
         self.topology = topology
         self.rank = rank
         self.scoped = scoped
         self.group = group
-        self._pg = group if group is not None else dist.group.WORLD
+        self._pg = group if group is not None or pairs is not None else dist.group.WORLD
+        self._pairs: dict[int, Pair] | None = None if pairs is None else dict(pairs)
         self.labels = dict(labels or {})
         self.role, self.index = topology.role_of(rank)
-        self._watchers: dict[tuple[int, int, str], _Watcher] = {}
+        self._watchers: dict[tuple[int, str, int, str], _Watcher] = {}
         self._lock = threading.Lock()
         self._control: dict[int, Pending] = {}
-        for peer in range(topology.world_size):
-            if peer != rank:
-                buffer = torch.zeros(wire.CONTROL_BYTES, dtype=torch.uint8)
-                self._control[peer] = self._post("recv", buffer, peer, wire.TAG_CONTROL, "control message")
+        peers = list(self._pairs) if self._pairs is not None else [p for p in range(topology.world_size) if p != rank]
+        for peer in peers:
+            self._listen(peer)
+
+    def _listen(self, peer: int) -> None:
+        """Post the control receive from ``peer`` (at start, and on a new pair)."""
+        buffer = torch.zeros(wire.CONTROL_BYTES, dtype=torch.uint8)
+        self._control[peer] = self._post("recv", buffer, peer, wire.TAG_CONTROL, "control message")
+
+    @property
+    def peers(self) -> list[int]:
+        """The global ranks this link talks to."""
+        return sorted(self._control)
+
+    def generation(self, peer: int) -> str:
+        """The name of ``peer``'s pair (empty on a one-group link)."""
+        pair = None if self._pairs is None else self._pairs.get(peer)
+        return pair.generation if pair is not None else ""
+
+    def install(self, peer: int, pair: Pair, label: str | None = None) -> None:
+        """Talk to ``peer`` over ``pair`` from now on (a restarted peer's new pair), with a fresh control
+        channel; what was posted on its old pair is left to end on its own."""
+        if self._pairs is None:
+            raise RuntimeError(f"{self.me}: a link on one process group cannot take a new pair")
+        with self._lock:
+            self._pairs[peer] = pair
+            if label is not None:
+                self.labels[peer] = label
+        self._listen(peer)
 
     # ------------------------------------------------------------------ naming
 
@@ -148,13 +195,25 @@ class PeerLink:
 
     def _post(self, direction: str, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
         # ProcessGroup.send/recv directly: dist.isend/irecv add ~20 us of Python checks per call.
-        op = self._pg.send if direction == "send" else self._pg.recv
+        if self._pairs is None:
+            group, dst, generation = self._pg, peer, ""
+        else:
+            pair = self._pairs.get(peer)
+            if pair is None:
+                raise PeerLost(
+                    f"{self.me}: no pair with {self.describe(peer)} during {what}",
+                    peer=peer,
+                    peer_name=self.describe(peer),
+                )
+            group, dst, generation = pair.group, pair.peer, pair.generation
+        op = group.send if direction == "send" else group.recv
         try:
-            work = op([tensor], peer, tag)
+            work = op([tensor], dst, tag)
         except RuntimeError as exc:  # the pair is already closed
             raise self._lost(peer, what, exc) from exc
         pending = Pending(work, direction, tensor, peer, what)
-        key = (peer, tag, direction)
+        # one watcher per channel and pair: a new pair's operations never queue behind a dead pair's
+        key = (peer, generation, tag, direction)
         with self._lock:
             watcher = self._watchers.get(key)
             if watcher is None:

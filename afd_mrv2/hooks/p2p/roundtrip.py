@@ -322,6 +322,17 @@ class RoundTripAttentionSide(AttentionSide):
         self.failovers.resent(share.ffn, item, sum(s.count for s in shares))
         return shares
 
+    def take_back(self, ffn: int) -> None:
+        """FFN rank ``ffn`` is back (a restarted process on a new pair, installed in the link by the owner
+        between two steps, with no item in flight): route its experts to it again, numbering from 0."""
+        with self._failover_lock:
+            live = self.live | {ffn}
+            self.route = torch.tensor(self.placement.routing(live), dtype=torch.long)
+            self.live = live
+            with self._pair_locks[ffn]:
+                self._pair_seq[ffn] = 0
+        self.failovers.rejoined(ffn, self.link.generation(self.peers[ffn]), self.link.me)
+
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)
         super().on_cleanup(work)
@@ -338,6 +349,8 @@ class FailoverLog:
         self.resent_items = 0
         self.resent_rows = 0
         self.reasons: dict[int, str] = {}
+        self.rejoined_at: dict[int, float] = {}  # FFN rank -> when this side last took it back
+        self.rejoins = 0
 
     def lost(self, ffn: int, loss: PeerError, placement: Placement, live: frozenset[int], me: str) -> None:
         now = time.time()
@@ -349,6 +362,17 @@ class FailoverLog:
         line = (
             f"afd-mrv2 failover: {me}: FFN rank {ffn} lost ({type(loss).__name__}); its experts {moved} go to "
             f"their next live holders, FFN ranks {sorted(live)} (at {now:.3f})"
+        )
+        sys.stderr.flush()
+        os.write(2, f"{line}\n".encode())
+
+    def rejoined(self, ffn: int, pair: str, me: str) -> None:
+        now = time.time()
+        with self._lock:
+            self.rejoins += 1
+            self.rejoined_at[ffn] = now
+        line = (
+            f"afd-mrv2 rejoin: {me}: FFN rank {ffn} is back (pair {pair}); routing to it from this step (at {now:.3f})"
         )
         sys.stderr.flush()
         os.write(2, f"{line}\n".encode())
@@ -369,6 +393,8 @@ class FailoverLog:
                 "first_resend_at": {str(f): round(t, 3) for f, t in sorted(self.first_resend_at.items())},
                 "resent_items": self.resent_items,
                 "resent_rows": self.resent_rows,
+                "rejoins": self.rejoins,
+                "rejoined_at": {str(f): round(t, 3) for f, t in sorted(self.rejoined_at.items())},
             }
 
 

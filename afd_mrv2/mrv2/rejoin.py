@@ -1,0 +1,92 @@
+"""Attention side: take back an FFN rank that was lost and restarted (pairs on an external store).
+
+A restarted FFN rank registers as a new incarnation in the rendezvous store and waits
+for each Attention rank on a new pair (:mod:`afd_mrv2.mrv2.p2p_link`).  Here a daemon
+thread per Attention process watches the store for the FFN ranks its connector stopped
+routing to (``lost()``) and, when one has a newer incarnation, joins that pair: the
+rendezvous runs on this thread, never on the model's.  The pair then waits in
+:meth:`Rejoiner.take` until the model's next step boundary, where the owner installs it
+in the link and the connector routes to the rank again: no step mixes generations.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from afd_mrv2.hooks.p2p import Pair
+from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.mrv2.p2p_link import incarnation, join_pair, label
+from afd_mrv2.topology import Topology
+
+#: How often the store is looked at for a restarted FFN rank.
+WATCH_S = 0.5
+
+
+@dataclass(frozen=True)
+class Comeback:
+    """A pair with a restarted FFN rank, ready to be installed between two steps."""
+
+    ffn: int
+    pair: Pair
+    label: str
+
+
+class Rejoiner:
+    """See the module docstring.  ``joined``: each FFN rank's incarnation this side's pair is with."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        topology: Topology,
+        index: int,
+        me: int,
+        joined: dict[int, int],
+        lost: Callable[[], set[int]],
+    ) -> None:
+        self.store = store
+        self.topology = topology
+        self.index = index
+        self.me = me
+        self.joined = dict(joined)
+        self.lost = lost
+        self._ready: queue.SimpleQueue[Comeback] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"afd-rejoin-attention{index}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_S):
+            for f in sorted(self.lost()):
+                try:
+                    latest = incarnation(self.store, FFN, f)
+                    if latest <= self.joined.get(f, 0):
+                        continue
+
+                    def moved_on(f: int = f, latest: int = latest) -> bool:
+                        return self._closed.is_set() or incarnation(self.store, FFN, f) != latest
+
+                    pair = join_pair(
+                        self.store, self.topology, ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on
+                    )
+                except Exception:  # noqa: BLE001 - the store is gone (serve stops) or gloo failed: look again later
+                    continue
+                if pair is not None:
+                    self.joined[f] = latest
+                    self._ready.put(Comeback(f, pair, label(self.store, FFN, f, latest)))
+
+    def take(self) -> list[Comeback]:
+        """The pairs joined since the last call (call it between two steps)."""
+        out = []
+        while True:
+            try:
+                out.append(self._ready.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._closed.set()
