@@ -296,9 +296,7 @@ def serve_ffn(
         store = connect_store(config.host, config.port, master=config.rendezvous == "ffn0" and index == 0)
         incarnation_ = register(store, FFN, index)
     elif link is None:
-        link = open_peer_link(
-            topology, me, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0"
-        )
+        link = open_peer_link(topology, me, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0")
     block = topology.held_by(index)
     report = FfnReport(moe_layers=len(experts))
     compute_lock = threading.Lock()  # one device: the loops' expert computations take turns

@@ -298,12 +298,13 @@ class RemoteExperts:
         backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        session = _Session(link, plugins, backend, executor, exchange)
-        side = session.side
+        side = getattr(plugins.connector, "side", None)
+        rejoiner = None
         if rejoin is not None and side is not None and hasattr(side, "take_back"):
             store, me, joined = rejoin
             lost = lambda: set(range(topology.num_ffn)) - set(side.live)  # noqa: E731
-            session.rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
+            rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
+        session = _Session(link, plugins, backend, executor, exchange, rejoiner)
         return session
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:

@@ -248,6 +248,7 @@ class Supervisor:
             self.plan.expert_replicas,
             tuple(self.plan.placement.describe()),
             read_stats(self.plan.run_dir),
+            {f"{role} {rank}": n for (role, rank), n in sorted(self.restarts.items())},
         )
 
     def _host_store(self) -> bool:

@@ -152,8 +152,9 @@ def test_killed_role_fails_in_flight_requests_and_serve_exits_naming_it(start_se
 def test_a_killed_engine_of_two_fails_only_its_requests_and_the_endpoint_serves_on(start_serve):
     """With two Attention engines, one that dies takes only its own in-flight requests along (each gets an
     error, never a hang); the endpoint routes every later request to the survivor, and serve keeps running
-    until told to stop (this changed: serve used to stop every role)."""
-    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True})
+    until told to stop (this changed: serve used to stop every role).  ``--no-restart-attention``: the
+    engine stays lost."""
+    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True}, "--no-restart-attention")
     url = serve.wait_ready()
     base = url.removesuffix("/v1")
     pids = serve.pids()
@@ -191,11 +192,45 @@ def test_a_killed_engine_of_two_fails_only_its_requests_and_the_endpoint_serves_
     assert [name for name, pid in pids.items() if alive(pid)] == []
 
 
+def test_a_killed_engine_of_two_is_restarted_and_the_endpoint_routes_to_it_again(start_serve):
+    """By default serve restarts a lost engine of several: once the new process is ready the endpoint
+    routes to it again (a new pid answers), ``/metrics`` counts the restart and ``/afd/status`` lists the
+    engine as live."""
+    serve, _ = start_serve(2, 1, {"token_delay": 0.01, "grandchild": True})
+    url = serve.wait_ready()
+    base = url.removesuffix("/v1")
+    old = serve.pids()["attention 1"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not any("restarted: ready after" in line for line in serve.err_lines()):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.err_lines()
+        time.sleep(0.1)
+    new = serve.pids()["attention 1"]
+    assert new != old
+    line = next(line for line in serve.err_lines() if "restarted: ready after" in line)
+    assert line.startswith(f"[serve] attention rank 1 (pid {new}) restarted: ready after ") and line.endswith(
+        " s; the endpoint routes to it again"
+    ), line
+    answers = [post(url + "/completions", {"prompt": "x", "max_tokens": 2}) for _ in range(4)]
+    assert all(status == 200 for status, _ in answers) and any(f'"pid": {new}' in text for _, text in answers)
+    with urllib.request.urlopen(base + "/afd/status", timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["live"]["attention"] == [0, 1] and status["restarts"] == {"attention 1": 1}, status
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'afd_role_restarts_total{rank="1",role="attention"} 1.0' in text, text
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+    assert serve.err_lines()[-1] == f"[serve] stopped every role (SIGTERM) (lost earlier: attention rank 1 (pid {old}))"
+
+
 def test_with_expert_replicas_a_killed_ffn_rank_is_survived_and_the_last_holder_is_not(start_serve):
     """``--expert-replicas 2`` at 1A2F: the loss of FFN rank 1 leaves every expert a live holder, so serve
     serves on (the engines fail over by themselves) and says so in one line; losing FFN rank 0 as well
     leaves none, and serve stops as without replicas, naming it."""
-    serve, _ = start_serve(1, 2, {"token_delay": 0.01, "grandchild": True}, "--expert-replicas", "2")
+    serve, _ = start_serve(
+        1, 2, {"token_delay": 0.01, "grandchild": True}, "--expert-replicas", "2", "--no-restart-ffn"
+    )
     url = serve.wait_ready()
     base = url.removesuffix("/v1")
     pids = serve.pids()

@@ -10,7 +10,10 @@ flight to the other holder of its experts (``redispatch``) and routes there from
   max |logprob difference| <= 1e-4 (the failed-over items sum their partials in another order);
 * serve says so in one line and serves on; ``/metrics`` shows one live FFN rank, one failover on
   serve's side and on the engine's, and the surviving rank's re-sends; later requests are served;
-* the time from the kill to the engine's failover and to its first re-send are printed.
+* serve restarts the rank; the engine takes it back at a step boundary (``afd-mrv2 rejoin`` on its
+  stderr): ``/metrics`` then shows two live FFN ranks and one restart, and the rejoined rank's item
+  counter grows again under new requests;
+* the times from the kill to the engine's failover, to its first re-send and to the rejoin are printed.
 
 Killing FFN rank 1 runs in the reduced matrix; killing FFN rank 0 (it hosted the rendezvous store) is
 ``vllm_full``.
@@ -138,12 +141,37 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
             status = json.loads(resp.read())
         resend_at = status["figures"]["attention 0"]["failover"]["first_resend_at"][str(killed)]
         after = [complete(serve.url, body(model, p, 8)) for p in prompts()[:4]]
+        # the restart: serve starts the rank again; the engine takes it back at its next step
+        deadline = time.monotonic() + 600
+        while "restarted: ready after" not in serve.log_text():
+            assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
+            time.sleep(1.0)
+        items = f'afd_ffn_items_total{{ffn="{killed}"}}'
+        rejoined = None
+        while rejoined is None:
+            assert time.monotonic() < deadline, serve.log_text()[-3000:]
+            complete(serve.url, body(model, prompts()[0], 4))  # steps, so the engine reaches a step boundary
+            rejoined = re.search(rf"afd-mrv2 rejoin: .*FFN rank {killed} is back .*\(at ([0-9.]+)\)", serve.log_text())
+        base = None
+        while True:  # the new process's figures, then growing under new requests
+            with urllib.request.urlopen(serve.url + "/metrics", timeout=30) as resp:
+                back = resp.read().decode()
+            count = metric(back, items)
+            if base is None and count:
+                base = count
+            elif base is not None and count and count > base:
+                break
+            assert time.monotonic() < deadline, back
+            complete_all(serve.url, payloads(model)[:8])
+            time.sleep(1.0)
+        restart_line = next(line for line in serve.log_text().splitlines() if "restarted: ready after" in line)
         print(
             f"\n[failover] 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
             f"SIGKILLed mid-generation ({before} of {CLIENTS} requests finished before it): "
             f"{CLIENTS - len(errors)}/{CLIENTS} completed, 0 errors, answered within "
             f"{answered_s:.1f} s; kill -> failover {float(failover.group(1)) - killed_at:.3f} s, kill -> first "
-            f"re-send {resend_at - killed_at:.3f} s; vs plain vLLM {versus_plain}\n[failover] {line}",
+            f"re-send {resend_at - killed_at:.3f} s, kill -> rejoin {float(rejoined.group(1)) - killed_at:.1f} s; "
+            f"vs plain vLLM {versus_plain}\n[failover] {line}\n[failover] {restart_line}",
             flush=True,
         )
         assert versus_plain["identical"] >= CLIENTS - 1 and versus_plain["max_logprob_diff"] <= 1e-4, versus_plain
@@ -157,6 +185,8 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         assert before < CLIENTS // 2, "the kill came too late to be mid-generation"
         assert all(code == 200 for code, _ in after), after
         assert serve.proc.poll() is None, "serve stopped"
+        assert metric(back, "afd_ffn_ranks_live") == 2, back
+        assert metric(back, f'afd_role_restarts_total{{rank="{killed}",role="ffn"}}') == 1, back
     finally:
         code = serve.stop()
     assert code == 0
