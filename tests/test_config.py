@@ -250,3 +250,15 @@ def test_fuzzed_connector_options_only_raise_config_error(kind: type, raw: objec
         parse_section(kind, raw, "afd.connector_extra_config")
     except ConfigError as exc:
         assert "\n" not in str(exc) and exc.key.startswith("afd.connector_extra_config")
+
+
+def test_expert_replicas_and_rendezvous() -> None:
+    config = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 3, "expert_replicas": 2})
+    assert config.expert_replicas == 2 and config.rendezvous == "ffn0"
+    with pytest.raises(
+        ConfigError, match=r"^afd\.expert_replicas: expected an integer in 1\.\.3 \(num_ffn_ranks\), got 4$"
+    ):
+        parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 3, "expert_replicas": 4})
+    assert parse_afd_config({"connector": "x", "role": "attention", "rendezvous": "external"}).rendezvous == "external"
+    with pytest.raises(ConfigError, match=r"^afd\.rendezvous: "):
+        parse_afd_config({"connector": "x", "role": "attention", "rendezvous": "serve"})

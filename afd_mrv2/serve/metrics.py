@@ -41,9 +41,9 @@ SCRAPE_TIMEOUT_S = 5.0
 AFD_METRICS: dict[str, tuple[str, str]] = {
     "afd_attention_ranks": ("gauge", "Attention engines in the topology (A)."),
     "afd_ffn_ranks": ("gauge", "FFN ranks in the topology (F)."),
-    "afd_attention_ranks_live": ("gauge", "Attention engines whose process group is alive."),
-    "afd_ffn_ranks_live": ("gauge", "FFN ranks whose process group is alive."),
-    "afd_role_live": ("gauge", "1 when the role process group (role, rank) is alive, else 0."),
+    "afd_attention_ranks_live": ("gauge", "Attention engines ready and alive."),
+    "afd_ffn_ranks_live": ("gauge", "FFN ranks ready and alive."),
+    "afd_role_live": ("gauge", "1 when the role (role, rank) is ready and its process group alive, else 0."),
     "afd_ready": ("gauge", "1 once every role is ready and until serve stops, else 0."),
     "afd_endpoint_requests": (
         "counter",

@@ -275,10 +275,13 @@ class Supervisor:
             request_stop(self.store)
 
     def role_states(self) -> list[RoleState]:
-        """The latest process of every role rank started so far, and whether its process group is alive
-        (``/metrics``)."""
+        """The latest process of every role rank started so far, and whether it is live: ready, not lost, its
+        process group alive (``/metrics``; a restart is live once it is ready)."""
         latest = {(r.spec.role, r.spec.rank): r for r in self.roles}
-        return [RoleState(r.spec.role, r.spec.rank, r.pid, r not in self.lost and r.alive()) for r in latest.values()]
+        return [
+            RoleState(r.spec.role, r.spec.rank, r.pid, r.ready.is_set() and r not in self.lost and r.alive())
+            for r in latest.values()
+        ]
 
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range

@@ -33,6 +33,10 @@ BAD = [
     (["--", "--additional-config", '{"afd": {"async": "yes"}}'], "afd.async"),
     (["--", "--additional-config", "[1]"], "--additional-config: expected a JSON object"),
     (["--nope"], "unrecognized arguments: --nope"),
+    (["--expert-replicas", "2"], "afd.expert_replicas: expected an integer in 1..1 (num_ffn_ranks), got 2"),
+    (["--expert-replicas", "0"], "afd.expert_replicas"),
+    (["--afd", '{"expert_replicas": 1}', "--expert-replicas", "2"], "afd.expert_replicas: 1 conflicts with"),
+    (["--afd", '{"rendezvous": "ffn7"}'], "afd.rendezvous"),
 ]
 
 

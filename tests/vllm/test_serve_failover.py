@@ -1,4 +1,4 @@
-"""Lose an FFN rank, lose no request: ``afd-mrv2 serve --expert-replicas 2`` at 1A2F on real vLLM (mixtral).
+"""Lose an FFN rank, lose no request: ``afd-mrv2 serve --expert-replicas 2`` at 1A2F on real vLLM.
 
 32 concurrent streamed greedy requests of 64 tokens (logprobs on); mid-generation the whole process
 group of one FFN rank gets SIGKILL (its role leader, vLLM's EngineCore and worker).  The Attention
@@ -15,8 +15,8 @@ flight to the other holder of its experts (``redispatch``) and routes there from
   counter grows again under new requests;
 * the times from the kill to the engine's failover, to its first re-send and to the rejoin are printed.
 
-Killing FFN rank 1 runs in the reduced matrix; killing FFN rank 0 (it hosted the rendezvous store) is
-``vllm_full``.
+Mixtral with FFN rank 1 killed runs in the reduced matrix; FFN rank 0 killed, and qwen2_moe (its shared
+experts stay on the Attention side), are ``vllm_full``.
 """
 
 from __future__ import annotations
@@ -66,21 +66,36 @@ def streamed_greedy(events: list[Any]) -> tuple[list[int], list[float]]:
     return ids, logprobs
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("failover-mixtral") / "model", "mixtral")
+class Checkpoints:
+    """One checkpoint per architecture and plain vLLM's answers on it, made once per module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._models: dict[str, Path] = {}
+        self._plain: dict[str, list[tuple[list[int], list[float]]]] = {}
+
+    def model(self, arch: str) -> Path:
+        if arch not in self._models:
+            self._models[arch] = make_model(self.root / arch / "model", arch)
+        return self._models[arch]
+
+    def plain(self, arch: str) -> list[tuple[list[int], list[float]]]:
+        if arch not in self._plain:
+            model = self.model(arch)
+            server = PlainServer(model, free_port_block(1), self.root / arch / "plain.log")
+            try:
+                server.wait_ready()
+                got = complete_all(server.url, payloads(model))
+            finally:
+                server.stop()
+            assert all(status == 200 for status, _ in got), got
+            self._plain[arch] = [greedy(a) for _, a in got]  # type: ignore[arg-type]
+        return self._plain[arch]
 
 
 @pytest.fixture(scope="module")
-def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list[int], list[float]]]:
-    server = PlainServer(model, free_port_block(1), tmp_path_factory.mktemp("plain") / "plain.log")
-    try:
-        server.wait_ready()
-        got = complete_all(server.url, payloads(model))
-    finally:
-        server.stop()
-    assert all(status == 200 for status, _ in got), got
-    return [greedy(a) for _, a in got]  # type: ignore[arg-type]
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("failover"))
 
 
 def metric(text: str, name: str) -> float | None:
@@ -88,10 +103,18 @@ def metric(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.vllm_full)])
+@pytest.mark.parametrize(
+    ("arch", "killed"),
+    [
+        ("mixtral", 1),
+        pytest.param("mixtral", 0, marks=pytest.mark.vllm_full),
+        pytest.param("qwen2_moe", 1, marks=pytest.mark.vllm_full),
+    ],
+)
 def test_an_ffn_rank_killed_mid_generation_costs_no_request(
-    model: Path, tmp_path: Path, plain: list[tuple[list[int], list[float]]], killed: int
+    checkpoints: Checkpoints, tmp_path: Path, arch: str, killed: int
 ) -> None:
+    model, plain = checkpoints.model(arch), checkpoints.plain(arch)
     port = free_port_block(4)
     serve = Serve(model, port, tmp_path / "serve.log", "--expert-replicas", "2", attention=1, ffn=2)
     try:
@@ -166,7 +189,7 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
             time.sleep(1.0)
         restart_line = next(line for line in serve.log_text().splitlines() if "restarted: ready after" in line)
         print(
-            f"\n[failover] 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
+            f"\n[failover] {arch} 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
             f"SIGKILLed mid-generation ({before} of {CLIENTS} requests finished before it): "
             f"{CLIENTS - len(errors)}/{CLIENTS} completed, 0 errors, answered within "
             f"{answered_s:.1f} s; kill -> failover {float(failover.group(1)) - killed_at:.3f} s, kill -> first "

@@ -139,8 +139,9 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
 ) -> None:
     """2A1F: SIGKILL of attention rank 1's whole process group (API server, EngineCore, worker) while 8
     clients generate.  Its clients get errors, never a hang; attention rank 0's complete; the FFN rank
-    goes on serving rank 0 (faults scoped to a peer), so every later request succeeds; serve keeps
-    running until SIGTERM, then exits 0 and the FFN's report says how each engine left."""
+    goes on serving rank 0 (faults scoped to a peer), so every later request succeeds, also while serve
+    restarts engine 1; the restarted engine joins a new pair with the FFN rank and serves requests again;
+    serve keeps running until SIGTERM, then exits 0 and the FFN's report says how each engine left."""
     serve = Serve(model, free_port_block(4), tmp_path / "serve.log", attention=2, ffn=1)
     tokens = 48
     try:
@@ -181,9 +182,23 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
         (line,) = [line for line in serve.log_text().splitlines() if "the endpoint serves on with" in line]
         assert line.startswith(f"[serve] attention rank 1 (pid {pid}) exited (signal SIGKILL"), line
         assert line.endswith("): the endpoint serves on with attention 0 (1 of 2 Attention engines)"), line
+        # the restart: requests are answered meanwhile; then engine 1 is back in the rotation
+        deadline = time.monotonic() + 600
+        during = 0
+        while "restarted: ready after" not in serve.log_text():
+            assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
+            status, answer = complete(serve.url, body(model, PROMPTS[0], 4))
+            assert status == 200, answer
+            during += 1
+        restarted_in = time.monotonic() - killed
+        (back,) = [line for line in serve.log_text().splitlines() if "restarted: ready after" in line]
+        engine_1 = serve.engine_urls()[1]
+        status, answer = complete(engine_1, body(model, PROMPTS[1], 8))  # the new engine itself, through the FFN
+        assert status == 200 and answer["usage"]["completion_tokens"] == 8, answer
         print(
             f"\n[faults] 2A1F ready after {ready_s:.1f} s; attention rank 1 killed mid-generation: clients answered "
-            f"within {answered:.2f} s, {len(done)}/8 completed (attention rank 0's), 4/4 later requests served",
+            f"within {answered:.2f} s, {len(done)}/8 completed (attention rank 0's), 4/4 later requests served, "
+            f"{during} more during the restart; engine 1 back {restarted_in:.1f} s after the kill: {back}",
             flush=True,
         )
     finally:
@@ -192,8 +207,9 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
     reports = ffn_reports(serve.log_text())
     ends = reports[0]["ends"]
     print(f"[faults] FFN rank 0: items per engine {reports[0]['items_per_attention']}, ends {ends}", flush=True)
-    assert "attention rank 1" in ends["1"] and ends["0"].startswith("left between steps: attention rank 0")
-    assert reports[0]["items_per_attention"]["0"] > reports[0]["items_per_attention"]["1"] > 0
+    # engine 1's items: both incarnations; its last end: the restarted engine's stop at the end
+    assert ends["0"].startswith("left between steps: attention rank 0") and "attention rank 1" in ends["1"], ends
+    assert reports[0]["items_per_attention"]["0"] > 0 and reports[0]["items_per_attention"]["1"] > 0
 
 
 @pytest.mark.vllm_full
