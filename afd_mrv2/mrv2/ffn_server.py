@@ -397,7 +397,6 @@ def serve_ffn(
                 continue
             pair = join_pair(
                 store,
-                topology,
                 FFN,
                 (a, i),
                 (index, incarnation_),

@@ -9,7 +9,8 @@ folder is ``$AFD_MRV2_STATS_DIR`` (serve sets it per role to its run folder), th
 old one, so a reader never sees half a document.  Without the variable nothing is
 written.  serve reads the files when scraped (:mod:`afd_mrv2.serve.metrics`).
 
-Documents (every key optional to the reader; ``at``: ``time.time()`` of the write):
+Documents (every key optional to the reader; ``at``: ``time.time()`` of the write; ``pid``: the
+writing process, so a restarted role's figures, which start from 0 again, are told apart):
 
 * Attention: ``calls``, ``tokens``, ``round_trip_seconds`` (a histogram: ``buckets``
   upper bounds, cumulative ``counts`` per bound, ``sum``, ``count``),
@@ -61,7 +62,7 @@ class StatsWriter:
             return  # another thread is writing right now
         try:
             self._last = now
-            doc = {**self.build(), "at": round(time.time(), 3)}
+            doc = {**self.build(), "at": round(time.time(), 3), "pid": os.getpid()}
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
                 tmp.write_text(json.dumps(doc, sort_keys=True))

@@ -113,7 +113,6 @@ def pair_name(attention: int, attention_inc: int, ffn: int, ffn_inc: int) -> str
 
 def join_pair(
     store: dist.Store,
-    topology: Topology,
     role: str,
     attention: tuple[int, int],
     ffn: tuple[int, int],
@@ -172,7 +171,7 @@ def open_attention_link(
             def newer(f: int = f, j: int = j) -> bool:
                 return incarnation(store, FFN, f) != j or time.monotonic() > deadline
 
-            pair = join_pair(store, topology, ATTENTION, (index, me), (f, j), give_up=newer)
+            pair = join_pair(store, ATTENTION, (index, me), (f, j), give_up=newer)
         peer = topology.global_rank(FFN, f)
         pairs[peer], joined[f], labels[peer] = pair, j, label(store, FFN, f, j)
     labels[topology.global_rank(ATTENTION, index)] = label(store, ATTENTION, index, me)

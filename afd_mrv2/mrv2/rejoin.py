@@ -70,9 +70,7 @@ class Rejoiner:
                     def moved_on(f: int = f, latest: int = latest) -> bool:
                         return self._closed.is_set() or incarnation(self.store, FFN, f) != latest
 
-                    pair = join_pair(
-                        self.store, self.topology, ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on
-                    )
+                    pair = join_pair(self.store, ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on)
                 except Exception:  # noqa: BLE001 - the store is gone (serve stops) or gloo failed: look again later
                     continue
                 if pair is not None:

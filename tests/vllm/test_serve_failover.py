@@ -169,22 +169,25 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         while "restarted: ready after" not in serve.log_text():
             assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
             time.sleep(1.0)
-        items = f'afd_ffn_items_total{{ffn="{killed}"}}'
         rejoined = None
         while rejoined is None:
             assert time.monotonic() < deadline, serve.log_text()[-3000:]
             complete(serve.url, body(model, prompts()[0], 4))  # steps, so the engine reaches a step boundary
             rejoined = re.search(rf"afd-mrv2 rejoin: .*FFN rank {killed} is back .*\(at ([0-9.]+)\)", serve.log_text())
         base = None
-        while True:  # the new process's figures, then growing under new requests
+        while True:  # the restarted process's own figures (they start from 0), then growing under new requests
+            with urllib.request.urlopen(serve.url + "/afd/status", timeout=30) as resp:
+                figures = json.loads(resp.read())["figures"].get(f"ffn {killed}") or {}
             with urllib.request.urlopen(serve.url + "/metrics", timeout=30) as resp:
                 back = resp.read().decode()
-            count = metric(back, items)
-            if base is None and count:
+            if figures.get("at", 0) <= killed_at:  # still the killed process's figures
+                figures = {}
+            count = figures.get("items")
+            if base is None and count is not None:
                 base = count
-            elif base is not None and count and count > base:
+            elif base is not None and count is not None and count > base:
                 break
-            assert time.monotonic() < deadline, back
+            assert time.monotonic() < deadline, (figures, back)
             complete_all(serve.url, payloads(model)[:8])
             time.sleep(1.0)
         restart_line = next(line for line in serve.log_text().splitlines() if "restarted: ready after" in line)
