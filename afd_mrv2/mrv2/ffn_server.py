@@ -170,6 +170,12 @@ class FfnReport:
             }
             self.end = self.end or end  # the first loop's reason is the session's
 
+    def waiting_ended(self, attention: int, end: str) -> None:
+        """The wait for Attention rank ``attention``'s next incarnation ended without a loop (``end`` says why)."""
+        with self._lock:
+            self.ends.setdefault(attention, end)
+            self.end = self.end or end
+
     def add_overlap(self, figures: dict[str, Any]) -> None:
         self.overlap = figures
 
@@ -381,7 +387,14 @@ def serve_ffn(
 
     def attend(a: int) -> None:
         """Pairs: serve Attention rank ``a``'s incarnations, each on a pair of its own; with ``rejoin``
-        the next one after the last left (a restarted engine), until the store says stop."""
+        the next one after the last left (a restarted engine), until the store says stop.  A store that
+        stops answering (its host is gone: serve stopped) ends the wait for the next one."""
+        try:
+            attend_incarnations(a)
+        except (RuntimeError, OSError) as exc:
+            report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
+
+    def attend_incarnations(a: int) -> None:
         assert store is not None
         served = 0
 

@@ -97,6 +97,18 @@ def label(store: dist.Store, role: str, index: int, incarnation: int) -> str:
     return store.get(key).decode() if store.check([key]) else ""
 
 
+def mark_lost(store: dist.Store, role: str, index: int) -> None:
+    """Say in the store that ``role`` rank ``index``'s latest incarnation is gone (serve, on a loss): a process
+    that starts meanwhile (a restarted engine) does not wait for it, and joins its next incarnation later."""
+    store.set(f"{STORE_PREFIX}/{_name(role, index)}/lost", str(incarnation(store, role, index)))
+
+
+def lost_incarnation(store: dist.Store, role: str, index: int) -> int:
+    """The incarnation of ``role`` rank ``index`` last marked lost (0: none)."""
+    key = f"{STORE_PREFIX}/{_name(role, index)}/lost"
+    return int(store.get(key).decode()) if store.check([key]) else 0
+
+
 def stop_requested(store: dist.Store) -> bool:
     return bool(store.check([STOP_KEY]))
 
@@ -149,7 +161,9 @@ def open_attention_link(
 ) -> tuple[PeerLink, int, dict[int, int]]:
     """Register Attention rank ``index`` and join a pair with every FFN rank's latest incarnation (each
     registers before it serves; waits up to ``connect_timeout_s`` for one that has not yet, following a
-    restarted one).  Returns the link, this incarnation, and each FFN rank's incarnation joined."""
+    restarted one).  An FFN rank whose latest incarnation is marked lost (:func:`mark_lost`) gets no pair:
+    the link has none with it until a rejoin.  Returns the link, this incarnation, and each FFN rank's
+    incarnation joined (or skipped as lost)."""
     me = register(store, ATTENTION, index)
     deadline = time.monotonic() + connect_timeout_s
     pairs: dict[int, Pair] = {}
@@ -167,13 +181,17 @@ def open_attention_link(
             if not j:
                 time.sleep(POLL_S)
                 continue
+            if lost_incarnation(store, FFN, f) == j:  # gone, not back yet: the rejoiner takes it when it is
+                break
 
             def newer(f: int = f, j: int = j) -> bool:
                 return incarnation(store, FFN, f) != j or time.monotonic() > deadline
 
             pair = join_pair(store, ATTENTION, (index, me), (f, j), give_up=newer)
         peer = topology.global_rank(FFN, f)
-        pairs[peer], joined[f], labels[peer] = pair, j, label(store, FFN, f, j)
+        joined[f] = j
+        if pair is not None:
+            pairs[peer], labels[peer] = pair, label(store, FFN, f, j)
     labels[topology.global_rank(ATTENTION, index)] = label(store, ATTENTION, index, me)
     return (
         PeerLink(topology, topology.global_rank(ATTENTION, index), pairs=pairs, labels=labels, scoped=True),

@@ -299,6 +299,13 @@ class RemoteExperts:
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
         side = getattr(plugins.connector, "side", None)
+        missing = [f for f in range(topology.num_ffn) if topology.global_rank(FFN, f) not in link.peers]
+        for f in missing:  # lost before this engine started (serve marked it): routed around from the start
+            if side is None or not hasattr(side, "start_without"):
+                raise PipelineError(
+                    f"attention rank {config.rank}: FFN rank {f} is lost and the connector cannot route around it"
+                )
+            side.start_without(f)
         rejoiner = None
         if rejoin is not None and side is not None and hasattr(side, "take_back"):
             store, me, joined = rejoin

@@ -185,9 +185,19 @@ class Supervisor:
             f"{role.describe()} exited ({role.describe_exit()}): its experts are served by their other holders, "
             f"FFN rank(s) {', '.join(map(str, live))} ({len(live)} of {placement.num_ffn} live)"
         )
+        self._mark_lost_in_store(role)
         if self.plan.options.restart_ffn:
             self._restart_later(role)
         return True
+
+    def _mark_lost_in_store(self, role: RoleProcess) -> None:
+        """An engine that starts while ``role`` is lost (a restarted engine) must not wait for it."""
+        if self.store is None:
+            return
+        from afd_mrv2.mrv2.p2p_link import mark_lost
+
+        with contextlib.suppress(RuntimeError, OSError):
+            mark_lost(self.store, role.spec.role, role.spec.rank)
 
     def _on_signal(self, sig: int) -> None:
         if self.signal is None:

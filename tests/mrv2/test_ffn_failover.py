@@ -265,3 +265,70 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     assert log["rejoined_at"]["1"] > log["lost"]["1"]["at"]
     err = capfd.readouterr().err
     assert "afd-mrv2 rejoin: attention rank 0 (global rank 0" in err and "FFN rank 1 is back (pair a0.1-f1.2)" in err
+
+
+def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_takes_it_back_later(
+    one_torch_thread: None,
+) -> None:
+    """serve marks a lost FFN rank in the store; an Attention engine that starts meanwhile (a restarted one)
+    does not wait for it: it starts without a pair with it, routes its experts to their other holder, and
+    takes it back once it is restarted."""
+    from afd_mrv2.items import FFN
+    from afd_mrv2.mrv2.p2p_link import connect_store, mark_lost, register, request_stop
+
+    experts = 4
+    shape = MoeShape(HIDDEN, TOP_K, experts)
+    port = free_port()
+    store = connect_store("127.0.0.1", port, master=True, timeout_s=30)
+    ranks = {"num_attention_ranks": 1, "num_ffn_ranks": 2, "expert_replicas": 2, "rendezvous": "external"}
+    register(store, FFN, 1)  # FFN rank 1's first process registered ...
+    mark_lost(store, FFN, 1)  # ... and was lost
+    done: dict[str, Any] = {}
+    survivor = start_ffn(
+        done,
+        {**afd("ffn", port), **ranks, "rank": 0},
+        [_held_experts(shape, layer, Topology(1, 2, experts, 2).held_by(0)) for layer in range(len(LAYERS))],
+        key=0,
+        shape=shape,
+        max_tokens=16,
+        index=0,
+        local_experts_only=True,
+    )
+    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
+    for layer in LAYERS:
+        remote.add_layer(layer, shape)
+    gen = torch.Generator().manual_seed(5)
+    restarted = None
+
+    def forward() -> None:
+        for ordinal, layer in enumerate(LAYERS):
+            x, w = torch.randn(6, HIDDEN, generator=gen), torch.rand(6, TOP_K, generator=gen)
+            ids = torch.randint(0, experts, (6, TOP_K), generator=gen, dtype=torch.int32)
+            out = remote.exchange(layer, x, w, ids)
+            torch.testing.assert_close(out, _moe(_weights(shape, ordinal), x, w, ids), rtol=1e-5, atol=1e-5)
+
+    try:
+        forward()  # started without FFN rank 1: exact, through FFN rank 0 alone
+        assert remote.failovers()["failovers"] == 0
+        restarted = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 0)
+        deadline = time.monotonic() + 60
+        while not remote.failovers()["rejoins"]:
+            assert time.monotonic() < deadline
+            forward()
+            time.sleep(0.05)
+        for _ in range(3):
+            forward()
+    finally:
+        remote.close()
+        request_stop(store)
+        if restarted is not None:
+            try:
+                restarted.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(restarted.pid, signal.SIGKILL)
+    survivor.join(30)
+    assert not survivor.is_alive() and "error0" not in done, done
+    assert restarted is not None and restarted.stdout is not None
+    lines = restarted.stdout.read().splitlines()
+    report = json.loads(next(line for line in lines if line.startswith("report ")).removeprefix("report "))
+    assert report["items"] >= 3 * len(LAYERS) and report["computed"] > 0, report

@@ -322,6 +322,14 @@ class RoundTripAttentionSide(AttentionSide):
         self.failovers.resent(share.ffn, item, sum(s.count for s in shares))
         return shares
 
+    def start_without(self, ffn: int) -> None:
+        """FFN rank ``ffn`` was already lost when this side started (its link has no pair with it): route its
+        experts to their other holders from the first item; :class:`NoLiveHolder` when some has none."""
+        with self._failover_lock:
+            live = self.live - {ffn}
+            self.route = torch.tensor(self.placement.routing(live), dtype=torch.long)
+            self.live = live
+
     def take_back(self, ffn: int) -> None:
         """FFN rank ``ffn`` is back (a restarted process on a new pair, installed in the link by the owner
         between two steps, with no item in flight): route its experts to it again, numbering from 0."""
