@@ -25,6 +25,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -34,8 +36,9 @@ from typing import Any
 import pytest
 
 from tests.serve.conftest import free_port_block
-from tests.vllm.harness import make_model
+from tests.vllm.harness import make_model, v2_env
 from tests.vllm.serving import PlainServer, Serve, body, compare, complete, complete_all, greedy, stream
+from tests.vllm.test_serve_faults import UBATCHED
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
 
@@ -213,6 +216,95 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         assert serve.proc.poll() is None, "serve stopped"
         assert metric(back, "afd_ffn_ranks_live") == 2, back
         assert metric(back, f'afd_role_restarts_total{{rank="{killed}",role="ffn"}}') == 1, back
+    finally:
+        code = serve.stop()
+    assert code == 0
+
+
+def _stream_all(
+    url: str, model: Path, n: int, tokens: int
+) -> tuple[list[Any], list[threading.Thread], threading.Event]:
+    """``n`` streamed greedy requests of ``tokens`` tokens, started now; (results, threads, first-event)."""
+    results: list[Any] = [None] * n
+    first = threading.Event()
+
+    def client(i: int, payload: dict[str, Any]) -> None:
+        results[i] = stream(url, payload, first=first)
+
+    bodies = [body(model, p, tokens) for p in prompts()[:n]]
+    threads = [threading.Thread(target=client, args=c, daemon=True) for c in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    return results, threads, first
+
+
+def _errors(results: list[Any], tokens: int) -> list[Any]:
+    """The requests that did not complete: not 200, no ``[DONE]``, an error event, or too few tokens."""
+    bad = []
+    for i, (status, events) in enumerate(results):
+        text = "".join(e["choices"][0].get("text", "") for e in events if isinstance(e, dict) and e.get("choices"))
+        if status != 200 or events[-1:] != ["[DONE]"] or any("error" in str(e).lower() for e in events) or not text:
+            bad.append((i, status, events[-2:]))
+    return bad
+
+
+@pytest.mark.vllm_full
+def test_1a3f_with_two_replicas_survives_the_loss_of_each_rank_in_turn(tmp_path: Path) -> None:
+    """1A3F, ``--expert-replicas 2``, a mixtral checkpoint with 6 experts: each FFN rank in turn is SIGKILLed
+    while 16 streamed requests generate, after the one before was restarted and taken back; no request
+    sees an error, and each kill is followed by one failover and one rejoin."""
+    model = tmp_path / "mixtral-6"
+    cmd = [sys.executable, "-m", "afd_mrv2.cli", "make-model", str(model), "--arch", "mixtral", "--experts", "6"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    serve = Serve(model, free_port_block(4), tmp_path / "serve.log", "--expert-replicas", "2", attention=1, ffn=3)
+    lines = []
+    try:
+        serve.wait_ready()
+        for n, killed in enumerate((1, 0, 2), start=1):
+            pid = serve.role_pid(f"ffn {killed}") if n == 1 else serve.role_pids()[f"ffn {killed}"]
+            results, threads, first = _stream_all(serve.url, model, 16, 48)
+            assert first.wait(300)
+            time.sleep(0.3)
+            killed_at = time.time()
+            os.killpg(pid, signal.SIGKILL)
+            for t in threads:
+                t.join(600)
+            assert not _errors(results, 48), _errors(results, 48)
+            deadline = time.monotonic() + 600
+            while serve.log_text().count("afd-mrv2 rejoin:") < n:
+                assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
+                complete(serve.url, body(model, prompts()[0], 4))
+                time.sleep(0.5)
+            rejoin = [line for line in serve.log_text().splitlines() if "afd-mrv2 rejoin:" in line][-1]
+            at = float(re.search(r"\(at ([0-9.]+)\)", rejoin).group(1))  # type: ignore[union-attr]
+            lines.append(f"FFN rank {killed}: 16/16 completed, rejoined {at - killed_at:.1f} s after the kill")
+        print("\n[failover] 1A3F R=2: " + "; ".join(lines), flush=True)
+        assert serve.log_text().count("its experts are served by their other holders") == 3
+    finally:
+        code = serve.stop()
+    assert code == 0
+
+
+@pytest.mark.vllm_full
+def test_micro_batched_steps_fail_over_too(tmp_path: Path, checkpoints: Checkpoints) -> None:
+    """``--ubatches 2`` (Model Runner V2, two micro-batches, both with round trips in flight) at 1A2F with
+    ``--expert-replicas 2``: FFN rank 1 killed mid-generation, every streamed request completes."""
+    model = checkpoints.model("mixtral")
+    flags = ["--expert-replicas", "2", *UBATCHED]
+    serve = Serve(model, free_port_block(4), tmp_path / "serve.log", *flags, attention=1, ffn=2, env=v2_env())
+    try:
+        serve.wait_ready()
+        results, threads, first = _stream_all(serve.url, model, CLIENTS, TOKENS)
+        assert first.wait(300)
+        time.sleep(0.3)
+        os.killpg(serve.role_pid("ffn 1"), signal.SIGKILL)
+        for t in threads:
+            t.join(600)
+        errors = _errors(results, TOKENS)
+        resent = re.findall(r"afd-mrv2 failover: .*FFN rank 1 lost", serve.log_text())
+        print(f"\n[failover] micro-batched 1A2F R=2: {CLIENTS - len(errors)}/{CLIENTS} completed", flush=True)
+        assert not errors, errors
+        assert len(resent) == 1
     finally:
         code = serve.stop()
     assert code == 0
