@@ -172,7 +172,9 @@ def test_an_ffn_rank_killed_mid_item_with_replicas_costs_no_answer(
     assert log["resent_items"] >= 1 and log["resent_rows"] >= 1, log
     assert log["first_resend_at"][str(killed)] >= log["lost"][str(killed)]["at"]
     err = capfd.readouterr().err
-    assert "afd-mrv2 failover: attention rank 0 (global rank 0" in err and f"FFN rank {killed} lost" in err, err
+    primary = Topology(1, ffn, experts, 2).placement.ranges([e for e in range(experts) if e * ffn // experts == killed])
+    assert "afd-mrv2 failover: attention rank 0 (global rank 0" in err, err
+    assert f"FFN rank {killed} lost (PeerLost); the experts it computed, {primary}, go to" in err, err
     served: dict[int, FfnReport] = {f: done[f"report{f}"] for f in range(ffn) if f != killed}
     placement = Topology(1, ffn, experts, 2).placement
     # the re-sends went to the ring successor: the next holder of every expert the lost rank computed

@@ -301,8 +301,9 @@ class RoundTripAttentionSide(AttentionSide):
                     route = torch.tensor(self.placement.routing(live), dtype=torch.long)
                 except NoLiveHolder as exc:
                     raise loss from exc
+                moved = [e for e, f in enumerate(self.route.tolist()) if f == share.ffn]
                 self.live, self.route = live, route
-                self.failovers.lost(share.ffn, loss, self.placement, live, self.link.me)
+                self.failovers.lost(share.ffn, loss, moved, live, self.link.me)
         assert dispatch.routed is not None
         topk_ids = dispatch.routed[2]
         owners = self.route[topk_ids.index_select(0, share.index).long()]
@@ -360,16 +361,16 @@ class FailoverLog:
         self.rejoined_at: dict[int, float] = {}  # FFN rank -> when this side last took it back
         self.rejoins = 0
 
-    def lost(self, ffn: int, loss: PeerError, placement: Placement, live: frozenset[int], me: str) -> None:
+    def lost(self, ffn: int, loss: PeerError, moved: list[int], live: frozenset[int], me: str) -> None:
+        """``ffn`` is lost: the experts it computed (``moved``) go to their next holders among ``live``."""
         now = time.time()
         with self._lock:
             self.count += 1
             self.lost_at[ffn] = now
             self.reasons[ffn] = str(loss).splitlines()[0]
-        moved = placement.ranges(placement.held_by(ffn))
         line = (
-            f"afd-mrv2 failover: {me}: FFN rank {ffn} lost ({type(loss).__name__}); its experts {moved} go to "
-            f"their next live holders, FFN ranks {sorted(live)} (at {now:.3f})"
+            f"afd-mrv2 failover: {me}: FFN rank {ffn} lost ({type(loss).__name__}); the experts it computed, "
+            f"{Placement.ranges(moved)}, go to their next live holders, FFN ranks {sorted(live)} (at {now:.3f})"
         )
         sys.stderr.flush()
         os.write(2, f"{line}\n".encode())
