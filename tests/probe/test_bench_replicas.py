@@ -1,0 +1,52 @@
+"""scripts/bench_replicas.py without vLLM: its input contract and its report (the two-sided run itself needs
+vLLM; docs/benchmarks-vllm.md holds a measured one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.probe.test_bench_serve import load
+
+replicas = load("bench_replicas")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["/m"], "--compare"),
+        (["/m", "--compare", "nope"], "invalid choice"),
+        (["/m", "--compare", "replicas", "--ffn", "0"], "--ffn must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        replicas.parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_comparison_changes_one_thing() -> None:
+    (_, flags, env), (_, other_flags, other_env) = replicas.COMPARISONS["replicas"]
+    assert (flags, env, other_flags, other_env) == ((), {}, ("--expert-replicas", "2"), {})
+    (_, flags, env), (_, other_flags, other_env) = replicas.COMPARISONS["transport"]
+    assert flags == other_flags == () and env == {} and other_env == {"AFD_MRV2_P2P_GROUPS": "one"}
+
+
+def test_report_prints_medians_the_ratio_and_the_expert_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    result = {
+        "sides": ["R1", "R2"],
+        "summary": {
+            "R1": {"median_tok_s": 100.0, "median_forward_ms": 10.0, "tok_s": [99.0, 100.0, 101.0]},
+            "R2": {"median_tok_s": 98.0, "median_forward_ms": 10.5, "tok_s": [97.0, 98.0, 99.0]},
+        },
+        "ratios": {"R2/R1 tok_s": 0.98, "R2/R1 forward_ms": 1.05},
+        "expert_memory": {
+            "R1": {"0": {"steady_bytes": 100, "peak_bytes": 200}},
+            "R2": {"0": {"steady_bytes": 200, "peak_bytes": 200}},
+        },
+        "load_average": {"start": (1.0, 1.0, 1.0), "end": (2.0, 1.0, 1.0)},
+    }
+    replicas.report(result)
+    out = capsys.readouterr().out
+    assert "R2/R1 tok_s: 0.980" in out and "R2/R1 forward_ms: 1.050" in out
+    assert "R1 FFN rank 0: routed-expert bytes steady 100, peak 200" in out
+    assert "R2 FFN rank 0: routed-expert bytes steady 200, peak 200" in out
