@@ -257,17 +257,28 @@ def local_routing(
     topk_ids: torch.Tensor, weights: torch.Tensor, held: Sequence[int], num_experts: int, *, shift: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids and weights as this FFN rank computes them, holding the experts ``held`` (ascending;
-    see the module docstring)."""
-    if len(held) == num_experts:
+    see the module docstring).
+
+    A pair this rank does not compute (its expert is not held here, or the Attention side routed it to
+    another holder and sent it with weight 0) weighs 0 and is pointed at the expert of its row's first
+    pair computed here: the kernel, which computes every top-k slot, then loads no expert's weights for it
+    that the row does not need anyway (with replicas, the other blocks' experts).  A 0-weight slot adds
+    exactly 0, so the output is the same.
+    """
+    if len(held) == num_experts and not shift:
+        mine = weights != 0
+    else:
+        position = torch.full((num_experts,), -1, dtype=torch.long)
+        position[torch.tensor(list(held), dtype=torch.long)] = torch.arange(len(held))
+        local = position[topk_ids.long()]
+        mine = (local >= 0) & (weights != 0)
+        if shift:
+            topk_ids = torch.where(local >= 0, local, torch.zeros_like(local)).to(topk_ids.dtype)
+    if bool(mine.all()):
         return topk_ids, weights
-    position = torch.full((num_experts,), -1, dtype=torch.long)
-    position[torch.tensor(list(held), dtype=torch.long)] = torch.arange(len(held))
-    local = position[topk_ids.long()]
-    mine = local >= 0
-    weights = weights * mine
-    if shift:
-        topk_ids = torch.where(mine, local, torch.zeros_like(local)).to(topk_ids.dtype)
-    return topk_ids, weights
+    first = mine.to(torch.uint8).argmax(dim=1, keepdim=True)  # a row's first computed pair (0 when it has none)
+    filler = topk_ids.gather(1, first).expand_as(topk_ids)
+    return torch.where(mine, topk_ids, filler), weights * mine
 
 
 def serve_ffn(

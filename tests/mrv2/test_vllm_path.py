@@ -154,13 +154,24 @@ def _block_experts(layer: int, block: range) -> Any:
 
 
 def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() -> None:
+    """Pairs of other blocks weigh 0 and point at their row's first pair computed here (no other expert's
+    weights are loaded for them); ids are shifted onto the held experts' positions."""
     ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
     weights = torch.tensor([[0.5, 0.25], [0.75, 1.0]])
     got_ids, got_w = local_routing(ids, weights, range(2, 4), 4, shift=True)
-    assert got_ids.tolist() == [[0, 1], [0, 0]] and got_w.tolist() == [[0.0, 0.25], [0.75, 0.0]]
+    assert got_ids.tolist() == [[1, 1], [0, 0]] and got_w.tolist() == [[0.0, 0.25], [0.75, 0.0]]
+    assert got_ids.dtype == ids.dtype
     same_ids, masked = local_routing(ids, weights, range(2, 4), 4, shift=False)
-    assert same_ids is ids and masked.tolist() == got_w.tolist()
-    assert local_routing(ids, weights, range(0, 4), 4, shift=True) == (ids, weights)
+    assert same_ids.tolist() == [[3, 3], [2, 2]] and masked.tolist() == got_w.tolist()
+    every_id, every_w = local_routing(ids, weights, range(0, 4), 4, shift=False)
+    assert every_id is ids and every_w is weights  # every expert held, every pair computed: as given
+    # replicas: every expert held (R = F), but the Attention side sent the pair routed elsewhere with weight 0
+    routed = torch.tensor([[0.5, 0.0], [0.0, 1.0]])
+    got_ids, got_w = local_routing(ids, routed, range(0, 4), 4, shift=True)
+    assert got_ids.tolist() == [[0, 0], [1, 1]] and got_w.tolist() == [[0.5, 0.0], [0.0, 1.0]]
+    # a held set that is not one block (F=3, R=2: FFN rank 0 keeps blocks 0 and 2)
+    got_ids, got_w = local_routing(torch.tensor([[5, 2]]), torch.tensor([[0.5, 0.5]]), (0, 1, 4, 5), 6, shift=True)
+    assert got_ids.tolist() == [[3, 3]] and got_w.tolist() == [[0.5, 0.0]]
 
 
 @pytest.mark.parametrize("multistream", [None, {"enabled": True, "depth": 2}], ids=["serialized", "depth-2"])
