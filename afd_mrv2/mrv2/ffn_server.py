@@ -15,7 +15,12 @@ resource) never waits for another rank's item, and an idle Attention engine
 stalls nobody.  The expert computations of all loops take turns on one lock: the
 experts are one device's work (one compute stream, or the CPU's cores).
 
-Work item ``k`` of an Attention rank has seq ``k``; its MoE layer and stage
+Links: by default each loop runs on a pair of its own, a two-rank group with its
+Attention rank's current incarnation (:func:`~afd_mrv2.mrv2.p2p_link.join_pair`; the
+loop's thread joins it, so an engine that starts late stalls only its own loop); with
+``AFD_MRV2_P2P_GROUPS=one``, or a ``link`` handed in, every loop shares one link.
+
+Work item ``k`` of an Attention rank (on its pair) has seq ``k``; its MoE layer and stage
 identity (``stage i of n``) come from the Attention side's header (torch_p2p's
 ``follow_stages``): an engine decides alone whether a step is split, so the FFN
 side accepts both stage counts, step by step, and checks the order (stages of a
@@ -27,14 +32,17 @@ entries outside them weigh 0 here, and so do entries the Attention side routed t
 another holder (it sends them with weight 0; the Attention side sums the ranks'
 partial outputs).  With ``local_experts_only`` the callables hold only those
 experts' weights (the worker cut the others away after loading), so ids are also
-mapped onto the kept experts' positions (entries outside them point at the first
-kept expert with weight 0).
+mapped onto the kept experts' positions (:func:`local_routing`: an entry not
+computed here weighs 0 and points at its row's first expert computed here).
 
 An Attention rank that leaves (its process exits or fails) ends the loop serving it:
-the connector reports the lost peer and that loop's executor stops.  On a scoped
-link (the vLLM path's, :func:`~afd_mrv2.mrv2.p2p_link.open_peer_link`) the other
-loops go on serving their engines, and the session ends when the last loop ended;
-on an unscoped one every loop sees the loss within one wait slice.  A loop that
+the connector reports the lost peer and that loop's executor stops.  On pairs or a
+scoped link the other loops go on serving their engines, and the session ends when
+the last loop ended; on an unscoped one every loop sees the loss within one wait
+slice.  With ``afd.rendezvous: external`` (under ``afd-mrv2 serve``) a loop's thread
+then waits for its Attention rank's next incarnation (a restarted engine) and serves
+it on a new pair; the session ends once the store's stop key is set and every loop
+ended.  A loop that
 fails on its own (a bad header, say, while its peer lives) aborts the link, which
 tells every peer why, and the session ends: the other loops get ``grace_s`` to end,
 then the link is aborted again.  :func:`serve_ffn` returns a :class:`FfnReport`
