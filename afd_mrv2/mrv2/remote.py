@@ -5,9 +5,11 @@ registers its MoE layers here while the model is constructed and calls
 :func:`remote_routed_experts` from its stand-in quant method's ``apply``.
 
 One :class:`RemoteExperts` per Attention process (``attach`` creates it with the
-first AFD layer).  On the first call (vLLM's warm-up forward, or the first request
-when warm-up is off) it builds what every AFD role builds: the ``p2p_link``
-(:mod:`afd_mrv2.mrv2.p2p_link`), the shared executor (role attention) with the
+first AFD layer, and starts opening the ``p2p_link`` on a thread of its own then:
+its pairs with the FFN ranks' rendezvous runs while vLLM still loads the model,
+never on the model's thread; :mod:`afd_mrv2.mrv2.p2p_link`).  On the first call
+(vLLM's warm-up forward, or the first request when warm-up is off) it waits for
+that link and builds what every AFD role builds: the shared executor (role attention) with the
 configured connector, and a :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
 whose ``source`` / ``sink`` the connector reads and fills.  Each call is then one
 work item ``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among
@@ -127,6 +129,34 @@ class _Session:
         return getattr(self.side, "failovers", None)
 
 
+class _Opening:
+    """The Attention side's pair link, opened on a thread of its own while the model is still being built
+    and loaded (vLLM's process; :func:`attach`): the rendezvous never runs on the model's thread, which
+    only waits for the link at its first transfer if it is not open by then."""
+
+    def __init__(self, config: AfdConfig, topology: Topology) -> None:
+        self._result: tuple[Any, PeerLink, int, dict[int, int]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._open, args=(config, topology), name=f"afd-open-attention{config.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _open(self, config: AfdConfig, topology: Topology) -> None:
+        try:
+            store = connect_store(config.host, config.port, master=False)
+            self._result = (store, *open_attention_link(store, topology, config.rank))
+        except BaseException as exc:  # noqa: BLE001 - raised on the model's thread by wait()
+            self._error = exc
+
+    def wait(self) -> tuple[Any, PeerLink, int, dict[int, int]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
 class RemoteExperts:
     """The Attention process's AFD side; see the module docstring.
 
@@ -135,9 +165,13 @@ class RemoteExperts:
         ``max_num_batched_tokens``): sizes the connector's buffers.
     :param handoff: vLLM's micro-batch hand-off functions; None where no step is
         ever split (every call is then stage ``0 of 1``).
+    :param open_early: open the link on a thread of its own once the first MoE layer is registered
+        (:class:`_Opening`; what vLLM's process does, :func:`attach`), not at the first transfer.
     """
 
-    def __init__(self, config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None) -> None:
+    def __init__(
+        self, config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None, open_early: bool = False
+    ) -> None:
         check_vllm_path(config)
         self.config = config
         self.max_tokens = max_tokens
@@ -148,6 +182,8 @@ class RemoteExperts:
         self._layers: dict[int, MoeShape] = {}  # model layer index -> shape, as constructed
         self._order: list[int] = []  # model layer indices, sorted (set on the first call)
         self._session: _Session | None = None
+        self._open_early = open_early
+        self._opening: _Opening | None = None
         self._failover_record: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
@@ -164,6 +200,12 @@ class RemoteExperts:
         if shape != first:
             raise ValueError(f"MoE layer {layer_index} has shape {shape}, the others {first}: AFD needs one shape")
         self._layers[layer_index] = shape
+        if self._open_early and self._opening is None and pairs_enabled():
+            self._opening = _Opening(self.config, self._topology(shape))
+
+    def _topology(self, moe: MoeShape) -> Topology:
+        config = self.config
+        return Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
 
     @property
     def num_layers(self) -> int:
@@ -280,12 +322,12 @@ class RemoteExperts:
         self._order = sorted(self._layers)
         moe = next(iter(self._layers.values()))
         config = self.config
-        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
+        topology = self._topology(moe)
         rank = topology.global_rank(ATTENTION, config.rank)
         rejoin: tuple[Any, int, dict[int, int]] | None = None
         if pairs_enabled():
-            store = connect_store(config.host, config.port, master=False)
-            link, me, joined = open_attention_link(store, topology, config.rank)
+            opening = self._opening or _Opening(config, topology)
+            store, link, me, joined = opening.wait()
             if config.rendezvous == "external" and config.expert_replicas > 1:
                 rejoin = (store, me, joined)
         else:
@@ -370,7 +412,7 @@ def attach(config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None
     global _PROCESS
     with _PROCESS_LOCK:
         if _PROCESS is None:
-            _PROCESS = RemoteExperts(config, max_tokens=max_tokens, handoff=handoff)
+            _PROCESS = RemoteExperts(config, max_tokens=max_tokens, handoff=handoff, open_early=True)
         elif _PROCESS.config != config:
             raise ConfigError("afd", "one process serves one afd section; a second, different one was given")
         return _PROCESS

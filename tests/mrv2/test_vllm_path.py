@@ -276,3 +276,29 @@ def test_the_serialized_attention_side_runs_its_phases_on_the_models_thread_on_a
     assert attention_backend(replace(serialized, backend="host")) == "host"  # said explicitly: kept
     pipelined = MultistreamConfig(enabled=True, roles=("attention", "ffn"))
     assert attention_backend(pipelined) == "auto"  # stream threads overlap the phases there
+
+
+def test_vllms_attention_process_opens_its_link_off_the_model_thread(one_torch_thread: None) -> None:
+    """``open_early`` (what :func:`attach` sets in vLLM's process): the pairs with the FFN ranks are joined
+    on a thread of its own once the first MoE layer is registered, before any transfer; the first transfer
+    then finds the link open."""
+    port = free_port()
+    done: dict[str, Any] = {}
+    thread = start_ffn(done, afd("ffn", port))
+    remote = RemoteExperts(parse_afd_config(afd("attention", port)), max_tokens=32, open_early=True)
+    caller = threading.current_thread()
+    try:
+        for layer in LAYERS:
+            remote.add_layer(layer, SHAPE)
+        opener = next(t for t in threading.enumerate() if t.name == "afd-open-attention0")
+        assert opener is not caller
+        opener.join(30)
+        assert not opener.is_alive() and remote.calls == 0  # joined, and no transfer asked for it
+        gen = torch.Generator().manual_seed(1)
+        x, w = torch.randn(4, SHAPE.hidden_size, generator=gen), torch.rand(4, SHAPE.top_k, generator=gen)
+        ids = torch.randint(0, SHAPE.num_experts, (4, SHAPE.top_k), generator=gen, dtype=torch.int32)
+        torch.testing.assert_close(remote.exchange(LAYERS[0], x, w, ids), _reference(0, x, w, ids))
+    finally:
+        remote.close()
+    thread.join(30)
+    assert "error" not in done, done
