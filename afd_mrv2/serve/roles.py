@@ -42,6 +42,9 @@ ABORT_BLOCK_END = "EngineDeadError"
 #: A group member that ended this long before its leader is no cause of the leader's exit (a compiler
 #: run vLLM started, say); one that ended within it is named as the cause (vLLM's EngineCore, say).
 CAUSE_WINDOW_S = 10.0
+#: Build tools vLLM and torch run in an engine's group for a moment (a kernel compiled on first use): they
+#: end by themselves, so their end is never named as the cause of the leader's exit.
+TOOLCHAIN = frozenset({"g++", "gcc", "c++", "cc", "cc1", "cc1plus", "as", "ld", "collect2", "sh", "ninja", "make"})
 MEMBER_POLLS = 5  # the group's processes are listed every MEMBER_POLLS * POLL_S
 LINE_LIMIT = 1 << 20
 
@@ -59,8 +62,9 @@ def cause_of_exit(
     gone: Sequence[tuple[float, int, str]], exited: float, window_s: float = CAUSE_WINDOW_S
 ) -> tuple[int, str] | None:
     """The first of the group members ``gone`` (when seen gone, pid, name) that ended at most ``window_s``
-    before the leader ``exited``: the likely cause of its exit; None when none did."""
-    recent = [(pid, name) for seen, pid, name in gone if seen >= exited - window_s]
+    before the leader ``exited``: the likely cause of its exit; None when none did.  Build tools
+    (:data:`TOOLCHAIN`) are never the cause: they end by themselves."""
+    recent = [(pid, name) for seen, pid, name in gone if seen >= exited - window_s and name not in TOOLCHAIN]
     return recent[0] if recent else None
 
 

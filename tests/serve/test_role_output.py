@@ -58,9 +58,11 @@ def test_the_same_traceback_before_any_stop_is_shown_in_full() -> None:
 
 
 def test_a_group_member_that_ended_long_before_the_leader_is_not_named_as_the_cause() -> None:
-    """vLLM starts short-lived compiler runs (g++) in an engine's group: one that ended minutes before the
-    engine died is not why it died; vLLM's EngineCore that ended a second before it is."""
-    gone = [(100.0, 41, "g++"), (398.5, 42, "VLLM::EngineCor")]
-    assert cause_of_exit(gone, 400.0) == (42, "VLLM::EngineCor")
+    """vLLM's EngineCore that ended a second before the engine died is why it died; one that ended minutes
+    before is not; and vLLM's short-lived compiler runs (g++) in an engine's group never are, however
+    recent (one that ended 5 s before a SIGKILL of the engine was named as its cause)."""
+    gone = [(100.0, 42, "VLLM::EngineCor"), (398.5, 43, "python3")]
+    assert cause_of_exit(gone, 400.0) == (43, "python3")
     assert cause_of_exit(gone[:1], 400.0) is None
-    assert cause_of_exit([(395.0, 41, "g++"), (398.5, 42, "VLLM::EngineCor")], 400.0) == (41, "g++")
+    assert cause_of_exit([(395.0, 41, "g++"), (398.5, 42, "VLLM::EngineCor")], 400.0) == (42, "VLLM::EngineCor")
+    assert cause_of_exit([(395.0, 41, "g++"), (396.0, 44, "cc1plus")], 400.0) is None
