@@ -175,7 +175,9 @@ class RoleProcess:
             polls += 1
             await asyncio.sleep(POLL_S)
         self.returncode = code
-        self.first_lost = cause_of_exit(self._gone, time.monotonic())
+        # a leader killed by a signal was killed (the signal says why); one that exited by itself may have
+        # done so because a process of its group ended first (vLLM's API server after its EngineCore)
+        self.first_lost = cause_of_exit(self._gone, time.monotonic()) if code >= 0 else None
         self.on_exit(self)
 
     def _watch_members(self) -> None:
