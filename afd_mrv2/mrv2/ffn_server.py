@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +65,7 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.mrv2.ffn import FfnLoop
+from afd_mrv2.mrv2.ffn_report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.live_stats import StatsWriter, stats_path
 from afd_mrv2.mrv2.p2p_link import (
     IDLE_TIMEOUT_S,
@@ -82,7 +81,6 @@ from afd_mrv2.mrv2.p2p_link import (
 )
 from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.topology import Topology
@@ -110,100 +108,6 @@ def ffn_serving_config(raw_afd: Mapping[str, Any]) -> AfdConfig:
     return config
 
 
-@dataclass
-class FfnReport:
-    """How an FFN serving session went (thread-safe: every loop records into it).
-
-    ``items``: work items served, all Attention ranks together (``items_per_attention``
-    per rank): one per MoE layer per Attention forward, whether or not a token of
-    it was routed here.  ``computed``: those with at least one token here (the
-    expert computations, ``busy_s`` long in all; ``tokens_per_item`` counts them
-    by token count).  ``items_by_stage_count``: items served per stage count as the
-    wire named it (``{1: ...}`` unsplit steps, ``{2: ...}`` steps of two micro-batches).
-    ``redispatched``: of the items, the re-sends an Attention rank made here after it lost another FFN
-    rank holding the same experts (expert replicas).
-    """
-
-    moe_layers: int
-    computed: int = 0
-    busy_s: float = 0.0
-    end: str = ""
-    redispatched: int = 0
-    tokens_per_item: Counter[int] = field(default_factory=Counter)
-    items_per_attention: Counter[int] = field(default_factory=Counter)
-    items_by_stage_count: Counter[int] = field(default_factory=Counter)
-    #: attention rank index -> why its loop ended
-    ends: dict[int, str] = field(default_factory=dict)
-    #: attention rank index -> its executor at the end: pipelined (multistream) or serialized, buffers in/out
-    executors: dict[int, dict[str, Any]] = field(default_factory=dict)
-    #: overlap figures from the loops' traces (``multistream.trace``), else None
-    overlap: dict[str, Any] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    @property
-    def items(self) -> int:
-        return sum(self.items_per_attention.values())
-
-    def item_seen(self, item: WorkItem) -> None:
-        """An item's headers arrived (the connector's ``on_item``): count it by its stage count."""
-        with self._lock:
-            self.items_by_stage_count[item.num_stages] += 1
-
-    def record(self, tokens: int, seconds: float) -> None:
-        with self._lock:
-            self.computed += 1
-            self.busy_s += seconds
-            self.tokens_per_item[tokens] += 1
-
-    def live(self) -> dict[str, Any]:
-        """The running counts serve's ``/metrics`` shows (:mod:`afd_mrv2.mrv2.live_stats`)."""
-        with self._lock:
-            return {
-                "items": sum(self.items_by_stage_count.values()),
-                "computed": self.computed,
-                "tokens": sum(t * n for t, n in self.tokens_per_item.items()),
-                "busy_s": round(self.busy_s, 6),
-            }
-
-    def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
-        """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends);
-        a restarted engine's next loop adds to its counts, its end replaces the last."""
-        with self._lock:
-            self.redispatched += redispatched
-            self.items_per_attention[attention] += served
-            self.ends[attention] = end
-            self.executors[attention] = {
-                "pipelined": executor.pipelined,
-                "buffers": [executor.depth_in, executor.depth_out],
-            }
-            self.end = self.end or end  # the first loop's reason is the session's
-
-    def waiting_ended(self, attention: int, end: str) -> None:
-        """The wait for Attention rank ``attention``'s next incarnation ended without a loop (``end`` says why)."""
-        with self._lock:
-            self.ends.setdefault(attention, end)
-            self.end = self.end or end
-
-    def add_overlap(self, figures: dict[str, Any]) -> None:
-        self.overlap = figures
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "moe_layers": self.moe_layers,
-            "items": self.items,
-            "items_per_attention": {str(a): n for a, n in sorted(self.items_per_attention.items())},
-            "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
-            "computed": self.computed,
-            "redispatched": self.redispatched,
-            "busy_s": round(self.busy_s, 6),
-            "end": self.end,
-            "ends": {str(a): text for a, text in sorted(self.ends.items())},
-            "executors": {str(a): info for a, info in sorted(self.executors.items())},
-            "tokens_per_item": dict(sorted(self.tokens_per_item.items())),
-            "overlap": self.overlap,
-        }
-
-
 #: How often a scoped session checks whether its loops are all done (or one failed on its own).
 SESSION_POLL_S = 0.2
 #: How a session's ``end`` starts when an Attention engine went away at a step boundary (its normal stop).
@@ -227,38 +131,9 @@ def left_between_steps(error: PipelineError) -> bool:
     )
 
 
-def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
-    """What the loops' traces say about overlap, all loops of the rank together.
-
-    Only spans that ran count (one opened for the item the session ended on never
-    started).  ``hidden_comm_fraction``: the share of recv+send time during which an
-    expert computation ran (1.0: communication fully hidden); ``send_hidden_fraction``
-    the same for sends alone.  A serving recv also waits, idle, for the engine's next
-    forward, so the recv share is a lower bound.  With one Attention engine nothing
-    can overlap on this path (the engine waits for each result before sending its
-    next item); with several, one engine's transfers run under another's compute.
-    ``busy_ms``: per stream, the time it ran a phase; ``compute_ms``: the union of
-    the compute spans; ``active_ms``: first to last span.
-    """
-    ran = [[span for span in trace.spans if 0 < span.start_ns <= span.end_ns] for trace in traces]
-    spans = [span for loop in ran for span in loop]
-    if not spans:
-        return {"items": 0}
-    busy: dict[str, float] = {}
-    for loop in ran:  # per loop: each executor has streams of its own, under the same names
-        for stream, ns in busy_ns(loop).items():
-            busy[stream] = busy.get(stream, 0.0) + ns / 1e6
-    compute = [s for s in spans if s.name == "compute"]
-    sends = [s for s in spans if s.name == "send"]
-    active = max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
-    return {
-        "items": len(compute),
-        "hidden_comm_fraction": round(hidden_comm_fraction(spans), 4),
-        "send_hidden_fraction": round(hidden_comm_fraction(compute + sends), 4),
-        "compute_ms": round(covered_ns(compute) / 1e6, 3),
-        "busy_ms": {k: round(v, 3) for k, v in sorted(busy.items())},
-        "active_ms": round(active / 1e6, 3),
-    }
+def _redispatched(connector: object) -> int:
+    """The re-sends a loop's connector served (torch_p2p's FFN side counts them; another connector: 0)."""
+    return int(getattr(getattr(connector, "side", None), "redispatched", 0))
 
 
 def local_routing(
@@ -398,8 +273,7 @@ def serve_ffn(
             try:
                 abandoned = len(loop.close().abandoned)
             finally:
-                side = getattr(connectors[a][-1], "side", None)  # torch_p2p's FFN side counts the re-sends it served
-                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor, getattr(side, "redispatched", 0))
+                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor, _redispatched(connectors[a][-1]))
                 first_end.set()
 
     rejoin = store is not None and config.rendezvous == "external"
@@ -456,8 +330,7 @@ def serve_ffn(
     started = time.monotonic()
 
     def live() -> dict[str, Any]:
-        sides = [getattr(c, "side", None) for each in connectors.values() for c in each]
-        redispatched = sum(getattr(side, "redispatched", 0) for side in sides)
+        redispatched = sum(_redispatched(c) for each in connectors.values() for c in each)
         return {**report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - started, 3)}
 
     figures = StatsWriter(stats_path(FFN, index), live)

@@ -15,7 +15,7 @@ writing process, so a restarted role's figures, which start from 0 again, are to
 * Attention: ``calls``, ``tokens``, ``round_trip_seconds`` (a histogram: ``buckets``
   upper bounds, cumulative ``counts`` per bound, ``sum``, ``count``),
   ``round_trip_total_s`` / ``hidden_total_s`` (the share of round-trip time under
-  another micro-batch's compute), ``failover`` (:class:`~afd_mrv2.hooks.p2p.roundtrip.FailoverLog`);
+  another micro-batch's compute), ``failover`` (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`);
 * FFN: ``items``, ``redispatched``, ``computed``, ``tokens``, ``busy_s``, ``up_s``.
 """
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -198,6 +199,35 @@ def open_attention_link(
         me,
         joined,
     )
+
+
+class AttentionLinkOpening:
+    """:func:`open_attention_link` on a thread of its own (started at construction), so that an Attention
+    engine's rendezvous runs while vLLM still builds and loads the model, never on the model's thread,
+    which only waits in :meth:`wait` at its first transfer if the link is not open by then."""
+
+    def __init__(self, host: str, port: int, topology: Topology, index: int) -> None:
+        self._result: tuple[dist.Store, PeerLink, int, dict[int, int]] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._open, args=(host, port, topology, index), name=f"afd-open-attention{index}", daemon=True
+        )
+        self._thread.start()
+
+    def _open(self, host: str, port: int, topology: Topology, index: int) -> None:
+        try:
+            store = connect_store(host, port, master=False)
+            self._result = (store, *open_attention_link(store, topology, index))
+        except BaseException as exc:  # noqa: BLE001 - raised on the waiting thread by wait()
+            self._error = exc
+
+    def wait(self) -> tuple[dist.Store, PeerLink, int, dict[int, int]]:
+        """(the store, the link, this incarnation, each FFN rank's incarnation joined); what opening raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def open_peer_link(

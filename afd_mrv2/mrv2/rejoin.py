@@ -1,4 +1,5 @@
-"""Attention side: take back an FFN rank that was lost and restarted (pairs on an external store).
+"""Attention side: start without an FFN rank that is lost, take it back once restarted (pairs on an
+external store).
 
 A restarted FFN rank registers as a new incarnation in the rendezvous store and waits
 for each Attention rank on a new pair (:mod:`afd_mrv2.mrv2.p2p_link`).  Here a daemon
@@ -15,10 +16,12 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
-from afd_mrv2.hooks.p2p import Pair
+from afd_mrv2.errors import PipelineError
+from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2.p2p_link import incarnation, join_pair, label
 from afd_mrv2.topology import Topology
@@ -34,6 +37,19 @@ class Comeback:
     ffn: int
     pair: Pair
     label: str
+
+
+def route_around_missing(link: PeerLink, side: Any) -> None:
+    """FFN ranks the just-opened ``link`` has no pair with (lost before this engine started; serve marked
+    them in the store) are routed around from the first item: ``side.start_without``; a connector side that
+    cannot route around a rank fails here, naming it."""
+    topology = link.topology
+    for f in range(topology.num_ffn):
+        if topology.global_rank(FFN, f) in link.peers:
+            continue
+        if not hasattr(side, "start_without"):
+            raise PipelineError(f"{link.me}: FFN rank {f} is lost and the connector cannot route around it")
+        side.start_without(f)
 
 
 class Rejoiner:
@@ -85,6 +101,13 @@ class Rejoiner:
                 out.append(self._ready.get_nowait())
             except queue.Empty:
                 return out
+
+    def take_back(self, link: PeerLink, side: Any) -> None:
+        """Between two steps (nothing in flight): install the pairs joined meanwhile in ``link`` and let the
+        connector's ``side`` route to those FFN ranks again."""
+        for comeback in self.take():
+            link.install(self.topology.global_rank(FFN, comeback.ffn), comeback.pair, comeback.label)
+            side.take_back(comeback.ffn)
 
     def close(self) -> None:
         self._closed.set()

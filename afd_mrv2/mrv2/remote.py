@@ -53,13 +53,13 @@ from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
-from afd_mrv2.items import ATTENTION, FFN, WorkItem
+from afd_mrv2.items import ATTENTION, WorkItem
 from afd_mrv2.mrv2.exchange import UBatchExchange
 from afd_mrv2.mrv2.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, stats_path
 from afd_mrv2.mrv2.overlap import OverlapMeter
-from afd_mrv2.mrv2.p2p_link import connect_store, open_attention_link, open_peer_link, pairs_enabled
-from afd_mrv2.mrv2.rejoin import Rejoiner
+from afd_mrv2.mrv2.p2p_link import AttentionLinkOpening, open_peer_link, pairs_enabled
+from afd_mrv2.mrv2.rejoin import Rejoiner, route_around_missing
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import Plugins, load_plugins
 from afd_mrv2.topology import Topology
@@ -116,45 +116,14 @@ class _Session:
     backend: DeviceBackend
     executor: Executor
     exchange: UBatchExchange
+    #: torch_p2p's Attention side (failover, take-back), or None for another connector
+    side: Any = None
     rejoiner: Rejoiner | None = None
 
     @property
-    def side(self) -> Any:
-        """torch_p2p's Attention side (failover, take-back), or None for another connector."""
-        return getattr(self.plugins.connector, "side", None)
-
-    @property
     def failover_log(self) -> Any:
-        """torch_p2p's record of failovers (:class:`~afd_mrv2.hooks.p2p.roundtrip.FailoverLog`), or None."""
+        """torch_p2p's record of failovers (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`), or None."""
         return getattr(self.side, "failovers", None)
-
-
-class _Opening:
-    """The Attention side's pair link, opened on a thread of its own while the model is still being built
-    and loaded (vLLM's process; :func:`attach`): the rendezvous never runs on the model's thread, which
-    only waits for the link at its first transfer if it is not open by then."""
-
-    def __init__(self, config: AfdConfig, topology: Topology) -> None:
-        self._result: tuple[Any, PeerLink, int, dict[int, int]] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._open, args=(config, topology), name=f"afd-open-attention{config.rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _open(self, config: AfdConfig, topology: Topology) -> None:
-        try:
-            store = connect_store(config.host, config.port, master=False)
-            self._result = (store, *open_attention_link(store, topology, config.rank))
-        except BaseException as exc:  # noqa: BLE001 - raised on the model's thread by wait()
-            self._error = exc
-
-    def wait(self) -> tuple[Any, PeerLink, int, dict[int, int]]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
 
 
 class RemoteExperts:
@@ -166,7 +135,8 @@ class RemoteExperts:
     :param handoff: vLLM's micro-batch hand-off functions; None where no step is
         ever split (every call is then stage ``0 of 1``).
     :param open_early: open the link on a thread of its own once the first MoE layer is registered
-        (:class:`_Opening`; what vLLM's process does, :func:`attach`), not at the first transfer.
+        (:class:`~afd_mrv2.mrv2.p2p_link.AttentionLinkOpening`; what vLLM's process does,
+        :func:`attach`), not at the first transfer.
     """
 
     def __init__(
@@ -183,7 +153,7 @@ class RemoteExperts:
         self._order: list[int] = []  # model layer indices, sorted (set on the first call)
         self._session: _Session | None = None
         self._open_early = open_early
-        self._opening: _Opening | None = None
+        self._opening: AttentionLinkOpening | None = None
         self._failover_record: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
@@ -201,7 +171,8 @@ class RemoteExperts:
             raise ValueError(f"MoE layer {layer_index} has shape {shape}, the others {first}: AFD needs one shape")
         self._layers[layer_index] = shape
         if self._open_early and self._opening is None and pairs_enabled():
-            self._opening = _Opening(self.config, self._topology(shape))
+            config = self.config
+            self._opening = AttentionLinkOpening(config.host, config.port, self._topology(shape), config.rank)
 
     def _topology(self, moe: MoeShape) -> Topology:
         config = self.config
@@ -240,7 +211,8 @@ class RemoteExperts:
             stage = (ubatch, step.num_ubatches)
             step.check(ubatch)  # a sibling failed: start nothing more
         if ordinal == 0 and ubatch == 0:  # the first MoE layer's first stage: a new engine step
-            self._take_back(session)
+            if session.rejoiner is not None:  # a step boundary: take back restarted FFN ranks
+                session.rejoiner.take_back(session.link, session.side)
             self.steps += 1
             if layout_log_enabled():
                 self._log_layout(x.shape[0], stage[1])
@@ -282,16 +254,6 @@ class RemoteExperts:
             "failover": self.failovers(),
         }
 
-    def _take_back(self, session: _Session) -> None:
-        """Between two steps (nothing in flight): install the pairs of restarted FFN ranks the rejoiner
-        joined meanwhile, and let the connector route to them again."""
-        if session.rejoiner is None:
-            return
-        for comeback in session.rejoiner.take():
-            topology = session.link.topology
-            session.link.install(topology.global_rank(FFN, comeback.ffn), comeback.pair, comeback.label)
-            session.side.take_back(comeback.ffn)
-
     def _log_layout(self, tokens: int, stages: int) -> None:
         """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
 
@@ -326,7 +288,7 @@ class RemoteExperts:
         rank = topology.global_rank(ATTENTION, config.rank)
         rejoin: tuple[Any, int, dict[int, int]] | None = None
         if pairs_enabled():
-            opening = self._opening or _Opening(config, topology)
+            opening = self._opening or AttentionLinkOpening(config.host, config.port, topology, config.rank)
             store, link, me, joined = opening.wait()
             if config.rendezvous == "external" and config.expert_replicas > 1:
                 rejoin = (store, me, joined)
@@ -340,21 +302,14 @@ class RemoteExperts:
         backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        side = getattr(plugins.connector, "side", None)
-        missing = [f for f in range(topology.num_ffn) if topology.global_rank(FFN, f) not in link.peers]
-        for f in missing:  # lost before this engine started (serve marked it): routed around from the start
-            if side is None or not hasattr(side, "start_without"):
-                raise PipelineError(
-                    f"attention rank {config.rank}: FFN rank {f} is lost and the connector cannot route around it"
-                )
-            side.start_without(f)
+        side = getattr(plugins.connector, "side", None)  # torch_p2p's Attention side
+        route_around_missing(link, side)
         rejoiner = None
         if rejoin is not None and side is not None and hasattr(side, "take_back"):
             store, me, joined = rejoin
             lost = lambda: set(range(topology.num_ffn)) - set(side.live)  # noqa: E731
             rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
-        session = _Session(link, plugins, backend, executor, exchange, rejoiner)
-        return session
+        return _Session(link, plugins, backend, executor, exchange, side, rejoiner)
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
         """Streams for ``roles`` from the connector's ``create_streams`` hook, on this session's

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_server import LEFT_BETWEEN_STEPS, FfnReport
+from afd_mrv2.mrv2.ffn_report import FfnReport
+from afd_mrv2.mrv2.ffn_server import LEFT_BETWEEN_STEPS
 from afd_mrv2.mrv2.remote import RemoteExperts
 from afd_mrv2.procs import free_port
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_server import FfnReport
+from afd_mrv2.mrv2.ffn_report import FfnReport
 from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology

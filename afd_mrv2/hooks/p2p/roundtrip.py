@@ -35,7 +35,7 @@ to their next live holder, :meth:`~afd_mrv2.placement.Placement.routing`) and
 re-sends that share's rows to the new holders as ``redispatch`` messages, only the
 pairs the lost rank computed weighing non-zero; their partials are summed in the
 lost one's place, and the caller never sees the loss.  One line on stderr says so
-(``afd-mrv2 failover: ...``); :class:`FailoverLog` keeps the counts and times.
+(``afd-mrv2 failover: ...``); :class:`~afd_mrv2.hooks.p2p.failover.FailoverLog` keeps the counts and times.
 Without replicas, or when some expert has no live holder left, the loss fails the
 item as it always did.
 The combine receive is posted before the dispatch is sent, so the FFN rank's
@@ -58,8 +58,6 @@ gets this side; one that provides neither drives the pipelined side.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -73,10 +71,11 @@ from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.attention import AttentionSide, _Dispatch
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
+from afd_mrv2.hooks.p2p.failover import FailoverLog
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
-from afd_mrv2.placement import NoLiveHolder, Placement
+from afd_mrv2.placement import NoLiveHolder
 from afd_mrv2.work import Work
 
 RoutedSource = Callable[[WorkItem], Any]
@@ -101,7 +100,6 @@ class Share:
     receive: Pending | None = None
     sends: list[Pending] = field(default_factory=list)
     failed: PeerError | None = None
-    resent: bool = False
 
     @property
     def count(self) -> int:
@@ -251,7 +249,7 @@ class RoundTripAttentionSide(AttentionSide):
         with self._pair_locks[f]:
             seq = self._pair_seq[f]
             self._pair_seq[f] += 1
-            share = Share(f, seq, index, mask, buffer, resent=kind == self.layout.redispatch_kind)
+            share = Share(f, seq, index, mask, buffer)
             sent = WorkItem(item.layer_idx, item.stage_idx, seq, item.num_stages)
             wire.item_header(kind, self.link.rank, peer, sent, count).write(header)
             try:
@@ -320,7 +318,7 @@ class RoundTripAttentionSide(AttentionSide):
             buffer = torch.empty(wire.combine_nbytes(self.shape.hidden_size, index.numel()), dtype=torch.uint8)
             shares.append(self._post(item, g, self.layout.redispatch_kind, header, payload, index, mask, buffer))
         self._await_sends(shares, None, f"re-sending FFN rank {share.ffn}'s share of {item}")
-        self.failovers.resent(share.ffn, item, sum(s.count for s in shares))
+        self.failovers.resent(share.ffn, sum(s.count for s in shares))
         return shares
 
     def start_without(self, ffn: int) -> None:
@@ -345,66 +343,6 @@ class RoundTripAttentionSide(AttentionSide):
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)
         super().on_cleanup(work)
-
-
-class FailoverLog:
-    """What failovers this side made (thread-safe): FFN ranks lost, re-sends, and when (``time.time()``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0  # FFN ranks failed over
-        self.lost_at: dict[int, float] = {}  # FFN rank -> when this side stopped routing to it
-        self.first_resend_at: dict[int, float] = {}  # FFN rank -> when its first share was re-sent
-        self.resent_items = 0
-        self.resent_rows = 0
-        self.reasons: dict[int, str] = {}
-        self.rejoined_at: dict[int, float] = {}  # FFN rank -> when this side last took it back
-        self.rejoins = 0
-
-    def lost(self, ffn: int, loss: PeerError, moved: list[int], live: frozenset[int], me: str) -> None:
-        """``ffn`` is lost: the experts it computed (``moved``) go to their next holders among ``live``."""
-        now = time.time()
-        with self._lock:
-            self.count += 1
-            self.lost_at[ffn] = now
-            self.reasons[ffn] = str(loss).splitlines()[0]
-        line = (
-            f"afd-mrv2 failover: {me}: FFN rank {ffn} lost ({type(loss).__name__}); the experts it computed, "
-            f"{Placement.ranges(moved)}, go to their next live holders, FFN ranks {sorted(live)} (at {now:.3f})"
-        )
-        sys.stderr.flush()
-        os.write(2, f"{line}\n".encode())
-
-    def rejoined(self, ffn: int, pair: str, me: str) -> None:
-        now = time.time()
-        with self._lock:
-            self.rejoins += 1
-            self.rejoined_at[ffn] = now
-        line = (
-            f"afd-mrv2 rejoin: {me}: FFN rank {ffn} is back (pair {pair}); routing to it from this step (at {now:.3f})"
-        )
-        sys.stderr.flush()
-        os.write(2, f"{line}\n".encode())
-
-    def resent(self, ffn: int, item: WorkItem, rows: int) -> None:
-        with self._lock:
-            self.first_resend_at.setdefault(ffn, time.time())
-            self.resent_items += 1
-            self.resent_rows += rows
-
-    def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "failovers": self.count,
-                "lost": {
-                    str(f): {"at": round(t, 3), "reason": self.reasons[f]} for f, t in sorted(self.lost_at.items())
-                },
-                "first_resend_at": {str(f): round(t, 3) for f, t in sorted(self.first_resend_at.items())},
-                "resent_items": self.resent_items,
-                "resent_rows": self.resent_rows,
-                "rejoins": self.rejoins,
-                "rejoined_at": {str(f): round(t, 3) for f, t in sorted(self.rejoined_at.items())},
-            }
 
 
 def _on_host(routed: Any) -> Any:
