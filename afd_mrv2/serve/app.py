@@ -33,9 +33,9 @@ from afd_mrv2.serve.plan import (
     ServeOptions,
     build_plan,
     check_model_folder,
-    check_ports_free,
     split_additional_config,
 )
+from afd_mrv2.serve.ports import check_ports_free
 from afd_mrv2.serve.supervisor import Supervisor
 from afd_mrv2.validation import required_capabilities
 

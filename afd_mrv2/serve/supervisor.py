@@ -37,8 +37,10 @@ from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2.live_stats import read_stats
 from afd_mrv2.serve.metrics import Health, RoleState
-from afd_mrv2.serve.plan import HOST, Plan, RoleSpec, ephemeral_ports, ports_in_ephemeral_range
+from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
+from afd_mrv2.serve.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.proxy import Proxy
+from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 
 READY_PREFIX = "afd-mrv2 serve: ready at"
@@ -69,7 +71,7 @@ class Supervisor:
         self.restarts: Counter[tuple[str, int]] = Counter()
         self._restart_attempts: Counter[tuple[str, int]] = Counter()
         self._tasks: list[asyncio.Future[None]] = []
-        self.store: Any = None  # the AFD rendezvous store serve hosts (afd.rendezvous: external)
+        self.rendezvous = RendezvousHost(plan.afd, HOST)  # the store serve hosts (afd.rendezvous: external)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
         self.failovers = 0
         self.proxy: Proxy | None = None
@@ -185,19 +187,10 @@ class Supervisor:
             f"{role.describe()} exited ({role.describe_exit()}): its experts are served by their other holders, "
             f"FFN rank(s) {', '.join(map(str, live))} ({len(live)} of {placement.num_ffn} live)"
         )
-        self._mark_lost_in_store(role)
+        self.rendezvous.mark_lost(role.spec.role, role.spec.rank)  # an engine starting meanwhile skips it
         if self.plan.options.restart_ffn:
             self._restart_later(role)
         return True
-
-    def _mark_lost_in_store(self, role: RoleProcess) -> None:
-        """An engine that starts while ``role`` is lost (a restarted engine) must not wait for it."""
-        if self.store is None:
-            return
-        from afd_mrv2.mrv2.p2p_link import mark_lost
-
-        with contextlib.suppress(RuntimeError, OSError):
-            mark_lost(self.store, role.spec.role, role.spec.rank)
 
     def _on_signal(self, sig: int) -> None:
         if self.signal is None:
@@ -240,7 +233,7 @@ class Supervisor:
             finally:
                 self.stopping = True
                 await proxy.fail_all(self._reason())
-                self._tell_store_stop()
+                self.rendezvous.stop()
                 for task in self._tasks:
                     task.cancel()
                 await self._stop_roles()
@@ -264,25 +257,12 @@ class Supervisor:
     def _host_store(self) -> bool:
         """Host the AFD rendezvous store (``afd.rendezvous: external``); False, with the failure set, when the
         port cannot be bound."""
-        if self.plan.afd.get("rendezvous") != "external":
-            return True
-        from afd_mrv2.mrv2.p2p_link import connect_store  # imports torch: only when serving for real
-
-        host, port = str(self.plan.afd.get("host", HOST)), int(self.plan.afd["port"])
         try:
-            self.store = connect_store(host, port, master=True, timeout_s=30.0)
-        except (RuntimeError, OSError) as exc:
-            self.failure = f"cannot host the AFD rendezvous store on {host}:{port}: {str(exc).splitlines()[0]}"
+            self.rendezvous.start()
+        except AfdError as exc:
+            self.failure = str(exc)
             return False
         return True
-
-    def _tell_store_stop(self) -> None:
-        if self.store is None:
-            return
-        from afd_mrv2.mrv2.p2p_link import request_stop
-
-        with contextlib.suppress(RuntimeError, OSError):
-            request_stop(self.store)
 
     def role_states(self) -> list[RoleState]:
         """The latest process of every role rank started so far, and whether it is live: ready, not lost, its

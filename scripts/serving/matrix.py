@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from afd_mrv2.serve.plan import free_port_block
+from afd_mrv2.serve.ports import free_port_block
 
 from .client import Greedy, body, compare, greedy, prompts, run_requests
 from .host import ServerError, check_model
