@@ -185,7 +185,7 @@ class UBatchConfig:
         1 (the default) runs every engine step as one batch: each MoE layer is one
         blocking round trip to the FFN role.  2..4 splits a step into that many
         micro-batches (afd-mrv2's own MRV2 micro-batch runner,
-        :mod:`afd_mrv2.mrv2.ubatch_runner`), each on its own thread: at every MoE
+        :mod:`afd_mrv2.mrv2.attention.ubatch_runner`), each on its own thread: at every MoE
         layer a micro-batch sends its routed tokens, hands the core to its sibling,
         and receives the result when control returns, so one micro-batch's FFN
         round trip runs under another's attention.  This option decides; vLLM's own
@@ -234,7 +234,7 @@ class AfdConfig:
     survived by failover to the other holders (torch_p2p on the vLLM path).  ``rendezvous``
     (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
     ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
-    and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.p2p_link`).  ``connector_extra_config``
+    and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
 

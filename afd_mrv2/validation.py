@@ -1,8 +1,8 @@
 """Validation of ``additional_config["afd"]`` against the installed connectors and runtime pair.
 
 Shared by everything that holds a vLLM config: the Attention runner
-(:mod:`afd_mrv2.mrv2.runner`), the worker factory (:mod:`afd_mrv2.mrv2.worker`),
-the model-side MoE seam (:mod:`afd_mrv2.mrv2.experts`) and the general plugin's
+(:mod:`afd_mrv2.mrv2.attention.runner`), the worker factory (:mod:`afd_mrv2.mrv2.attention.worker`),
+the model-side MoE seam (:mod:`afd_mrv2.mrv2.attention.experts`) and the general plugin's
 ``register(additional_config)`` (:mod:`afd_mrv2.vllm_plugin`).  It sits below
 :mod:`afd_mrv2.mrv2` so that the plugin entry point can sit above it (the plugin
 registers the MoE-seam layer class that lives in ``mrv2``).

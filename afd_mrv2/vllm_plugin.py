@@ -5,7 +5,7 @@ process it starts (front end, engine core, each worker), possibly more than once
 and before any ``VllmConfig`` exists in that process.  So ``register()``:
 
 * registers afd-mrv2's out-of-tree replacement of vLLM's ``RoutedExperts`` layer
-  (:func:`afd_mrv2.mrv2.experts.register_routed_experts`), idempotently; the
+  (:func:`afd_mrv2.mrv2.attention.experts.register_routed_experts`), idempotently; the
   layer itself reads ``additional_config["afd"]`` when vLLM constructs it and is
   exactly upstream without an ``afd`` section;
 * does that only where vLLM is importable: with no vLLM installed it imports
@@ -40,7 +40,7 @@ def _register_moe_seam() -> None:
     if importlib.util.find_spec("vllm") is None:
         return  # no vLLM here: nothing to register
     try:
-        from afd_mrv2.mrv2.experts import register_routed_experts
+        from afd_mrv2.mrv2.attention.experts import register_routed_experts
     except ImportError as exc:  # a vLLM without the seam this release needs
         log.warning("afd-mrv2: vLLM's RoutedExperts seam is not available (%s); AFD is off in this process", exc)
         return

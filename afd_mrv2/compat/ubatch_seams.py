@@ -28,12 +28,12 @@ PREPARE_READS = (
     "kv_cache_config",
 )
 #: Every attribute afd-mrv2's micro-batch runner sets in its own constructor instead of calling upstream's
-#: (afd_mrv2.mrv2.ubatch_runner.AfdUBatchRunnerMixin.__init__): what upstream's prepare/run/abort_pending_run
+#: (afd_mrv2.mrv2.attention.ubatch_runner.AfdUBatchRunnerMixin.__init__): what upstream's prepare/run/abort_pending_run
 #: read, plus what its own _make_forward_contexts and begin_capturable_run read.
 UBATCH_ATTRS = (*PREPARE_READS, "vllm_config", "parallel_config", "device", "ready_barrier", "_pending_finish")
 
 
-#: afd-mrv2's own micro-batch runner over MRV2's (afd_mrv2/mrv2/ubatch_runner.py, split_policy.py, runner.py;
+#: afd-mrv2's own micro-batch runner over MRV2's (afd_mrv2/mrv2/attention/ubatch_runner.py, split_policy.py, runner.py;
 #: capability ``ubatch_runner``).
 UBATCH_SEAMS: tuple[Seam, ...] = (
     Seam(

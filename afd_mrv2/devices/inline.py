@@ -7,7 +7,7 @@ This is where the host work of an accelerator stream runs too (``fn`` enqueues
 kernels on the caller's thread); here ``fn`` is the work itself.
 
 Who uses it: a *serialized* executor whose caller is the model's own thread, i.e. the
-Attention side of a vLLM MoE layer on CPU (:mod:`afd_mrv2.mrv2.remote`).  On the host
+Attention side of a vLLM MoE layer on CPU (:mod:`afd_mrv2.mrv2.attention.remote`).  On the host
 backend its one stream is a thread of its own, so every item costs two thread
 hand-offs, and in a micro-batched step the stream thread competes for the engine's
 core and for the GIL with the sibling micro-batch that is computing meanwhile: the

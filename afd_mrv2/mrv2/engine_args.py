@@ -3,7 +3,7 @@
 * :func:`vllm_engine_kwargs`: the engine arguments given explicitly in a ``vllm serve``
   style argument list (what ``afd-mrv2 serve`` passes every role after ``--``),
   parsed by vLLM's own parser (``EngineArgs.add_cli_args``), as ``LLM(...)`` keywords;
-* :data:`FFN_ENGINE_DEFAULTS`: what the FFN role process (:mod:`afd_mrv2.mrv2.ffn_role`)
+* :data:`FFN_ENGINE_DEFAULTS`: what the FFN role process (:mod:`afd_mrv2.mrv2.ffn.role`)
   sets unless told otherwise;
 * :func:`engine_config`: the ``VllmConfig`` vLLM builds from such arguments
   (``EngineArgs(...).create_engine_config()``, what ``LLM`` and the OpenAI server do

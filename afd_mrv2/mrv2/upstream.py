@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from afd_mrv2.mrv2.handoff import Handoff
+from afd_mrv2.mrv2.attention.handoff import Handoff
 
 
 @dataclass(frozen=True)

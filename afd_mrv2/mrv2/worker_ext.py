@@ -1,150 +1,17 @@
-"""Methods afd-mrv2 adds to vLLM's worker, reachable through ``collective_rpc``.
-
-Named by vLLM's ``worker_extension_cls`` (``--worker-extension-cls`` /
-``LLM(worker_extension_cls=...)``): vLLM's worker wrapper mixes this class into
-its worker class, in the worker process, before building the worker.  Upstream
-does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
-
-``afd_ffn_serve()``
-    the FFN role: after vLLM loaded the model the normal way (its loader, its
-    quant method, its MoE kernel), serve the routed experts of every MoE layer to
-    the Attention role until it leaves (:func:`afd_mrv2.mrv2.ffn_server.serve_ffn`).
-    With several FFN ranks each keeps only the experts it holds (its block, and with
-    ``expert_replicas`` R >= 2 the R-1 blocks before it around the ring;
-    :func:`keep_experts`), right after loading and before serving.  The report gives
-    the routed-expert bytes at the peak (vLLM's loader loads every expert first) and
-    in steady state (after the cut).
-    The engine core is blocked in this call for the whole session; the FFN engine
-    serves no requests of its own.
-``afd_routed_expert_bytes()``
-    (also in ``afd_ffn_serve``'s report) bytes held by the parameters of the process's routed-experts layers
-    (0 on the Attention role: it holds only 0-element placeholders).
-``afd_attention_stats()``
-    the Attention role's transfer counters (None where no AFD layer was built): calls,
-    tokens per call, items per stage count, round-trip overlap
-    (:class:`~afd_mrv2.mrv2.overlap.OverlapMeter`) and, under afd-mrv2's V2 runner, its
-    step accounting (``runner``: steps split or not by batch kind, forward times).
-``afd_runner_info()``
-    the model runner this worker really holds: its class and MRO (qualified names),
-    whether it is afd-mrv2's Attention composition and over which upstream runner,
-    and whether its AFD session is the MoE seam's.  Tests use it to prove the V2
-    composition from inside the worker rather than from a log line.
-"""
+"""Deprecated path of :mod:`afd_mrv2.mrv2.extension` (``--worker-extension-cls
+afd_mrv2.mrv2.worker_ext.AfdWorkerExtension``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.models.utils import extract_layer_index
-
-from afd_mrv2.mrv2.deployment import admit
-from afd_mrv2.mrv2.ffn_server import ExpertsFn, ffn_serving_config, serve_ffn
-from afd_mrv2.mrv2.leader import leader_pid, watch_role_leader
-from afd_mrv2.mrv2.remote import MoeShape, attached
-from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, runner_info
-from afd_mrv2.topology import Topology
-from afd_mrv2.validation import afd_section
+from afd_mrv2.mrv2._moved import warn_moved
 
 
-def routed_experts_layers(model: torch.nn.Module) -> list[RoutedExperts]:
-    """The model's routed-experts layers, in model-layer order."""
-    layers = {extract_layer_index(m.layer_name): m for m in model.modules() if isinstance(m, RoutedExperts)}
-    return [layers[index] for index in sorted(layers)]
+def __getattr__(name: str) -> Any:
+    if name != "AfdWorkerExtension":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warn_moved(f"{__name__}.{name}", f"afd_mrv2.mrv2.extension.{name}")
+    from afd_mrv2.mrv2 import extension
 
-
-def keep_experts(layer: RoutedExperts, held: Sequence[int]) -> None:
-    """Keep only the routed experts ``held`` (ascending) of ``layer``: each parameter whose leading
-    dimension is the global expert count (weights, biases, scales) is cut to those experts, in order.
-
-    Kernel-neutral: vLLM's modular kernel reads the local expert count from the
-    weights (``w1.shape[0]``), and :func:`~afd_mrv2.mrv2.ffn_server.local_routing`
-    maps the ids onto the kept experts' positions.  Each parameter's storage is replaced in place
-    (``Tensor.set_``), so objects that hold the parameter (the quant config holds
-    the biases) see the cut tensor.
-    """
-    total = layer.moe_config.num_experts
-    if list(held) == list(range(total)):
-        return
-    for name, param in layer.named_parameters(recurse=False):
-        if param.dim() and param.shape[0] == total:
-            index = torch.tensor(list(held), dtype=torch.long, device=param.device)
-            with torch.no_grad():  # in place: the Parameter object (and who holds it) stays the same
-                param.set_(param.detach().index_select(0, index).contiguous())
-        elif param.numel():
-            raise RuntimeError(
-                f"{layer.layer_name}.{name}: shape {list(param.shape)} is not per expert; cannot shard it"
-            )
-
-
-def _modular(layer: RoutedExperts) -> ExpertsFn:
-    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = layer.forward_modular(x, topk_weights, topk_ids)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{layer.layer_name}: forward_modular returned {type(out).__name__}, not a finished tensor")
-        return out
-
-    return run
-
-
-class AfdWorkerExtension:
-    """Mixed into vLLM's worker class; see the module docstring."""
-
-    # provided by the vLLM worker this class is mixed into
-    vllm_config: Any
-    model_runner: Any
-
-    def afd_ffn_serve(self) -> dict[str, Any]:
-        raw = afd_section(self.vllm_config.additional_config)
-        if not isinstance(raw, Mapping):
-            raise RuntimeError("afd_ffn_serve: this engine has no additional_config['afd'] section of role ffn")
-        config = ffn_serving_config(raw)
-        admit(self.vllm_config)  # the one admission call, before serve_ffn opens the link
-        layers = routed_experts_layers(self.model_runner.get_model())
-        if not layers:
-            raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")
-        moe = layers[0].moe_config
-        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
-        loaded_bytes = self.afd_routed_expert_bytes()  # the peak: vLLM's loader loaded every expert
-        for layer in layers:  # this FFN rank holds only its experts
-            keep_experts(layer, topology.held_by(config.rank))
-        first = next(layers[0].parameters())
-        # started by ffn_role: end with that process while serving (mrv2.leader)
-        watch = watch_role_leader(leader_pid(self.vllm_config.additional_config))
-        try:
-            report = serve_ffn(
-                config,
-                [_modular(layer) for layer in layers],
-                MoeShape(moe.hidden_dim, moe.experts_per_token, moe.num_experts),
-                max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
-                dtype=self.vllm_config.model_config.dtype,
-                device=first.device,
-                index=config.rank,
-                local_experts_only=True,
-            )
-        finally:
-            if watch is not None:
-                watch.stop()
-        summary = report.as_dict()
-        summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
-        summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()
-        summary["routed_expert_bytes_peak"] = loaded_bytes
-        return summary
-
-    def afd_routed_expert_bytes(self) -> int:
-        layers = routed_experts_layers(self.model_runner.get_model())
-        return sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
-
-    def afd_runner_info(self) -> dict[str, Any]:
-        return runner_info(self.model_runner, self)
-
-    def afd_attention_stats(self) -> dict[str, Any] | None:
-        remote = attached()
-        if remote is None:
-            return None
-        stats = remote.stats()
-        if isinstance(self.model_runner, AfdAttentionRunnerMixin):
-            stats["runner"] = self.model_runner.afd_runner_stats()
-        return stats
+    return extension.AfdWorkerExtension

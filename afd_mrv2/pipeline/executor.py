@@ -35,7 +35,7 @@ by the time a new one needs its event.
 The executor is driven from one thread (the owner's): ``submit``, ``wait_for``,
 ``drain``, ``run`` and ``close`` are not thread-safe among themselves.  Threads
 that hand off to each other so that only one runs at a time (vLLM's microbatch
-threads, :mod:`afd_mrv2.mrv2.exchange`) count as one: the hand-off orders their
+threads, :mod:`afd_mrv2.mrv2.attention.exchange`) count as one: the hand-off orders their
 calls.
 """
 

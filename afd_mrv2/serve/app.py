@@ -22,9 +22,9 @@ from afd_mrv2.compat import check_runtime, v2_runner_selected
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2 import serve_options
 from afd_mrv2.mrv2.deployment import CheckpointExperts, precheck_experts
 from afd_mrv2.plugins import check_plugins
+from afd_mrv2.serve import options as serve_options
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
     EAGER_FLAG,
@@ -44,7 +44,7 @@ PlanGate = Callable[[Plan], None]
 
 
 #: The check of the support matrix on each role's ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`).
-DEPLOYMENT_CHECK = (sys.executable, "-m", "afd_mrv2.mrv2.deployment")
+DEPLOYMENT_CHECK = (sys.executable, "-m", "afd_mrv2.serve.preflight")
 DEPLOYMENT_CHECK_TIMEOUT_S = 300.0
 
 
@@ -52,7 +52,7 @@ class DeploymentCheck:
     """The support matrix on the ``VllmConfig`` each role's engine arguments make, run in a child while serve
     does its own checks (:meth:`start`), answered by :meth:`result`.
 
-    Runs ``python -m afd_mrv2.mrv2.deployment`` once for both roles (rank 0 of each; the
+    Runs ``python -m afd_mrv2.serve.preflight`` once for both roles (rank 0 of each; the
     ranks of a role differ only in ``afd.rank``), in a child with the roles' environment:
     building a ``VllmConfig`` imports vLLM, which logs to stdout and adjusts its
     process's environment, neither of which serve's own process may get.  The child
@@ -139,7 +139,7 @@ def begin_runtime_gate(plan: Plan) -> PendingGate:
     seconds); the rest runs in the returned call, so serve's own checks overlap the child.
 
     The gate: the model folder exists; the ``afd`` section must be one the vLLM MoE seam serves
-    (:func:`afd_mrv2.mrv2.remote.check_vllm_path`), the installed vLLM pair must grant what
+    (:func:`afd_mrv2.mrv2.attention.remote.check_vllm_path`), the installed vLLM pair must grant what
     every role's process will require (:func:`afd_mrv2.validation.required_capabilities`, the
     check each process runs itself: ``moe_seam``, ``mrv2`` with the V2 runner,
     ``multistream_ffn`` where multistream is on, the connector's own), and the support
@@ -149,7 +149,7 @@ def begin_runtime_gate(plan: Plan) -> PendingGate:
     child = DeploymentCheck(plan)
 
     def finish() -> None:
-        from afd_mrv2.mrv2.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
+        from afd_mrv2.mrv2.attention.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
         try:
             attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
@@ -171,7 +171,7 @@ def begin_runtime_gate(plan: Plan) -> PendingGate:
 
 def check_option_names(plan: Plan) -> None:
     """Refuse an argument after ``--`` that is no option of vLLM's OpenAI server, from the option names
-    cached by an earlier pre-flight with this vLLM (:mod:`afd_mrv2.mrv2.serve_options`; nothing is
+    cached by an earlier pre-flight with this vLLM (:mod:`afd_mrv2.serve.options`; nothing is
     imported); without a cache, or for what it cannot judge, vLLM's own parser decides in the child."""
     options = serve_options.load()
     if options is None:

@@ -10,7 +10,7 @@
 * serve's own AFD metrics (:data:`AFD_METRICS`, documented in docs/serve.md).
 
 * the failover and live per-rank figures each role process writes to serve's run folder
-  (:mod:`afd_mrv2.mrv2.live_stats`, at most a second old): items, tokens, re-sends and busy
+  (:mod:`afd_mrv2.live_stats`, at most a second old): items, tokens, re-sends and busy
   fraction per FFN rank; failovers, the round-trip histogram and the hidden fraction per
   Attention engine.
 
@@ -87,7 +87,7 @@ class RoleState:
 @dataclass(frozen=True)
 class Health:
     """What the supervisor knows beyond the role processes: failovers, the placement, and each role's live
-    figures (:func:`afd_mrv2.mrv2.live_stats.read_stats`: ``{(role, rank): document}``)."""
+    figures (:func:`afd_mrv2.live_stats.read_stats`: ``{(role, rank): document}``)."""
 
     failovers: int = 0
     replicas: int = 1

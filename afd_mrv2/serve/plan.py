@@ -8,7 +8,7 @@ runs here, so a bad ``afd`` section, ``--depth``, topology or port is a one-line
 
 The role command lines are data: a :class:`RoleCommands` pair of builders, each
 taking the :class:`RoleContext` of one rank.  The defaults start vLLM's OpenAI
-server for an Attention rank and ``afd_mrv2.mrv2.ffn_role`` for an FFN rank;
+server for an Attention rank and ``afd_mrv2.mrv2.ffn.role`` for an FFN rank;
 tests pass builders that start fake roles.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.live_stats import STATS_DIR_ENV
 from afd_mrv2.mrv2 import WORKER_EXTENSION
-from afd_mrv2.mrv2.live_stats import STATS_DIR_ENV
 from afd_mrv2.options import json_object
 from afd_mrv2.placement import Placement
 from afd_mrv2.plugins import entry_points
@@ -48,7 +48,7 @@ ADDITIONAL_CONFIG = "--additional-config"
 #: environment variable; vLLM's own choice falls back to V1 on CPU) with afd-mrv2's worker, which builds
 #: afd-mrv2's Attention runner over the platform's V2 runner, and eager (no graph capture of split steps).
 V2_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-AFD_WORKER = "afd_mrv2.mrv2.worker.AfdWorker"
+AFD_WORKER = "afd_mrv2.mrv2.attention.worker.AfdWorker"
 WORKER_CLS_FLAG = "--worker-cls"
 EAGER_FLAG = "--enforce-eager"
 #: Every Attention engine gets afd-mrv2's worker extension: its counters and parameter
@@ -115,7 +115,7 @@ def ubatch_engine_args(ctx: RoleContext) -> list[str]:
 
 
 def ffn_command(ctx: RoleContext) -> list[str]:
-    """One FFN rank: ``python -m afd_mrv2.mrv2.ffn_role MODEL -- --additional-config JSON EXTRA...``.
+    """One FFN rank: ``python -m afd_mrv2.mrv2.ffn.role MODEL -- --additional-config JSON EXTRA...``.
 
     ``ffn_role`` parses the vLLM arguments after ``--`` with vLLM's own engine-argument
     parser and takes its ``afd`` section from ``--additional-config``; it is ready when
@@ -124,7 +124,7 @@ def ffn_command(ctx: RoleContext) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "afd_mrv2.mrv2.ffn_role",
+        "afd_mrv2.mrv2.ffn.role",
         ctx.model,
         "--",
         ADDITIONAL_CONFIG,

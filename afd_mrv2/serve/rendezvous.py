@@ -1,6 +1,6 @@
 """The AFD rendezvous store serve hosts itself (``afd.rendezvous: external``), so that it outlives every role.
 
-Every role connects to it as a client (:mod:`afd_mrv2.mrv2.p2p_link`); serve writes two things there:
+Every role connects to it as a client (:mod:`afd_mrv2.mrv2.transport.pairs`); serve writes two things there:
 a lost role's latest incarnation (an engine that starts meanwhile does not wait for it) and, when it
 stops, the stop key (the FFN ranks then end their sessions once their engines are gone).  torch is
 imported only when serve hosts a store (with the real roles), never for a plan with another
@@ -29,7 +29,7 @@ class RendezvousHost:
         """Host the store; :class:`AfdError` in one line when its port cannot be bound."""
         if self._where is None:
             return
-        from afd_mrv2.mrv2.p2p_link import connect_store  # imports torch: only when serving for real
+        from afd_mrv2.mrv2.transport.pairs import connect_store  # imports torch: only when serving for real
 
         host, port = self._where
         try:
@@ -42,7 +42,7 @@ class RendezvousHost:
     def mark_lost(self, role: str, rank: int) -> None:
         """An engine that starts while ``role`` rank ``rank`` is lost (a restarted engine) must not wait for it."""
         if self.store is not None:
-            from afd_mrv2.mrv2.p2p_link import mark_lost
+            from afd_mrv2.mrv2.transport.pairs import mark_lost
 
             with contextlib.suppress(RuntimeError, OSError):
                 mark_lost(self.store, role, rank)
@@ -50,7 +50,7 @@ class RendezvousHost:
     def stop(self) -> None:
         """Set the store's stop key (the FFN ranks end their sessions once their engines are gone)."""
         if self.store is not None:
-            from afd_mrv2.mrv2.p2p_link import request_stop
+            from afd_mrv2.mrv2.transport.pairs import request_stop
 
             with contextlib.suppress(RuntimeError, OSError):
                 request_stop(self.store)

@@ -89,7 +89,7 @@ RUNNERS = {
     "v2": Runner(
         env={"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "AFD_MRV2_TEST_TRITON_CPU_STANDIN": "1"},
         pythonpath=STANDIN,
-        engine_args=("--enforce-eager", "--worker-cls", "afd_mrv2.mrv2.worker.AfdWorker"),
+        engine_args=("--enforce-eager", "--worker-cls", "afd_mrv2.mrv2.attention.worker.AfdWorker"),
         requires=STANDIN / "sitecustomize.py",
         log_says="Using V2 Model Runner",
     ),

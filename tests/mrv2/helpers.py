@@ -17,8 +17,8 @@ import torch
 
 from afd_mrv2.compat import Runtime, decide
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.handoff import Handoff
-from afd_mrv2.mrv2.remote import RemoteExperts
+from afd_mrv2.mrv2.attention.handoff import Handoff
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.upstream import UBatchApi, Upstream
 from afd_mrv2.procs import free_port
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn

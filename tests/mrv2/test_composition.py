@@ -25,11 +25,11 @@ from afd_mrv2.compat import CompatRefused, Runtime, decide
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.p2p.roundtrip import ACCEPTS_IN_FLIGHT
 from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
-from afd_mrv2.mrv2 import runner as runner_module
-from afd_mrv2.mrv2.handoff import MicroBatchFailed, current_step
-from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, attention_runner_class
-from afd_mrv2.mrv2.ubatch_runner import AfdUBatchRunnerMixin
-from afd_mrv2.mrv2.worker import afd_worker_class
+from afd_mrv2.mrv2.attention import runner as runner_module
+from afd_mrv2.mrv2.attention.handoff import MicroBatchFailed, current_step
+from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, attention_runner_class
+from afd_mrv2.mrv2.attention.ubatch_runner import AfdUBatchRunnerMixin
+from afd_mrv2.mrv2.attention.worker import afd_worker_class
 from afd_mrv2.plugins import ConnectorContext
 from tests import standins
 from tests.connectors import install_entry_point
@@ -358,8 +358,8 @@ def _assigned(target: ast.expr) -> list[ast.expr]:
 
 def test_composition_source_assigns_only_to_self() -> None:
     """Static guard over afd_mrv2/mrv2 and the plugin: no setattr, no attribute assignment except on self."""
-    root = Path(runner_module.__file__).parent
-    files = [*sorted(root.glob("*.py")), root.parent / "vllm_plugin.py"]
+    root = Path(runner_module.__file__).parents[1]  # afd_mrv2/mrv2, every subpackage
+    files = [*sorted(root.rglob("*.py")), root.parent / "vllm_plugin.py"]
     offences = []
     for path in files:
         tree = ast.parse(path.read_text())

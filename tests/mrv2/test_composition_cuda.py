@@ -27,9 +27,9 @@ def test_cuda_worker_builds_the_same_attention_runner_and_micro_batch_runner(tmp
     from afd_mrv2.checkpoints.make import make_checkpoint
     from afd_mrv2.compat import check_runtime
     from afd_mrv2.devices import make_backend
-    from afd_mrv2.mrv2 import worker as worker_module
-    from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, attention_runner_class
-    from afd_mrv2.mrv2.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
+    from afd_mrv2.mrv2.attention import worker as worker_module
+    from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, attention_runner_class
+    from afd_mrv2.mrv2.attention.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
     from afd_mrv2.mrv2.upstream import load_upstream
 
     decision = check_runtime(("moe_seam", "mrv2", "ubatch_runner", "worker_runner_factory"))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -11,11 +13,11 @@ from afd_mrv2.compat.contracts import DirectorySource, check_contracts
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError, PipelineError
-from afd_mrv2.mrv2 import remote
-from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
-from afd_mrv2.mrv2.runner import AfdAttentionRunnerMixin, runner_info
+from afd_mrv2.mrv2.attention import remote
+from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
+from afd_mrv2.mrv2.attention.worker import afd_init_device_worker_class
 from afd_mrv2.mrv2.upstream import Upstream
-from afd_mrv2.mrv2.worker import afd_init_device_worker_class
 from tests.compat.test_contracts import STANDINS
 from tests.mrv2.helpers import CPU
 from tests.standins.vllm.config import VllmConfig
@@ -76,11 +78,11 @@ def test_v2_attention_worker_holds_the_composition_over_the_v2_cpu_runner(seam_l
     assert info["afd_composition"] and info["moe_seam_session"]
     assert info["composed_over"] == "tests.standins.vllm.v1.worker.cpu.model_runner.CPUModelRunner"
     assert info["runner_mro"][1:3] == [
-        "afd_mrv2.mrv2.runner.AfdAttentionRunnerMixin",
+        "afd_mrv2.mrv2.attention.runner.AfdAttentionRunnerMixin",
         "tests.standins.vllm.v1.worker.cpu.model_runner.CPUModelRunner",
     ]
     assert info["worker_mro"][:2] == [
-        "afd_mrv2.mrv2.worker.AfdWorker",
+        "afd_mrv2.mrv2.attention.worker.AfdWorker",
         "tests.standins.vllm.v1.worker.cpu_worker.CPUWorker",
     ]
     assert runner.afd_close() is None  # no transfer happened: nothing to close
@@ -112,12 +114,58 @@ def test_composition_refuses_vllm_native_microbatching(seam_layers: RemoteExpert
 
 
 def test_the_former_worker_name_still_resolves_with_a_deprecation_warning() -> None:
-    import afd_mrv2.mrv2.worker as worker_module
+    import afd_mrv2.mrv2.attention.worker as worker_module
 
-    deprecated = r"AfdCPUWorker is deprecated; use afd_mrv2\.mrv2\.worker\.AfdWorker"
+    deprecated = r"AfdCPUWorker is deprecated; use afd_mrv2\.mrv2\.attention\.worker\.AfdWorker"
     # resolving needs a vLLM runtime this venv lacks (refused), but the warning comes first
     with pytest.warns(DeprecationWarning, match=deprecated), pytest.raises(CompatRefused):
         worker_module.AfdCPUWorker  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("afd_mrv2.mrv2.worker.AfdWorker", "afd_mrv2.mrv2.attention.worker.AfdWorker"),
+        ("afd_mrv2.mrv2.worker_ext.AfdWorkerExtension", "afd_mrv2.mrv2.extension.AfdWorkerExtension"),
+    ],
+)
+def test_the_paths_users_type_before_the_split_still_resolve_with_a_deprecation_warning(old: str, new: str) -> None:
+    """``--worker-cls`` / ``--worker-extension-cls`` values from before mrv2 was split by role: vLLM resolves
+    them as it resolves any qualified name (import the module, get the attribute); each warns naming the new
+    path, then resolves to the same object (or the same refusal) as the new one."""
+    import importlib
+
+    module, _, name = old.rpartition(".")
+    new_module, _, _ = new.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} is deprecated; use {re.escape(new)}"):
+        try:
+            got: object = getattr(importlib.import_module(module), name)
+        except (CompatRefused, ModuleNotFoundError) as exc:  # this venv has no vLLM: the same refusal as the new path
+            got = type(exc)
+    try:
+        want: object = getattr(importlib.import_module(new_module), name)
+    except (CompatRefused, ModuleNotFoundError) as exc:
+        want = type(exc)
+    assert got is want
+
+
+def test_python_m_ffn_role_still_starts_the_ffn_role_with_a_deprecation_warning() -> None:
+    """``python -m afd_mrv2.mrv2.ffn_role`` (what scripts before the split typed) runs the FFN role's own
+    entry point: here its refusal of a bad ``--afd`` (exit 2, one line), after the deprecation."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", "/models/none", "--afd", "[1]"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        "DeprecationWarning: python -m afd_mrv2.mrv2.ffn_role is deprecated; use python -m afd_mrv2.mrv2.ffn.role"
+        in (proc.stderr)
+    ), proc.stderr
+    assert proc.returncode == 2, proc.stderr
 
 
 def test_cpu_worker_seams_hold_on_the_stand_ins() -> None:

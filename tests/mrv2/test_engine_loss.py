@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.ffn_report import FfnReport
-from afd_mrv2.mrv2.ffn_server import LEFT_BETWEEN_STEPS
-from afd_mrv2.mrv2.remote import RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
+from afd_mrv2.mrv2.ffn.report import FfnReport
+from afd_mrv2.mrv2.ffn.server import LEFT_BETWEEN_STEPS
 from afd_mrv2.procs import free_port
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn
 
@@ -27,7 +27,7 @@ TOPOLOGY = {"num_attention_ranks": 2, "num_ffn_ranks": 1}
 ENGINE_1 = """
 import sys, time, torch
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.remote import RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, afd
 remote = RemoteExperts(parse_afd_config({**afd("attention", int(sys.argv[1])), **eval(sys.argv[2]), "rank": 1}), max_tokens=32)
 for layer in LAYERS:

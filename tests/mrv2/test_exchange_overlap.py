@@ -32,7 +32,7 @@ from afd_mrv2.devices import make_backend
 from afd_mrv2.devices.base import Span
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.items import WorkItem
-from afd_mrv2.mrv2.exchange import UBatchExchange
+from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins

@@ -21,8 +21,8 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import PipelineError
-from afd_mrv2.mrv2.ffn_report import FfnReport
-from afd_mrv2.mrv2.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.ffn.report import FfnReport
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
 from tests.mrv2.test_free_topologies import _moe, _weights
@@ -35,8 +35,8 @@ HIDDEN, TOP_K = 16, 2
 #: ``stall_at``-th expert computation, says "computing" and sleeps until it is killed.
 FFN_PROCESS = """
 import json, sys, time, torch
-from afd_mrv2.mrv2.ffn_server import ffn_serving_config, serve_ffn
-from afd_mrv2.mrv2.remote import MoeShape
+from afd_mrv2.mrv2.ffn.server import ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.attention.remote import MoeShape
 from tests.mrv2.test_free_topologies import _moe, _weights
 from tests.mrv2.test_vllm_path import LAYERS, afd
 raw, experts, stall_at = eval(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -94,7 +94,7 @@ def _start_holder(done: dict[str, Any], port: int, ranks: dict[str, Any], shape:
 
 def _external_1a2f() -> tuple[MoeShape, int, Any, dict[str, Any]]:
     """1A2F with R = 2 on a store hosted here (``rendezvous: external``, as serve does): shape, port, store, ranks."""
-    from afd_mrv2.mrv2.p2p_link import connect_store
+    from afd_mrv2.mrv2.transport.pairs import connect_store
 
     port = free_port()
     store = connect_store("127.0.0.1", port, master=True, timeout_s=30)
@@ -199,7 +199,7 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     incarnation, the Attention side joins its pair on a thread of its own and takes it back between two
     forwards; the new process serves items again (its experts are primary there) and every output stays
     exact throughout."""
-    from afd_mrv2.mrv2.p2p_link import request_stop
+    from afd_mrv2.mrv2.transport.pairs import request_stop
 
     shape, port, store, ranks = _external_1a2f()
     experts = shape.num_experts
@@ -275,7 +275,7 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     does not wait for it: it starts without a pair with it, routes its experts to their other holder, and
     takes it back once it is restarted."""
     from afd_mrv2.items import FFN
-    from afd_mrv2.mrv2.p2p_link import mark_lost, register, request_stop
+    from afd_mrv2.mrv2.transport.pairs import mark_lost, register, request_stop
 
     shape, port, store, ranks = _external_1a2f()
     experts = shape.num_experts

@@ -9,7 +9,7 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import make_backend
-from afd_mrv2.mrv2.ffn import FfnLoop
+from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.plugins import load_plugins
 from tests.support.happens_before import check_happens_before

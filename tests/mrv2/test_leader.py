@@ -1,4 +1,4 @@
-"""The FFN role's serving worker ends with its role process (afd_mrv2.mrv2.leader), without vLLM."""
+"""The FFN role's serving worker ends with its role process (afd_mrv2.mrv2.ffn.leader), without vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from afd_mrv2.mrv2.leader import LEADER_KEY, leader_alive, leader_pid, watch_leader, watch_role_leader
+from afd_mrv2.mrv2.ffn.leader import LEADER_KEY, leader_alive, leader_pid, watch_leader, watch_role_leader
 
 
 def test_a_killed_leader_is_gone_even_before_it_is_reaped() -> None:
@@ -69,7 +69,7 @@ def test_a_worker_in_the_leaders_group_takes_the_group_down(tmp_path) -> None:
     """Leader (session leader) -> its child watching it; SIGKILL the leader: the child's group is gone."""
     child_code = (
         "import os, time\n"
-        "from afd_mrv2.mrv2.leader import watch_role_leader\n"
+        "from afd_mrv2.mrv2.ffn.leader import watch_role_leader\n"
         "watch_role_leader(os.getppid())\n"
         f"open({str(tmp_path / 'watching')!r}, 'w').close()\n"
         "time.sleep(60)\n"

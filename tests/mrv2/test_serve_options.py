@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from afd_mrv2.errors import AfdError
-from afd_mrv2.mrv2 import serve_options
 from afd_mrv2.serve import ServeOptions, build_plan
+from afd_mrv2.serve import options as serve_options
 from afd_mrv2.serve.app import check_option_names
 
 OPTIONS = {

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.remote import RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.procs import free_port
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _expert_weights, _reference, afd, start_ffn
 

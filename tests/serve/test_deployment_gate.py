@@ -117,8 +117,8 @@ def test_under_ubatches_the_attention_check_sees_the_v2_runner_and_eager(child, 
     sections = [json.loads(args[i + 1]) for i, a in enumerate(args) if a == "--section"]
     assert all(s["ubatch"] == {"num_ubatches": 2} for s in sections)
     # and the real child parses that form (the value begins with "--")
-    from afd_mrv2.mrv2 import deployment
+    from afd_mrv2.serve import preflight
 
-    parsed = deployment.argparse.ArgumentParser(allow_abbrev=False)
+    parsed = preflight.argparse.ArgumentParser(allow_abbrev=False)
     parsed.add_argument("--attention-arg", action="append", default=[])
     assert parsed.parse_args(["--attention-arg=--enforce-eager"]).attention_arg == ["--enforce-eager"]

@@ -192,7 +192,7 @@ def test_plan_roles_ports_and_commands():
     assert attention.argv[attention.argv.index("--model") + 1] == "/models/m"
     ffn = plan.of("ffn")[1]
     # ffn_role MODEL -- VLLM ARGS: its afd section is the one in --additional-config
-    assert ffn.argv[:6] == (sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", "/models/m", "--", "--additional-config")
+    assert ffn.argv[:6] == (sys.executable, "-m", "afd_mrv2.mrv2.ffn.role", "/models/m", "--", "--additional-config")
     assert ffn.ready_file == "/run/x/ffn-1.ready"  # for role commands that prefer a ready file
     for spec in plan.roles:
         assert spec.env["HF_HUB_OFFLINE"] == "1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -269,7 +269,13 @@ def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_
         if spec.role == "attention":
             assert spec.env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
             tail = list(spec.argv[spec.argv.index("--worker-extension-cls") + 2 :])
-            assert tail == ["--worker-cls", "afd_mrv2.mrv2.worker.AfdWorker", "--enforce-eager", "--dtype", "float32"]
+            assert tail == [
+                "--worker-cls",
+                "afd_mrv2.mrv2.attention.worker.AfdWorker",
+                "--enforce-eager",
+                "--dtype",
+                "float32",
+            ]
         else:
             assert "VLLM_USE_V2_MODEL_RUNNER" not in spec.env and "--worker-cls" not in spec.argv
     # a worker or eager flag the user passed is not doubled; without --ubatches nothing is added

@@ -69,7 +69,7 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
     """What each role process writes (the live-stats files) is read back and shown per rank: the FFN
     ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip histogram and
     hidden fraction."""
-    from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, read_stats
+    from afd_mrv2.live_stats import Histogram, StatsWriter, read_stats
 
     hist = Histogram()
     for seconds in (0.002, 0.004, 0.3):

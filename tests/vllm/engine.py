@@ -41,7 +41,7 @@ def main() -> None:
     extra = {"additional_config": {"afd": json.loads(args.afd)}} if args.afd else {}
     start = time.time()
     engine_args = {**ENGINE_ARGS, **json.loads(args.engine_args), **extra}
-    llm = LLM(model=args.model, worker_extension_cls="afd_mrv2.mrv2.worker_ext.AfdWorkerExtension", **engine_args)
+    llm = LLM(model=args.model, worker_extension_cls="afd_mrv2.mrv2.extension.AfdWorkerExtension", **engine_args)
     started = time.time()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
     outputs = llm.generate(PROMPTS[: args.n], params)

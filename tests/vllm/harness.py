@@ -3,7 +3,7 @@
 * :func:`make_model`: a ``afd-mrv2 make-model`` checkpoint;
 * :func:`run_engines`: one or more :mod:`tests.vllm.engine` runs at once, each pinned
   to its own core (``VLLM_CPU_OMP_THREADS_BIND``), results read back as JSON;
-* :class:`FfnRole`: ``python -m afd_mrv2.mrv2.ffn_role`` started before the Attention
+* :class:`FfnRole`: ``python -m afd_mrv2.mrv2.ffn.role`` started before the Attention
   engine, its ``ready`` / ``done`` lines parsed.
 
 Environment for every engine: ``HF_HUB_OFFLINE=1`` (nothing is downloaded) and
@@ -43,7 +43,7 @@ V2_KEYS = ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET", STANDIN_ENV)
 #: V2 on CPU runs eager (with the stand-in Inductor would look for a triton CPU target)
 V2_ENGINE_ARGS = {"enforce_eager": True}
 #: the Attention engine's worker: upstream's CPUWorker whose init_device installs afd-mrv2's runner under V2
-AFD_WORKER = {"worker_cls": "afd_mrv2.mrv2.worker.AfdWorker"}
+AFD_WORKER = {"worker_cls": "afd_mrv2.mrv2.attention.worker.AfdWorker"}
 V2_RUNNER = "vllm.v1.worker.cpu.model_runner.CPUModelRunner"  # vLLM's Model Runner V2 on CPU
 V1_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # vLLM's default CPU runner
 
@@ -138,7 +138,7 @@ def run_engines(
 
 
 class FfnRole:
-    """An FFN role process (``python -m afd_mrv2.mrv2.ffn_role``), started and waited for."""
+    """An FFN role process (``python -m afd_mrv2.mrv2.ffn.role``), started and waited for."""
 
     def __init__(
         self,
@@ -154,7 +154,7 @@ class FfnRole:
         self.log = log
         self.started = time.monotonic()
         self.ready_s: float | None = None
-        cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", str(model), "--afd", json.dumps(afd)]
+        cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn.role", str(model), "--afd", json.dumps(afd)]
         cmd += ["--engine-args", json.dumps({**ENGINE_ARGS, **(engine_args or {})})]
         self._file = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(

@@ -12,11 +12,11 @@ engines run once per module (module-scoped fixtures, two at a time on two cores)
 * ``disabled``: the same with the plugin excluded (``VLLM_PLUGINS`` allow-list);
 * ``again``: ``plain`` once more (plain vLLM reproduces itself);
 * ``zero``: the TEST-ONLY vLLM plugin tests/vllm/thirdparty/afd_mrv2_test_zero.py: routed experts give zeros;
-* ``afd``: 1A1F: the FFN role process (``python -m afd_mrv2.mrv2.ffn_role``, core 1)
+* ``afd``: 1A1F: the FFN role process (``python -m afd_mrv2.mrv2.ffn.role``, core 1)
   started first, then the Attention engine (core 0) with role ``attention``.
 
 Sixteen prompts, 12 greedy tokens each, fp32, V1 runner (vLLM's CPU default), compiled.
-The Attention engine runs with ``--worker-cls afd_mrv2.mrv2.worker.AfdWorker`` on both
+The Attention engine runs with ``--worker-cls afd_mrv2.mrv2.attention.worker.AfdWorker`` on both
 runners: under V1 the worker keeps upstream's runner (asserted from inside the worker)
 and the MoE seam alone carries AFD.
 
@@ -137,7 +137,7 @@ def test_attention_holds_no_routed_experts_and_ffn_served_every_moe_call(runs: d
 def test_v1_attention_worker_keeps_upstream_runner(runs: dict[str, Any]) -> None:
     """From inside the worker: under V1 afd-mrv2's worker keeps vLLM's V1 CPU runner (the MoE seam carries AFD)."""
     info = runs["afd"]["runner_info"]
-    assert info["worker"] == "afd_mrv2.mrv2.worker.AfdWorker", info
+    assert info["worker"] == "afd_mrv2.mrv2.attention.worker.AfdWorker", info
     assert info["runner"] == V1_RUNNER and not info["afd_composition"], info
     assert runs["plain"]["runner_info"]["runner"] == V1_RUNNER
 
@@ -192,11 +192,14 @@ def test_v2_attention_runner_is_afd_composition_over_upstream_v2_runner(runs_v2:
     """From inside the Attention worker (collective_rpc): afd-mrv2's worker replaced upstream's V2 runner by
     afd-mrv2's composition over that very class, whose AFD session is the MoE seam's; the FFN served every call."""
     info = runs_v2["afd"]["runner_info"]
-    assert info["worker_mro"][:2] == ["afd_mrv2.mrv2.worker.AfdWorker", "vllm.v1.worker.cpu_worker.CPUWorker"], info
+    assert info["worker_mro"][:2] == [
+        "afd_mrv2.mrv2.attention.worker.AfdWorker",
+        "vllm.v1.worker.cpu_worker.CPUWorker",
+    ], info
     assert info["afd_composition"] and info["composed_over"] == V2_RUNNER, info
     assert info["runner_mro"][:4] == [
-        "afd_mrv2.mrv2.runner.AfdAttentionCPUModelRunner",
-        "afd_mrv2.mrv2.runner.AfdAttentionRunnerMixin",
+        "afd_mrv2.mrv2.attention.runner.AfdAttentionCPUModelRunner",
+        "afd_mrv2.mrv2.attention.runner.AfdAttentionRunnerMixin",
         V2_RUNNER,
         "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
     ], info

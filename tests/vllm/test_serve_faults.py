@@ -1,7 +1,7 @@
 """Faults of ``afd-mrv2 serve`` on real vLLM: each test starts a serve of its own.
 
 * a malformed ``afd`` section (or one the vLLM seam cannot serve): exit 2, one line, nothing started;
-* SIGKILL of a role's process mid-generation, the FFN role's (``python -m afd_mrv2.mrv2.ffn_role``)
+* SIGKILL of a role's process mid-generation, the FFN role's (``python -m afd_mrv2.mrv2.ffn.role``)
   or the Attention engine's (the vLLM API server serve started, whose EngineCore child
   lives on in the role's process group): every in-flight request gets an error response
   (no hang) and serve exits 1 within 10 s naming the role, its rank and pid; nothing of

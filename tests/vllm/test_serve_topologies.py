@@ -64,7 +64,7 @@ def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         free_port_block(1),
         tmp_path_factory.mktemp("plain") / "plain.log",
         "--worker-extension-cls",
-        "afd_mrv2.mrv2.worker_ext.AfdWorkerExtension",
+        "afd_mrv2.mrv2.extension.AfdWorkerExtension",
         env=DEV_MODE,
     )
     try:

@@ -133,7 +133,10 @@ def test_every_batch_kind_ran_in_two_micro_batches_and_the_ffn_paired_them(runs:
     prefill-only, decode-only and mixed steps; the FFN served every item with the stage count the wire named."""
     ub = runs["ubatch"]
     info, stats, (ffn,) = ub["info"], ub["stats"], ub["ffn"].values()
-    assert info["composed_over"] == V2_RUNNER and info["ubatch_runner"] == "afd_mrv2.mrv2.ubatch_runner.AfdUBatchRunner"
+    assert (
+        info["composed_over"] == V2_RUNNER
+        and info["ubatch_runner"] == "afd_mrv2.mrv2.attention.ubatch_runner.AfdUBatchRunner"
+    )
     steps = stats["runner"]["steps"]
     for kind in ("prefill", "decode", "mixed"):
         assert steps.get(kind, {}).get("2", 0) > 0, (kind, steps)

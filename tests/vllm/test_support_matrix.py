@@ -7,10 +7,10 @@ line naming the ``afd`` key, before any communication resource exists.
   (``--data-parallel-size 2`` with a DeepEP backend for native micro-batching, TP 2 for DCP):
   the config is what the check reads, and it refuses before an engine would start.
   Prefill context parallelism needs the V2 runner (vLLM refuses it under V1), so that case
-  runs ``python -m afd_mrv2.mrv2.deployment`` (serve's check) in a child with the V2
+  runs ``python -m afd_mrv2.serve.preflight`` (serve's check) in a child with the V2
   environment of tests/vllm/harness.py.
 * The paths: ``afd-mrv2 serve`` exits 2 with the one line and starts no role;
-  ``python -m afd_mrv2.mrv2.ffn_role`` exits 2 before it builds an engine; an Attention
+  ``python -m afd_mrv2.mrv2.ffn.role`` exits 2 before it builds an engine; an Attention
   engine started directly fails while vLLM constructs the model, and a listener on its
   ``afd.port`` proves it never tried to connect; the FFN worker's ``afd_ffn_serve`` and
   the MoE layer refuse before they touch the model or open anything.
@@ -185,7 +185,7 @@ def test_token_split_with_prefill_context_parallelism_is_refused_under_the_v2_ru
     """vLLM accepts PCP only with Model Runner V2, so serve's check runs in a child with the V2 environment."""
     out = tmp_path / "check.json"
     afd = camasync(async_moe={"enabled": True, "split": "token"})
-    cmd = [sys.executable, "-m", "afd_mrv2.mrv2.deployment", str(model), "--out", str(out)]
+    cmd = [sys.executable, "-m", "afd_mrv2.serve.preflight", str(model), "--out", str(out)]
     cmd += ["--section", json.dumps(afd), "--", "--prefill-context-parallel-size", "2", "--enforce-eager"]
     cmd += ["--dtype", "float32", "--max-model-len", "256"]
     proc = subprocess.run(cmd, env={**os.environ, **BASE_ENV, **v2_env()}, capture_output=True, text=True, timeout=300)
@@ -287,7 +287,7 @@ def test_serve_refuses_up_front_exit_2_one_line_nothing_started(
 def test_ffn_role_refuses_before_building_its_engine(model: Path, tmp_path: Path) -> None:
     port = free_port_block(1)
     afd = section("ffn", port=port, multistream=FFN_MS)
-    cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn_role", str(model), "--afd", json.dumps(afd)]
+    cmd = [sys.executable, "-m", "afd_mrv2.mrv2.ffn.role", str(model), "--afd", json.dumps(afd)]
     cmd += ["--engine-args", json.dumps({"enforce_eager": False}), "--", "--dtype", "float32", "--max-model-len", "256"]
     proc = subprocess.run(cmd, env={**os.environ, **BASE_ENV}, capture_output=True, text=True, timeout=300)
     refusal_lines = [line for line in proc.stderr.splitlines() if line.startswith("afd-mrv2 ffn:")]
@@ -367,8 +367,8 @@ def test_ffn_worker_and_moe_layer_refuse_before_touching_anything(model: Path) -
     reads the model or opens the link; the MoE layer refuses while vLLM constructs it."""
     from vllm.config import set_current_vllm_config
 
-    from afd_mrv2.mrv2.experts import AfdRoutedExperts
-    from afd_mrv2.mrv2.worker_ext import AfdWorkerExtension
+    from afd_mrv2.mrv2.attention.experts import AfdRoutedExperts
+    from afd_mrv2.mrv2.extension import AfdWorkerExtension
 
     afd = section("ffn", multistream=FFN_MS)
     config = real_config(model, afd, enforce_eager=False)

@@ -1,6 +1,6 @@
 """afd-mrv2's micro-batch runner with vLLM's real hand-off, in this process (no engine).
 
-The launcher of :mod:`afd_mrv2.mrv2.ubatch_runner` over vLLM 0.32's own ``UBatchRunner``
+The launcher of :mod:`afd_mrv2.mrv2.attention.ubatch_runner` over vLLM 0.32's own ``UBatchRunner``
 base class, ``make_ubatch_contexts``, ``UBatchContext`` (two events per micro-batch, no
 timeout), ``dbo_yield`` / ``dbo_enabled`` / ``dbo_current_ubatch_id``, ``slice_model_inputs``
 and ``merge_ubatch_outputs``, in the environment of a vLLM CPU worker (its module swaps
@@ -48,7 +48,7 @@ def real() -> SimpleNamespace:
 
 def _runner(real: SimpleNamespace) -> Any:
     from afd_mrv2.devices import make_backend
-    from afd_mrv2.mrv2.ubatch_runner import afd_ubatch_runner_class
+    from afd_mrv2.mrv2.attention.ubatch_runner import afd_ubatch_runner_class
 
     backend = make_backend("host")
     stream = backend.new_stream("serial")
@@ -108,7 +108,7 @@ def _parked() -> list[str]:
 def test_with_vllms_hand_off_a_failed_micro_batch_releases_its_sibling_and_the_next_step_is_unsplit(
     real: SimpleNamespace, one_torch_thread: None
 ) -> None:
-    from afd_mrv2.mrv2.handoff import MicroBatchFailed
+    from afd_mrv2.mrv2.attention.handoff import MicroBatchFailed
     from tests.mrv2.helpers import FfnPair, ToyMoeModel
 
     pair = FfnPair(handoff=real.handoff)

@@ -52,7 +52,7 @@ of its own (taken from a free list, given back once ``wait()`` read it), not in
 its output slot, which the executor reuses once ``on_send`` returned.
 
 Selected by the owner's resources: an attention owner that provides ``source``
-and ``sink`` (the contract of :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`)
+and ``sink`` (the contract of :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`)
 gets this side; one that provides neither drives the pipelined side.
 """
 

@@ -26,14 +26,14 @@ Resources (``ConnectorContext.resources``):
     control channel, which must outlive every executor of the process).
     ``model``: a :class:`~afd_mrv2.hooks.p2p.common.P2pShape`.
     ``source`` / ``sink`` (attention role, optional): an owner that hands each item
-    over and waits for its result (the :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
+    over and waits for its result (the :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`
     contract, e.g. a vLLM MoE layer) provides both and gets the round-trip side
     (:mod:`afd_mrv2.hooks.p2p.roundtrip`); without them the attention side is
     layer-pipelined (:mod:`afd_mrv2.hooks.p2p.attention`).
     ``attention_peers`` (FFN role, optional): the global ranks of the attention
     ranks this executor serves (default: all of them).  An owner whose attention
     ranks are independent engines runs one executor per attention rank
-    (:mod:`afd_mrv2.mrv2.ffn_server`), so that none waits for another's items.
+    (:mod:`afd_mrv2.mrv2.ffn.server`), so that none waits for another's items.
 
     ``follow_stages`` (FFN role, optional, default false): take each item's layer
     and stage identity from the Attention side's headers instead of from the

@@ -16,7 +16,7 @@ def register() -> None:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.models.utils import extract_layer_index
 
-    from afd_mrv2.mrv2.standin import WeightlessExpertsMethod
+    from afd_mrv2.mrv2.attention.standin import WeightlessExpertsMethod
 
     class ZeroExpertsMethod(WeightlessExpertsMethod):
         """Routed experts that contribute nothing."""

@@ -2,10 +2,10 @@
 
 No vLLM import here: the upstream hand-off functions come in through :class:`Handoff`
 (a typed adapter the vLLM layer builds from ``vllm.v1.worker.ubatching``; tests build
-one from the stand-ins), and the runner (:mod:`afd_mrv2.mrv2.ubatch_runner`) opens a
+one from the stand-ins), and the runner (:mod:`afd_mrv2.mrv2.attention.ubatch_runner`) opens a
 :class:`SplitStep` for each micro-batched step.
 
-At every MoE layer a micro-batch thread (:meth:`afd_mrv2.mrv2.remote.RemoteExperts.exchange`)::
+At every MoE layer a micro-batch thread (:meth:`afd_mrv2.mrv2.attention.remote.RemoteExperts.exchange`)::
 
     ticket = exchange.start(...)      # the send
     step.hand_over(ubatch)            # vLLM's dbo_yield: the sibling runs meanwhile

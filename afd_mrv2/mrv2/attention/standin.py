@@ -44,7 +44,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 from vllm.model_executor.utils import set_weight_attrs
 
-from afd_mrv2.mrv2 import remote  # registers the afd_mrv2::remote_routed_experts op
+from afd_mrv2.mrv2.attention import remote  # registers the afd_mrv2::remote_routed_experts op
 
 #: Parameter names upstream's unquantized method creates (biases only when ``moe.has_bias``).
 WEIGHT_NAMES = ("w13_weight", "w2_weight")

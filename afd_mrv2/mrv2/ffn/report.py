@@ -1,6 +1,6 @@
 """What an FFN rank's serving session reports: :class:`FfnReport` (counted by every loop while it serves,
 printed as ``afd-mrv2 ffn: done {...}`` when the session ends) and :func:`overlap_figures` (what the
-loops' traces say about overlap).  Filled by :func:`afd_mrv2.mrv2.ffn_server.serve_ffn`.
+loops' traces say about overlap).  Filled by :func:`afd_mrv2.mrv2.ffn.server.serve_ffn`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class FfnReport:
             self.tokens_per_item[tokens] += 1
 
     def live(self) -> dict[str, Any]:
-        """The running counts serve's ``/metrics`` shows (:mod:`afd_mrv2.mrv2.live_stats`)."""
+        """The running counts serve's ``/metrics`` shows (:mod:`afd_mrv2.live_stats`)."""
         with self._lock:
             return {
                 "items": sum(self.items_by_stage_count.values()),

@@ -1,33 +1,33 @@
 """Attention role, model side: each routed-experts call of a vLLM MoE layer as one AFD transfer.
 
-This module holds no vLLM import: :mod:`afd_mrv2.mrv2.experts` (the vLLM layer)
+This module holds no vLLM import: :mod:`afd_mrv2.mrv2.attention.experts` (the vLLM layer)
 registers its MoE layers here while the model is constructed and calls
 :func:`remote_routed_experts` from its stand-in quant method's ``apply``.
 
 One :class:`RemoteExperts` per Attention process (``attach`` creates it with the
 first AFD layer, and starts opening the ``p2p_link`` on a thread of its own then:
 its pairs with the FFN ranks' rendezvous runs while vLLM still loads the model,
-never on the model's thread; :mod:`afd_mrv2.mrv2.p2p_link`).  On the first call
+never on the model's thread; :mod:`afd_mrv2.mrv2.transport.pairs`).  On the first call
 (vLLM's warm-up forward, or the first request when warm-up is off) it waits for
 that link and builds what every AFD role builds: the shared executor (role attention) with the
-configured connector, and a :class:`~afd_mrv2.mrv2.exchange.UBatchExchange`
+configured connector, and a :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`
 whose ``source`` / ``sink`` the connector reads and fills.  Each call is then one
 work item ``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among
 the MoE layers and ``stage i of n`` is the calling micro-batch and the step's
-micro-batch count in a split step (:func:`afd_mrv2.mrv2.handoff.current_step`), ``0
+micro-batch count in a split step (:func:`afd_mrv2.mrv2.attention.handoff.current_step`), ``0
 of 1`` otherwise; the FFN side follows the identity on the wire.
 
 Unsplit, a call is one blocking round trip (``start`` + ``finish``).  In a split
-step (a micro-batch thread of :mod:`afd_mrv2.mrv2.ubatch_runner`) a call is::
+step (a micro-batch thread of :mod:`afd_mrv2.mrv2.attention.ubatch_runner`) a call is::
 
     ticket = exchange.start(ordinal, routed, stage=(i, n))   # the send
     step.hand_over(i)                                         # vLLM's dbo_yield: the sibling computes
     out = exchange.finish(ticket)                             # the receive, when control came back
 
-and when a sibling failed meanwhile (:class:`~afd_mrv2.mrv2.handoff.SiblingFailed`
+and when a sibling failed meanwhile (:class:`~afd_mrv2.mrv2.attention.handoff.SiblingFailed`
 after the hand-off) the call waits for its own round trip (so no transfer is left
 half-done in the pool) and ends its micro-batch.  Every call records its round trip
-and the compute span before it in an :class:`~afd_mrv2.mrv2.overlap.OverlapMeter`.
+and the compute span before it in an :class:`~afd_mrv2.mrv2.attention.overlap.OverlapMeter`.
 
 :func:`remote_routed_experts` is a ``torch.library.custom_op``: Dynamo and
 Inductor see one opaque node (its fake implementation returns ``empty_like(x)``),
@@ -54,12 +54,12 @@ from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.items import ATTENTION, WorkItem
-from afd_mrv2.mrv2.exchange import UBatchExchange
-from afd_mrv2.mrv2.handoff import Handoff, SiblingFailed, SplitStep, current_step
-from afd_mrv2.mrv2.live_stats import Histogram, StatsWriter, stats_path
-from afd_mrv2.mrv2.overlap import OverlapMeter
-from afd_mrv2.mrv2.p2p_link import AttentionLinkOpening, open_peer_link, pairs_enabled
-from afd_mrv2.mrv2.rejoin import Rejoiner, route_around_missing
+from afd_mrv2.live_stats import Histogram, StatsWriter, stats_path
+from afd_mrv2.mrv2.attention.exchange import UBatchExchange
+from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
+from afd_mrv2.mrv2.attention.overlap import OverlapMeter
+from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening, open_peer_link, pairs_enabled
+from afd_mrv2.mrv2.transport.rejoin import Rejoiner, route_around_missing
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import Plugins, load_plugins
 from afd_mrv2.topology import Topology
@@ -135,7 +135,7 @@ class RemoteExperts:
     :param handoff: vLLM's micro-batch hand-off functions; None where no step is
         ever split (every call is then stage ``0 of 1``).
     :param open_early: open the link on a thread of its own once the first MoE layer is registered
-        (:class:`~afd_mrv2.mrv2.p2p_link.AttentionLinkOpening`; what vLLM's process does,
+        (:class:`~afd_mrv2.mrv2.transport.pairs.AttentionLinkOpening`; what vLLM's process does,
         :func:`attach`), not at the first transfer.
     """
 
@@ -243,7 +243,7 @@ class RemoteExperts:
         return out.to(device=x.device, dtype=x.dtype)
 
     def live_stats(self) -> dict[str, Any]:
-        """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.mrv2.live_stats`)."""
+        """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.live_stats`)."""
         overlap = self.meter.snapshot().values()
         return {
             "calls": self.calls,

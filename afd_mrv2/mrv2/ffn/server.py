@@ -1,11 +1,11 @@
 """FFN role, serving side: the shared executor's FFN loop around the real routed experts.
 
-No vLLM import here: the FFN worker (:mod:`afd_mrv2.mrv2.worker_ext`) hands
+No vLLM import here: the FFN worker (:mod:`afd_mrv2.mrv2.extension`) hands
 :func:`serve_ffn` one callable per MoE layer, in model order (each is vLLM's own
 ``RoutedExperts.forward_modular`` of the loaded model: vLLM's loader, quant
 method and kernel), and this module runs what every AFD FFN rank runs: the
-``p2p_link`` (:mod:`afd_mrv2.mrv2.p2p_link`), the executor (role ffn) with the
-configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.FfnLoop`.
+``p2p_link`` (:mod:`afd_mrv2.mrv2.transport.pairs`), the executor (role ffn) with the
+configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.loop.FfnLoop`.
 
 One executor and loop per Attention rank.  On the vLLM path every Attention rank
 is an independent engine that steps on its own clock, so the FFN rank serves each
@@ -16,7 +16,7 @@ stalls nobody.  The expert computations of all loops take turns on one lock: the
 experts are one device's work (one compute stream, or the CPU's cores).
 
 Links: by default each loop runs on a pair of its own, a two-rank group with its
-Attention rank's current incarnation (:func:`~afd_mrv2.mrv2.p2p_link.join_pair`; the
+Attention rank's current incarnation (:func:`~afd_mrv2.mrv2.transport.pairs.join_pair`; the
 loop's thread joins it, so an engine that starts late stalls only its own loop); with
 ``AFD_MRV2_P2P_GROUPS=one``, or a ``link`` handed in, every loop shares one link.
 
@@ -64,10 +64,11 @@ from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
-from afd_mrv2.mrv2.ffn import FfnLoop
-from afd_mrv2.mrv2.ffn_report import FfnReport, overlap_figures
-from afd_mrv2.mrv2.live_stats import StatsWriter, stats_path
-from afd_mrv2.mrv2.p2p_link import (
+from afd_mrv2.live_stats import StatsWriter, stats_path
+from afd_mrv2.mrv2.attention.remote import MoeShape
+from afd_mrv2.mrv2.ffn.loop import FfnLoop
+from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
+from afd_mrv2.mrv2.transport.pairs import (
     IDLE_TIMEOUT_S,
     POLL_S,
     connect_store,
@@ -79,7 +80,6 @@ from afd_mrv2.mrv2.p2p_link import (
     register,
     stop_requested,
 )
-from afd_mrv2.mrv2.remote import MoeShape
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins

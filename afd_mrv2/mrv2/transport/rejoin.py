@@ -2,7 +2,7 @@
 external store).
 
 A restarted FFN rank registers as a new incarnation in the rendezvous store and waits
-for each Attention rank on a new pair (:mod:`afd_mrv2.mrv2.p2p_link`).  Here a daemon
+for each Attention rank on a new pair (:mod:`afd_mrv2.mrv2.transport.pairs`).  Here a daemon
 thread per Attention process watches the store for the FFN ranks its connector stopped
 routing to (``lost()``) and, when one has a newer incarnation, joins that pair: the
 rendezvous runs on this thread, never on the model's.  The pair then waits in
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.p2p_link import incarnation, join_pair, label
+from afd_mrv2.mrv2.transport.pairs import incarnation, join_pair, label
 from afd_mrv2.topology import Topology
 
 #: How often the store is looked at for a restarted FFN rank.

@@ -6,8 +6,8 @@ platform runner the compat decision chose (vLLM's ``GPUModelRunner`` on CUDA, it
 typed :class:`~afd_mrv2.mrv2.upstream.Upstream` adapter.  One runner on every
 platform: the model's MoE layers carry the transfers (vLLM builds every
 routed-experts layer as afd-mrv2's out-of-tree replacement,
-:mod:`afd_mrv2.mrv2.experts`, which hands each call to the process's
-:class:`~afd_mrv2.mrv2.remote.RemoteExperts`).  It copies no upstream code and
+:mod:`afd_mrv2.mrv2.attention.experts`, which hands each call to the process's
+:class:`~afd_mrv2.mrv2.attention.remote.RemoteExperts`).  It copies no upstream code and
 overrides four methods:
 
 ``__init__(vllm_config, device, ...)``
@@ -27,15 +27,15 @@ overrides four methods:
     times over (upstream's own ``AttentionGroup.create_metadata_builders``, the
     count upstream would pass with its DBO flags; why not ``--ubatch-size N`` plus an
     inert all-to-all backend: docs/vllm.md, "Micro-batching"), ``ubatch_runner``
-    becomes afd-mrv2's micro-batch runner (:mod:`afd_mrv2.mrv2.ubatch_runner`, its
+    becomes afd-mrv2's micro-batch runner (:mod:`afd_mrv2.mrv2.attention.ubatch_runner`, its
     compute/comm streams from the connector's ``create_streams``), and
     ``cudagraph_manager`` a subclass of the one upstream built whose ``dispatch``
-    asks the :class:`~afd_mrv2.mrv2.split_policy.SplitPolicy`.  ``*args/**kwargs``
+    asks the :class:`~afd_mrv2.mrv2.attention.split_policy.SplitPolicy`.  ``*args/**kwargs``
     pass through: vLLM 0.33 takes ``is_profiling`` and
     ``kv_cache_allocation_context``, vLLM-Ascend's override takes neither.
 ``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``
     upstream's, with the split policy paused in dummy runs, then the step's
-    accounting (:class:`~afd_mrv2.mrv2.step_stats.StepStats`: split or not, batch
+    accounting (:class:`~afd_mrv2.mrv2.attention.step_stats.StepStats`: split or not, batch
     kind, forward time; the round-trip overlap of the step).
 
 ``afd_close`` ends the AFD session and deactivates the split policy.
@@ -49,12 +49,12 @@ from typing import Any
 
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.errors import ConfigError, PipelineError
+from afd_mrv2.mrv2.attention.handoff import current_step
+from afd_mrv2.mrv2.attention.remote import RemoteExperts, attached
+from afd_mrv2.mrv2.attention.split_policy import SplitPolicy, afd_graph_manager_class
+from afd_mrv2.mrv2.attention.step_stats import StepStats, batch_kind
+from afd_mrv2.mrv2.attention.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
 from afd_mrv2.mrv2.deployment import admit
-from afd_mrv2.mrv2.handoff import current_step
-from afd_mrv2.mrv2.remote import RemoteExperts, attached
-from afd_mrv2.mrv2.split_policy import SplitPolicy, afd_graph_manager_class
-from afd_mrv2.mrv2.step_stats import StepStats, batch_kind
-from afd_mrv2.mrv2.ubatch_runner import UBATCH_STREAM_ROLES, AfdUBatchRunnerMixin, afd_ubatch_runner_class
 from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport
 from afd_mrv2.validation import Gate
@@ -173,7 +173,7 @@ class AfdAttentionRunnerMixin:
         self.afd_policy = policy
 
     def _afd_attached(self) -> RemoteExperts | None:
-        """This process's MoE-seam session (:func:`~afd_mrv2.mrv2.remote.attached`), built by the model's layers."""
+        """This process's MoE-seam session (:func:`~afd_mrv2.mrv2.attention.remote.attached`), built by the model's layers."""
         return attached()
 
     def _afd_ubatch_runner(self) -> AfdUBatchRunnerMixin | None:
@@ -203,7 +203,7 @@ class AfdAttentionRunnerMixin:
         return batch_kind(batch.is_prefilling_np[: batch.num_reqs])
 
     def afd_runner_stats(self) -> dict[str, Any]:
-        """The step accounting (:class:`~afd_mrv2.mrv2.step_stats.StepStats`) and the micro-batch count."""
+        """The step accounting (:class:`~afd_mrv2.mrv2.attention.step_stats.StepStats`) and the micro-batch count."""
         ubatch = self._afd_ubatch_runner()
         return {"num_ubatches": 1 if ubatch is None else ubatch.num_ubatches, **self.afd_steps.as_dict()}
 

@@ -38,12 +38,12 @@ slicing helpers it calls), ``run``, ``abort_pending_run``, ``slice_model_inputs`
     ``create_streams`` hook; on the host backend (no native stream), the caller's
     current stream for both, which inside a vLLM CPU worker is vLLM's own
     placeholder: only plain ``dbo_yield`` hand-offs apply there.  A failing
-    micro-batch marks the step (:class:`~afd_mrv2.mrv2.handoff.SplitStep`) before
+    micro-batch marks the step (:class:`~afd_mrv2.mrv2.attention.handoff.SplitStep`) before
     its thread leaves its ``UBatchContext``, whose exit wakes the next micro-batch;
     the MoE seam checks the mark after every hand-off, so every sibling ends, the
     ready barrier is never broken and vLLM's process-wide micro-batch registry is
     empty again (``dbo_enabled()`` False) when the step raises
-    :class:`~afd_mrv2.mrv2.handoff.MicroBatchFailed`, which names the micro-batch
+    :class:`~afd_mrv2.mrv2.attention.handoff.MicroBatchFailed`, which names the micro-batch
     and the cause.  Graph capture of split steps is not built (``for_capture``
     raises; the support matrix requires eager).
 
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from afd_mrv2.devices.base import DeviceBackend, Stream
-from afd_mrv2.mrv2.handoff import MicroBatchFailed, SplitStep, close_step, open_step
+from afd_mrv2.mrv2.attention.handoff import MicroBatchFailed, SplitStep, close_step, open_step
 from afd_mrv2.mrv2.upstream import UBatchApi
 
 #: The stream roles the micro-batch runner asks ``create_streams`` for.

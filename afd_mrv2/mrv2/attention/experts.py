@@ -13,9 +13,9 @@ model):
 * with an ``afd`` section of either role, the engine's ``VllmConfig`` is admitted first
   (:func:`~afd_mrv2.mrv2.deployment.admit`: section, plugins, runtime pair, support matrix):
   a refused one fails the model's construction, before any link exists;
-* role ``attention``: :class:`~afd_mrv2.mrv2.standin.RemoteExpertsMethod`: no
+* role ``attention``: :class:`~afd_mrv2.mrv2.attention.standin.RemoteExpertsMethod`: no
   routed-expert weights, and each call is one AFD transfer to the FFN role
-  (:mod:`afd_mrv2.mrv2.remote`).
+  (:mod:`afd_mrv2.mrv2.attention.remote`).
 
 The decision is made in ``_get_quant_method`` (called once, from
 ``RoutedExperts.__init__``, before the weights are created).  That is the one
@@ -36,9 +36,9 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2.items import ATTENTION
+from afd_mrv2.mrv2.attention.remote import MoeShape, attach
+from afd_mrv2.mrv2.attention.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.deployment import admit
-from afd_mrv2.mrv2.remote import MoeShape, attach
-from afd_mrv2.mrv2.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.upstream import load_handoff
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,122 @@
+"""The vLLM workers that build the AFD Attention runner: ``--worker-cls afd_mrv2.mrv2.attention.worker.AfdWorker``.
+
+One name for every platform, resolved lazily from the installed runtime (the compat
+decision must accept it), and one composition
+(:func:`~afd_mrv2.mrv2.attention.runner.attention_runner_class`, over the platform's V2 runner,
+whose MoE layers carry the transfers through the same MoE seam, micro-batched or not:
+``afd.ubatch``).  Upstream builds the model runner in one of two shapes:
+
+* vLLM 0.33.0's CUDA ``Worker`` constructs it in ``_make_model_runner()`` ("subclasses
+  override this"; seam ``Worker._make_model_runner``, capability
+  ``worker_runner_factory``).  :func:`afd_worker_class` subclasses the worker and
+  overrides only that method: under the V2 runner (``use_v2_model_runner``) with an
+  ``afd`` section of role ``attention`` it builds the Attention runner, else it defers
+  to upstream.
+* vLLM's ``CPUWorker`` (and vLLM-Ascend's ``NPUWorker``) build it inline in
+  ``init_device()`` (seams ``CPUWorker.init_device`` and the V2
+  ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, capability ``mrv2``).
+  :func:`afd_init_device_worker_class` subclasses the worker and overrides only
+  ``init_device``: upstream's runs first (device, threads, distributed set-up, the
+  runner); then, under the V2 runner with role ``attention``, ``self.model_runner``
+  becomes the Attention runner composed over the platform's V2 runner, built from the
+  same ``(vllm_config, device)``.  The runner upstream built is dropped before
+  ``load_model``: nothing has used it yet.
+
+Every composition is named ``AfdWorker`` (what ``--worker-cls`` names, so the class resolves and
+pickles by its qualified name).  Under the V1 runner every worker is upstream's unchanged (the MoE seam carries AFD
+there, unsplit, without any runner of afd-mrv2's).  ``AfdCPUWorker`` is the former
+name of the CPU composition, kept with a ``DeprecationWarning``.  The worker
+extension's ``afd_runner_info`` reports, from inside the worker, which runner it holds.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from afd_mrv2.items import ATTENTION
+from afd_mrv2.mrv2.upstream import Upstream, load_upstream
+from afd_mrv2.validation import Gate, afd_section
+
+
+def _attention_role(vllm_config: Any) -> bool:
+    raw = afd_section(vllm_config.additional_config)
+    return isinstance(raw, Mapping) and raw.get("role") == ATTENTION
+
+
+def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None = None) -> type:
+    from afd_mrv2.mrv2.attention.runner import attention_runner_class
+
+    runner_cls = attention_runner_class(upstream, gate=gate)
+
+    def _make_model_runner(self: Any) -> Any:
+        if self.use_v2_model_runner and _attention_role(self.vllm_config):
+            return runner_cls(self.vllm_config, self.device)
+        return super(cls, self)._make_model_runner()
+
+    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner})
+    return cls
+
+
+def afd_init_device_worker_class(
+    base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None
+) -> type:
+    """``base_worker`` (vLLM's ``CPUWorker``, vLLM-Ascend's ``NPUWorker``) whose ``init_device`` installs the
+    Attention runner under the V2 runner; see the module docstring.
+
+    ``upstream`` is called only when the composition is built (the V2 runner's modules
+    import Triton, which a V1 CPU worker must not need).
+    """
+    from afd_mrv2.mrv2.attention.runner import attention_runner_class
+
+    def init_device(self: Any) -> None:
+        super(cls, self).init_device()
+        if self.use_v2_model_runner and _attention_role(self.vllm_config):
+            runner_cls = attention_runner_class(upstream(), gate=gate)
+            self.model_runner = runner_cls(self.vllm_config, self.device)
+
+    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "init_device": init_device})
+    return cls
+
+
+#: Former name of the CPU composition (``--worker-cls afd_mrv2.mrv2.attention.worker.AfdCPUWorker``).
+_DEPRECATED = {"AfdCPUWorker": "AfdWorker"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        warnings.warn(
+            f"{__name__}.{name} is deprecated; use {__name__}.{_DEPRECATED[name]} (one worker name on every platform)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = _DEPRECATED[name]
+    if name != "AfdWorker":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _afd_worker()
+
+
+def _afd_worker() -> type:
+    """The installed platform's AFD worker (see the module docstring)."""
+    from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected, vllm_path_capabilities
+
+    # moe_seam always, mrv2 when V2 is selected (the runner checks again from the engine's own config)
+    decision = check_runtime(vllm_path_capabilities(v2_runner=v2_runner_selected()))
+    if not decision.accepted:
+        raise CompatRefused(decision)
+    platform = decision.platform
+    if platform == "cpu":
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return afd_init_device_worker_class(CPUWorker, lambda: load_upstream("cpu"))
+    if platform == "ascend":
+        from vllm_ascend.worker.worker import NPUWorker
+
+        return afd_init_device_worker_class(NPUWorker, lambda: load_upstream("ascend"))
+    decision = check_runtime(("mrv2", "worker_runner_factory"))
+    if not decision.accepted:
+        raise CompatRefused(decision)
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return afd_worker_class(Worker, load_upstream(platform))
