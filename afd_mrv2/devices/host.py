@@ -86,7 +86,7 @@ class HostStream:
         self.name = name
         self.stream_id = next(_ids)
         self._backend = backend
-        self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.running: str | None = None  # what the thread is doing right now, for reports
         self._thread = threading.Thread(target=self._loop, name=f"afd-stream-{name}", daemon=True)
         self._thread.start()

@@ -211,6 +211,11 @@ class Executor:
             self.submit(item)
         self.drain()
 
+    def _written_report(self) -> CloseReport:
+        """The report a failure wrote (a side effect mypy cannot see through ``_wait_all``)."""
+        assert self._report is not None
+        return self._report
+
     def close(self, deadline_s: float | None = None) -> CloseReport:
         """Finish in-flight work within ``deadline_s`` seconds, else abandon it.
 
@@ -229,8 +234,7 @@ class Executor:
                     error = PipelineAborted(f"closed after {timeout:g} s with work in flight")
             except PipelineError:
                 # a phase failed while draining; _raise_failure stopped us and wrote the report
-                assert self._report is not None
-                return self._report
+                return self._written_report()
         if self._failure is not None:
             error = self._failure.error
         return self._stop(error, deadline)

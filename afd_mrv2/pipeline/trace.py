@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from afd_mrv2.devices.base import Span
 from afd_mrv2.pipeline.metrics import PipelineMetrics, compute_metrics
@@ -38,10 +39,12 @@ class Trace:
         name = f"{self.role} rank {self.rank}" if self.role else f"rank {self.rank}"
         return f"{name} ({self.label})" if self.label else name
 
-    def chrome_events(self, *, pid: int | None = None) -> list[dict]:
+    def chrome_events(self, *, pid: int | None = None) -> list[dict[str, Any]]:
         """This trace's Chrome trace events (metadata first)."""
         pid = self.rank if pid is None else pid
-        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": self.process_name}}]
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": self.process_name}}
+        ]
         lanes: dict[int, str] = {}
         for span in self.spans:
             lanes.setdefault(span.stream_id, span.stream_name)
@@ -67,13 +70,13 @@ class Trace:
         return events
 
 
-def chrome_trace(traces: Iterable[Trace], *, distinct_pids: bool = False) -> dict:
+def chrome_trace(traces: Iterable[Trace], *, distinct_pids: bool = False) -> dict[str, Any]:
     """Merge traces into one Chrome trace document.
 
     ``distinct_pids`` numbers processes 0, 1, ... instead of by rank (use it when
     merging several executors of one rank, e.g. a serialized and a pipelined run).
     """
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for i, trace in enumerate(traces):
         events += trace.chrome_events(pid=i if distinct_pids else None)
     return {"traceEvents": events, "displayTimeUnit": "ms"}

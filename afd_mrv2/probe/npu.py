@@ -185,7 +185,7 @@ def _escape(
     return found
 
 
-def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
+def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """FFN = rank 0 (world 0), attention = rank 1 (world 1); a2e then e2a, per stage group."""
     empty = torch.empty((0, H), dtype=torch.bfloat16, device=me.device)
     ids, scales = torch.empty(0, dtype=torch.int32, device=me.device), torch.empty(0, device=me.device)
@@ -195,13 +195,15 @@ def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
         return ops["a2e"](me.data(seed), None, None, T, H, K, 1, 1, 1, me.names[stage], 8, 0)
 
     def a2e_recv(stage: int = 0) -> torch.Tensor:
-        return ops["a2e"](empty, ids, scales, T, H, K, 1, 1, 0, me.names[stage], 8, 0)[0]
+        out: torch.Tensor = ops["a2e"](empty, ids, scales, T, H, K, 1, 1, 0, me.names[stage], 8, 0)[0]
+        return out
 
     def e2a_send(stage: int = 0, seed: int = 2) -> Any:
         return ops["e2a"](me.data(seed), counts, T, H, K, 1, 1, 0, me.names[stage], 8)
 
     def e2a_recv(stage: int = 0) -> torch.Tensor:
-        return ops["e2a"](me.data(0), counts, T, H, K, 1, 1, 1, me.names[stage], 8)
+        out: torch.Tensor = ops["e2a"](me.data(0), counts, T, H, K, 1, 1, 1, me.names[stage], 8)
+        return out
 
     a2e = _escape(me, 1, a2e_send, a2e_recv)
     e2a = _escape(me, 0, e2a_send, e2a_recv)
@@ -220,7 +222,7 @@ def _camp2p(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     return {"a2e": a2e, "e2a": e2a}, ok
 
 
-def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
+def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Attention = rank 0 (world 0), FFN = rank 1 (world 1), one FFN rank holding all experts."""
     experts, seq = 8, 256
     comm_args = torch.empty((1,), dtype=torch.float16, device=me.device)
@@ -238,7 +240,8 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     def dispatch_recv() -> torch.Tensor:
         out = ops["async_dispatch_recv"](place, comm_args, 0, seq, H, K, *common, 1, 2, 1, 0, me.names[0])
         received.append(out)
-        return out[4]  # token_nums_rankid_layeridx
+        counts: torch.Tensor = out[4]  # token_nums_rankid_layeridx
+        return counts
 
     def combine_send() -> Any:
         expand_x, shared, _, _, header, counts, _ = received.pop(0)
@@ -248,9 +251,17 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
         )
 
     def combine_recv() -> torch.Tensor:
-        return ops["async_combine_recv"](place, ids, weights, comm_args, 0, T, H, K, *common, 0, 2, me.names[0])
+        out: torch.Tensor = ops["async_combine_recv"](
+            place, ids, weights, comm_args, 0, T, H, K, *common, 0, 2, me.names[0]
+        )
+        return out
 
-    found = {"async_dispatch_send": {}, "async_dispatch_recv": {}, "async_combine_send": {}, "async_combine_recv": {}}
+    found: dict[str, Any] = {
+        "async_dispatch_send": {},
+        "async_dispatch_recv": {},
+        "async_combine_send": {},
+        "async_combine_recv": {},
+    }
     dispatch = _escape(me, 0, dispatch_send, dispatch_recv)  # the receiver keeps both payloads for the combines
     combine = _escape(me, 1, combine_send, combine_recv)
     found["async_dispatch_send"], found["async_dispatch_recv"] = (
@@ -274,7 +285,7 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict, bool]:
     return {k: {d: v for d, v in found[k].items() if v is not None} for k in found}, ok
 
 
-def _behaviour(per_rank: list[dict]) -> tuple[StreamBehaviour, str]:
+def _behaviour(per_rank: list[dict[str, Any]]) -> tuple[StreamBehaviour, str]:
     results = [r for d in per_rank for r in d.values()]
     kinds = {kind for kind, _ in results}
     detail = "; ".join(f"{d}: {why}" for rank in per_rank for d, (_, why) in rank.items())

@@ -15,7 +15,7 @@ experts receives zero routed tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +49,7 @@ class ToyMoE:
         g = torch.Generator().manual_seed(seed)
 
         def w(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) / hidden**0.5).to(dtype)
+            return (torch.randn(*shape, generator=g) / float(hidden**0.5)).to(dtype)
 
         bias = torch.zeros(num_layers, num_experts)
         for layer, (lo, hi) in (starve or {}).items():
@@ -137,7 +137,7 @@ class ToyAttention:
         return CamAsyncDispatch(a, ids, weights)
 
 
-def camp2p_ffn(model: ToyMoE):
+def camp2p_ffn(model: ToyMoE) -> Callable[[WorkItem, torch.Tensor], torch.Tensor]:
     """CAMP2P FFN ``compute``: gate and experts on the FFN side."""
 
     def compute(item: WorkItem, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,9 @@ def camp2p_ffn(model: ToyMoE):
     return compute
 
 
-def camasync_ffn(model: ToyMoE, ffn_rank: int, experts_per_rank: int):
+def camasync_ffn(
+    model: ToyMoE, ffn_rank: int, experts_per_rank: int
+) -> Callable[[WorkItem, CamAsyncFfnBatch], CamAsyncFfnOutput]:
     """CAMAsync FFN ``compute``: this rank's experts over rows grouped by local expert, plus the shared expert."""
 
     def compute(item: WorkItem, batch: CamAsyncFfnBatch) -> CamAsyncFfnOutput:
