@@ -43,6 +43,40 @@ class UBatchApi:
     handoff: Handoff
 
 
+class V2RunnerSurface:
+    """What afd-mrv2's Attention runner uses of upstream's V2 ``GPUModelRunner`` (its platform subclasses
+    included), for the type checker only: :class:`~afd_mrv2.mrv2.attention.runner.AfdAttentionRunnerMixin`
+    derives from it while type checking and from ``object`` at run time (the real base comes second in the
+    composed class's bases).  Each member is a seam in :mod:`afd_mrv2.compat.ubatch_seams` or
+    :mod:`afd_mrv2.compat.seams`."""
+
+    vllm_config: Any
+    device: Any
+    model: Any
+    model_state: Any
+    kv_cache_config: Any
+    kernel_block_sizes: list[int]
+    attn_groups: list[list[Any]]
+    max_num_reqs: int
+    cudagraph_manager: Any
+    ubatch_runner: Any
+    execute_model_state: Any
+
+    def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError  # never instantiated: a type-checking view of upstream's runner
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def execute_model(
+        self, scheduler_output: Any, intermediate_tensors: Any = None, dummy_run: bool = False, **kwargs: Any
+    ) -> Any:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Upstream:
     """platform_runner: vLLM's ``GPUModelRunner`` (CUDA), its V2 ``CPUModelRunner``

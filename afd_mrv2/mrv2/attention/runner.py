@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.errors import ConfigError, PipelineError
@@ -59,8 +59,13 @@ from afd_mrv2.mrv2.upstream import Upstream
 from afd_mrv2.pipeline.executor import CloseReport
 from afd_mrv2.validation import Gate
 
+if TYPE_CHECKING:
+    from afd_mrv2.mrv2.upstream import V2RunnerSurface as _RunnerBase
+else:
+    _RunnerBase = object  # the platform runner is the next base of the composed class
 
-class AfdAttentionRunnerMixin:
+
+class AfdAttentionRunnerMixin(_RunnerBase):
     """Mixed in before the platform runner; see the module docstring."""
 
     _afd_upstream: Upstream
@@ -82,14 +87,14 @@ class AfdAttentionRunnerMixin:
     # ------------------------------------------------------------------ upstream's methods, extended
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        result = super().load_model(*args, **kwargs)
         if self.afd_config is not None:
-            self.model.register_forward_pre_hook(self._afd_forward_begins)  # type: ignore[attr-defined]
-            self.model.register_forward_hook(self._afd_forward_ends)  # type: ignore[attr-defined]
+            self.model.register_forward_pre_hook(self._afd_forward_begins)
+            self.model.register_forward_hook(self._afd_forward_ends)
         return result
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.afd_config is None:
             return
         remote = self._afd_attached()
@@ -106,14 +111,14 @@ class AfdAttentionRunnerMixin:
         self, scheduler_output: Any, intermediate_tensors: Any = None, dummy_run: bool = False, **kwargs: Any
     ) -> Any:
         if self.afd_config is None:
-            return super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)  # type: ignore[misc]
+            return super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)
         policy, ubatch = self.afd_policy, self._afd_ubatch_runner()
         runs = ubatch.afd_runs if ubatch is not None else 0
         self._afd_forward_ns = 0
         ok = False
         try:
             with policy.paused() if dummy_run and policy is not None else nullcontext():
-                output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)  # type: ignore[misc]
+                output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run, **kwargs)
             ok = True
             return output
         finally:
@@ -135,33 +140,33 @@ class AfdAttentionRunnerMixin:
         assert self.afd_config is not None
         n = self.afd_config.ubatch.num_ubatches
         api = type(self)._afd_upstream.ubatch
-        block_sizes = list(self.kernel_block_sizes)  # type: ignore[attr-defined]
-        for group_id, groups in enumerate(self.attn_groups):  # type: ignore[attr-defined]
+        block_sizes = list(self.kernel_block_sizes)
+        for group_id, groups in enumerate(self.attn_groups):
             block = block_sizes[group_id] if group_id < len(block_sizes) else None
             for group in groups:
                 group.create_metadata_builders(
-                    self.vllm_config,  # type: ignore[attr-defined]
-                    self.device,  # type: ignore[attr-defined]
+                    self.vllm_config,
+                    self.device,
                     kernel_block_size=block,
                     num_metadata_builders=n,
                 )
         backend, streams = remote.create_streams(UBATCH_STREAM_ROLES)
         self.ubatch_runner = afd_ubatch_runner_class(api)(
-            self.vllm_config,  # type: ignore[attr-defined]
-            self.device,  # type: ignore[attr-defined]
-            self.model_state,  # type: ignore[attr-defined]
-            self.attn_groups,  # type: ignore[attr-defined]
-            self.kv_cache_config,  # type: ignore[attr-defined]
-            self.max_num_reqs,  # type: ignore[attr-defined]
+            self.vllm_config,
+            self.device,
+            self.model_state,
+            self.attn_groups,
+            self.kv_cache_config,
+            self.max_num_reqs,
             num_ubatches=n,
             backend=backend,
             streams=streams,
         )
-        built = self.cudagraph_manager  # type: ignore[has-type]
+        built = self.cudagraph_manager
         policy = SplitPolicy(self.afd_config.ubatch, decode_query_len=built.decode_query_len)
         self.cudagraph_manager = afd_graph_manager_class(api.graph_manager)(
-            self.vllm_config,  # type: ignore[attr-defined]
-            self.device,  # type: ignore[attr-defined]
+            self.vllm_config,
+            self.device,
             built.cudagraph_mode,
             decode_query_len=built.decode_query_len,
             lora_capture_cases=built.lora_capture_cases,
@@ -177,7 +182,7 @@ class AfdAttentionRunnerMixin:
         return attached()
 
     def _afd_ubatch_runner(self) -> AfdUBatchRunnerMixin | None:
-        runner = self.ubatch_runner  # type: ignore[has-type]
+        runner = self.ubatch_runner
         return runner if isinstance(runner, AfdUBatchRunnerMixin) else None
 
     # ------------------------------------------------------------------ accounting
@@ -196,7 +201,7 @@ class AfdAttentionRunnerMixin:
             self._afd_forward_start_ns = 0
 
     def _afd_batch_kind(self, dummy_run: bool) -> str:
-        state = self.execute_model_state  # type: ignore[attr-defined]
+        state = self.execute_model_state
         if dummy_run or state is None:
             return "dummy"
         batch = state.input_batch
