@@ -154,7 +154,7 @@ class AsyncMoeConfig:
 
     enabled
         False (the default) runs each batch as one stage.  True cuts every batch
-        into two stages with :func:`afd_mrv2.ubatch.plan_stages` so one stage's
+        into two stages with :func:`afd_mrv2.stages.plan_stages` so one stage's
         MoE overlaps the other's attention.  Needs ``compute_gate_on_attention``
         (each stage dispatches its own routing).
     split

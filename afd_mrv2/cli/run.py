@@ -17,15 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 
+from afd_mrv2 import envs
 from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.quant import QUANT_MODES
 from afd_mrv2.plugins import check_plugins
-from afd_mrv2.reference.runconfig import CONFIG_ENV, LINKS, RunConfig
+from afd_mrv2.reference.runconfig import LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec
-from afd_mrv2.ubatch import SPLITS
-from afd_mrv2.ubatch.layout import LAYOUTS
+from afd_mrv2.stages import SPLITS
+from afd_mrv2.stages.layout import LAYOUTS
 
 DEFAULT_SPLIT_REQUESTS = 4
 
@@ -227,8 +228,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def run(args: argparse.Namespace) -> int:
     from afd_mrv2.reference.worker import run_worker
 
-    if CONFIG_ENV in os.environ:  # a worker started by the local launcher
-        return run_worker(RunConfig.from_json(os.environ[CONFIG_ENV]), as_json=args.json)
+    worker_config = envs.run_config()
+    if worker_config is not None:  # a worker started by the local launcher
+        return run_worker(RunConfig.from_json(worker_config), as_json=args.json)
     cfg = config_from_args(args)
     # resolve the plugins and check their hook API versions before any process or link exists
     check_plugins(parse_afd_config({"connector": cfg.connector, "observers": list(cfg.observers), "role": "attention"}))

@@ -11,9 +11,9 @@ Nothing in this package imports vllm, vllm_ascend, torch_npu or torch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
+from afd_mrv2 import envs
 from afd_mrv2.compat.decision import OVERRIDE_ENV, CompatRefused, Decision, decide
 from afd_mrv2.compat.detect import Runtime, detect_runtime
 from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status
@@ -35,15 +35,13 @@ __all__ = [
     "vllm_path_capabilities",
 ]
 
-#: vLLM's switch for ModelRunner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM parses it as ``bool(int(value))``).
-#: Where a ``VllmConfig`` exists its ``use_v2_model_runner`` is the authority (vLLM may pick V2 without it).
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: vLLM's switch for ModelRunner V2 (:data:`afd_mrv2.envs.V2_MODEL_RUNNER`, ``VLLM_USE_V2_MODEL_RUNNER``).
+V2_RUNNER_ENV = envs.V2_MODEL_RUNNER.name
 
 
 def v2_runner_selected(env: Mapping[str, str] | None = None) -> bool:
     """True when the environment selects ModelRunner V2 (for callers that hold no vLLM config yet)."""
-    value = (os.environ if env is None else env).get(V2_RUNNER_ENV, "").strip().lower()
-    return value in ("1", "true", "yes")
+    return envs.v2_model_runner(env)
 
 
 def vllm_path_capabilities(*, v2_runner: bool) -> tuple[str, ...]:

@@ -17,10 +17,10 @@ pair the table does not know.  ``--require`` is never overridden.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from afd_mrv2 import envs
 from afd_mrv2.compat.detect import Runtime
 from afd_mrv2.compat.table import CAPABILITIES, PAIRS, RuntimePair, Status, accepted_pairs
 from afd_mrv2.compat.versions import spec_matches
@@ -28,7 +28,8 @@ from afd_mrv2.errors import AfdError
 
 log = logging.getLogger(__name__)
 
-OVERRIDE_ENV = "AFD_MRV2_FORCE_RUNTIME"
+#: The one override (:data:`afd_mrv2.envs.FORCE_RUNTIME`).
+OVERRIDE_ENV = envs.FORCE_RUNTIME.name
 
 
 class CompatRefused(AfdError):
@@ -150,7 +151,6 @@ def decide(
     pairs: tuple[RuntimePair, ...] = PAIRS,
 ) -> Decision:
     """Decide on ``runtime``; see the module docstring."""
-    env = os.environ if env is None else env
     required = tuple(dict.fromkeys(require))
     unknown = [c for c in required if c not in CAPABILITIES]
     if unknown:
@@ -180,7 +180,7 @@ def decide(
 
     status = row.status.value if row is not None and not reasons else "refused"
     granted = row.capabilities if row is not None else frozenset()
-    forced = env.get(OVERRIDE_ENV, "").strip()
+    forced = envs.force_runtime(env)
     if reasons and runtime.vllm is not None and forced:
         if forced == runtime.key():
             log.warning(

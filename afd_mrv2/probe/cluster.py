@@ -2,7 +2,7 @@
 
 :func:`run_rank` is one rank's whole run: build its config and connector (the
 real ``camp2p`` / ``camasync`` entry points), plan its stages, drive the
-executor over the work items of :mod:`afd_mrv2.ubatch.pairing`, and return what
+executor over the work items of :mod:`afd_mrv2.stages.pairing`, and return what
 it produced.  :func:`run_in_threads` runs every rank of a :class:`ClusterSpec`
 as a thread of this process (for the CPU doubles); ``afd-mrv2 probe npu`` runs
 one rank per process on the real operators.
@@ -24,9 +24,9 @@ from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.toy import ToyAttention, ToyMoE, camasync_ffn, camp2p_ffn
-from afd_mrv2.ubatch import Stage, attention_items, ffn_items, merge_tokens, plan_stages
-from afd_mrv2.ubatch.layout import StepDecision, decide_split, unsplit_stage
-from afd_mrv2.ubatch.pairing import attention_buffers
+from afd_mrv2.stages import Stage, attention_items, ffn_items, merge_tokens, plan_stages
+from afd_mrv2.stages.layout import StepDecision, decide_split, unsplit_stage
+from afd_mrv2.stages.pairing import attention_buffers
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ClusterSpec:
 
     ``depth`` / ``buffers`` (input, output counts; overrides ``depth``) are the
     FFN ranks' ``multistream`` buffers.  The attention ranks take the only counts
-    that pair combine with dispatch (:func:`~afd_mrv2.ubatch.pairing.attention_buffers`:
+    that pair combine with dispatch (:func:`~afd_mrv2.stages.pairing.attention_buffers`:
     one input and one output buffer with two stages) and stay serialized with one
     stage, where no counts do.
     """
@@ -60,7 +60,7 @@ class ClusterSpec:
         """Split or not, for every attention rank together: unsplit when any rank's batch has no plan.
 
         The ranks of one cluster step together (a DP group), so the step is
-        decided as :func:`~afd_mrv2.ubatch.layout.decide_split` decides it: one
+        decided as :func:`~afd_mrv2.stages.layout.decide_split` decides it: one
         rank with a single request under the request split makes every rank run
         the step unsplit.  Each rank can compute this from the spec (all
         batches are in it), which stands in for the per-step all-gather.

@@ -117,7 +117,7 @@ class ToyMoE:
 
 
 class ToyAttention:
-    """The attention role's ``compute`` for work item (L, s): see :mod:`afd_mrv2.ubatch.pairing`."""
+    """The attention role's ``compute`` for work item (L, s): see :mod:`afd_mrv2.stages.pairing`."""
 
     def __init__(self, model: ToyMoE, *, dispatch_routing: bool) -> None:
         self.model = model

@@ -32,7 +32,7 @@ import torch
 
 from afd_mrv2.reference.layers import attend, project_qkv
 from afd_mrv2.reference.weights import LayerWeights
-from afd_mrv2.ubatch import PAD_SLOT_ID, StageMetadata
+from afd_mrv2.stages import PAD_SLOT_ID, StageMetadata
 
 BLOCK_SIZE = 16
 

@@ -31,7 +31,7 @@ class Schedule:
     """Work-item numbering: ``stages`` per batch, or ``per_batch[batch]`` where a batch differs.
 
     A batch the async-MoE planner could not split (the rank-consistent fallback,
-    :func:`afd_mrv2.ubatch.layout.decide_split`) runs as one stage while its
+    :func:`afd_mrv2.stages.layout.decide_split`) runs as one stage while its
     neighbours run two: ``seq`` then counts on across batches of different stage
     counts, and every item carries its batch's stage count (``num_stages``),
     which torch_p2p sends in every header.

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from afd_mrv2 import envs
 from afd_mrv2.hooks.quant import QUANT_MODES
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
+from afd_mrv2.stages import NUM_STAGES, SPLITS
+from afd_mrv2.stages.layout import LAYOUTS
 from afd_mrv2.topology import Topology
-from afd_mrv2.ubatch import NUM_STAGES, SPLITS
-from afd_mrv2.ubatch.layout import LAYOUTS
 
 LINKS = ("gloo", "sim")
-CONFIG_ENV = "AFD_MRV2_RUN_CONFIG"
+#: The launcher hands its workers the run as JSON in this variable (:data:`afd_mrv2.envs.RUN_CONFIG`).
+CONFIG_ENV = envs.RUN_CONFIG.name
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,11 @@ class RunConfig:
     stages instead of the BatchSpec micro-batches; see
     :class:`~afd_mrv2.reference.split_owner.SplitAttentionOwner`.  A batch the
     planner cannot split on some attention DP rank runs unsplit on all of them
-    (one collective per batch, :func:`afd_mrv2.ubatch.layout.decide_split`).
+    (one collective per batch, :func:`afd_mrv2.stages.layout.decide_split`).
     ``requests`` (split only): requests per batch by DP rank and batch, DP rank
     ``a`` running ``requests[(a + b) % len(requests)]`` in batch ``b`` (empty: the
     BatchSpec's count everywhere); ``attention_tp`` TP ranks per attention DP
-    rank in ``layout`` ``sp`` or ``tp`` (:mod:`afd_mrv2.ubatch.layout`).
+    rank in ``layout`` ``sp`` or ``tp`` (:mod:`afd_mrv2.stages.layout`).
     """
 
     num_attention: int = 2

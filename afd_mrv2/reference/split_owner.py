@@ -2,7 +2,7 @@
 
 :class:`SplitAttentionOwner` plans each batch into the async-MoE planner's two
 stages (or runs it as one stage when its DP group decided so, see
-:func:`afd_mrv2.ubatch.layout.decide_split`) and runs stage ``s`` of layer ``l``
+:func:`afd_mrv2.stages.layout.decide_split`) and runs stage ``s`` of layer ``l``
 with :func:`~afd_mrv2.reference.staged.staged_attention` over the batch's KV
 cache (created by stage 0 of layer 0, dropped after the last epilogue), so a
 request the ``token`` split cuts continues in stage 2 with its stage-1 tokens as
@@ -11,7 +11,7 @@ stream, so stage 1 of layer l always wrote its K/V before stage 2 of layer l
 reads them (the cache raises if not).
 
 With ``tp_size > 1`` this process is one TP rank of an Attention DP rank, and the
-stage's rows follow :mod:`afd_mrv2.ubatch.layout`:
+stage's rows follow :mod:`afd_mrv2.stages.layout`:
 
 * ``sp``: the residual is this rank's shard of the stage.  Layer 0 converts the
   parent batch's SP shard into the stage's shard (all-gather over the TP group,
@@ -42,8 +42,8 @@ from afd_mrv2.reference.forward import embed, moe_input
 from afd_mrv2.reference.kvcache import KvCache
 from afd_mrv2.reference.owners import AttentionOwner
 from afd_mrv2.reference.staged import SplitBatch, new_cache, plan_batch, staged_attention
-from afd_mrv2.ubatch import merge_tokens
-from afd_mrv2.ubatch.layout import (
+from afd_mrv2.stages import merge_tokens
+from afd_mrv2.stages.layout import (
     StageLayout,
     StepDecision,
     decide_split,
@@ -66,8 +66,8 @@ class SplitAttentionOwner(AttentionOwner):
 
     ``decisions``: the DP group's decision per batch (from the per-step
     collective); a batch missing there is decided by this rank alone.
-    ``log``: called with one :func:`~afd_mrv2.ubatch.layout.layout_line` per
-    stage when a step starts (``AFD_ASYNC_MOE_LAYOUT_LOG``), or None.
+    ``log``: called with one :func:`~afd_mrv2.stages.layout.layout_line` per
+    stage when a step starts (``AFD_MRV2_LAYOUT_LOG``), or None.
     """
 
     split: str = "token"

@@ -2,8 +2,8 @@
 
 The process groups (every attention rank; the TP group of each attention DP
 rank), the all-gather the TP layouts use, the per-batch split/unsplit decision
-(:func:`afd_mrv2.ubatch.layout.decide_split`, one all-gather per batch) and the
-``AFD_ASYNC_MOE_LAYOUT_LOG`` writer.
+(:func:`afd_mrv2.stages.layout.decide_split`, one all-gather per batch) and the
+``AFD_MRV2_LAYOUT_LOG`` writer.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.runconfig import RunConfig
+from afd_mrv2.stages import plan_stages
+from afd_mrv2.stages.layout import StepDecision, decide_split
 from afd_mrv2.topology import ATTENTION
-from afd_mrv2.ubatch import plan_stages
-from afd_mrv2.ubatch.layout import StepDecision, decide_split
 
 
 def layout_log(line: str) -> None:
-    """An ``AFD_ASYNC_MOE_LAYOUT_LOG`` line on stderr, in one write (see :func:`progress`)."""
+    """An ``AFD_MRV2_LAYOUT_LOG`` line on stderr, in one write (see :func:`progress`)."""
     sys.stderr.flush()
     os.write(2, f"{line}\n".encode("utf-8", "replace"))
 

@@ -1,14 +1,14 @@
 """The reference model run in the async-MoE planner's two stages, for split-vs-unsplit proofs.
 
-:func:`plan_batch` cuts one prefill batch with :func:`afd_mrv2.ubatch.plan_stages`
+:func:`plan_batch` cuts one prefill batch with :func:`afd_mrv2.stages.plan_stages`
 (``"token"`` or ``"request"``) and rebuilds each stage's attention metadata with
-:func:`afd_mrv2.ubatch.build_stage_metadata` over a paged KV layout.
+:func:`afd_mrv2.stages.build_stage_metadata` over a paged KV layout.
 :func:`staged_attention_step` is :func:`~afd_mrv2.reference.forward.attention_step`
 for one stage, its attention reading earlier stages' K/V from the cache
 (:func:`~afd_mrv2.reference.kvcache.chunked_self_attention`).
 :func:`staged_forward` runs the whole model in the async-MoE order (layer-major:
 stage 1 of layer l, stage 2 of layer l, then layer l+1; MoE per stage) and
-merges the stages with :func:`afd_mrv2.ubatch.merge_tokens`; its output must
+merges the stages with :func:`afd_mrv2.stages.merge_tokens`; its output must
 match :func:`~afd_mrv2.reference.forward.reference_forward`, which stays the
 ground truth.  The attention ranks of ``afd-mrv2 run --async-moe-split`` execute
 the same :func:`staged_attention_step` (:class:`~afd_mrv2.reference.owners.SplitAttentionOwner`).
@@ -28,8 +28,8 @@ from afd_mrv2.reference.kvcache import BLOCK_SIZE, KvCache, KvLayout, chunked_se
 from afd_mrv2.reference.layers import moe_partial, rms_norm
 from afd_mrv2.reference.spec import ModelSpec
 from afd_mrv2.reference.weights import Weights
-from afd_mrv2.ubatch import Stage, StageMetadata, build_stage_metadata, merge_tokens, plan_stages, split_tokens
-from afd_mrv2.ubatch.layout import unsplit_stage
+from afd_mrv2.stages import Stage, StageMetadata, build_stage_metadata, merge_tokens, plan_stages, split_tokens
+from afd_mrv2.stages.layout import unsplit_stage
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def plan_batch(
     None when the planner cannot form two stages (``request`` with one request,
     ``token`` with fewer than two tokens).  ``unsplit = (rows, why)`` plans the
     step as ONE stage of ``rows`` physical rows instead (the rank-consistent
-    fallback: :func:`afd_mrv2.ubatch.layout.decide_split`).
+    fallback: :func:`afd_mrv2.stages.layout.decide_split`).
     """
     lengths = tuple(int(n) for n in lengths)
     stages: tuple[Stage, ...] | None

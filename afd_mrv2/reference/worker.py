@@ -48,8 +48,8 @@ from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.reference.split_owner import SplitAttentionOwner
 from afd_mrv2.reference.split_steps import all_gather, decide_batches, groups, layout_log
 from afd_mrv2.reference.weights import build_weights
+from afd_mrv2.stages.layout import layout_log_enabled
 from afd_mrv2.topology import ATTENTION
-from afd_mrv2.ubatch.layout import layout_log_enabled
 
 LAUNCHER_ENV = "AFD_MRV2_LAUNCHER"  # the launcher's pid, set in the workers it starts
 

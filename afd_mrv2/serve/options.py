@@ -8,7 +8,7 @@ writes every option string they know, and whether it takes a value, to
 pre-flights with the same vLLM read that file without importing vLLM.  The cache only ever
 *refuses faster*: an argument it cannot judge (an abbreviation argparse would expand, a dotted
 ``--json-arg.key``, anything after an option whose arity it does not know) is left to vLLM's
-parser in the child, which stays the authority.  Set ``AFD_MRV2_NO_OPTION_CACHE=1`` to skip it.
+parser in the child, which stays the authority.  ``AFD_MRV2_NO_OPTION_CACHE=1`` skips it (:mod:`afd_mrv2.envs`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from afd_mrv2 import envs
 from afd_mrv2.compat.detect import VLLM_PROVIDERS, installed_version
 from afd_mrv2.errors import AfdError
 
-#: Skips the cache (read and write) when set to 1.
-NO_CACHE_ENV = "AFD_MRV2_NO_OPTION_CACHE"
+#: Skips the cache (read and write) when on (:data:`afd_mrv2.envs.NO_OPTION_CACHE`).
+NO_CACHE_ENV = envs.NO_OPTION_CACHE.name
 _NUMBER = re.compile(r"^-\d|^-\.\d")
 
 
@@ -50,7 +51,7 @@ def cache_file(vllm: str | None = None) -> Path | None:
 def write(options: Mapping[str, bool], vllm: str | None = None) -> None:
     """Cache ``options`` (option string -> takes a value); a cache that cannot be written is skipped."""
     path = cache_file(vllm)
-    if path is None or os.environ.get(NO_CACHE_ENV) == "1":
+    if path is None or envs.no_option_cache():
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def write(options: Mapping[str, bool], vllm: str | None = None) -> None:
 def load(vllm: str | None = None) -> dict[str, bool] | None:
     """The cached options of the installed vLLM (or of ``vllm``), None when there are none."""
     path = cache_file(vllm)
-    if path is None or os.environ.get(NO_CACHE_ENV) == "1":
+    if path is None or envs.no_option_cache():
         return None
     try:
         options = json.loads(path.read_text())

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2 import envs
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.live_stats import STATS_DIR_ENV
 from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.options import json_object
 from afd_mrv2.placement import Placement
@@ -44,10 +44,10 @@ ROLE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 #: An FFN role is ready once it prints a line containing this, or once its ready file exists.
 FFN_READY_MARKER = "afd-mrv2 ffn: ready"
 ADDITIONAL_CONFIG = "--additional-config"
-#: Under ``--ubatches N`` (any N, 1 included) the Attention engines run vLLM's Model Runner V2 (this
-#: environment variable; vLLM's own choice falls back to V1 on CPU) with afd-mrv2's worker, which builds
-#: afd-mrv2's Attention runner over the platform's V2 runner, and eager (no graph capture of split steps).
-V2_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+#: Under ``--ubatches N`` (any N, 1 included) the Attention engines run vLLM's Model Runner V2
+#: (:data:`afd_mrv2.envs.V2_MODEL_RUNNER` set to 1; vLLM's own choice falls back to V1 on CPU) with afd-mrv2's
+#: worker, which builds afd-mrv2's Attention runner over the platform's V2 runner, and eager (no graph capture
+#: of split steps).
 AFD_WORKER = "afd_mrv2.mrv2.attention.worker.AfdWorker"
 WORKER_CLS_FLAG = "--worker-cls"
 EAGER_FLAG = "--enforce-eager"
@@ -333,9 +333,9 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         for rank in range(count):
             section = {**afd, "role": role, RANK_KEY: rank}
             parse_afd_config(section)  # rank below its role's count
-            env = {**ROLE_ENV, STATS_DIR_ENV: run_dir}  # where the role writes its live figures (/metrics)
+            env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir}  # where the role writes its live figures (/metrics)
             if role == ATTENTION and opts.ubatches is not None:
-                env.update(V2_RUNNER_ENV)
+                env[envs.V2_MODEL_RUNNER.name] = "1"
             if bind[role][rank]:
                 env[CPU_BIND_ENV] = bind[role][rank]
             port = opts.port + 1 + rank if role == ATTENTION else None

@@ -1,17 +1,46 @@
-"""Async-MoE ubatching: the two-stage planner, stage-local metadata and stage pairing.
+"""Deprecated alias of :mod:`afd_mrv2.stages` (renamed in 0.3.0; removed in the next version).
 
-``plan_stages`` decides where a batch is cut; ``build_stage_metadata`` /
-``split_tokens`` / ``merge_tokens`` rebuild and restore per-stage tensors;
-``pairing`` keeps dispatch and combine of the same (layer, stage) together.
-All pure functions over lists and tensors, so a runner can wire them in
-without this package knowing about vLLM.
+"ubatch" now means vLLM micro-batching only (``afd.ubatch``,
+:mod:`afd_mrv2.mrv2.attention.ubatch_runner`); the async-MoE stage planner is
+:mod:`afd_mrv2.stages`.  Importing this package, or any of its old submodules
+(``afd_mrv2.ubatch.layout``, ``.metadata``, ``.pairing``, ``.planner``), warns once
+and gives the same objects.
 """
 
 from __future__ import annotations
 
-from afd_mrv2.ubatch.metadata import PAD_SLOT_ID, StageMetadata, build_stage_metadata, merge_tokens, split_tokens
-from afd_mrv2.ubatch.pairing import PairingError, PendingFifo, attention_items, ffn_items
-from afd_mrv2.ubatch.planner import NUM_STAGES, SPLITS, Stage, plan_stages
+import sys
+import warnings
+
+from afd_mrv2 import stages
+from afd_mrv2.stages import (
+    NUM_STAGES,
+    PAD_SLOT_ID,
+    SPLITS,
+    PairingError,
+    PendingFifo,
+    Stage,
+    StageMetadata,
+    attention_items,
+    build_stage_metadata,
+    ffn_items,
+    layout,
+    merge_tokens,
+    metadata,
+    pairing,
+    plan_stages,
+    planner,
+    split_tokens,
+)
+
+warnings.warn(
+    "afd_mrv2.ubatch is deprecated since 0.3.0: import afd_mrv2.stages (the same names and submodules)",
+    DeprecationWarning,
+    stacklevel=2,
+)
+
+for _name in ("layout", "metadata", "pairing", "planner"):
+    sys.modules[f"{__name__}.{_name}"] = getattr(stages, _name)
 
 __all__ = [
     "NUM_STAGES",
@@ -24,8 +53,12 @@ __all__ = [
     "attention_items",
     "build_stage_metadata",
     "ffn_items",
+    "layout",
     "merge_tokens",
+    "metadata",
+    "pairing",
     "plan_stages",
+    "planner",
     "split_tokens",
 ]
 
@@ -33,8 +66,6 @@ __all__ = [
 def __getattr__(name: str) -> object:
     """``StageKey(layer, stage)``, removed in hook API 1: served one more API version as :meth:`WorkItem.stage`."""
     if name == "StageKey":
-        import warnings
-
         from afd_mrv2.items import WorkItem
 
         warnings.warn(

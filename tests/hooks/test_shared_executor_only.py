@@ -34,7 +34,7 @@ from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.plugins import load_plugins
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
-from afd_mrv2.ubatch import attention_items
+from afd_mrv2.stages import attention_items
 from afd_mrv2.work import Work
 from tests.connectors import CountingHost, CountingRecording, install_entry_point
 from tests.hooks.cam.harness import MODEL, assert_matches_reference, run

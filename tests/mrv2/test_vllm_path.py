@@ -100,7 +100,7 @@ def _reference(layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 def test_round_trips_between_attention_and_ffn_roles(
     one_torch_thread: None, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")
+    monkeypatch.setenv("AFD_MRV2_LAYOUT_LOG", "1")
     port = free_port()
     done: dict[str, Any] = {}
     thread = start_ffn(done, afd("ffn", port))

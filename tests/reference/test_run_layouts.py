@@ -82,12 +82,12 @@ def check_fallback(report: dict, *, tp: int) -> None:
 
 
 def test_fallback_without_tp_and_the_layout_log(tmp_path: Path) -> None:
-    """TP 1: the fallback alone; AFD_ASYNC_MOE_LAYOUT_LOG=1 prints one line per step and stage and rank."""
+    """TP 1: the fallback alone; AFD_MRV2_LAYOUT_LOG=1 prints one line per step and stage and rank."""
     proc = afd(
         "run", "--json", "--out", str(tmp_path), "--hidden", "64", "--expert-size", "128",
         *("--async-moe-split", "request", "--attention", "2", "--requests", "4,4,1"),
         *("--layers", "2", "--batches", "3", "--warmup", "0", "--depth", "2"),
-        env=child_env(AFD_ASYNC_MOE_LAYOUT_LOG="1"),
+        env=child_env(AFD_MRV2_LAYOUT_LOG="1"),
     )  # fmt: skip
     with running(proc, out_dir=tmp_path):
         assert proc.wait(120) == 0, proc.stderr[-3000:]
@@ -104,7 +104,7 @@ def test_no_layout_log_by_default(tmp_path: Path) -> None:
     proc = afd(
         "run", "--json", "--out", str(tmp_path), "--hidden", "64", "--expert-size", "128",
         *("--async-moe-split", "token", "--attention", "1", "--requests", "2", *FAST),
-        env={k: v for k, v in child_env().items() if k != "AFD_ASYNC_MOE_LAYOUT_LOG"},
+        env={k: v for k, v in child_env().items() if k not in ("AFD_MRV2_LAYOUT_LOG", "AFD_ASYNC_MOE_LAYOUT_LOG")},
     )  # fmt: skip
     with running(proc, out_dir=tmp_path):
         assert proc.wait(120) == 0, proc.stderr[-3000:]

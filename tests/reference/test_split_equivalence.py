@@ -31,8 +31,8 @@ from afd_mrv2.reference.spec import BatchSpec, ModelSpec
 from afd_mrv2.reference.split_owner import SplitAttentionOwner
 from afd_mrv2.reference.staged import plan_batch, staged_attention_step, staged_forward
 from afd_mrv2.reference.weights import build_weights
+from afd_mrv2.stages import PAD_SLOT_ID, build_stage_metadata
 from afd_mrv2.topology import ATTENTION, Topology
-from afd_mrv2.ubatch import PAD_SLOT_ID, build_stage_metadata
 
 TOL = 1e-5
 SPEC = ModelSpec(hidden_size=64, num_layers=4, num_heads=4, num_experts=8, top_k=2, expert_size=96, shared_size=96)

@@ -87,8 +87,8 @@ from afd_mrv2.hooks.cam.stage_tags import check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.stages.pairing import PendingFifo
 from afd_mrv2.topology import ATTENTION
-from afd_mrv2.ubatch.pairing import PendingFifo
 from afd_mrv2.work import Work
 
 _UNPROBED = (StreamBehaviour.UNVERIFIED, "closed-source operator library; run `afd-mrv2 probe npu`")

@@ -31,7 +31,7 @@ receives (the FFN side each attention rank's a2e rows, the attention side its
 FFN rank's e2a rows); a mismatch raises :class:`StageMismatch` naming both.
 Without a side channel (the real operators alone) the group is trusted.
 
-Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.ubatch.pairing`):
+Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.stages.pairing`):
 
 * FFN: recv = a2e (layer L, stage s), compute = ``compute(item, hidden) -> out``
   (rows = real tokens), send = e2a.
@@ -64,8 +64,8 @@ from afd_mrv2.hooks.cam.options import CamP2POptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.stages.pairing import PendingFifo
 from afd_mrv2.topology import FFN
-from afd_mrv2.ubatch.pairing import PendingFifo
 from afd_mrv2.work import Work
 
 _SOURCE_BASIS = "afd-plugin torch_binding.cpp launches via EXEC_NPU_CMD on c10_npu::getCurrentNPUStream()"

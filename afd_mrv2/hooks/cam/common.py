@@ -45,9 +45,9 @@ from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageTags, check_
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
 from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.stages.pairing import PendingFifo, check_attention_depth
 from afd_mrv2.support_matrix import check_deployment
 from afd_mrv2.topology import ATTENTION, FFN
-from afd_mrv2.ubatch.pairing import PendingFifo, check_attention_depth
 from afd_mrv2.work import Work
 
 #: Resource name of the CAM operators to use instead of resolving ``torch.ops.<namespace>``: an

@@ -62,8 +62,8 @@ from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening, open_peer_link, 
 from afd_mrv2.mrv2.transport.rejoin import Rejoiner, route_around_missing
 from afd_mrv2.pipeline.executor import CloseReport, Executor
 from afd_mrv2.plugins import Plugins, load_plugins
+from afd_mrv2.stages.layout import decide_split, layout_line, layout_log_enabled, step_layouts, unsplit_stage
 from afd_mrv2.topology import Topology
-from afd_mrv2.ubatch.layout import decide_split, layout_line, layout_log_enabled, step_layouts, unsplit_stage
 
 OP_NAME = "afd_mrv2::remote_routed_experts"
 

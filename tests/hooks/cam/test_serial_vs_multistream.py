@@ -107,7 +107,7 @@ def test_recording_backend_proves_the_edges(spec: ClusterSpec) -> None:
 #
 # The FFN ranks run input and output buffer counts set apart (issue 10); the
 # attention ranks run the only counts that pair combine with dispatch, one of
-# each (ClusterSpec; afd_mrv2.ubatch.pairing), so the asymmetric counts are
+# each (ClusterSpec; afd_mrv2.stages.pairing), so the asymmetric counts are
 # exercised where they are allowed.
 
 ASYMMETRIC = [(3, 2), (2, 3)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_mrv2.ubatch import merge_tokens, plan_stages
-from afd_mrv2.ubatch.layout import (
+from afd_mrv2.stages import merge_tokens, plan_stages
+from afd_mrv2.stages.layout import (
     StageLayout,
     decide_split,
     gather_shards,
@@ -105,10 +105,15 @@ def test_layout_line_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         "afd-mrv2 layout: attention dp 0 tp 1 step 3 stage 1/1 unsplit (rank 1 has 1 request), sp layout x tp 2: "
         "real 9 + dp padding 11 + tp padding 0 = 20 rows, shard rows 10..19 of tp rank 1"
     )
+    monkeypatch.delenv("AFD_MRV2_LAYOUT_LOG", raising=False)
     monkeypatch.delenv("AFD_ASYNC_MOE_LAYOUT_LOG", raising=False)
     assert not layout_log_enabled()
-    monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")
+    monkeypatch.setenv("AFD_MRV2_LAYOUT_LOG", "1")
     assert layout_log_enabled()
+    monkeypatch.delenv("AFD_MRV2_LAYOUT_LOG")
+    monkeypatch.setenv("AFD_ASYNC_MOE_LAYOUT_LOG", "1")  # the retired name: still read, with a deprecation
+    with pytest.warns(DeprecationWarning, match="AFD_ASYNC_MOE_LAYOUT_LOG is deprecated .*: set AFD_MRV2_LAYOUT_LOG"):
+        assert layout_log_enabled()
     assert round_up(7, 3) == 9
 
 

@@ -15,7 +15,7 @@ land in exactly one stage.  Two policies:
     cut the flattened tokens at ``t = (total + 1) // 2``.  The request that
     crosses ``t`` appears in both stages; stage 2 continues it as a chunked
     prefill whose KV context includes the stage-1 tokens (see
-    :mod:`afd_mrv2.ubatch.metadata`).  ``None`` when ``total < 2``.
+    :mod:`afd_mrv2.stages.metadata`).  ``None`` when ``total < 2``.
 
 Physical tokens (``num_input_tokens``) equal the real ones except under sequence
 parallelism, where each stage is padded up to a multiple of ``tp_size`` because

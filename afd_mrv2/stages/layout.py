@@ -38,30 +38,29 @@ stage 1 of one rank with the whole batch of another and deadlock.  The function
 is pure over the exchanged values; the caller supplies the exchange (one small
 all-gather per step over the DP group, or none for a rank that steps alone).
 
-``AFD_ASYNC_MOE_LAYOUT_LOG=1`` makes runners print :func:`layout_line` once per
+``AFD_MRV2_LAYOUT_LOG=1`` makes runners print :func:`layout_line` once per
 step and stage: shapes and counts only, no tensor values, no device sync.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from afd_mrv2.ubatch.planner import Stage
+from afd_mrv2 import envs
+from afd_mrv2.stages.planner import Stage
 
 LAYOUTS = ("sp", "tp")
-LAYOUT_LOG_ENV = "AFD_ASYNC_MOE_LAYOUT_LOG"
 
 #: ``exchange(values) -> one row per rank of the group``: an all-gather of a few ints.
 Exchange = Callable[[Sequence[int]], Sequence[Sequence[int]]]
 
 
 def layout_log_enabled() -> bool:
-    """True when ``AFD_ASYNC_MOE_LAYOUT_LOG`` is set to 1 (or true/yes/on)."""
-    return os.environ.get(LAYOUT_LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``AFD_MRV2_LAYOUT_LOG`` (or its retired name ``AFD_ASYNC_MOE_LAYOUT_LOG``) is on (:func:`afd_mrv2.envs.layout_log`)."""
+    return envs.layout_log()
 
 
 def round_up(value: int, unit: int) -> int:
@@ -238,7 +237,7 @@ def gather_shards(
 
 
 def layout_line(who: str, step: int, layout: StageLayout, *, split: str, why: str = "") -> str:
-    """One ``AFD_ASYNC_MOE_LAYOUT_LOG`` line: shapes and counts of one stage of one step."""
+    """One ``AFD_MRV2_LAYOUT_LOG`` line: shapes and counts of one stage of one step."""
     s = layout
     policy = f"{split} split" if s.split else f"unsplit ({why or 'no plan'})"
     return (

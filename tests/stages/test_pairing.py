@@ -6,8 +6,8 @@ import pytest
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import WorkItem
-from afd_mrv2.ubatch import PairingError, PendingFifo, attention_items, ffn_items
-from afd_mrv2.ubatch.pairing import attention_buffers, check_attention_depth
+from afd_mrv2.stages import PairingError, PendingFifo, attention_items, ffn_items
+from afd_mrv2.stages.pairing import attention_buffers, check_attention_depth
 
 
 def test_fifo_within_a_key_and_independent_keys() -> None:

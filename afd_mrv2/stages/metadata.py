@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd_mrv2.ubatch.planner import Stage
+from afd_mrv2.stages.planner import Stage
 
 PAD_SLOT_ID = -1
 

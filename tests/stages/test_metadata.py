@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd_mrv2.ubatch import PAD_SLOT_ID, build_stage_metadata, merge_tokens, plan_stages, split_tokens
+from afd_mrv2.stages import PAD_SLOT_ID, build_stage_metadata, merge_tokens, plan_stages, split_tokens
 
 
 def parent(counts: list[int], cached: list[int]) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_mrv2.ubatch import Stage, plan_stages
+from afd_mrv2.stages import Stage, plan_stages
 
 
 def shape(plan: tuple[Stage, Stage] | None) -> list[tuple] | None:

@@ -7,7 +7,7 @@ from itertools import accumulate
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afd_mrv2.ubatch import plan_stages
+from afd_mrv2.stages import plan_stages
 
 counts_st = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=40)
 split_st = st.sampled_from(["request", "token"])

@@ -1,0 +1,31 @@
+"""The stages of a step: the async-MoE two-stage planner, stage-local metadata and stage pairing.
+
+``plan_stages`` decides where a batch is cut; ``build_stage_metadata`` /
+``split_tokens`` / ``merge_tokens`` rebuild and restore per-stage tensors;
+``pairing`` keeps dispatch and combine of the same (layer, stage) together.
+All pure functions over lists and tensors, so a runner can wire them in
+without this package knowing about vLLM.  (vLLM micro-batching, the other way a step
+is cut into stages, is :mod:`afd_mrv2.mrv2.attention.ubatch_runner` and ``afd.ubatch``.)
+"""
+
+from __future__ import annotations
+
+from afd_mrv2.stages.metadata import PAD_SLOT_ID, StageMetadata, build_stage_metadata, merge_tokens, split_tokens
+from afd_mrv2.stages.pairing import PairingError, PendingFifo, attention_items, ffn_items
+from afd_mrv2.stages.planner import NUM_STAGES, SPLITS, Stage, plan_stages
+
+__all__ = [
+    "NUM_STAGES",
+    "PAD_SLOT_ID",
+    "SPLITS",
+    "PairingError",
+    "PendingFifo",
+    "Stage",
+    "StageMetadata",
+    "attention_items",
+    "build_stage_metadata",
+    "ffn_items",
+    "merge_tokens",
+    "plan_stages",
+    "split_tokens",
+]
