@@ -23,6 +23,7 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
+from afd_mrv2.mrv2.transport.store import RendezvousStore
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
 from tests.mrv2.test_free_topologies import _moe, _weights
@@ -92,12 +93,10 @@ def _start_holder(done: dict[str, Any], port: int, ranks: dict[str, Any], shape:
     )
 
 
-def _external_1a2f() -> tuple[MoeShape, int, Any, dict[str, Any]]:
+def _external_1a2f() -> tuple[MoeShape, int, RendezvousStore, dict[str, Any]]:
     """1A2F with R = 2 on a store hosted here (``rendezvous: external``, as serve does): shape, port, store, ranks."""
-    from afd_mrv2.mrv2.transport.pairs import connect_store
-
     port = free_port()
-    store = connect_store("127.0.0.1", port, master=True, timeout_s=30)
+    store = RendezvousStore.connect("127.0.0.1", port, master=True, timeout_s=30)
     ranks = {"num_attention_ranks": 1, "num_ffn_ranks": 2, "expert_replicas": 2, "rendezvous": "external"}
     return MoeShape(HIDDEN, TOP_K, 4), port, store, ranks
 
@@ -199,8 +198,6 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     incarnation, the Attention side joins its pair on a thread of its own and takes it back between two
     forwards; the new process serves items again (its experts are primary there) and every output stays
     exact throughout."""
-    from afd_mrv2.mrv2.transport.pairs import request_stop
-
     shape, port, store, ranks = _external_1a2f()
     experts = shape.num_experts
     done: dict[str, Any] = {}
@@ -247,7 +244,7 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     finally:
         enough.set()
         remote.close()
-        request_stop(store)  # the FFN ranks serve no new incarnation: their sessions end
+        store.request_stop()  # the FFN ranks serve no new incarnation: their sessions end
         for proc in (victim, restarted):
             if proc is not None and proc.poll() is None:
                 try:
@@ -275,12 +272,11 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     does not wait for it: it starts without a pair with it, routes its experts to their other holder, and
     takes it back once it is restarted."""
     from afd_mrv2.items import FFN
-    from afd_mrv2.mrv2.transport.pairs import mark_lost, register, request_stop
 
     shape, port, store, ranks = _external_1a2f()
     experts = shape.num_experts
-    register(store, FFN, 1)  # FFN rank 1's first process registered ...
-    mark_lost(store, FFN, 1)  # ... and was lost
+    store.register(FFN, 1)  # FFN rank 1's first process registered ...
+    store.mark_lost(FFN, 1)  # ... and was lost
     done: dict[str, Any] = {}
     survivor = _start_holder(done, port, ranks, shape, 0)
     remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
@@ -305,7 +301,7 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
             forward()
     finally:
         remote.close()
-        request_stop(store)
+        store.request_stop()
         if restarted is not None:
             try:
                 restarted.wait(30)

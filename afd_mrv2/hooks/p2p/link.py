@@ -20,18 +20,19 @@ fails that pending receive at once ("Connection closed by peer").  Every wait
 checks the control channel, so a dead peer is named by every surviving rank
 within one slice, even by ranks that exchange no data with it.
 
-Pairs (the vLLM path): instead of one group of every rank, a link may run on one
-two-rank group per peer (:class:`Pair`), so that a peer that dies or restarts
-touches only its own pair.  :meth:`PeerLink.install` puts a new pair in place of a
-peer's lost one (a restarted process, a new generation): the link's next
-operations with that peer go there, with a fresh control channel.
+A link has one of two modes, chosen by what it is built on:
 
-Scoped faults (``scoped=True``, the vLLM path's independent engines): a wait
-checks only the control channels of the peers it waits on, so a peer that dies
-fails the waits on it and no other.  gloo's pairs are independent (probed on
-torch 2.13: after one rank of three died, the other two kept exchanging), so an
-FFN rank goes on serving the Attention engines that remain, and an Attention
-engine is not failed by another engine's death.
+* **one group** of every rank (``group``, by default torch.distributed's default
+  group: ``afd-mrv2 run``, whose ranks run one schedule together): a wait checks the
+  control channels of every peer, so one dead peer fails every wait on every rank;
+* **pairs** (the vLLM path): one two-rank group per peer (:class:`Pair`), so that a
+  peer that dies or restarts touches only its own pair.  Faults are *scoped*
+  (:attr:`PeerLink.scoped`): a wait checks only the control channels of the peers it
+  waits on, so a dead peer fails the waits on it and no other; an FFN rank goes on
+  serving the Attention engines that remain, and an Attention engine is not failed
+  by another engine's death.  :meth:`PeerLink.install` puts a new pair in place of a
+  peer's lost one (a restarted process): the link's next operations with that peer
+  go there, with a fresh control channel.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,12 +61,18 @@ _LINGER_S = 0.25  # how long an aborting rank waits for its notice to be read be
 @dataclass(frozen=True)
 class Pair:
     """A two-rank process group joining this rank and one peer: ``me`` and ``peer`` are the two
-    ranks in it; ``generation`` names it in messages (``a0.1-f1.2``: the ranks' incarnations)."""
+    ranks in it; ``name`` names it in messages (``a0.1-f1.2``: the two processes' incarnations)."""
 
     group: Any
     me: int
     peer: int
-    generation: str = ""
+    name: str = ""
+
+    @property
+    def generation(self) -> str:
+        """Deprecated: the pair's :attr:`name`."""
+        warnings.warn("Pair.generation is deprecated: use Pair.name", DeprecationWarning, stacklevel=2)
+        return self.name
 
 
 class Pending:
@@ -115,13 +123,11 @@ class PeerLink:
 
     :param topology: the AFD rank map.
     :param rank: this process's global rank in ``group``.
-    :param group: the torch.distributed process group (None: the default group).
+    :param group: the torch.distributed process group of every rank (None: the default group).
     :param labels: optional extra description per global rank (``"pid 123 on host"``),
         appended wherever a peer is named.
-    :param scoped: a wait fails only for the peers it waits on (see the module docstring);
-        otherwise for any peer's loss.
     :param pairs: instead of ``group``: one :class:`Pair` per peer (global rank) this link
-        talks to; the link's peers are then exactly these.
+        talks to; the link's peers are then exactly these, and its faults scoped.
     """
 
     def __init__(
@@ -131,14 +137,14 @@ class PeerLink:
         group: Any = None,
         *,
         labels: Mapping[int, str] | None = None,
-        scoped: bool = False,
         pairs: Mapping[int, Pair] | None = None,
     ) -> None:
+        if group is not None and pairs is not None:
+            raise ValueError("a PeerLink runs on one group or on pairs, not both")
         self.topology = topology
         self.rank = rank
-        self.scoped = scoped
         self.group = group
-        self._pg = group if group is not None or pairs is not None else dist.group.WORLD
+        self._pg: Any = group if group is not None or pairs is not None else dist.group.WORLD
         self._pairs: dict[int, Pair] | None = None if pairs is None else dict(pairs)
         self.labels = dict(labels or {})
         self.role, self.index = topology.role_of(rank)
@@ -159,10 +165,20 @@ class PeerLink:
         """The global ranks this link talks to."""
         return sorted(self._control)
 
-    def generation(self, peer: int) -> str:
+    @property
+    def scoped(self) -> bool:
+        """Whether a wait fails only for the peers it waits on: a link on pairs (see the module docstring)."""
+        return self._pairs is not None
+
+    def pair_name(self, peer: int) -> str:
         """The name of ``peer``'s pair (empty on a one-group link)."""
         pair = None if self._pairs is None else self._pairs.get(peer)
-        return pair.generation if pair is not None else ""
+        return pair.name if pair is not None else ""
+
+    def generation(self, peer: int) -> str:
+        """Deprecated: :meth:`pair_name`."""
+        warnings.warn("PeerLink.generation is deprecated: use PeerLink.pair_name", DeprecationWarning, stacklevel=2)
+        return self.pair_name(peer)
 
     def install(self, peer: int, pair: Pair, label: str | None = None) -> None:
         """Talk to ``peer`` over ``pair`` from now on (a restarted peer's new pair), with a fresh control
@@ -196,7 +212,7 @@ class PeerLink:
     def _post(self, direction: str, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
         # ProcessGroup.send/recv directly: dist.isend/irecv add ~20 us of Python checks per call.
         if self._pairs is None:
-            group, dst, generation = self._pg, peer, ""
+            group, dst, pair_name = self._pg, peer, ""
         else:
             pair = self._pairs.get(peer)
             if pair is None:
@@ -205,7 +221,7 @@ class PeerLink:
                     peer=peer,
                     peer_name=self.describe(peer),
                 )
-            group, dst, generation = pair.group, pair.peer, pair.generation
+            group, dst, pair_name = pair.group, pair.peer, pair.name
         op = group.send if direction == "send" else group.recv
         try:
             work = op([tensor], dst, tag)
@@ -213,7 +229,7 @@ class PeerLink:
             raise self._lost(peer, what, exc) from exc
         pending = Pending(work, direction, tensor, peer, what)
         # one watcher per channel and pair: a new pair's operations never queue behind a dead pair's
-        key = (peer, generation, tag, direction)
+        key = (peer, pair_name, tag, direction)
         with self._lock:
             watcher = self._watchers.get(key)
             if watcher is None:

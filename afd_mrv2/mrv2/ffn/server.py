@@ -4,8 +4,9 @@ No vLLM import here: the FFN worker (:mod:`afd_mrv2.mrv2.extension`) hands
 :func:`serve_ffn` one callable per MoE layer, in model order (each is vLLM's own
 ``RoutedExperts.forward_modular`` of the loaded model: vLLM's loader, quant
 method and kernel), and this module runs what every AFD FFN rank runs: the
-``p2p_link`` (:mod:`afd_mrv2.mrv2.transport.pairs`), the executor (role ffn) with the
-configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.loop.FfnLoop`.
+``p2p_link`` (a pair per Attention rank, :mod:`afd_mrv2.mrv2.transport`), the executor
+(role ffn) with the configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.loop.FfnLoop`;
+:class:`FfnServer` holds the session, :func:`serve_ffn` runs it.
 
 One executor and loop per Attention rank.  On the vLLM path every Attention rank
 is an independent engine that steps on its own clock, so the FFN rank serves each
@@ -15,10 +16,10 @@ resource) never waits for another rank's item, and an idle Attention engine
 stalls nobody.  The expert computations of all loops take turns on one lock: the
 experts are one device's work (one compute stream, or the CPU's cores).
 
-Links: by default each loop runs on a pair of its own, a two-rank group with its
-Attention rank's current incarnation (:func:`~afd_mrv2.mrv2.transport.pairs.join_pair`; the
-loop's thread joins it, so an engine that starts late stalls only its own loop); with
-``AFD_MRV2_P2P_GROUPS=one``, or a ``link`` handed in, every loop shares one link.
+Links: each loop runs on a pair of its own, a two-rank group with its Attention
+rank's current incarnation
+(:meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.join_pair`; the loop's thread
+joins it, so an engine that starts late stalls only its own loop).
 
 Work item ``k`` of an Attention rank (on its pair) has seq ``k``; its MoE layer and stage
 identity (``stage i of n``) come from the Attention side's header (torch_p2p's
@@ -36,25 +37,24 @@ mapped onto the kept experts' positions (:func:`local_routing`: an entry not
 computed here weighs 0 and points at its row's first expert computed here).
 
 An Attention rank that leaves (its process exits or fails) ends the loop serving it:
-the connector reports the lost peer and that loop's executor stops.  On pairs or a
-scoped link the other loops go on serving their engines, and the session ends when
-the last loop ended; on an unscoped one every loop sees the loss within one wait
-slice.  With ``afd.rendezvous: external`` (under ``afd-mrv2 serve``) a loop's thread
-then waits for its Attention rank's next incarnation (a restarted engine) and serves
-it on a new pair; the session ends once the store's stop key is set and every loop
-ended.  A loop that
-fails on its own (a bad header, say, while its peer lives) aborts the link, which
-tells every peer why, and the session ends: the other loops get ``grace_s`` to end,
-then the link is aborted again.  :func:`serve_ffn` returns a :class:`FfnReport`
-saying how each loop ended.
+the connector reports the lost peer and that loop's executor stops.  The other loops
+go on serving their engines (faults are scoped to a pair), and the session ends when
+the last loop ended.  With ``afd.rendezvous: external`` (under ``afd-mrv2 serve``) a
+loop's thread then waits for its Attention rank's next incarnation (a restarted
+engine) and serves it on a new pair; the session ends once the store's stop key is
+set and every loop ended.  A loop that fails on its own (a bad header, say, while
+its peer lives) aborts every loop's link, which tells every peer why, and the session
+ends: the other loops get ``grace_s`` to end, then their links are aborted again.
+:func:`serve_ffn` returns a :class:`FfnReport` saying how each loop ended.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, final
 
 import torch
 
@@ -68,18 +68,7 @@ from afd_mrv2.live_stats import StatsWriter, stats_path
 from afd_mrv2.mrv2.attention.remote import MoeShape
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
-from afd_mrv2.mrv2.transport.pairs import (
-    IDLE_TIMEOUT_S,
-    POLL_S,
-    connect_store,
-    incarnation,
-    join_pair,
-    label,
-    open_peer_link,
-    pairs_enabled,
-    register,
-    stop_requested,
-)
+from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, RendezvousStore
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins
@@ -108,7 +97,7 @@ def ffn_serving_config(raw_afd: Mapping[str, Any]) -> AfdConfig:
     return config
 
 
-#: How often a scoped session checks whether its loops are all done (or one failed on its own).
+#: How often a session checks whether its loops are all done (or one failed on its own).
 SESSION_POLL_S = 0.2
 #: How a session's ``end`` starts when an Attention engine went away at a step boundary (its normal stop).
 LEFT_BETWEEN_STEPS = "left between steps"
@@ -132,7 +121,8 @@ def left_between_steps(error: PipelineError) -> bool:
 
 
 def _redispatched(connector: object) -> int:
-    """The re-sends a loop's connector served (torch_p2p's FFN side counts them; another connector: 0)."""
+    """The re-sends a loop's connector served (torch_p2p's FFN side counts them; another connector: 0): the
+    one probe of a connector in this module, until a declared capability replaces it."""
     return int(getattr(getattr(connector, "side", None), "redispatched", 0))
 
 
@@ -173,7 +163,6 @@ def serve_ffn(
     dtype: torch.dtype,
     device: torch.device,
     index: int = 0,
-    link: PeerLink | None = None,
     local_experts_only: bool = False,
     grace_s: float = 10.0,
 ) -> FfnReport:
@@ -183,82 +172,235 @@ def serve_ffn(
     :param dtype: the dtype the experts compute in (the wire carries fp32).
     :param device: where the experts' weights live.
     :param index: this FFN rank's index.
-    :param link: an already-open link (tests); by default one is opened on ``afd.host:afd.port``.
     :param local_experts_only: the callables hold only the experts this rank holds.
-    :param grace_s: how long the other loops may take to end after the first one ended.
+    :param grace_s: how long the other loops may take to end after one failed on its own.
     """
-    if not experts:
-        raise ValueError("the FFN role needs at least one MoE layer; the loaded model has none")
-    topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts, config.expert_replicas)
-    me = topology.global_rank(FFN, index)
-    store = None
-    if link is None and pairs_enabled():
-        store = connect_store(config.host, config.port, master=config.rendezvous == "ffn0" and index == 0)
-        incarnation_ = register(store, FFN, index)
-    elif link is None:
-        link = open_peer_link(topology, me, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0")
-    block = topology.held_by(index)
-    report = FfnReport(moe_layers=len(experts))
-    compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
+    server = FfnServer(
+        config,
+        experts,
+        shape,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        device=device,
+        index=index,
+        local_experts_only=local_experts_only,
+        grace_s=grace_s,
+    )
+    return server.run()
 
-    def compute(
-        item: WorkItem,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        weights: torch.Tensor,
-        scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if scales is not None:  # torch_p2p quant "w8a8": int8 rows and their per-token scales
-            hidden = dequantize_per_token(hidden, scales)
-        ids, w = local_routing(topk_ids, weights, block, shape.num_experts, shift=local_experts_only)
-        with compute_lock, torch.inference_mode():
-            start = time.perf_counter()
-            out = experts[item.layer_idx](
-                hidden.to(device=device, dtype=dtype), w.to(device=device), ids.to(device=device, dtype=torch.int32)
+
+@final
+class FfnServer:
+    """One FFN rank's serving session (see the module docstring), in named steps: :meth:`run` opens the
+    rendezvous store and registers this process (:meth:`open`), starts one thread per Attention rank in
+    :meth:`attend` (that rank's incarnations, each served by a loop from :meth:`make_loop` in
+    :meth:`serve`), then waits for the session (:meth:`wait`) and ends it (:meth:`shut_down`).
+    The parameters are :func:`serve_ffn`'s.
+    """
+
+    __slots__ = (
+        "_compute_lock",
+        "_connectors",
+        "_links",
+        "_own_fault",
+        "_p2p_shape",
+        "_started",
+        "_traces",
+        "block",
+        "config",
+        "device",
+        "dtype",
+        "experts",
+        "grace_s",
+        "incarnation",
+        "index",
+        "local_experts_only",
+        "me",
+        "rejoin",
+        "report",
+        "shape",
+        "store",
+        "topology",
+    )
+
+    #: the rendezvous store (:meth:`open`)
+    store: RendezvousStore
+    #: this process's incarnation, registered in the store (:meth:`open`)
+    incarnation: int
+
+    def __init__(
+        self,
+        config: AfdConfig,
+        experts: Sequence[ExpertsFn],
+        shape: MoeShape,
+        *,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        index: int,
+        local_experts_only: bool,
+        grace_s: float,
+    ) -> None:
+        if not experts:
+            raise ValueError("the FFN role needs at least one MoE layer; the loaded model has none")
+        self.config = config
+        self.experts = experts
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.index = index
+        self.local_experts_only = local_experts_only
+        self.grace_s = grace_s
+        self.topology = Topology(
+            config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts, config.expert_replicas
+        )
+        self.me = self.topology.global_rank(FFN, index)
+        self.block = self.topology.held_by(index)
+        #: with ``afd.rendezvous: external``: serve each Attention rank's next incarnation too, until stop
+        self.rejoin = config.rendezvous == "external"
+        self.report = FfnReport(moe_layers=len(experts))
+        self._compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
+        self._p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
+        self._traces: list[Trace] = []
+        self._links: dict[int, PeerLink] = {}  # attention rank -> the link its loop runs on now
+        self._connectors: dict[int, list[object]] = {a: [] for a in range(self.topology.num_attention)}
+        self._own_fault = threading.Event()  # a loop failed on its own (not because its peer left): the end
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ the session
+
+    def run(self) -> FfnReport:
+        """Serve every Attention rank until the session ends; the report."""
+        self.open()
+        threads = [
+            threading.Thread(
+                target=self.attend, args=(a,), name=f"afd-ffn{self.index}-serves-attention{a}", daemon=True
             )
-            report.record(hidden.shape[0], time.perf_counter() - start)
-        return out
+            for a in range(self.topology.num_attention)
+        ]
+        self._started = time.monotonic()
+        figures = StatsWriter(stats_path(FFN, self.index), self.live)
+        for thread in threads:
+            thread.start()
+        self.wait(threads, figures)
+        return self.shut_down(threads)
 
-    p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
-    traces: list[Trace] = []
-    links: dict[int, PeerLink] = {}  # attention rank -> the link its loop runs on now
-    connectors: dict[int, list[object]] = {a: [] for a in range(topology.num_attention)}
+    def open(self) -> None:
+        """Connect to the rendezvous store (FFN rank 0 hosts it with ``afd.rendezvous: ffn0``) and register
+        this process as the next incarnation of its rank."""
+        config = self.config
+        self.store = RendezvousStore.connect(
+            config.host, config.port, master=config.rendezvous == "ffn0" and self.index == 0
+        )
+        self.incarnation = self.store.register(FFN, self.index)
 
-    def make_loop(a: int, link: PeerLink) -> FfnLoop:
-        peer = topology.global_rank(ATTENTION, a)
+    def wait(self, threads: Sequence[threading.Thread], figures: StatsWriter) -> None:
+        """Until every loop ended (each when its own engine leaves) or one failed on its own; the live
+        figures are written meanwhile, and once more at the end."""
+        while not self._own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
+            figures.maybe_write()
+        figures.maybe_write(force=True)
+
+    def shut_down(self, threads: Sequence[threading.Thread]) -> FfnReport:
+        """The loops get ``grace_s`` to end, then their links are aborted; the report, with the traces' overlap."""
+        deadline = time.monotonic() + self.grace_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
+            self.abort_all(f"FFN rank {self.index} stopped serving: {self.report.end}")
+            for thread in threads:
+                thread.join(self.grace_s)
+        if self.config.multistream.trace:
+            self.report.add_overlap(overlap_figures(self._traces))
+        return self.report
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every loop's current link: each peer learns ``reason``."""
+        for link in list(self._links.values()):
+            link.abort(reason)
+
+    def live(self) -> dict[str, Any]:
+        """What serve's ``/metrics`` shows of this rank (:mod:`afd_mrv2.live_stats`)."""
+        redispatched = sum(_redispatched(c) for each in self._connectors.values() for c in each)
+        return {**self.report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - self._started, 3)}
+
+    # ------------------------------------------------------------------ one Attention rank
+
+    def attend(self, a: int) -> None:
+        """Serve Attention rank ``a``'s incarnations (on this rank's thread for it); a store that stops
+        answering (its host is gone: serve stopped) ends the wait for the next one."""
+        try:
+            self._attend_incarnations(a)
+        except (RuntimeError, OSError) as exc:
+            self.report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
+
+    def _attend_incarnations(self, a: int) -> None:
+        """Each incarnation of Attention rank ``a`` on a pair of its own: the first one, and with ``rejoin``
+        the next one after the last left (a restarted engine), until the session is done."""
+        served = 0
+        while not self._done():
+            i = self.store.latest(ATTENTION, a)
+            if i <= served:
+                time.sleep(POLL_S)
+                continue
+            link = self._pair_link(a, i)
+            if link is None:
+                continue
+            self.serve(a, self.make_loop(a, link))
+            served = i
+            if not self.rejoin:
+                return
+
+    def _pair_link(self, a: int, i: int) -> PeerLink | None:
+        """A link on the pair with incarnation ``i`` of Attention rank ``a``, None when the session ended
+        or a newer incarnation came first."""
+        pair = self.store.join_pair(
+            FFN, (a, i), (self.index, self.incarnation), give_up=functools.partial(self._moved_on, a, i)
+        )
+        if pair is None:
+            return None
+        peer = self.topology.global_rank(ATTENTION, a)
+        labels = {
+            peer: self.store.label(ATTENTION, a, i),
+            self.me: self.store.label(FFN, self.index, self.incarnation),
+        }
+        return PeerLink(self.topology, self.me, pairs={peer: pair}, labels=labels)
+
+    def _moved_on(self, a: int, i: int) -> bool:
+        return self._done() or self.store.latest(ATTENTION, a) != i
+
+    def _done(self) -> bool:
+        """No new loop starts: a loop failed on its own, or (``rejoin``) the store says stop."""
+        return self._own_fault.is_set() or (self.rejoin and self.store.stop_requested())
+
+    # ------------------------------------------------------------------ one loop
+
+    def make_loop(self, a: int, link: PeerLink) -> FfnLoop:
+        """The loop serving Attention rank ``a`` on ``link``: its own connector and executor."""
+        peer = self.topology.global_rank(ATTENTION, a)
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
         resources = {
             "p2p_link": link,
-            "model": p2p_shape,
+            "model": self._p2p_shape,
             "attention_peers": [peer],
             "follow_stages": True,
-            "on_item": report.item_seen,
+            "on_item": self.report.item_seen,
         }
-        trace = Trace(rank=me, role=FFN, label=f"serving attention rank {a}") if config.multistream.trace else None
-        if trace is not None:
-            traces.append(trace)
-        plugins = load_plugins(config, resources=resources)
-        connectors[a].append(plugins.connector)
-        links[a] = link
-        executor = Executor(
-            plugins,
-            make_backend(config.multistream.backend),
-            config.multistream,
-            compute=compute,
-            role=FFN,
-            trace=trace,
-        )
-        return FfnLoop(executor, num_layers=len(experts), num_stages=1)
+        trace = None
+        if self.config.multistream.trace:
+            trace = Trace(rank=self.me, role=FFN, label=f"serving attention rank {a}")
+            self._traces.append(trace)
+        plugins = load_plugins(self.config, resources=resources)
+        self._connectors[a].append(plugins.connector)
+        self._links[a] = link
+        ms = self.config.multistream
+        executor = Executor(plugins, make_backend(ms.backend), ms, compute=self.compute, role=FFN, trace=trace)
+        return FfnLoop(executor, num_layers=len(self.experts), num_stages=1)
 
-    first_end = threading.Event()
-    own_fault = threading.Event()  # a loop failed on its own (not because its peer left): the session ends
-
-    def abort_all(reason: str) -> None:
-        for each in list(links.values()):
-            each.abort(reason)
-
-    def serve(a: int, loop: FfnLoop) -> None:
-        end, abandoned = "stopped", 0
+    def serve(self, a: int, loop: FfnLoop) -> None:
+        """Run ``loop`` until it ends and record how it ended; a loop that failed on its own (not because its
+        peer left) ends the session and tells every Attention rank why, at once."""
+        end = "stopped"
         try:
             while True:
                 loop.step()
@@ -266,91 +408,39 @@ def serve_ffn(
             end = str(exc).splitlines()[0]
             if left_between_steps(exc):  # a normal stop of the engine: nothing of a step was lost
                 end = f"{LEFT_BETWEEN_STEPS}: attention rank {a} closed its connection while no step was in flight"
-            elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...):
-                own_fault.set()
-                abort_all(f"FFN rank {index} stopped serving: {end}")  # tell the Attention ranks why, now
+            elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...)
+                self._own_fault.set()
+                self.abort_all(f"FFN rank {self.index} stopped serving: {end}")
         finally:
-            try:
-                abandoned = len(loop.close().abandoned)
-            finally:
-                report.loop_ended(a, loop.submitted - abandoned, end, loop.executor, _redispatched(connectors[a][-1]))
-                first_end.set()
+            self._loop_ended(a, loop, end)
 
-    rejoin = store is not None and config.rendezvous == "external"
-
-    def attend(a: int) -> None:
-        """Pairs: serve Attention rank ``a``'s incarnations, each on a pair of its own; with ``rejoin``
-        the next one after the last left (a restarted engine), until the store says stop.  A store that
-        stops answering (its host is gone: serve stopped) ends the wait for the next one."""
+    def _loop_ended(self, a: int, loop: FfnLoop, end: str) -> None:
+        abandoned = 0
         try:
-            attend_incarnations(a)
-        except (RuntimeError, OSError) as exc:
-            report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
+            abandoned = len(loop.close().abandoned)
+        finally:
+            served = loop.submitted - abandoned
+            self.report.loop_ended(a, served, end, loop.executor, _redispatched(self._connectors[a][-1]))
 
-    def attend_incarnations(a: int) -> None:
-        assert store is not None
-        served = 0
-
-        def done() -> bool:
-            return own_fault.is_set() or (rejoin and stop_requested(store))
-
-        while not done():
-            i = incarnation(store, ATTENTION, a)
-            if i <= served:
-                if served and not rejoin:
-                    return
-                time.sleep(POLL_S)
-                continue
-            pair = join_pair(
-                store,
-                FFN,
-                (a, i),
-                (index, incarnation_),
-                give_up=lambda i=i: done() or incarnation(store, ATTENTION, a) != i,  # type: ignore[misc]
+    def compute(
+        self,
+        item: WorkItem,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The executor's compute: one MoE layer's routed experts for an item, as this rank computes them."""
+        if scales is not None:  # torch_p2p quant "w8a8": int8 rows and their per-token scales
+            hidden = dequantize_per_token(hidden, scales)
+        ids, w = local_routing(topk_ids, weights, self.block, self.shape.num_experts, shift=self.local_experts_only)
+        device = self.device
+        with self._compute_lock, torch.inference_mode():
+            start = time.perf_counter()
+            out = self.experts[item.layer_idx](
+                hidden.to(device=device, dtype=self.dtype),
+                w.to(device=device),
+                ids.to(device=device, dtype=torch.int32),
             )
-            if pair is None:
-                continue
-            peer = topology.global_rank(ATTENTION, a)
-            labels = {peer: label(store, ATTENTION, a, i), me: label(store, FFN, index, incarnation_)}
-            serve(a, make_loop(a, PeerLink(topology, me, pairs={peer: pair}, labels=labels, scoped=True)))
-            served = i
-            if not rejoin:
-                return
-
-    if store is None:
-        assert link is not None
-        loops = [make_loop(a, link) for a in range(topology.num_attention)]
-        targets = [(serve, (a, loop)) for a, loop in enumerate(loops)]
-    else:
-        targets = [(attend, (a,)) for a in range(topology.num_attention)]
-    threads = [
-        threading.Thread(target=target, args=args, name=f"afd-ffn{index}-serves-attention{a}", daemon=True)
-        for a, (target, args) in enumerate(targets)
-    ]
-    started = time.monotonic()
-
-    def live() -> dict[str, Any]:
-        redispatched = sum(_redispatched(c) for each in connectors.values() for c in each)
-        return {**report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - started, 3)}
-
-    figures = StatsWriter(stats_path(FFN, index), live)
-    for thread in threads:
-        thread.start()
-    if store is not None or (link is not None and link.scoped):
-        # each loop ends when its own engine leaves; the session, when the last one did
-        while not own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
-            figures.maybe_write()
-    else:
-        while not first_end.wait(SESSION_POLL_S):
-            figures.maybe_write()
-    figures.maybe_write(force=True)
-    deadline = time.monotonic() + grace_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if any(thread.is_alive() for thread in threads):
-        abort_all(f"FFN rank {index} stopped serving: {report.end}")
-        for thread in threads:
-            thread.join(grace_s)
-    if config.multistream.trace:
-        report.add_overlap(overlap_figures(traces))
-    return report
+            self.report.record(hidden.shape[0], time.perf_counter() - start)
+        return out

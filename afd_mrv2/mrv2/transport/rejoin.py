@@ -7,7 +7,7 @@ thread per Attention process watches the store for the FFN ranks its connector s
 routing to (``lost()``) and, when one has a newer incarnation, joins that pair: the
 rendezvous runs on this thread, never on the model's.  The pair then waits in
 :meth:`Rejoiner.take` until the model's next step boundary, where the owner installs it
-in the link and the connector routes to the rank again: no step mixes generations.
+in the link and the connector routes to the rank again: no step mixes two incarnations of a rank.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.transport.pairs import incarnation, join_pair, label
+from afd_mrv2.mrv2.transport.store import RendezvousStore
 from afd_mrv2.topology import Topology
 
 #: How often the store is looked at for a restarted FFN rank.
@@ -39,6 +37,12 @@ class Comeback:
     label: str
 
 
+def _routes_around(side: Any) -> bool:
+    """Whether the connector's ``side`` can start without an FFN rank (torch_p2p's round-trip Attention side):
+    the one probe of a connector here, until a declared capability replaces it."""
+    return hasattr(side, "start_without")
+
+
 def route_around_missing(link: PeerLink, side: Any) -> None:
     """FFN ranks the just-opened ``link`` has no pair with (lost before this engine started; serve marked
     them in the store) are routed around from the first item: ``side.start_without``; a connector side that
@@ -47,7 +51,7 @@ def route_around_missing(link: PeerLink, side: Any) -> None:
     for f in range(topology.num_ffn):
         if topology.global_rank(FFN, f) in link.peers:
             continue
-        if not hasattr(side, "start_without"):
+        if not _routes_around(side):
             raise PipelineError(f"{link.me}: FFN rank {f} is lost and the connector cannot route around it")
         side.start_without(f)
 
@@ -57,7 +61,7 @@ class Rejoiner:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: RendezvousStore,
         topology: Topology,
         index: int,
         me: int,
@@ -79,19 +83,19 @@ class Rejoiner:
         while not self._closed.wait(WATCH_S):
             for f in sorted(self.lost()):
                 try:
-                    latest = incarnation(self.store, FFN, f)
+                    latest = self.store.latest(FFN, f)
                     if latest <= self.joined.get(f, 0):
                         continue
 
                     def moved_on(f: int = f, latest: int = latest) -> bool:
-                        return self._closed.is_set() or incarnation(self.store, FFN, f) != latest
+                        return self._closed.is_set() or self.store.latest(FFN, f) != latest
 
-                    pair = join_pair(self.store, ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on)
+                    pair = self.store.join_pair(ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on)
                 except Exception:  # noqa: BLE001 - the store is gone (serve stops) or gloo failed: look again later
                     continue
                 if pair is not None:
                     self.joined[f] = latest
-                    self._ready.put(Comeback(f, pair, label(self.store, FFN, f, latest)))
+                    self._ready.put(Comeback(f, pair, self.store.label(FFN, f, latest)))
 
     def take(self) -> list[Comeback]:
         """The pairs joined since the last call (call it between two steps)."""

@@ -15,7 +15,7 @@ import torch
 
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerLost
-from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hooks.p2p.link import Pair, PeerLink
 from afd_mrv2.topology import Topology
 
 
@@ -112,17 +112,30 @@ def test_abort_lingers_after_its_notices_went_out_so_peers_can_read_them_before_
     assert time.monotonic() - start < 1.0
 
 
-@pytest.mark.parametrize("scoped", [True, False])
-def test_a_scoped_wait_fails_only_for_the_peers_it_waits_on(scoped: bool) -> None:
-    """The FFN rank of 2A1F waits on attention rank 1 while attention rank 0's connection closes: a scoped
-    link (independent engines, the vLLM path) completes the wait; an unscoped one names the lost rank."""
-    group = _Group()
-    link = PeerLink(Topology(2, 1, 2), 2, group, scoped=scoped)
+def _recv(link: PeerLink, groups: dict[int, _Group], peer: int, tag: int) -> _Work:
+    """The fake work of the receive ``link`` posted from global rank ``peer`` on ``tag`` (on ``peer``'s pair,
+    where the peer is pair rank 0, or on the one group, keyed ``-1``)."""
+    return groups[peer].recvs[(0, tag)] if link.scoped else groups[-1].recvs[(peer, tag)]
+
+
+@pytest.mark.parametrize("on_pairs", [True, False], ids=["pairs", "one-group"])
+def test_a_wait_on_pairs_fails_only_for_the_peers_it_waits_on(on_pairs: bool) -> None:
+    """The FFN rank of 2A1F waits on attention rank 1 while attention rank 0's connection closes: a link on
+    pairs (independent engines, the vLLM path: scoped faults) completes the wait; a link on one group of
+    every rank (``afd-mrv2 run``) names the lost rank."""
+    topology = Topology(2, 1, 2)
+    if on_pairs:
+        groups = {peer: _Group() for peer in (0, 1)}
+        link = PeerLink(topology, 2, pairs={a: Pair(g, 1, 0, f"a{a}.1-f0.1") for a, g in groups.items()})
+    else:
+        groups = {-1: _Group()}
+        link = PeerLink(topology, 2, groups[-1])
+    assert link.scoped is on_pairs
     header = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
     data = link.irecv(header, 1, wire.TAG_DISPATCH_HEADER, "dispatch header")
-    group.recvs[(0, wire.TAG_CONTROL)].fail("Connection closed by peer")  # attention rank 0 died
-    threading.Timer(0.3, group.recvs[(1, wire.TAG_DISPATCH_HEADER)].complete).start()
-    if scoped:
+    _recv(link, groups, 0, wire.TAG_CONTROL).fail("Connection closed by peer")  # attention rank 0 died
+    threading.Timer(0.3, _recv(link, groups, 1, wire.TAG_DISPATCH_HEADER).complete).start()
+    if on_pairs:
         link.wait([data], timeout_s=5, work=None, action="serving", option="recv_timeout_s")
         assert data.done.is_set() and data.error is None
         with pytest.raises(PeerLost, match=r"lost attention rank 0 \(global rank 0\)"):
@@ -131,3 +144,21 @@ def test_a_scoped_wait_fails_only_for_the_peers_it_waits_on(scoped: bool) -> Non
     else:
         with pytest.raises(PeerLost, match=r"lost attention rank 0 \(global rank 0\)"):
             link.wait([data], timeout_s=5, work=None, action="serving", option="recv_timeout_s")
+
+
+def test_a_link_runs_on_one_group_or_on_pairs_never_both() -> None:
+    with pytest.raises(ValueError, match=r"^a PeerLink runs on one group or on pairs, not both$"):
+        PeerLink(Topology(1, 1, 2), 1, _Group(), pairs={0: Pair(_Group(), 1, 0)})
+    with pytest.raises(RuntimeError, match=r"a link on one process group cannot take a new pair"):
+        PeerLink(Topology(1, 1, 2), 1, _Group()).install(0, Pair(_Group(), 1, 0))
+
+
+def test_a_pair_is_named_by_its_incarnations_and_generation_is_deprecated() -> None:
+    pair = Pair(_Group(), 1, 0, "a0.1-f0.2")
+    link = PeerLink(Topology(1, 1, 2), 1, pairs={0: pair})
+    assert pair.name == link.pair_name(0) == "a0.1-f0.2"
+    assert PeerLink(Topology(1, 1, 2), 1, _Group()).pair_name(0) == ""  # a one-group link has no pair
+    with pytest.warns(DeprecationWarning, match=r"^Pair\.generation is deprecated: use Pair\.name$"):
+        assert pair.generation == "a0.1-f0.2"
+    with pytest.warns(DeprecationWarning, match=r"^PeerLink\.generation is deprecated: use PeerLink\.pair_name$"):
+        assert link.generation(0) == "a0.1-f0.2"

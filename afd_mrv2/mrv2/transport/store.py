@@ -1,0 +1,159 @@
+"""The AFD rendezvous store: its key layout, the processes' incarnations and the pair handshake.
+
+:class:`RendezvousStore` wraps the :class:`torch.distributed.TCPStore` on ``afd.host:afd.port``
+and is the only code that names a key in it; roles (:mod:`.pairs`, :mod:`.rejoin`, the FFN
+server) and serve's supervisor (:mod:`afd_mrv2.serve.rendezvous`) go through its methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import final
+
+import torch.distributed as dist
+
+from afd_mrv2.hooks.p2p import Pair
+from afd_mrv2.items import ATTENTION
+
+#: Every key of the store lives under this prefix.
+PREFIX = "afd_mrv2/p2p"
+#: A pair group's own timeout (gloo aborts the whole group on expiry): a serving FFN rank waits as long as
+#: its Attention engine stays idle, so a week; dead peers are noticed at once through the link's control channel.
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+#: How often a side waiting for its peer's hello (or a newer incarnation) looks again.
+POLL_S = 0.05
+
+
+def _rank_name(role: str, index: int) -> str:
+    """``a0`` for Attention rank 0, ``f1`` for FFN rank 1."""
+    return f"{'a' if role == ATTENTION else 'f'}{index}"
+
+
+def pair_name(attention: int, attention_incarnation: int, ffn: int, ffn_incarnation: int) -> str:
+    """The name of the pair of two incarnations, ``a{a}.{i}-f{f}.{j}``: its store prefix, and how messages
+    name it (:attr:`afd_mrv2.hooks.p2p.Pair.name`)."""
+    return f"a{attention}.{attention_incarnation}-f{ffn}.{ffn_incarnation}"
+
+
+@final
+class RendezvousStore:
+    """The rendezvous store of one AFD deployment, as the roles and serve use it.
+
+    The key layout (under :data:`PREFIX`), private to this class:
+
+    * ``{rank}/incarnation``: a counter each process of the rank bumps when it opens its link
+      (:meth:`register`); ``{rank}`` is ``a{index}`` or ``f{index}``;
+    * ``{rank}.{incarnation}/label``: that process's ``pid N on HOST``, for messages;
+    * ``{rank}/lost``: the rank's incarnation serve last saw lost (:meth:`mark_lost`, :meth:`lost_incarnation`);
+    * ``stop``: the deployment is stopping (:meth:`request_stop`);
+    * ``{pair}/hello/{attention|ffn}``: a side of a pair is there (:meth:`join_pair`);
+    * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys).
+
+    Sections: connection; incarnations; losses and the stop key; the pair handshake.
+    """
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: dist.Store) -> None:
+        """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object."""
+        self._store = store
+
+    # ------------------------------------------------------------------ connection
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, master: bool, timeout_s: float = 600.0) -> RendezvousStore:
+        """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``)."""
+        return cls(
+            dist.TCPStore(
+                host, port, is_master=master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+            )
+        )
+
+    # ------------------------------------------------------------------ incarnations
+
+    def register(self, role: str, index: int) -> int:
+        """This process as the next incarnation of ``role`` rank ``index`` (1, 2, ...); its label (pid, host)
+        goes into the store for the peers' messages."""
+        incarnation = int(self._store.add(self._counter(role, index), 1))
+        self._store.set(self._label(role, index, incarnation), f"pid {os.getpid()} on {socket.gethostname()}")
+        return incarnation
+
+    def latest(self, role: str, index: int) -> int:
+        """The latest incarnation of ``role`` rank ``index`` (0: none registered yet); never blocks."""
+        return int(self._store.add(self._counter(role, index), 0))
+
+    def label(self, role: str, index: int, incarnation: int) -> str:
+        """``pid N on HOST`` of that incarnation (empty when it never registered)."""
+        return self._get(self._label(role, index, incarnation)) or ""
+
+    # ------------------------------------------------------------------ losses and the stop key
+
+    def mark_lost(self, role: str, index: int) -> None:
+        """Say that ``role`` rank ``index``'s latest incarnation is gone (serve, on a loss): a process that
+        starts meanwhile (a restarted engine) does not wait for it, and joins its next incarnation later."""
+        self._store.set(self._lost(role, index), str(self.latest(role, index)))
+
+    def lost_incarnation(self, role: str, index: int) -> int:
+        """The incarnation of ``role`` rank ``index`` last marked lost (0: none)."""
+        return int(self._get(self._lost(role, index)) or 0)
+
+    def request_stop(self) -> None:
+        """Tell every role on this store that the deployment is stopping: FFN ranks then serve no new
+        incarnation of an engine, and their sessions end once their engines left."""
+        self._store.set(f"{PREFIX}/stop", "1")
+
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called."""
+        return bool(self._store.check([f"{PREFIX}/stop"]))
+
+    # ------------------------------------------------------------------ the pair handshake
+
+    def join_pair(
+        self,
+        role: str,
+        attention: tuple[int, int],
+        ffn: tuple[int, int],
+        *,
+        give_up: Callable[[], bool] = lambda: False,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> Pair | None:
+        """Join the pair of Attention rank ``attention = (index, incarnation)`` and FFN rank ``ffn`` as ``role``.
+
+        A handshake before gloo's rendezvous: say hello, wait (polling, so that it can give up) for the
+        peer's hello, None when ``give_up()`` turns true first; then gloo's rendezvous of the two, which
+        completes at once.  The Attention rank is rank 0 of the pair.
+        """
+        name = pair_name(*attention, *ffn)
+        mine, theirs = ("attention", "ffn") if role == ATTENTION else ("ffn", "attention")
+        self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
+        hello = f"{PREFIX}/{name}/hello/{theirs}"
+        while not self._store.check([hello]):
+            if give_up():
+                return None
+            time.sleep(POLL_S)
+        me = 0 if role == ATTENTION else 1
+        gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
+        group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
+        return Pair(group, me, 1 - me, name)
+
+    # ------------------------------------------------------------------ the key layout
+
+    @staticmethod
+    def _counter(role: str, index: int) -> str:
+        return f"{PREFIX}/{_rank_name(role, index)}/incarnation"
+
+    @staticmethod
+    def _label(role: str, index: int, incarnation: int) -> str:
+        return f"{PREFIX}/{_rank_name(role, index)}.{incarnation}/label"
+
+    @staticmethod
+    def _lost(role: str, index: int) -> str:
+        return f"{PREFIX}/{_rank_name(role, index)}/lost"
+
+    def _get(self, key: str) -> str | None:
+        """The value of ``key``, None when it is not set (never blocks)."""
+        return self._store.get(key).decode() if self._store.check([key]) else None
