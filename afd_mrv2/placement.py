@@ -1,7 +1,7 @@
 """Where each routed expert lives when experts are replicated, and which live holder serves it.
 
 ``E`` routed experts, ``F`` FFN ranks, ``R`` replicas (``1 <= R <= F``, ``E % F == 0``).
-Expert ``e``'s *primary* holder is the FFN rank owning its contiguous block, as in
+Expert ``e``'s *primary* holder is the FFN rank whose contiguous block it is in, as in
 :class:`~afd_mrv2.topology.Topology` (``e // (E/F)``); its replicas are the next ``R-1``
 ranks around the ring::
 
@@ -16,6 +16,9 @@ Routing policy (:meth:`Placement.route`): a (token, expert) pair goes to the exp
 healthy ``R >= 2`` deployment identical to today's (every expert computed by its primary, whose
 weights are the ones that ran), and a failover moves exactly the lost rank's share, to its ring
 successor, which already holds those experts.
+
+The checks here are the only ones on ``E``, ``F`` and ``R``: :class:`~afd_mrv2.topology.Topology`
+delegates to them, so both raise :class:`PlacementError` with the same words.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from afd_mrv2.errors import AfdError
+
+
+class PlacementError(AfdError, ValueError):
+    """FFN ranks, experts or replicas that make no placement (``E % F != 0``, ``R`` outside ``1..F``, no FFN rank)."""
 
 
 class NoLiveHolder(AfdError):
@@ -41,11 +48,13 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.num_ffn < 1:
-            raise AfdError(f"need at least one FFN rank, got {self.num_ffn}")
+            raise PlacementError(f"need at least one FFN rank, got {self.num_ffn}")
         if not 1 <= self.replicas <= self.num_ffn:
-            raise AfdError(f"expert_replicas must be in 1..{self.num_ffn} (the FFN ranks), got {self.replicas}")
+            raise PlacementError(f"expert_replicas must be in 1..{self.num_ffn} (the FFN ranks), got {self.replicas}")
         if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
-            raise AfdError(f"num_experts ({self.num_experts}) must be a multiple of the FFN ranks ({self.num_ffn})")
+            raise PlacementError(
+                f"num_experts ({self.num_experts}) must be a multiple of the FFN ranks ({self.num_ffn})"
+            )
 
     @property
     def block(self) -> int:

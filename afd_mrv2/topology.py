@@ -6,7 +6,7 @@ Layout of the ``A + F`` global ranks of one AFD process group::
     global rank A .. A+F-1      FFN ranks 0 .. F-1
 
 Experts are sharded across the FFN ranks in contiguous blocks: FFN rank ``f``
-owns the routed experts ``[f * E/F, (f+1) * E/F)`` (so ``E % F == 0``).  Every
+is the primary holder of the routed experts ``[f * E/F, (f+1) * E/F)`` (so ``E % F == 0``).  Every
 attention rank exchanges one message pair with every FFN rank per work item:
 it dispatches to FFN rank ``f`` exactly the tokens that have at least one of
 their top-k experts on ``f`` (possibly none: then only a control header travels)
@@ -15,13 +15,13 @@ and gets back ``f``'s partial output for them.  An FFN rank therefore serves all
 in MegaScale-Infer's M:N disaggregated expert parallelism.
 
 The shared expert is replicated on every FFN rank and computed, for each token,
-by the FFN rank that owns the token's top-1 expert.  The token travels there
+by the FFN rank that computes the token's top-1 expert.  The token travels there
 anyway, so the shared expert costs no extra transfer, and an FFN rank none of
 whose experts is selected receives no token at all (the case "an FFN rank
 receives zero tokens" is real, not a formality).
 
 Expert replicas (``expert_replicas = R``, default 1): every routed expert lives on
-``R`` distinct FFN ranks, its primary (the block owner above) and the next ``R-1``
+``R`` distinct FFN ranks, its primary (the block above) and the next ``R-1``
 ranks around the ring (:class:`~afd_mrv2.placement.Placement`); FFN rank ``f`` then
 holds ``R`` blocks (:meth:`Topology.held_by`), and each (token, expert) pair goes to
 the expert's first live holder.  ``R = 1`` is exactly the blocks above.
@@ -30,16 +30,19 @@ Attention and FFN rank counts are independent (any ``A >= 1``, ``F >= 1``, e.g.
 3A2F or 2A3F): since every FFN rank serves every attention rank, nothing pairs an
 attention rank with one FFN rank, and ``F`` need not divide ``A`` (the upstream
 plugin's ``A % F == 0`` is a convention of connectors that pair ranks, such as
-CAMP2P, which checks it itself).  Only ``E % F == 0`` is required.
+CAMP2P, which checks it itself).  Only ``E % F == 0`` is required: the checks on
+``E``, ``F`` and ``R`` are :class:`~afd_mrv2.placement.Placement`'s, and so is their
+exception (:class:`~afd_mrv2.placement.PlacementError`, a ``ValueError``).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.placement import Placement
+from afd_mrv2.placement import Placement, PlacementError
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,10 @@ class Topology:
     expert_replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_attention < 1 or self.num_ffn < 1:
-            raise ValueError(f"need at least one attention and one FFN rank, got {self.num_attention}A{self.num_ffn}F")
-        if self.num_experts < self.num_ffn or self.num_experts % self.num_ffn:
-            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of num_ffn ({self.num_ffn})")
-        if not 1 <= self.expert_replicas <= self.num_ffn:
-            raise ValueError(f"expert_replicas must be in 1..{self.num_ffn} (num_ffn), got {self.expert_replicas}")
+        """Refuses no attention rank here, and the FFN ranks, experts and replicas as :class:`Placement` does."""
+        if self.num_attention < 1:
+            raise PlacementError(f"need at least one attention rank, got {self.num_attention}A{self.num_ffn}F")
+        _ = self.placement  # Placement's checks: one check, one exception type
 
     @cached_property
     def placement(self) -> Placement:
@@ -96,7 +97,7 @@ class Topology:
         return [self.global_rank(ATTENTION, a) for a in range(self.num_attention)]
 
     def experts_of(self, ffn_index: int) -> range:
-        """The routed experts FFN rank ``ffn_index`` owns (its primary block)."""
+        """The routed experts FFN rank ``ffn_index`` is the primary holder of (its block)."""
         per = self.experts_per_ffn
         return range(ffn_index * per, (ffn_index + 1) * per)
 
@@ -105,9 +106,18 @@ class Topology:
         the ``R-1`` blocks before it around the ring."""
         return self.placement.held_by(ffn_index)
 
-    def owner_of(self, expert: int) -> int:
-        """The FFN rank owning routed expert ``expert`` (its primary holder)."""
+    def primary_of(self, expert: int) -> int:
+        """The FFN rank whose block routed expert ``expert`` is in: its primary holder."""
         return expert // self.experts_per_ffn
+
+    def owner_of(self, expert: int) -> int:
+        """Deprecated since 0.3.0 (an *owner* is what runs an executor): :meth:`primary_of`."""
+        warnings.warn(
+            "Topology.owner_of is deprecated since afd-mrv2 0.3.0: use Topology.primary_of (the expert's primary holder)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.primary_of(expert)
 
     def describe(self, global_rank: int) -> str:
         """``"FFN rank 1 (global rank 3)"``: how errors and reports name a rank."""

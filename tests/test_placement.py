@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from afd_mrv2.errors import AfdError
-from afd_mrv2.placement import NoLiveHolder, Placement
+from afd_mrv2.placement import NoLiveHolder, Placement, PlacementError
 from afd_mrv2.topology import Topology
 
 
@@ -39,7 +39,7 @@ def test_any_r_minus_1_losses_are_survived_and_r_equal_1_is_todays_blocks(expert
         assert p.survives(lost)
         assert p.routing(f for f in range(ffn) if f not in lost)
     topo = Topology(1, ffn, experts)
-    assert [p.holders[e][0] for e in range(experts)] == [topo.owner_of(e) for e in range(experts)]
+    assert [p.holders[e][0] for e in range(experts)] == [topo.primary_of(e) for e in range(experts)]
     if replicas == 1:
         assert [p.held_by(f) for f in range(ffn)] == [tuple(topo.experts_of(f)) for f in range(ffn)]
 
@@ -67,8 +67,10 @@ def test_no_live_holder_names_the_expert_and_its_holders() -> None:
     ],
 )
 def test_bad_placement_is_refused_in_one_line(args, text) -> None:
-    with pytest.raises(AfdError, match=text):
+    with pytest.raises(PlacementError, match=text) as refused:
         Placement(*args)
+    assert isinstance(refused.value, AfdError) and isinstance(refused.value, ValueError)
+    assert "\n" not in str(refused.value)
 
 
 def test_describe_lists_each_ranks_experts_as_ranges() -> None:

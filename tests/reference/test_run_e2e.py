@@ -175,7 +175,7 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path: Path) -> None:
     proc = afd("run", "--attention", "3", "--ffn", "2", "--experts", "5", "--out", str(tmp_path))
     with running(proc):
         assert proc.wait(60) == 2
-    assert "num_experts (5) must be a multiple of num_ffn (2)" in proc.stderr
+    assert "num_experts (5) must be a multiple of the FFN ranks (2)" in proc.stderr
     assert not (tmp_path / "workers.json").exists()
 
 
