@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""What expert replicas and the per-pair transport cost without faults: two serve sides measured in one run.
+"""What expert replicas cost without faults: two serve sides measured in one run.
 
-    .venv-vllm/bin/python scripts/bench_replicas.py MODEL --compare replicas|transport [--ffn 2] [--clients 32]
+    .venv-vllm/bin/python scripts/bench_replicas.py MODEL [--compare replicas] [--ffn 2] [--clients 32]
         [--tokens 32] [--requests 32] [--rounds 3] [--json OUT] [--logs DIR] [-- ENGINE ARGS]
 
-``--compare replicas``: ``afd-mrv2 serve --attention 1 --ffn F`` (R = 1) against the same with
-``--expert-replicas 2`` (R = 2; a healthy deployment routes every expert to its primary, so the traffic is
-the same and the difference is what the replicas themselves cost: the FFN ranks' memory and the routing).
-``--compare transport``: R = 1 on the per-pair transport (one two-rank gloo group per Attention/FFN pair,
-the default) against the one group of every rank that came before it (``AFD_MRV2_P2P_GROUPS=one``).
+``--compare replicas`` (the one comparison): ``afd-mrv2 serve --attention 1 --ffn F`` (R = 1) against the
+same with ``--expert-replicas 2`` (R = 2; a healthy deployment routes every expert to its primary, so the
+traffic is the same and the difference is what the replicas themselves cost: the FFN ranks' memory and the
+routing).  The per-pair transport against one group of every rank (``--compare transport``) was removed
+with that transport; docs/benchmarks-vllm.md keeps its figures.
 
 Both sides run Model Runner V2 with one micro-batch (``--ubatches 1``: every MoE layer one blocking round
 trip; on CPU through the test-only triton stand-in), start together, then alternate rounds with the other
@@ -53,9 +53,8 @@ from afd_mrv2.table import format_table
 
 PROG = "bench_replicas"
 COMPARISONS = {
-    # name -> ((side name, extra serve flags, extra env) for the base side, then for the compared side)
-    "replicas": (("R1", (), {}), ("R2", ("--expert-replicas", "2"), {})),
-    "transport": (("pairs", (), {}), ("one-group", (), {"AFD_MRV2_P2P_GROUPS": "one"})),
+    # name -> ((side name, extra serve flags) for the base side, then for the compared side)
+    "replicas": (("R1", ()), ("R2", ("--expert-replicas", "2"))),
 }
 
 
@@ -63,7 +62,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     head, engine = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, ENGINE_ARGS)
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("model", help="a checkpoint folder (afd-mrv2 make-model DIR --arch mixtral)")
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), required=True, help="what to compare")
+    parser.add_argument(
+        "--compare", choices=sorted(COMPARISONS), default="replicas", help="what to compare (default %(default)s)"
+    )
     parser.add_argument("--ffn", type=int, default=2, metavar="F", help="FFN ranks (default 2)")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients (default 32)")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request (default 32)")
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     payloads = [body(model, p, args.tokens) for p in prompts(args.requests)]
     env = {**_environment(), **SERVE_ENV}
-    names = [name for name, _, _ in specs]
+    names = [name for name, _ in specs]
     topology = ServeTopology(1, args.ffn, ubatches=1, stop_grace=STOP_GRACE_S)
     print(
         f"{PROG}: {model}, {args.compare}: {names[0]} vs {names[1]}, serve 1A{args.ffn}F --ubatches 1, "
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
     started: list[ServeServer] = []
     load_start = load_average()
     try:
-        for i, (name, flags, extra_env) in enumerate(specs):
+        for i, (name, flags) in enumerate(specs):
             side_topology = ServeTopology(1, args.ffn, ubatches=1, stop_grace=STOP_GRACE_S, flags=flags)
             server = ServeServer(
                 model,
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
                 logs / f"{name}.log",
                 side_topology,
                 engine_args,
-                env={**env, **extra_env},
+                env=env,
             )
             started.append(server)
             sides[name] = Side(name, server)

@@ -13,8 +13,8 @@ replicas = load("bench_replicas")
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["/m"], "--compare"),
         (["/m", "--compare", "nope"], "invalid choice"),
+        (["/m", "--compare", "transport"], "invalid choice"),  # removed with the one-group transport
         (["/m", "--compare", "replicas", "--ffn", "0"], "--ffn must be >= 1"),
     ],
 )
@@ -24,11 +24,11 @@ def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: 
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_each_comparison_changes_one_thing() -> None:
-    (_, flags, env), (_, other_flags, other_env) = replicas.COMPARISONS["replicas"]
-    assert (flags, env, other_flags, other_env) == ((), {}, ("--expert-replicas", "2"), {})
-    (_, flags, env), (_, other_flags, other_env) = replicas.COMPARISONS["transport"]
-    assert flags == other_flags == () and env == {} and other_env == {"AFD_MRV2_P2P_GROUPS": "one"}
+def test_the_comparison_changes_one_thing_and_is_the_default() -> None:
+    (_, flags), (_, other_flags) = replicas.COMPARISONS["replicas"]
+    assert (flags, other_flags) == ((), ("--expert-replicas", "2"))
+    assert list(replicas.COMPARISONS) == ["replicas"]
+    assert replicas.parse_args(["/m"])[0].compare == "replicas"
 
 
 def test_report_prints_medians_the_ratio_and_the_expert_bytes(capsys: pytest.CaptureFixture[str]) -> None:
