@@ -81,7 +81,7 @@ NO_STAGES_IN_CPU_VLLM = (
     "overlap off and UBatchRunner needs CUDA/ROCm SM control), so the async-MoE axis runs on the embedded run"
 )
 #: The embedded run's size for the async-MoE axis (small: it shows the policy, not throughput).
-EMBEDDED_ARGS = ("--layers", "2", "--batches", "2", "--warmup", "0", "--depth", "2", "--hidden", "64")
+EMBEDDED_ARGS = ("--layers", "2", "--batches", "2", "--warmup", "0", "--depths", "2", "--hidden", "64")
 EMBEDDED_ARGS += ("--expert-size", "128")
 #: Prefill shapes on the embedded run: several requests per batch, or one long prefill.
 EMBEDDED_PREFILL = {"batched": ("--requests", "4"), "single": ("--requests", "1", "--min-len", "96", "--max-len", "96")}

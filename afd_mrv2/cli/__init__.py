@@ -4,6 +4,11 @@ Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``handler`` (a function
 taking the parsed arguments and returning the exit code).  :func:`add_command`
 opens a subcommand's parser the one way every subcommand does.
+
+One spelling per concept across subcommands: ``--depths`` for the depths a run
+compares, ``--depth`` for the one depth serve runs, ``--ubatches`` for micro-batches,
+``*-timeout-s`` / ``*-grace-s`` for seconds.  A retired spelling still parses
+(:func:`add_retired_spelling`), after a deprecation line on stderr.
 """
 
 from __future__ import annotations
@@ -11,8 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 from afd_mrv2.errors import AfdError
+
+#: The release whose command line retired the spellings :func:`add_retired_spelling` keeps.
+RETIRED_IN = "0.3.0"
 
 # subcommand -> module; each module's register() adds the parser.
 COMMANDS = {
@@ -33,15 +42,59 @@ def add_command(
     return sub.add_parser(name, help=summary, description=description or summary)
 
 
-def add_buffer_options(group: argparse._ActionsContainer, *, depth_flag: str, default: str, what: str = "run") -> None:
-    """``depth_flag`` (depths d = d input + d output buffers) and ``--buffers IN OUT`` (repeatable)."""
+class _RetiredSpelling(argparse.Action):
+    """A retired spelling of an option: prints one deprecation line on stderr, then stores as the option does."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, spelling: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.spelling = spelling
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated since afd-mrv2 {RETIRED_IN}: use {self.spelling}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_retired_spelling(group: argparse._ActionsContainer, old: str, option: argparse.Action) -> None:
+    """Keep ``old`` parsing as ``option`` (same value, same destination), hidden from the help, with a
+    deprecation line on stderr each time it is used."""
     group.add_argument(
-        depth_flag,
+        old,
+        action=_RetiredSpelling,
+        spelling=option.option_strings[0],
+        dest=option.dest,
+        type=option.type,
+        nargs=option.nargs,
+        choices=option.choices,
+        metavar=option.metavar,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
+
+
+def add_buffer_options(
+    group: argparse._ActionsContainer, *, default: str, what: str = "run", retired: tuple[str, ...] = ()
+) -> None:
+    """``--depths D [D ...]`` (each d input + d output buffers) and ``--buffers IN OUT`` (repeatable);
+    ``retired``: old spellings of ``--depths`` still accepted (:func:`add_retired_spelling`)."""
+    depths = group.add_argument(
+        "--depths",
         type=int,
         nargs="+",
         default=None,
+        metavar="D",
         help=f"depths to {what}, each d input + d output buffers (default {default}, or none with --buffers)",
     )
+    for old in retired:
+        add_retired_spelling(group, old, depths)
     group.add_argument(
         "--buffers",
         type=int,

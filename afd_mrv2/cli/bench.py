@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--scenario", nargs="+", choices=[s.name for s in SCENARIOS], help="scenarios (default: all)")
-    add_buffer_options(parser, depth_flag="--depths", default="1 2 3 4", what="run")
+    add_buffer_options(parser, default="1 2 3 4", what="run")
     parser.add_argument("--items", type=int, default=24, help="work items per run (default 24)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
     parser.add_argument("--chart", default="out/bench.png", help="PNG chart path (default out/bench.png)")

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--items", type=int, default=32, help="work items per run (default 32)")
-    add_buffer_options(parser, depth_flag="--depth", default="2 3", what="run")
+    add_buffer_options(parser, default="2 3", what="run", retired=("--depth",))
     parser.add_argument("--phase-ms", type=float, default=5.0, help="time of each phase in ms (default 5)")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON (Perfetto) of all runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -34,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
     from afd_mrv2.bench.overlap import compare
     from afd_mrv2.pipeline.trace import write_chrome_trace
 
-    depths = [2, 3] if args.depth is None and not args.buffers else list(args.depth or [])
+    depths = [2, 3] if args.depths is None and not args.buffers else list(args.depths or [])
     buffers = tuple((i, o) for i, o in args.buffers)
     if args.items < 1 or args.phase_ms <= 0 or any(not 1 <= d <= 8 for d in depths + [n for p in buffers for n in p]):
-        raise SystemExit("afd-mrv2 demo: --items must be >= 1, --phase-ms > 0, each --depth / --buffers count in 1..8")
+        raise SystemExit("afd-mrv2 demo: --items must be >= 1, --phase-ms > 0, each --depths / --buffers count in 1..8")
     rows, results = compare(items=args.items, depths=tuple(depths), buffers=buffers, phase_s=args.phase_ms / 1e3)
     trace_path = None
     if args.trace:

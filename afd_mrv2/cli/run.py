@@ -18,7 +18,7 @@ import argparse
 import os
 
 from afd_mrv2 import envs
-from afd_mrv2.cli import add_buffer_options, add_command
+from afd_mrv2.cli import add_buffer_options, add_command, add_retired_spelling
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.quant import QUANT_MODES
@@ -54,13 +54,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="FFN ranks, any number >= 1; experts are sharded over them (default 1)",
     )
     topo.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    topo.add_argument(
-        "--stages",
+    ubatches = topo.add_argument(
+        "--ubatches",
         type=int,
         default=None,
-        help="micro-batches (stages) of whole requests per prefill batch (default 4)",
+        metavar="N",
+        help="micro-batches of whole requests per prefill batch (default 4)",
     )
-    topo.add_argument("--requests-per-stage", type=int, default=None, help="requests per stage (default 2)")
+    add_retired_spelling(topo, "--stages", ubatches)
+    per_ubatch = topo.add_argument(
+        "--requests-per-ubatch", type=int, default=None, metavar="N", help="requests per micro-batch (default 2)"
+    )
+    add_retired_spelling(topo, "--requests-per-stage", per_ubatch)
     topo.add_argument(
         "--async-moe-split",
         choices=SPLITS,
@@ -100,7 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
     topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
     topo.add_argument("--warmup", type=int, default=1, help="warm-up batches per mode (default 1)")
-    add_buffer_options(topo, depth_flag="--depth", default="3", what="run multistream with")
+    add_buffer_options(topo, default="3", what="run multistream with", retired=("--depth",))
     topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=int, default=ModelSpec.hidden_size, help="hidden size (default %(default)s)")
@@ -155,20 +160,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _batch_layout(args: argparse.Namespace) -> tuple[int, int]:
-    """(stages, requests per stage) of the BatchSpec; under a split one group of ``--requests`` requests."""
+    """(micro-batches, requests per micro-batch) of the BatchSpec; under a split one group of ``--requests``
+    requests."""
     if args.async_moe_split is None:
         if args.requests is not None:
             raise AfdError(
-                "--requests only applies with --async-moe-split (without it use --stages and --requests-per-stage)"
+                "--requests only applies with --async-moe-split (without it use --ubatches and --requests-per-ubatch)"
             )
         return (
-            4 if args.stages is None else args.stages,
-            2 if args.requests_per_stage is None else args.requests_per_stage,
+            4 if args.ubatches is None else args.ubatches,
+            2 if args.requests_per_ubatch is None else args.requests_per_ubatch,
         )
-    if args.stages is not None or args.requests_per_stage is not None:
+    if args.ubatches is not None or args.requests_per_ubatch is not None:
         raise AfdError(
             "--async-moe-split plans each batch into the planner's two stages: give the batch size with --requests N, "
-            "not --stages / --requests-per-stage"
+            "not --ubatches / --requests-per-ubatch"
         )
     return 1, DEFAULT_SPLIT_REQUESTS if args.requests is None else max(args.requests)
 
@@ -210,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             routing=args.routing,
             batches=args.batches,
             warmup=args.warmup,
-            depths=(3,) if args.depth is None and not args.buffers else tuple(args.depth or ()),
+            depths=(3,) if args.depths is None and not args.buffers else tuple(args.depths or ()),
             buffers=tuple((i, o) for i, o in args.buffers),
             link=args.link,
             sim_latency_us=args.sim_latency_us,

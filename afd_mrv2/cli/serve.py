@@ -1,4 +1,4 @@
-"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [-- EXTRA VLLM ARGS]``.
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [--ready-timeout-s S] [--stop-grace-s S] [-- EXTRA VLLM ARGS]``.
 
 Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
 each on its own port) and serves one OpenAI-compatible endpoint in front of
@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from afd_mrv2.cli import add_command
+from afd_mrv2.cli import add_command, add_retired_spelling
 from afd_mrv2.errors import AfdError
 from afd_mrv2.serve import RoleCommands, ServeOptions, runtime_gate, serve
 from afd_mrv2.serve.app import PlanGate
@@ -75,12 +75,22 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balance", choices=BALANCE, default=BALANCE[0], help="how the endpoint picks an engine (default %(default)s)"
     )
-    parser.add_argument(
-        "--ready-timeout", type=float, default=900.0, metavar="S", help="seconds for every role to get ready"
+    ready = parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="seconds for every role to get ready (default %(default)s)",
     )
-    parser.add_argument(
-        "--stop-grace", type=float, default=5.0, metavar="S", help="SIGTERM-to-SIGKILL grace (default %(default)s)"
+    add_retired_spelling(parser, "--ready-timeout", ready)
+    grace = parser.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="SIGTERM-to-SIGKILL grace, seconds (default %(default)s)",
     )
+    add_retired_spelling(parser, "--stop-grace", grace)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -123,8 +133,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         afd_json=args.afd,
         extra=tuple(extra),
         balance=args.balance,
-        ready_timeout_s=args.ready_timeout,
-        stop_grace_s=args.stop_grace,
+        ready_timeout_s=args.ready_timeout_s,
+        stop_grace_s=args.stop_grace_s,
     )
 
 

@@ -257,7 +257,7 @@ class ServeTopology:
     afd: dict[str, Any] | None = None
     #: serve --ubatches N (Model Runner V2 and afd-mrv2's worker on the Attention engines; 1: unsplit); None: no flag
     ubatches: int | None = None
-    #: serve --stop-grace S (None: serve's default, 5 s)
+    #: serve --stop-grace-s S (None: serve's default, 5 s)
     stop_grace: float | None = None
     #: any further serve flags, as given (``("--connector", "my_link")``)
     flags: tuple[str, ...] = ()
@@ -306,7 +306,7 @@ class ServeServer(Child):
         if topology.ubatches is not None:
             cmd += ["--ubatches", str(topology.ubatches)]
         if topology.stop_grace is not None:
-            cmd += ["--stop-grace", f"{topology.stop_grace:g}"]
+            cmd += ["--stop-grace-s", f"{topology.stop_grace:g}"]
         if topology.afd:
             cmd += ["--afd", json.dumps(topology.afd)]
         cmd += topology.flags

@@ -34,7 +34,7 @@ def test_bad_link_options_name_the_key(options: dict, key: str) -> None:
 def test_demo_json_reports_identical_outputs_and_a_speedup(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     trace = tmp_path / "demo.json"
-    assert main(["demo", "--items", "12", "--depth", "3", "--phase-ms", "4", "--json", "--trace", str(trace)]) == 0
+    assert main(["demo", "--items", "12", "--depths", "3", "--phase-ms", "4", "--json", "--trace", str(trace)]) == 0
     result = json.loads(capsys.readouterr().out)
     serial, piped = result["modes"]
     assert serial["mode"] == "serialized" and piped["mode"] == "pipelined 3in/3out"
@@ -46,7 +46,7 @@ def test_demo_json_reports_identical_outputs_and_a_speedup(capsys: pytest.Captur
 
 
 def test_demo_table_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--items", "4", "--depth", "2", "--phase-ms", "1"]) == 0
+    assert main(["demo", "--items", "4", "--depths", "2", "--phase-ms", "1"]) == 0
     out = capsys.readouterr().out
     assert "serialized" in out and "pipelined 2in/2out" in out and "efficiency" in out
     assert "buffers (in+out)" in out
@@ -61,7 +61,7 @@ def _simlink_slot_bytes() -> int:
 
 def test_demo_reports_the_bytes_its_buffers_hold_in_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     """depth_in input + depth_out output buffers of one item's tensor each; table and JSON agree."""
-    args = ["demo", "--items", "6", "--phase-ms", "0.5", "--depth", "2", "--buffers", "3", "1"]
+    args = ["demo", "--items", "6", "--phase-ms", "0.5", "--depths", "2", "--buffers", "3", "1"]
     assert main([*args, "--json"]) == 0
     modes = json.loads(capsys.readouterr().out)["modes"]
     slot = _simlink_slot_bytes()

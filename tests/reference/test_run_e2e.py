@@ -84,7 +84,7 @@ def test_2a1f_skewed_routing_matches_the_reference(skewed_2a1f: dict) -> None:
 
 def test_2a2f_skewed_routing_matches_the_reference(tmp_path: Path) -> None:
     report = run_json(
-        tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depth", "3", "--buffers", "3", "2"
+        tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depths", "3", "--buffers", "3", "2"
     )
     check_correct(report, ("serialized", "multistream 3in/3out", "multistream 3in/2out"))
     assert report["routing_stats"]["hot_expert_share"] >= 0.7
@@ -158,7 +158,7 @@ def test_free_topology_matches_the_reference(tmp_path: Path, attention: int, ffn
     report = run_json(
         tmp_path,
         *("--attention", str(attention), "--ffn", str(ffn), "--experts", "6"),
-        *("--layers", "2", "--batches", "1", "--depth", "2"),
+        *("--layers", "2", "--batches", "1", "--depths", "2"),
     )
     assert report["topology"] == f"{attention}A{ffn}F" and report["layers"] == 2
     assert [m["mode"] for m in report["modes"]] == ["serialized", "multistream 2in/2out"]
@@ -197,7 +197,7 @@ def check_split(report: dict, policy: str) -> list[dict]:
 
 @pytest.mark.parametrize("policy", ["token", "request"])
 def test_async_moe_split_matches_the_unsplit_reference(tmp_path: Path, policy: str) -> None:
-    report = run_json(tmp_path, "--async-moe-split", policy, "--requests", "4", "--depth", "2")
+    report = run_json(tmp_path, "--async-moe-split", policy, "--requests", "4", "--depths", "2")
     plans = check_split(report, policy)
     for plan in plans:
         if policy == "token":  # these shapes make the token split cut a request in every batch
@@ -211,7 +211,7 @@ def test_async_moe_split_matches_the_unsplit_reference(tmp_path: Path, policy: s
 def test_async_moe_token_split_of_one_long_prefill_mid_request(tmp_path: Path) -> None:
     """The upstream open question: ONE long prefill, cut in the middle, stage 2 a chunked prefill over stage 1."""
     report = run_json(
-        tmp_path, "--async-moe-split", "token", "--requests", "1", "--min-len", "96", "--max-len", "96", "--depth", "2"
+        tmp_path, "--async-moe-split", "token", "--requests", "1", "--min-len", "96", "--max-len", "96", "--depths", "2"
     )
     for plan in check_split(report, "token"):
         assert plan["stage_tokens"] == [48, 48] and plan["stage_requests"] == [[0, 0], [0, 0]]
@@ -223,7 +223,7 @@ def test_async_moe_token_split_of_one_long_prefill_mid_request(tmp_path: Path) -
     [
         (["--attention-tp", "2"], "--attention-tp and --requests shape the async-MoE stages"),
         (["--async-moe-split", "token", "--requests", "4,0"], "each --requests count must be >= 1"),
-        (["--async-moe-split", "token", "--stages", "2"], "give the batch size with --requests N"),
+        (["--async-moe-split", "token", "--ubatches", "2"], "give the batch size with --requests N"),
         (["--requests", "3"], "--requests only applies with --async-moe-split"),
     ],
 )

@@ -21,7 +21,7 @@ from tests.procs import afd, child_env, running
 from tests.reference.test_run_e2e import run_json
 
 LAYERS = 2
-FAST = ["--layers", str(LAYERS), "--batches", "2", "--warmup", "0", "--depth", "2"]
+FAST = ["--layers", str(LAYERS), "--batches", "2", "--warmup", "0", "--depths", "2"]
 
 
 def physical_rows(report: dict) -> int:
@@ -60,7 +60,7 @@ def test_request_split_with_fallback_dp_padding_and_attention_tp2(tmp_path: Path
     report = run_json(
         tmp_path,
         *("--async-moe-split", "request", "--attention", "2", "--attention-tp", "2", "--layout", layout),
-        *("--requests", "4,4,1", *FAST[:2], "--batches", "3", "--warmup", "0", "--depth", "2"),
+        *("--requests", "4,4,1", *FAST[:2], "--batches", "3", "--warmup", "0", "--depths", "2"),
     )
     check_fallback(report, tp=2)
     check_shards(report, 2)
@@ -86,7 +86,7 @@ def test_fallback_without_tp_and_the_layout_log(tmp_path: Path) -> None:
     proc = afd(
         "run", "--json", "--out", str(tmp_path), "--hidden", "64", "--expert-size", "128",
         *("--async-moe-split", "request", "--attention", "2", "--requests", "4,4,1"),
-        *("--layers", "2", "--batches", "3", "--warmup", "0", "--depth", "2"),
+        *("--layers", "2", "--batches", "3", "--warmup", "0", "--depths", "2"),
         env=child_env(AFD_MRV2_LAYOUT_LOG="1"),
     )  # fmt: skip
     with running(proc, out_dir=tmp_path):

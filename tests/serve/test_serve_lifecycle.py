@@ -92,7 +92,7 @@ def test_stop_order_attention_engines_first_then_ffn_ranks(start_serve):
 
 
 def test_sigterm_ignored_escalates_to_sigkill(start_serve):
-    serve, _ = start_serve(1, 1, {"ignore_term": True}, "--stop-grace", "1")
+    serve, _ = start_serve(1, 1, {"ignore_term": True}, "--stop-grace-s", "1")
     serve.wait_ready()
     pids = serve.pids()
     t0 = time.monotonic()
@@ -284,7 +284,7 @@ def test_role_dying_during_startup(start_serve):
 
 
 def test_ready_timeout(start_serve):
-    serve, _ = start_serve(1, 1, {"ready_delay": 30}, "--ready-timeout", "1")
+    serve, _ = start_serve(1, 1, {"ready_delay": 30}, "--ready-timeout-s", "1")
     assert serve.wait() == 1
     assert "not ready after 1 s" in serve.err_lines()[-1]
 
