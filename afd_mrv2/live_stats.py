@@ -1,39 +1,305 @@
 """Live figures of a role process, for ``afd-mrv2 serve``'s ``/metrics`` and ``/afd/status``.
 
-A vLLM Attention engine computes its MoE layers in its EngineCore's worker process and an
-FFN rank in its worker too; neither is the process serve talks HTTP to.  So each role
-process writes what it counted to a small JSON file, at most once per
-:data:`WRITE_EVERY_S` and at once when something notable happened (a failover): the
-folder is ``$AFD_MRV2_STATS_DIR`` (serve sets it per role to its run folder), the file
-``<role>-<rank>.json``.  A write goes to a temporary file first and is renamed over the
-old one, so a reader never sees half a document.  Without the variable nothing is
-written.  serve reads the files when scraped (:mod:`afd_mrv2.serve.metrics`).
-
-Documents (every key optional to the reader; ``at``: ``time.time()`` of the write; ``pid``: the
-writing process, so a restarted role's figures, which start from 0 again, are told apart):
-
-* Attention: ``calls``, ``tokens``, ``round_trip_seconds`` (a histogram: ``buckets``
-  upper bounds, cumulative ``counts`` per bound, ``sum``, ``count``),
-  ``round_trip_total_s`` / ``hidden_total_s`` (the share of round-trip time under
-  another micro-batch's compute), ``failover`` (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`);
-* FFN: ``items``, ``redispatched``, ``computed``, ``tokens``, ``busy_s``, ``up_s``.
+One typed record per role (:class:`AttentionFigures`, :class:`FfnFigures`), a codec
+(:func:`encode` / :func:`decode`: a JSON-able dict with a schema version, refusing unknown and
+missing fields) and, today, a file transport: :class:`StatsWriter` and :func:`read_stats`
+(docs/serve.md, "Metrics and status").  Writers build records and readers get records: how
+they travel is this module's business alone.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, final
+
+from afd_mrv2.errors import AfdError
+from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.pipeline.metrics import fraction
 
 STATS_DIR_ENV = "AFD_MRV2_STATS_DIR"
 WRITE_EVERY_S = 1.0
 #: Upper bounds (seconds) of the Attention side's round-trip histogram.
 ROUND_TRIP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+#: The version of the documents :func:`encode` writes and :func:`decode` accepts: a change of a record's
+#: fields is a new version.
+SCHEMA_VERSION = 1
+#: The document key that carries :data:`SCHEMA_VERSION`.
+SCHEMA_KEY = "schema"
+
+log = logging.getLogger(__name__)
+
+
+class FiguresError(AfdError, ValueError):
+    """A live-figures document the codec refuses: the message names the document, the key and what is
+    accepted."""
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HistogramFigures:
+    """A cumulative histogram, Prometheus' shape."""
+
+    buckets: tuple[float, ...]
+    """Upper bounds (seconds), ascending."""
+    counts: tuple[int, ...]
+    """Observations at or below each bound (cumulative), one per bound."""
+    sum: float
+    """The sum of every observation (seconds)."""
+    count: int
+    """Observations in all, those above the last bound included."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> HistogramFigures:
+        d = _exact(doc, where, cls)
+        buckets = tuple(_float(b, f"{where}.buckets") for b in _list(d["buckets"], f"{where}.buckets"))
+        counts = tuple(_int(c, f"{where}.counts") for c in _list(d["counts"], f"{where}.counts"))
+        if len(counts) != len(buckets):
+            raise FiguresError(f"{where}.counts: {len(counts)} counts for {len(buckets)} buckets, accepted: one each")
+        return cls(
+            buckets=buckets,
+            counts=counts,
+            sum=_float(d["sum"], f"{where}.sum"),
+            count=_int(d["count"], f"{where}.count"),
+        )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LostRank:
+    """One FFN rank an Attention engine stopped routing to."""
+
+    at: float
+    """When (``time.time()``, rounded to ms)."""
+    reason: str
+    """The first line of the error that lost it."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at": self.at, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> LostRank:
+        d = _exact(doc, where, cls)
+        return cls(at=_float(d["at"], f"{where}.at"), reason=_str(d["reason"], f"{where}.reason"))
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailoverFigures:
+    """What an Attention engine's failovers did (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`, whose
+    ``as_dict`` is this record's document); times are ``time.time()``, rounded to ms."""
+
+    failovers: int
+    """FFN ranks failed over."""
+    lost: Mapping[int, LostRank]
+    """FFN rank -> when and why this engine stopped routing to it."""
+    first_resend_at: Mapping[int, float]
+    """FFN rank -> when its first share was re-sent to another holder."""
+    resent_items: int
+    """Work items of which a lost rank's share was re-sent."""
+    resent_rows: int
+    """Token rows re-sent, all those items together."""
+    rejoins: int
+    """Restarted FFN ranks taken back."""
+    rejoined_at: Mapping[int, float]
+    """FFN rank -> when this engine last took it back."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "failovers": self.failovers,
+            "lost": {str(f): lost.as_dict() for f, lost in sorted(self.lost.items())},
+            "first_resend_at": _by_rank(self.first_resend_at),
+            "resent_items": self.resent_items,
+            "resent_rows": self.resent_rows,
+            "rejoins": self.rejoins,
+            "rejoined_at": _by_rank(self.rejoined_at),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> FailoverFigures:
+        d = _exact(doc, where, cls)
+        return cls(
+            failovers=_int(d["failovers"], f"{where}.failovers"),
+            lost={
+                rank: LostRank.from_dict(value, f"{where}.lost.{rank}")
+                for rank, value in _ranks(d["lost"], f"{where}.lost").items()
+            },
+            first_resend_at=_times(d["first_resend_at"], f"{where}.first_resend_at"),
+            resent_items=_int(d["resent_items"], f"{where}.resent_items"),
+            resent_rows=_int(d["resent_rows"], f"{where}.resent_rows"),
+            rejoins=_int(d["rejoins"], f"{where}.rejoins"),
+            rejoined_at=_times(d["rejoined_at"], f"{where}.rejoined_at"),
+        )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionFigures:
+    """What an Attention engine counted (``RemoteExperts.live_stats``), all since its process started."""
+
+    calls: int
+    """MoE layer calls (one per MoE layer per micro-batch per forward)."""
+    tokens: int
+    """Tokens of those calls, all calls together."""
+    round_trip_seconds: HistogramFigures
+    """Seconds from dispatch to the combined result, per call (over :data:`ROUND_TRIP_BUCKETS`)."""
+    round_trip_total_s: float
+    """The round trips' seconds, all together."""
+    hidden_total_s: float
+    """Of :attr:`round_trip_total_s`, the seconds under another micro-batch's compute."""
+    failover: FailoverFigures | None
+    """The connector's failover record, None where it keeps none."""
+
+    @property
+    def hidden_fraction(self) -> float:
+        """The share of round-trip time under another micro-batch's compute (0 before any round trip)."""
+        return fraction(self.hidden_total_s, self.round_trip_total_s)
+
+    @property
+    def failovers(self) -> int:
+        return 0 if self.failover is None else self.failover.failovers
+
+    @property
+    def resent_items(self) -> int:
+        return 0 if self.failover is None else self.failover.resent_items
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "tokens": self.tokens,
+            "round_trip_seconds": self.round_trip_seconds.as_dict(),
+            "round_trip_total_s": self.round_trip_total_s,
+            "hidden_total_s": self.hidden_total_s,
+            "failover": None if self.failover is None else self.failover.as_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> AttentionFigures:
+        d = _exact(doc, where, cls)
+        failover = d["failover"]
+        return cls(
+            calls=_int(d["calls"], f"{where}.calls"),
+            tokens=_int(d["tokens"], f"{where}.tokens"),
+            round_trip_seconds=HistogramFigures.from_dict(d["round_trip_seconds"], f"{where}.round_trip_seconds"),
+            round_trip_total_s=_float(d["round_trip_total_s"], f"{where}.round_trip_total_s"),
+            hidden_total_s=_float(d["hidden_total_s"], f"{where}.hidden_total_s"),
+            failover=None if failover is None else FailoverFigures.from_dict(failover, f"{where}.failover"),
+        )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FfnFigures:
+    """What an FFN rank counted (``FfnReport.figures``), all since its process started."""
+
+    items: int
+    """Work items whose headers arrived, all Attention engines and stage counts together."""
+    computed: int
+    """Of those, the items with at least one token here (expert computations)."""
+    tokens: int
+    """Tokens the experts were computed for, all computations together."""
+    busy_s: float
+    """Seconds spent computing experts."""
+    redispatched: int
+    """Shares re-sent here after an Attention engine lost another FFN rank holding the same experts."""
+    up_s: float
+    """Seconds since the rank started serving."""
+
+    @property
+    def busy_fraction(self) -> float:
+        """The share of :attr:`up_s` spent computing experts (0 before the rank served)."""
+        return fraction(self.busy_s, self.up_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "items": self.items,
+            "computed": self.computed,
+            "tokens": self.tokens,
+            "busy_s": self.busy_s,
+            "redispatched": self.redispatched,
+            "up_s": self.up_s,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> FfnFigures:
+        d = _exact(doc, where, cls)
+        return cls(
+            items=_int(d["items"], f"{where}.items"),
+            computed=_int(d["computed"], f"{where}.computed"),
+            tokens=_int(d["tokens"], f"{where}.tokens"),
+            busy_s=_float(d["busy_s"], f"{where}.busy_s"),
+            redispatched=_int(d["redispatched"], f"{where}.redispatched"),
+            up_s=_float(d["up_s"], f"{where}.up_s"),
+        )
+
+
+#: A role's record.
+Figures = AttentionFigures | FfnFigures
+#: The record of each role: what :func:`decode` builds from a document of that role.
+RECORDS: dict[str, type[AttentionFigures] | type[FfnFigures]] = {ATTENTION: AttentionFigures, FFN: FfnFigures}
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Written:
+    """A role's figures as a reader gets them: the record, and which process wrote it when."""
+
+    figures: Figures
+    """The role's record."""
+    at: float
+    """When it was written (``time.time()``, rounded to ms)."""
+    pid: int
+    """The writing process: a restarted role's figures, which start from 0 again, are told apart."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record's fields with ``at`` and ``pid``, keys sorted at every level (``/afd/status`` shows it)."""
+        return _sorted({**self.figures.as_dict(), "at": self.at, "pid": self.pid})
+
+
+def encode(written: Written) -> dict[str, Any]:
+    """``written`` as a JSON-able document: :meth:`Written.as_dict` and :data:`SCHEMA_KEY`."""
+    return {SCHEMA_KEY: SCHEMA_VERSION, **written.as_dict()}
+
+
+def decode(role: str, doc: object, *, where: str = "live figures") -> Written:
+    """The :class:`Written` a role's document holds; :class:`FiguresError` (naming ``where`` and the key)
+    for a role without a record, another schema version, or a key missing, unknown or of the wrong type."""
+    record = RECORDS.get(role)
+    if record is None:
+        raise FiguresError(f"{where}: no live figures for role {role!r}; accepted: {sorted(RECORDS)}")
+    if not isinstance(doc, Mapping):
+        raise FiguresError(f"{where}: expected an object, got {type(doc).__name__}")
+    version = doc.get(SCHEMA_KEY)
+    if version != SCHEMA_VERSION:
+        raise FiguresError(f"{where}.{SCHEMA_KEY}: {version!r}, accepted: {SCHEMA_VERSION} (another afd-mrv2?)")
+    envelope = ("at", "pid")
+    missing = [k for k in envelope if k not in doc]
+    if missing:
+        raise FiguresError(f"{where}: missing {missing} (the writer's stamp)")
+    return Written(
+        figures=record.from_dict({k: v for k, v in doc.items() if k not in (*envelope, SCHEMA_KEY)}, where),
+        at=_float(doc["at"], f"{where}.at"),
+        pid=_int(doc["pid"], f"{where}.pid"),
+    )
+
+
+# -- the file transport ------------------------------------------------------------------------------
+
+#: What a role hands :class:`StatsWriter`: a function building its record now.  A dict (the record's
+#: document without ``schema``, ``at``, ``pid``) is converted on write, with a DeprecationWarning, for
+#: one more version.
+Build = Callable[[], Figures | dict[str, Any]]
 
 
 def stats_path(role: str, rank: int) -> Path | None:
@@ -43,14 +309,21 @@ def stats_path(role: str, rank: int) -> Path | None:
 
 
 class StatsWriter:
-    """Writes ``build()`` to ``path`` at most every ``every_s`` (or at once with ``force``); thread-safe."""
+    """Writes ``build()`` to ``path`` at most every ``every_s`` (or at once with ``force``); thread-safe.
 
-    def __init__(self, path: Path | None, build: Callable[[], dict[str, Any]], every_s: float = WRITE_EVERY_S) -> None:
+    A role process's vLLM worker is not the process serve talks HTTP to, so it writes its figures to
+    ``$AFD_MRV2_STATS_DIR/<role>-<rank>.json`` (serve sets the folder to its run folder): to a temporary
+    file first, renamed over the old one, so a reader never sees half a document.  Without the
+    variable (``path`` None) nothing is written.
+    """
+
+    def __init__(self, path: Path | None, build: Build, every_s: float = WRITE_EVERY_S) -> None:
         self.path = path
         self.build = build
         self.every_s = every_s
         self._last = 0.0
         self._lock = threading.Lock()
+        self._warned = False
 
     def maybe_write(self, *, force: bool = False) -> None:
         if self.path is None:
@@ -62,15 +335,65 @@ class StatsWriter:
             return  # another thread is writing right now
         try:
             self._last = now
-            doc = {**self.build(), "at": round(time.time(), 3), "pid": os.getpid()}
+            written = Written(figures=self._figures(self.path), at=round(time.time(), 3), pid=os.getpid())
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             try:
-                tmp.write_text(json.dumps(doc, sort_keys=True))
+                tmp.write_text(json.dumps(encode(written), sort_keys=True))
                 os.replace(tmp, self.path)
             except OSError:  # the run folder is gone (serve is stopping): figures are best effort
                 pass
         finally:
             self._lock.release()
+
+    def _figures(self, path: Path) -> Figures:
+        built = self.build()
+        if not isinstance(built, dict):
+            return built
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "a live-figures builder returning a dict is deprecated: return an AttentionFigures or FfnFigures",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        role = path.stem.rpartition("-")[0]
+        record = RECORDS.get(role)
+        if record is None:
+            raise FiguresError(f"{path.name}: no live figures for role {role!r}; accepted: {sorted(RECORDS)}")
+        return record.from_dict(built, path.name)
+
+
+def read_stats(folder: str | Path) -> dict[tuple[str, int], Written]:
+    """Every role's last figures in ``folder``: ``{(role, rank): written}``.  A file that does not parse is
+    left out; one the codec refuses too, logged once."""
+    out: dict[tuple[str, int], Written] = {}
+    try:
+        paths = list(Path(folder).glob("*-*.json"))
+    except OSError:
+        return out
+    for path in paths:
+        role, _, rank = path.stem.rpartition("-")
+        if not rank.isdigit():
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            out[(role, int(rank))] = decode(role, doc, where=path.name)
+        except FiguresError as exc:
+            _refused(str(exc))
+    return out
+
+
+_REFUSED: set[str] = set()
+
+
+def _refused(message: str) -> None:
+    """Log a refused document once per message (serve reads the folder at every scrape)."""
+    if message not in _REFUSED:
+        _REFUSED.add(message)
+        log.warning("afd-mrv2 serve: live figures left out: %s", message)
 
 
 class Histogram:
@@ -91,30 +414,76 @@ class Histogram:
             self._sum += seconds
             self._count += 1
 
-    def as_dict(self) -> dict[str, Any]:
+    def figures(self) -> HistogramFigures:
         with self._lock:
             cumulative, total = [], 0
             for n in self._counts:
                 total += n
                 cumulative.append(total)
-            return {"buckets": list(self.buckets), "counts": cumulative, "sum": self._sum, "count": self._count}
+            return HistogramFigures(buckets=self.buckets, counts=tuple(cumulative), sum=self._sum, count=self._count)
 
 
-def read_stats(folder: str | Path) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every role's last document in ``folder``: ``{(role, rank): doc}`` (unreadable files are left out)."""
-    out: dict[tuple[str, int], dict[str, Any]] = {}
-    try:
-        paths = list(Path(folder).glob("*-*.json"))
-    except OSError:
-        return out
-    for path in paths:
-        role, _, rank = path.stem.rpartition("-")
-        if not rank.isdigit():
-            continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict):
-            out[(role, int(rank))] = doc
+# -- the codec's checks ------------------------------------------------------------------------------
+
+
+def _exact(doc: object, where: str, record: type) -> Mapping[str, Any]:
+    """``doc`` as a mapping with exactly ``record``'s fields, else :class:`FiguresError`."""
+    if not isinstance(doc, Mapping):
+        raise FiguresError(f"{where}: expected an object, got {type(doc).__name__}")
+    names = [f.name for f in fields(record)]
+    missing = [n for n in names if n not in doc]
+    unknown = sorted(str(k) for k in doc if k not in names)
+    if missing or unknown:
+        said = [f"missing {missing}" if missing else "", f"unknown {unknown}" if unknown else ""]
+        raise FiguresError(f"{where}: {', '.join(s for s in said if s)}; accepted: {sorted(names)}")
+    return doc
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FiguresError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _float(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FiguresError(f"{where}: expected a number, got {value!r}")
+    return value  # an int stays one: its document is the same again
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise FiguresError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise FiguresError(f"{where}: expected a list, got {value!r}")
+    return list(value)
+
+
+def _ranks(value: object, where: str) -> dict[int, Any]:
+    """A document's ``{"<rank>": ...}`` as ``{rank: ...}``."""
+    if not isinstance(value, Mapping):
+        raise FiguresError(f"{where}: expected an object, got {type(value).__name__}")
+    out: dict[int, Any] = {}
+    for key, item in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise FiguresError(f"{where}: key {key!r} is not an FFN rank")
+        out[int(key)] = item
     return out
+
+
+def _times(value: object, where: str) -> dict[int, float]:
+    return {rank: _float(t, f"{where}.{rank}") for rank, t in _ranks(value, where).items()}
+
+
+def _by_rank(times: Mapping[int, float]) -> dict[str, float]:
+    return {str(f): t for f, t in sorted(times.items())}
+
+
+def _sorted(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``doc`` with the keys of every mapping in it sorted (as ``json.dumps(sort_keys=True)`` writes them;
+    the records' lists hold numbers only)."""
+    return {k: _sorted(v) if isinstance(v, Mapping) else v for k, v in sorted(doc.items())}

@@ -2,6 +2,8 @@
 
 * busy time per stream: the union of a stream's span intervals;
 * hidden communication: the fraction of recv+send time that overlaps compute;
+* the interval arithmetic under both (:func:`union`, :func:`overlap`, :func:`fraction`), which
+  the Attention side's overlap meter, the FFN report and the live figures use too;
 * efficiency = lower bound / measured makespan, where the lower bound is the
   classic flow-shop bound over the stages recv -> compute -> send::
 
@@ -24,7 +26,8 @@ from afd_mrv2.devices.base import Span
 from afd_mrv2.items import PHASES
 
 
-def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``intervals`` (``(start, end)``, any order, overlapping or not) as sorted, disjoint intervals."""
     merged: list[list[int]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -34,24 +37,31 @@ def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-def _overlap(interval: tuple[int, int], union: Sequence[tuple[int, int]]) -> int:
-    """Length of ``interval`` covered by ``union`` (sorted, disjoint): only the pieces it can touch.
+def overlap(interval: tuple[int, int], merged: Sequence[tuple[int, int]]) -> int:
+    """Length of ``interval`` covered by ``merged`` (sorted, disjoint, as :func:`union` gives): only the
+    pieces it can touch.
 
     Bisecting keeps metrics of long runs (thousands of items) O(n log n) instead of O(n^2).
     """
     start, end = interval
     total = 0
-    for i in range(max(0, bisect.bisect_right(union, (start, start)) - 1), len(union)):
-        a, b = union[i]
+    for i in range(max(0, bisect.bisect_right(merged, (start, start)) - 1), len(merged)):
+        a, b = merged[i]
         if a >= end:
             break
         total += max(0, min(end, b) - max(start, a))
     return total
 
 
+def fraction(part: float, whole: float) -> float:
+    """``part / whole``, 0.0 while ``whole`` is 0 (nothing measured yet): the hidden fraction (hidden /
+    round-trip or communication time), the busy fraction (busy / up time), the efficiency."""
+    return part / whole if whole > 0 else 0.0
+
+
 def covered_ns(spans: Iterable[Span]) -> int:
     """ns during which at least one of ``spans`` ran (overlaps counted once)."""
-    return sum(b - a for a, b in _union((s.start_ns, s.end_ns) for s in spans))
+    return sum(b - a for a, b in union((s.start_ns, s.end_ns) for s in spans))
 
 
 def busy_ns(spans: Iterable[Span]) -> dict[str, int]:
@@ -64,12 +74,9 @@ def busy_ns(spans: Iterable[Span]) -> dict[str, int]:
 
 def hidden_comm_fraction(spans: Sequence[Span]) -> float:
     """Fraction of recv+send time spent while some compute span was running."""
-    compute = _union((s.start_ns, s.end_ns) for s in spans if s.name == "compute")
+    compute = union((s.start_ns, s.end_ns) for s in spans if s.name == "compute")
     comm = [(s.start_ns, s.end_ns) for s in spans if s.name in COMM_PHASES]
-    total = sum(b - a for a, b in comm)
-    if total <= 0:
-        return 0.0
-    return sum(_overlap(iv, compute) for iv in comm) / total
+    return fraction(sum(overlap(iv, compute) for iv in comm), sum(b - a for a, b in comm))
 
 
 def makespan_ns(spans: Sequence[Span]) -> int:
@@ -116,7 +123,7 @@ class PipelineMetrics:
     @property
     def efficiency(self) -> float:
         """lower bound / makespan (1.0 = as fast as any schedule could be)."""
-        return self.lower_bound_ns / self.makespan_ns if self.makespan_ns else 0.0
+        return fraction(self.lower_bound_ns, self.makespan_ns)
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.live_stats import AttentionFigures, FfnFigures, Written
 
 #: The ``Content-Type`` of ``/metrics`` (Prometheus text format).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -87,12 +88,12 @@ class RoleState:
 @dataclass(frozen=True)
 class Health:
     """What the supervisor knows beyond the role processes: failovers, the placement, and each role's live
-    figures (:func:`afd_mrv2.live_stats.read_stats`: ``{(role, rank): document}``)."""
+    figures (:func:`afd_mrv2.live_stats.read_stats`: ``{(role, rank): written}``)."""
 
     failovers: int = 0
     replicas: int = 1
     placement: tuple[str, ...] = ()
-    figures: Mapping[tuple[str, int], Mapping[str, Any]] = field(default_factory=dict)
+    figures: Mapping[tuple[str, int], Written] = field(default_factory=dict)
     #: restarts that got ready, by ``"<role> <rank>"``
     restarts: Mapping[str, int] = field(default_factory=dict)
 
@@ -176,33 +177,31 @@ def _health_families(health: Health) -> list[Metric]:
     restarts = CounterMetricFamily("afd_role_restarts", AFD_METRICS["afd_role_restarts"][1], labels=["role", "rank"])
     for name, n in sorted(health.restarts.items()):
         restarts.add_metric(name.split(" ", 1), n)
-    ffn_counters = {
-        key: labelled(CounterMetricFamily, f"afd_ffn_{key}", "ffn") for key in ("items", "tokens", "redispatched")
-    }
+    items = labelled(CounterMetricFamily, "afd_ffn_items", "ffn")
+    tokens = labelled(CounterMetricFamily, "afd_ffn_tokens", "ffn")
+    redispatched = labelled(CounterMetricFamily, "afd_ffn_redispatched", "ffn")
     busy = labelled(GaugeMetricFamily, "afd_ffn_busy_fraction", "ffn")
     att_failovers = labelled(CounterMetricFamily, "afd_attention_failovers", "engine")
     resent = labelled(CounterMetricFamily, "afd_attention_resent_items", "engine")
     hidden = labelled(GaugeMetricFamily, "afd_attention_hidden_fraction", "engine")
     round_trip = labelled(HistogramMetricFamily, "afd_attention_round_trip_seconds", "engine")
-    for (role, rank), doc in sorted(health.figures.items()):
+    for (_, rank), written in sorted(health.figures.items()):
         label = [str(rank)]
-        if role == FFN:
-            for key, family in ffn_counters.items():
-                family.add_metric(label, float(doc.get(key, 0)))
-            up = float(doc.get("up_s", 0))
-            busy.add_metric(label, float(doc.get("busy_s", 0)) / up if up > 0 else 0.0)
-        elif role == ATTENTION:
-            log = doc.get("failover") or {}
-            att_failovers.add_metric(label, float(log.get("failovers", 0)))
-            resent.add_metric(label, float(log.get("resent_items", 0)))
-            total = float(doc.get("round_trip_total_s", 0))
-            hidden.add_metric(label, float(doc.get("hidden_total_s", 0)) / total if total > 0 else 0.0)
-            hist = doc.get("round_trip_seconds") or {}
-            bounds, counts = hist.get("buckets", []), hist.get("counts", [])
-            buckets = [(repr(float(b)), float(c)) for b, c in zip(bounds, counts, strict=False)]
-            buckets.append(("+Inf", float(hist.get("count", 0))))
-            round_trip.add_metric(label, buckets, float(hist.get("sum", 0)))
-    return [failovers, replicas, restarts, *ffn_counters.values(), busy, att_failovers, resent, hidden, round_trip]
+        match written.figures:
+            case FfnFigures() as ffn:
+                items.add_metric(label, float(ffn.items))
+                tokens.add_metric(label, float(ffn.tokens))
+                redispatched.add_metric(label, float(ffn.redispatched))
+                busy.add_metric(label, ffn.busy_fraction)
+            case AttentionFigures() as engine:
+                att_failovers.add_metric(label, float(engine.failovers))
+                resent.add_metric(label, float(engine.resent_items))
+                hidden.add_metric(label, engine.hidden_fraction)
+                hist = engine.round_trip_seconds
+                buckets = [(repr(float(b)), float(c)) for b, c in zip(hist.buckets, hist.counts, strict=True)]
+                buckets.append(("+Inf", float(hist.count)))
+                round_trip.add_metric(label, buckets, float(hist.sum))
+    return [failovers, replicas, restarts, items, tokens, redispatched, busy, att_failovers, resent, hidden, round_trip]
 
 
 def _ranks(roles: Sequence[RoleState], role: str, *, live: bool) -> list[int]:
@@ -243,7 +242,7 @@ def status(
         "placement": list(health.placement),
         "failovers": health.failovers,
         "restarts": dict(health.restarts),
-        "figures": {f"{role} {rank}": dict(doc) for (role, rank), doc in sorted(health.figures.items())},
+        "figures": {f"{role} {rank}": written.as_dict() for (role, rank), written in sorted(health.figures.items())},
         "ready": ready,
         "down": down,
         "roles": [{"role": r.role, "rank": r.rank, "pid": r.pid, "live": r.live} for r in roles],

@@ -66,26 +66,46 @@ def test_afd_metrics_count_live_roles_and_endpoint_requests() -> None:
 
 
 def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> None:
-    """What each role process writes (the live-stats files) is read back and shown per rank: the FFN
-    ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip histogram and
-    hidden fraction."""
-    from afd_mrv2.live_stats import Histogram, StatsWriter, read_stats
+    """What each role process writes (its typed record, through the live-stats files) is read back and shown
+    per rank: the FFN ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip
+    histogram and hidden fraction.  ``/afd/status`` shows each record as the file holds it, less its schema."""
+    from afd_mrv2.live_stats import (
+        SCHEMA_KEY,
+        AttentionFigures,
+        FailoverFigures,
+        FfnFigures,
+        Histogram,
+        StatsWriter,
+        read_stats,
+    )
 
     hist = Histogram()
     for seconds in (0.002, 0.004, 0.3):
         hist.observe(seconds)
-    attention = {
-        "round_trip_seconds": hist.as_dict(),
-        "round_trip_total_s": 2.0,
-        "hidden_total_s": 0.5,
-        "failover": {"failovers": 1, "resent_items": 3},
-    }
+    failover = FailoverFigures(
+        failovers=1,
+        lost={},
+        first_resend_at={1: 12.5},
+        resent_items=3,
+        resent_rows=7,
+        rejoins=0,
+        rejoined_at={},
+    )
+    attention = AttentionFigures(
+        calls=4,
+        tokens=32,
+        round_trip_seconds=hist.figures(),
+        round_trip_total_s=2.0,
+        hidden_total_s=0.5,
+        failover=failover,
+    )
     StatsWriter(tmp_path / "attention-0.json", lambda: attention).maybe_write()
-    ffn = {"items": 40, "tokens": 300, "redispatched": 3, "busy_s": 1.0, "up_s": 4.0}
+    ffn = FfnFigures(items=40, computed=38, tokens=300, busy_s=1.0, redispatched=3, up_s=4.0)
     StatsWriter(tmp_path / "ffn-0.json", lambda: ffn).maybe_write()
     (tmp_path / "ffn-1.json").write_text("{half a docu")  # unreadable: left out, never an error
     figures = read_stats(tmp_path)
-    assert set(figures) == {("attention", 0), ("ffn", 0)} and figures[("ffn", 0)]["at"] > 0
+    assert set(figures) == {("attention", 0), ("ffn", 0)} and figures[("ffn", 0)].at > 0
+    assert figures[("ffn", 0)].figures == ffn and figures[("attention", 0)].figures == attention
     health = metrics.Health(failovers=1, replicas=2, placement=("FFN rank 0: experts 0-7",), figures=figures)
     text = metrics.render(metrics.afd_families(1, 2, [], [], {}, ready=True, health=health)).decode()
     got = samples(text)
@@ -99,11 +119,27 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
     )
     assert got[("afd_attention_hidden_fraction", engine0)] == 0.25
     assert got[("afd_attention_round_trip_seconds_count", engine0)] == 3
+    assert got[("afd_attention_round_trip_seconds_sum", engine0)] == 0.306
     assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "0.005")))] == 2
     assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "+Inf")))] == 3
     doc = metrics.status(1, 2, [], [], True, None, health)
     assert doc["topology"]["expert_replicas"] == 2 and doc["failovers"] == 1
     assert doc["placement"] == ["FFN rank 0: experts 0-7"] and doc["figures"]["ffn 0"]["items"] == 40
+    for role in ("ffn", "attention"):  # the status shows the file's document (its keys in the file's order)
+        written = json.loads((tmp_path / f"{role}-0.json").read_text())
+        assert written.pop(SCHEMA_KEY) == 1
+        assert doc["figures"][f"{role} 0"] == written and json.dumps(doc["figures"][f"{role} 0"]) == json.dumps(written)
+    assert set(doc["figures"]["ffn 0"]) == {
+        "items",
+        "computed",
+        "tokens",
+        "busy_s",
+        "redispatched",
+        "up_s",
+        "at",
+        "pid",
+    }
+    assert doc["figures"]["attention 0"]["failover"]["first_resend_at"] == {"1": 12.5}
 
 
 def get(url: str) -> tuple[int, str, str]:

@@ -13,7 +13,8 @@ stage count (1: unsplit steps, n: steps split into n micro-batches): the
 **hidden** part of a round trip is its overlap with the union of the *other*
 micro-batches' compute spans (an unsplit step has none, so nothing is hidden
 there).  ``hidden_fraction`` = hidden / round-trip time.  Counters only grow, so
-a caller measures a window as the difference of two :meth:`snapshot` calls.
+a caller measures a window as the difference of two :meth:`snapshot` calls.  The
+interval arithmetic is :mod:`afd_mrv2.pipeline.metrics`' (the executor's too).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from afd_mrv2.pipeline.metrics import fraction, overlap, union
 
 
 @dataclass
@@ -40,7 +43,7 @@ class _Totals:
             others = [(s, e) for u, s, e in step.computes if u != ubatch]
             self.round_trips += 1
             self.round_trip_ns += end - start
-            self.hidden_ns += covered(start, end, others)
+            self.hidden_ns += overlap((start, end), union(others))
         for _, start, end in step.computes:
             self.computes += 1
             self.compute_ns += end - start
@@ -50,17 +53,6 @@ class _Totals:
 class _Step:
     round_trips: list[tuple[int, int, int]] = field(default_factory=list)  # (ubatch, start, end)
     computes: list[tuple[int, int, int]] = field(default_factory=list)
-
-
-def covered(start: int, end: int, spans: list[tuple[int, int]]) -> int:
-    """Length of ``[start, end)`` covered by the union of ``spans``."""
-    total, cursor = 0, start
-    for s, e in sorted(spans):
-        s, e = max(s, cursor), min(e, end)
-        if e > s:
-            total += e - s
-            cursor = e
-    return total
 
 
 class OverlapMeter:
@@ -101,8 +93,15 @@ class OverlapMeter:
                 "hidden_total_ms": t.hidden_ns / 1e6,
                 "computes": t.computes,
                 "compute_total_ms": t.compute_ns / 1e6,
-                "hidden_fraction": t.hidden_ns / t.round_trip_ns if t.round_trip_ns else 0.0,
+                "hidden_fraction": fraction(t.hidden_ns, t.round_trip_ns),
                 "round_trip_ms": t.round_trip_ns / t.round_trips / 1e6 if t.round_trips else 0.0,
                 "compute_ms": t.compute_ns / t.computes / 1e6 if t.computes else 0.0,
             }
         return out
+
+    def totals_s(self) -> tuple[float, float]:
+        """Round-trip seconds and their hidden seconds so far, all stage counts together (the live figures'
+        ``round_trip_total_s`` and ``hidden_total_s``)."""
+        with self._lock:
+            totals = list(self._totals.values())
+        return sum(t.round_trip_ns for t in totals) / 1e9, sum(t.hidden_ns for t in totals) / 1e9

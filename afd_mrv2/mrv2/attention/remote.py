@@ -54,7 +54,7 @@ from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.items import ATTENTION, WorkItem
-from afd_mrv2.live_stats import Histogram, StatsWriter, stats_path
+from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, StatsWriter, stats_path
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
@@ -242,17 +242,18 @@ class RemoteExperts:
         self._failovers_seen = failovers
         return out.to(device=x.device, dtype=x.dtype)
 
-    def live_stats(self) -> dict[str, Any]:
+    def live_stats(self) -> AttentionFigures:
         """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.live_stats`)."""
-        overlap = self.meter.snapshot().values()
-        return {
-            "calls": self.calls,
-            "tokens": sum(t * n for t, n in self.tokens.items()),
-            "round_trip_seconds": self.round_trips.as_dict(),
-            "round_trip_total_s": sum(o["round_trip_total_ms"] for o in overlap) / 1e3,
-            "hidden_total_s": sum(o["hidden_total_ms"] for o in overlap) / 1e3,
-            "failover": self.failovers(),
-        }
+        round_trip_s, hidden_s = self.meter.totals_s()
+        failover = self.failovers()  # the connector's FailoverLog.as_dict(): FailoverFigures' document
+        return AttentionFigures(
+            calls=self.calls,
+            tokens=sum(t * n for t, n in self.tokens.items()),
+            round_trip_seconds=self.round_trips.figures(),
+            round_trip_total_s=round_trip_s,
+            hidden_total_s=hidden_s,
+            failover=None if failover is None else FailoverFigures.from_dict(failover, "failover"),
+        )
 
     def _log_layout(self, tokens: int, stages: int) -> None:
         """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).

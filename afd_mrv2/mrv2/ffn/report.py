@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afd_mrv2.items import WorkItem
+from afd_mrv2.live_stats import FfnFigures
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction
+from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction, makespan_ns
 from afd_mrv2.pipeline.trace import Trace
 
 
@@ -62,15 +63,24 @@ class FfnReport:
             self.busy_s += seconds
             self.tokens_per_item[tokens] += 1
 
-    def live(self) -> dict[str, Any]:
-        """The running counts serve's ``/metrics`` shows (:mod:`afd_mrv2.live_stats`)."""
+    def figures(self, *, redispatched: int, up_s: float) -> FfnFigures:
+        """The live figures serve's ``/metrics`` shows (:mod:`afd_mrv2.live_stats`): the running counts, with
+        the re-sends the rank's connectors served (``redispatched``) and its time serving (``up_s``)."""
         with self._lock:
-            return {
-                "items": sum(self.items_by_stage_count.values()),
-                "computed": self.computed,
-                "tokens": sum(t * n for t, n in self.tokens_per_item.items()),
-                "busy_s": round(self.busy_s, 6),
-            }
+            return FfnFigures(
+                items=sum(self.items_by_stage_count.values()),
+                computed=self.computed,
+                tokens=sum(t * n for t, n in self.tokens_per_item.items()),
+                busy_s=round(self.busy_s, 6),
+                redispatched=redispatched,
+                up_s=up_s,
+            )
+
+    def live(self) -> dict[str, Any]:
+        """The running counts of :meth:`figures` as a dict (items, computed, tokens, busy_s): what
+        ``serve_ffn`` builds its figures from until it calls :meth:`figures`."""
+        doc = self.figures(redispatched=0, up_s=0.0).as_dict()
+        return {key: doc[key] for key in ("items", "computed", "tokens", "busy_s")}
 
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
         """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends);
@@ -134,12 +144,11 @@ def overlap_figures(traces: Sequence[Trace]) -> dict[str, Any]:
             busy[stream] = busy.get(stream, 0.0) + ns / 1e6
     compute = [s for s in spans if s.name == "compute"]
     sends = [s for s in spans if s.name == "send"]
-    active = max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
     return {
         "items": len(compute),
         "hidden_comm_fraction": round(hidden_comm_fraction(spans), 4),
         "send_hidden_fraction": round(hidden_comm_fraction(compute + sends), 4),
         "compute_ms": round(covered_ns(compute) / 1e6, 3),
         "busy_ms": {k: round(v, 3) for k, v in sorted(busy.items())},
-        "active_ms": round(active / 1e6, 3),
+        "active_ms": round(makespan_ns(spans) / 1e6, 3),
     }

@@ -1,0 +1,218 @@
+"""The live figures' records and codec (:mod:`afd_mrv2.live_stats`): what each role builds, the document the
+file transport carries (the keys serve read before the records, plus ``schema``), and what the codec
+refuses, naming the key."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from afd_mrv2.live_stats import (
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    AttentionFigures,
+    FailoverFigures,
+    FfnFigures,
+    FiguresError,
+    Histogram,
+    LostRank,
+    StatsWriter,
+    Written,
+    decode,
+    encode,
+    read_stats,
+)
+
+#: The keys serve's /metrics and /afd/status read before the records (the documents' keys then).
+ATTENTION_KEYS = {"calls", "tokens", "round_trip_seconds", "round_trip_total_s", "hidden_total_s", "failover"}
+FFN_KEYS = {"items", "redispatched", "computed", "tokens", "busy_s", "up_s"}
+FAILOVER_KEYS = {"failovers", "lost", "first_resend_at", "resent_items", "resent_rows", "rejoins", "rejoined_at"}
+
+
+def attention_figures(failover: FailoverFigures | None = None) -> AttentionFigures:
+    hist = Histogram()
+    for seconds in (0.0007, 0.02, 20.0):  # the last above every bound: counted, in no bucket
+        hist.observe(seconds)
+    return AttentionFigures(
+        calls=6,
+        tokens=48,
+        round_trip_seconds=hist.figures(),
+        round_trip_total_s=0.75,
+        hidden_total_s=0.25,
+        failover=failover,
+    )
+
+
+def failover_figures() -> FailoverFigures:
+    return FailoverFigures(
+        failovers=1,
+        lost={2: LostRank(at=100.125, reason="peer closed")},
+        first_resend_at={2: 100.25},
+        resent_items=4,
+        resent_rows=9,
+        rejoins=1,
+        rejoined_at={2: 130.5},
+    )
+
+
+FFN = FfnFigures(items=10, computed=8, tokens=70, busy_s=0.5, redispatched=2, up_s=2.0)
+
+
+@pytest.mark.parametrize(
+    ("role", "figures"),
+    [("attention", attention_figures()), ("attention", attention_figures(failover_figures())), ("ffn", FFN)],
+)
+def test_a_record_survives_the_codec_and_json_and_keeps_the_keys_serve_read(role: str, figures: Any) -> None:
+    written = Written(figures=figures, at=1700000000.123, pid=42)
+    doc = json.loads(json.dumps(encode(written), sort_keys=True))
+    assert decode(role, doc) == written
+    assert doc[SCHEMA_KEY] == SCHEMA_VERSION and doc["at"] == 1700000000.123 and doc["pid"] == 42
+    assert set(doc) - {SCHEMA_KEY, "at", "pid"} == (ATTENTION_KEYS if role == "attention" else FFN_KEYS)
+    if role == "attention" and figures.failover is not None:
+        assert set(doc["failover"]) == FAILOVER_KEYS and doc["failover"]["lost"] == {
+            "2": {"at": 100.125, "reason": "peer closed"}
+        }
+        assert doc["round_trip_seconds"]["counts"][:3] == [0, 1, 1] and doc["round_trip_seconds"]["count"] == 3
+
+
+def test_derived_fractions_are_the_shares_serve_shows() -> None:
+    assert attention_figures().hidden_fraction == pytest.approx(1 / 3)
+    assert attention_figures().failovers == 0 and attention_figures().resent_items == 0
+    with_failover = attention_figures(failover_figures())
+    assert with_failover.failovers == 1 and with_failover.resent_items == 4
+    assert FFN.busy_fraction == 0.25
+    idle = FfnFigures(items=0, computed=0, tokens=0, busy_s=0.0, redispatched=0, up_s=0.0)
+    assert idle.busy_fraction == 0.0  # nothing measured yet: 0, never a division by zero
+
+
+def ffn_doc(**change: Any) -> dict[str, Any]:
+    doc = encode(Written(figures=FFN, at=1.0, pid=7))
+    doc.update(change)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("role", "doc", "says"),
+    [
+        ("ffn", {k: v for k, v in ffn_doc().items() if k != "busy_s"}, "ffn-0.json: missing ['busy_s']"),
+        ("ffn", ffn_doc(busy=1.0), "ffn-0.json: unknown ['busy']; accepted: ['busy_s', 'computed'"),
+        ("ffn", ffn_doc(schema=2), "ffn-0.json.schema: 2, accepted: 1"),
+        ("ffn", {k: v for k, v in ffn_doc().items() if k != SCHEMA_KEY}, "ffn-0.json.schema: None, accepted: 1"),
+        ("ffn", {k: v for k, v in ffn_doc().items() if k != "pid"}, "ffn-0.json: missing ['pid']"),
+        ("ffn", ffn_doc(items=True), "ffn-0.json.items: expected an integer, got True"),
+        ("ffn", ffn_doc(busy_s="0.5"), "ffn-0.json.busy_s: expected a number, got '0.5'"),
+        ("ffn", [1, 2], "ffn-0.json: expected an object, got list"),
+        ("router", ffn_doc(), "ffn-0.json: no live figures for role 'router'; accepted: ['attention', 'ffn']"),
+    ],
+)
+def test_the_codec_refuses_a_document_naming_the_key(role: str, doc: Any, says: str) -> None:
+    with pytest.raises(FiguresError) as caught:
+        decode(role, doc, where="ffn-0.json")
+    assert says in str(caught.value)
+
+
+def test_the_codec_refuses_nested_keys_by_their_path() -> None:
+    doc = encode(Written(figures=attention_figures(failover_figures()), at=1.0, pid=7))
+    bad = json.loads(json.dumps(doc))
+    bad["failover"]["lost"]["2"]["why"] = "x"
+    with pytest.raises(FiguresError, match=r"^attention-0.json.failover.lost.2: unknown \['why'\]; accepted"):
+        decode("attention", bad, where="attention-0.json")
+    bad = json.loads(json.dumps(doc))
+    bad["round_trip_seconds"]["counts"].pop()
+    with pytest.raises(FiguresError, match=r"round_trip_seconds.counts: 12 counts for 13 buckets"):
+        decode("attention", bad)
+    bad = json.loads(json.dumps(doc))
+    bad["failover"]["first_resend_at"] = {"two": 1.0}
+    with pytest.raises(FiguresError, match=r"failover.first_resend_at: key 'two' is not an FFN rank"):
+        decode("attention", bad)
+
+
+def test_a_failover_log_document_is_the_failover_record() -> None:
+    """The Attention side builds its record's ``failover`` from the connector's FailoverLog.as_dict()."""
+    from afd_mrv2.hooks.p2p.errors import PeerError
+    from afd_mrv2.hooks.p2p.failover import FailoverLog
+
+    log = FailoverLog()
+    log.lost(
+        1,
+        PeerError("FFN rank 1 closed\nmore", peer=2, peer_name="FFN rank 1"),
+        moved=[4, 5],
+        live=frozenset({0}),
+        me="attention 0",
+    )
+    log.resent(1, rows=6)
+    log.rejoined(1, "a0.1-f1.2", me="attention 0")
+    figures = FailoverFigures.from_dict(log.as_dict(), "failover")
+    assert figures.failovers == 1 and figures.resent_rows == 6 and figures.lost[1].reason == "FFN rank 1 closed"
+    assert figures.as_dict() == log.as_dict()
+
+
+def test_the_attention_side_builds_its_record_from_what_it_measured(tmp_path: Path, monkeypatch: Any) -> None:
+    from afd_mrv2.config import parse_afd_config
+    from afd_mrv2.live_stats import STATS_DIR_ENV
+    from afd_mrv2.mrv2.attention.remote import RemoteExperts
+
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
+    section = {"connector": "torch_p2p", "port": 29500, "compute_gate_on_attention": True, "role": "attention"}
+    experts = RemoteExperts(parse_afd_config(section), max_tokens=16)
+    experts.meter.round_trip(0, 0, 1_000_000)  # micro-batch 0's round trip: 1 ms ...
+    experts.meter.compute(1, 200_000, 600_000)  # ... of which 0.4 ms under micro-batch 1's compute
+    experts.meter.end_step(2)
+    experts.round_trips.observe(0.001)
+    experts.tokens[8] += 2
+    figures = experts.live_stats()
+    assert figures.calls == 2 and figures.tokens == 16 and figures.failover is None
+    assert figures.round_trip_total_s == pytest.approx(0.001) and figures.hidden_fraction == pytest.approx(0.4)
+    assert figures.round_trip_seconds.count == 1 and figures.round_trip_seconds.counts[1] == 1  # le 0.001
+    experts._live.maybe_write(force=True)
+    assert read_stats(tmp_path)[("attention", 0)].figures == figures
+
+
+def test_the_ffn_record_is_what_the_servers_old_dict_said() -> None:
+    """``FfnReport.figures`` gives the record serve_ffn's closure built as a dict from ``live()`` plus its
+    ``redispatched`` and ``up_s``."""
+    from afd_mrv2.items import WorkItem
+    from afd_mrv2.mrv2.ffn.report import FfnReport
+
+    report = FfnReport(moe_layers=2)
+    for stages in (1, 2, 2):
+        report.item_seen(WorkItem(0, 0, 0, num_stages=stages))
+    report.record(tokens=5, seconds=0.25)
+    report.record(tokens=3, seconds=0.125)
+    figures = report.figures(redispatched=1, up_s=3.5)
+    assert figures == FfnFigures(items=3, computed=2, tokens=8, busy_s=0.375, redispatched=1, up_s=3.5)
+    old = {**report.live(), "redispatched": 1, "up_s": 3.5}
+    assert FfnFigures.from_dict(old, "ffn") == figures
+
+
+def test_a_writer_building_a_dict_still_writes_the_record_with_a_deprecation(tmp_path: Path) -> None:
+    old = dict(FFN.as_dict())
+    writer = StatsWriter(tmp_path / "ffn-3.json", lambda: old, every_s=0.0)
+    with pytest.warns(DeprecationWarning, match="return an AttentionFigures or FfnFigures"):
+        writer.maybe_write()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        writer.maybe_write(force=True)  # warned once per writer, not at every write
+    assert read_stats(tmp_path)[("ffn", 3)].figures == FFN
+    bad = StatsWriter(tmp_path / "ffn-4.json", lambda: {**old, "busy": 1}, every_s=0.0)
+    with pytest.warns(DeprecationWarning), pytest.raises(FiguresError, match=r"ffn-4.json: unknown \['busy'\]"):
+        bad.maybe_write()
+
+
+def test_read_stats_leaves_out_a_refused_document_and_logs_it_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    StatsWriter(tmp_path / "ffn-0.json", lambda: FFN).maybe_write()
+    (tmp_path / "ffn-1.json").write_text(json.dumps({**ffn_doc(), SCHEMA_KEY: 99}))
+    (tmp_path / "notes-x.json").write_text("{}")  # not a role's file: not read
+    with caplog.at_level(logging.WARNING, logger="afd_mrv2.live_stats"):
+        assert set(read_stats(tmp_path)) == {("ffn", 0)}
+        assert set(read_stats(tmp_path)) == {("ffn", 0)}
+    refused = [r.getMessage() for r in caplog.records if "ffn-1.json" in r.getMessage()]
+    assert refused == ["afd-mrv2 serve: live figures left out: ffn-1.json.schema: 99, accepted: 1 (another afd-mrv2?)"]
+    assert read_stats(tmp_path / "missing") == {}
