@@ -77,7 +77,9 @@ PROJECT_NAME = "afd_mrv2"
 #: with every change a plugin can notice; CHANGELOG.md records each.  A plugin declares the
 #: version it was written for as the class attribute ``hook_api_version`` of the factory its
 #: entry point names; one that declares none was written before versioning: API 0.
-HOOK_API_VERSION = 1
+#: API 2: the typed context per role (``AttentionContext`` / ``FfnContext``) and the declared
+#: capabilities (``SupportsFailover``, ``InFlightSink``); CHANGELOG.md says what to change.
+HOOK_API_VERSION = 2
 
 #: The oldest hook API version still served (through compatibility shims): a renamed or
 #: removed member keeps working, with a ``DeprecationWarning``, for one more API version.

@@ -1,10 +1,11 @@
 """The versioned hook API: frozen third-party plugins of API 0 and API 1, installed as a user would.
 
 ``tests/thirdparty/afd_echo_api0`` was written to the API before hook API 1 (``work.slot.state``,
-``work.scratch``, one slot per item); ``afd_echo_api1`` to API 1.  Both keep their send buffer
-apart from their receive buffer and hold it across the send's wire time, so a slot freed too early
-shows up as wrong outputs.  Each runs through the pipelined executor at depth >= 2 and its outputs
-are compared exactly with the compute applied to the inputs.
+``work.scratch``, one slot per item); ``afd_echo_api1`` to API 1 (``context.resource(name)``, which
+hook API 2 deprecated for the typed context).  Both keep their send buffer apart from their receive
+buffer and hold it across the send's wire time, so a slot freed too early shows up as wrong
+outputs.  Each runs through the pipelined executor at depth >= 2 and its outputs are compared
+exactly with the compute applied to the inputs; each warns only where it uses a deprecated member.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from afd_mrv2.devices import HostBackend
 from afd_mrv2.errors import PluginError
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline import Executor
-from afd_mrv2.plugins import check_plugins, load_plugins
+from afd_mrv2.plugins import FfnContext, check_plugins, load_plugins
 from afd_mrv2.work import Work
 from tests.connectors import install_distribution
 
@@ -39,7 +40,10 @@ def _compute(item: WorkItem, x: torch.Tensor) -> torch.Tensor:
     return x * 2 + item.seq
 
 
-def _run(connector: str, buffers: tuple[int, int], *, api0_lifetimes: bool | None = None) -> dict[int, torch.Tensor]:
+def _run(
+    connector: str, buffers: tuple[int, int], *, api0_lifetimes: bool | None = None, api1_owner: bool = False
+) -> dict[int, torch.Tensor]:
+    """``connector``'s outputs; ``api1_owner``: built the way an owner written to hook API 1 builds it."""
     config = parse_afd_config(
         {
             "connector": connector,
@@ -49,7 +53,10 @@ def _run(connector: str, buffers: tuple[int, int], *, api0_lifetimes: bool | Non
         }
     )
     outputs: dict[int, torch.Tensor] = {}
-    plugins = load_plugins(config, resources={"source": _inputs, "sink": lambda i, t: outputs.__setitem__(i.seq, t)})
+    objects = {"source": _inputs, "sink": lambda i, t: outputs.__setitem__(i.seq, t)}
+    plugins = (
+        load_plugins(config, resources=objects) if api1_owner else load_plugins(FfnContext(config=config, **objects))
+    )
     executor = Executor(plugins, HostBackend(), config.multistream, compute=_compute, role="ffn")
     if api0_lifetimes is not None:
         executor._api0 = api0_lifetimes  # the negative control below: API 0's slot without its lifetime
@@ -65,12 +72,12 @@ def _wrong(outputs: dict[int, torch.Tensor]) -> list[int]:
     ]
 
 
-def _installed_run(dist, connector, buffers, tmp_path, monkeypatch, caplog) -> set[str]:
+def _installed_run(dist, connector, buffers, tmp_path, monkeypatch, caplog, *, api1_owner=False) -> set[str]:
     """Install ``dist``, run ``connector`` at ``buffers``, check every output is exact; the deprecation messages."""
     install_distribution(dist, tmp_path, monkeypatch)
     with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.WARNING, "afd_mrv2"):
         warnings.simplefilter("always")
-        outputs = _run(connector, buffers)
+        outputs = _run(connector, buffers, api1_owner=api1_owner)
     assert _wrong(outputs) == []
     return {str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)}
 
@@ -91,9 +98,28 @@ def test_api0_slots_aliased_without_their_lifetime_corrupt_outputs(tmp_path, mon
     assert _wrong(_run("echo_api0", (1, 3), api0_lifetimes=False)) != []
 
 
+#: what an API-1 plugin that reads its runtime objects by name is told (the one member of API 1 it uses
+#: that hook API 2 deprecated)
+RESOURCE_DEPRECATED = (
+    "ConnectorContext.resource(name) is deprecated since hook API 2: use the fields of AttentionContext / FfnContext"
+)
+
+
 @pytest.mark.parametrize("buffers", [(2, 2), (1, 3), (3, 3)])
-def test_an_api1_connector_runs_with_no_warning(tmp_path, monkeypatch, caplog, buffers):
-    assert _installed_run("afd_echo_api1", "echo_api1", buffers, tmp_path, monkeypatch, caplog) == set()
+def test_an_api1_connector_runs_unchanged_warned_only_where_api2_deprecated(tmp_path, monkeypatch, caplog, buffers):
+    assert _installed_run("afd_echo_api1", "echo_api1", buffers, tmp_path, monkeypatch, caplog) == {RESOURCE_DEPRECATED}
+    assert caplog.records == []  # no load-time line: nothing of API 1's buffer lifetimes changed
+
+
+def test_an_api1_owner_and_an_api1_connector_run_unchanged(tmp_path, monkeypatch, caplog):
+    """An owner still passing ``resources`` by name (hook API 1's ``load_plugins`` form) runs an API-1 plugin
+    exactly as before: the owner's call and the plugin's reads each warn, nothing else."""
+    messages = _installed_run("afd_echo_api1", "echo_api1", (2, 2), tmp_path, monkeypatch, caplog, api1_owner=True)
+    assert messages == {
+        RESOURCE_DEPRECATED,
+        "load_plugins(config, resources=...) is deprecated since hook API 2: "
+        "use load_plugins(AttentionContext(...) or FfnContext(...))",
+    }
     assert caplog.records == []
 
 
@@ -122,7 +148,7 @@ def test_an_unserved_api_version_is_refused_in_one_line_before_anything_is_built
     assert f"serves hook API {api.OLDEST_SERVED_HOOK_API} to {api.HOOK_API_VERSION}" in message
     built = []
     with pytest.raises(PluginError, match="was written for hook API"):
-        load_plugins(config, resources={"source": built.append, "sink": built.append})
+        load_plugins(FfnContext(config=config, source=built.append, sink=built.append))
 
 
 def test_the_embedded_run_refuses_an_unserved_plugin_before_any_rank_starts(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,17 @@ import torch
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import HostBackend
 from afd_mrv2.errors import PluginError
+from afd_mrv2.hooks.simlink import SimLinkConnector
 from afd_mrv2.pipeline import Executor, WorkItem
-from afd_mrv2.plugins import ConnectorContext, installed, load_plugins
+from afd_mrv2.plugins import (
+    AttentionContext,
+    ConnectorContext,
+    FfnContext,
+    installed,
+    load_plugins,
+    plugins_for,
+    role_context,
+)
 
 THIRD_PARTY_MODULE = '''
 """A connector and an observer shipped by someone else."""
@@ -141,7 +151,88 @@ def test_kind_mismatch_is_an_error(third_party: Path) -> None:
 def test_missing_resource_names_it_and_the_provided_ones() -> None:
     config = parse_afd_config({"connector": "simlink", "role": "ffn"})
     with pytest.raises(PluginError, match=r"needs the runtime resource 'sink'.*provided: source"):
-        load_plugins(config, resources={"source": lambda item: torch.zeros(1)})
+        load_plugins(FfnContext(config=config, source=lambda item: torch.zeros(1)))
+    with pytest.warns(DeprecationWarning), pytest.raises(PluginError, match=r"'sink'.*provided: source"):
+        load_plugins(config, resources={"source": lambda item: torch.zeros(1)})  # hook API 1's form
     context = ConnectorContext(config)
-    with pytest.raises(PluginError, match="provided: none"):
+    with pytest.warns(DeprecationWarning), pytest.raises(PluginError, match="provided: none"):
         context.resource("process_group")
+
+
+# ------------------------------------------------------------------ the typed context per role (hook API 2)
+
+
+def _config(role: str, connector: str = "simlink"):
+    return parse_afd_config({"connector": connector, "role": role})
+
+
+def test_each_role_has_its_typed_context_and_a_wrong_one_is_refused() -> None:
+    attention, ffn = _config("attention"), _config("ffn")
+    assert AttentionContext(config=attention).role == "attention"
+    assert FfnContext(config=ffn, follow_stages=True).follow_stages is True
+    with pytest.raises(
+        PluginError, match=r"AttentionContext is the context of the attention role, but afd.role is 'ffn'"
+    ):
+        AttentionContext(config=ffn)
+    with pytest.raises(TypeError, match="attention_peers"):  # an FFN field is no Attention field
+        AttentionContext(config=attention, attention_peers=[1])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="sinc"):  # a misspelt object fails where it is built
+        FfnContext(config=ffn, sinc=print)  # type: ignore[call-arg]
+
+
+def test_role_context_builds_the_context_of_the_configs_role() -> None:
+    context = role_context(_config("ffn", "torch_p2p"), model=1, attention_peers=[0], my_queue="q")
+    assert isinstance(context, FfnContext)
+    assert (context.model, context.attention_peers, dict(context.extras)) == (1, [0], {"my_queue": "q"})
+    attention = role_context(_config("attention"), attention_peers=[0])  # not an Attention field: an extra
+    assert isinstance(attention, AttentionContext) and dict(attention.extras) == {"attention_peers": [0]}
+    assert context.typed() is context
+
+
+def test_the_api1_names_stay_readable_with_a_deprecation_warning() -> None:
+    source = lambda item: torch.zeros(1)  # noqa: E731
+    context = FfnContext(config=_config("ffn"), source=source, extras={"my_queue": "q"})
+    with pytest.warns(DeprecationWarning, match=r"^ConnectorContext.resources is deprecated since hook API 2"):
+        assert dict(context.resources) == {"source": source, "my_queue": "q"}
+    with pytest.warns(DeprecationWarning, match=r"^ConnectorContext.resource\(name\) is deprecated since hook API 2"):
+        assert context.resource("my_queue") == "q"
+    with pytest.warns(
+        DeprecationWarning, match=r"^ConnectorContext\(config, resources\) is deprecated since hook API 2"
+    ):
+        legacy = ConnectorContext(_config("ffn"), {"source": source, "follow_stages": True, "my_queue": "q"})
+    typed = legacy.typed()
+    assert isinstance(typed, FfnContext) and typed.source is source and typed.follow_stages is True
+    assert dict(typed.extras) == {"my_queue": "q"}
+    with pytest.raises(TypeError, match="not as resources"):
+        load_plugins(typed, resources={"source": source})
+
+
+def test_an_api1_connector_wrapping_a_built_in_one_runs_unchanged() -> None:
+    """The pattern of API-1 plugins that wrap the owner's sink around a built-in connector: read the
+    objects by name, replace one, hand the built-in a context of their own."""
+
+    class TimesTen(SimLinkConnector):
+        hook_api_version = 1
+
+        def __init__(self, context: ConnectorContext) -> None:
+            resources = dict(context.resources)
+            sink = resources["sink"]
+            resources["sink"] = lambda item, out: sink(item, out * 10)
+            super().__init__(ConnectorContext(config=context.config, resources=resources))
+
+    config = parse_afd_config(
+        {"connector": "simlink", "role": "ffn", "connector_extra_config": {"latency_us": 0, "bandwidth_gbps": 0}}
+    )
+    outputs: dict[WorkItem, torch.Tensor] = {}
+    context = FfnContext(config=config, source=lambda item: torch.full((2,), float(item.seq)), sink=outputs.__setitem__)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        connector = TimesTen(context)
+    assert {str(w.message).split(" is deprecated")[0] for w in seen} == {
+        "ConnectorContext.resources",
+        "ConnectorContext(config, resources)",
+    }
+    items = [WorkItem(0, 0, seq) for seq in range(3)]
+    with Executor(plugins_for(connector), HostBackend(), config.multistream, compute=lambda i, x: x + 1) as executor:
+        executor.run(items)
+    assert {i.seq: t.tolist() for i, t in outputs.items()} == {s: [(s + 1) * 10.0] * 2 for s in range(3)}

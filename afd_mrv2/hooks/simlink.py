@@ -4,14 +4,15 @@ The peer is simulated in-process.  A transfer of ``n`` bytes costs
 ``latency_us + n / bandwidth`` of wall time and no CPU: the stream sleeps, like a
 real stream waiting on a network transfer.  Data moves for real:
 
-* ``on_recv`` copies the inputs from the ``source`` resource into the input slot's
+* ``on_recv`` copies the inputs from the ``source`` context field into the input slot's
   preallocated buffer, after the simulated transfer time;
 * ``on_compute`` calls the owner's ``compute(item, inputs) -> outputs`` and keeps
   the outputs in the output slot's preallocated buffer;
-* ``on_send`` hands a copy of the outputs to the ``sink`` resource, after the
+* ``on_send`` hands a copy of the outputs to the ``sink`` context field, after the
   simulated transfer time.
 
-Resources (``ConnectorContext.resources``):
+Runtime objects (either role's context, :class:`~afd_mrv2.plugins.AttentionContext` /
+:class:`~afd_mrv2.plugins.FfnContext`):
     source: ``Callable[[WorkItem], torch.Tensor]``, the inputs of each work item;
     sink: ``Callable[[WorkItem, torch.Tensor], None]``, receives each item's outputs.
 
@@ -96,12 +97,13 @@ class SimLinkConnector:
     """The simulated-link connector; see the module docstring."""
 
     required_capability: ClassVar[str | None] = None  # runs on any runtime pair
-    hook_api_version: ClassVar[int] = 1
+    hook_api_version: ClassVar[int] = 2
 
     def __init__(self, context: ConnectorContext) -> None:
+        context = context.typed()
         self.link = LinkModel.from_options(context.config.extra)
-        self._source: Callable[[WorkItem], torch.Tensor] = context.resource("source")
-        self._sink: Callable[[WorkItem, torch.Tensor], None] = context.resource("sink")
+        self._source: Callable[[WorkItem], torch.Tensor] = context.need(context.source, "source")
+        self._sink: Callable[[WorkItem, torch.Tensor], None] = context.need(context.sink, "sink")
 
     @hookimpl
     def on_recv(self, work: Work) -> None:

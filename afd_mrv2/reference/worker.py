@@ -37,7 +37,7 @@ from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.p2p import P2pShape, PeerError, PeerLink
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import load_plugins, role_context
 from afd_mrv2.procs import die_with_parent
 from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
@@ -226,7 +226,7 @@ class _Session:
                 },
             }
         )
-        plugins = load_plugins(config, resources={"p2p_link": self.link, "model": self.shape})
+        plugins = load_plugins(role_context(config, p2p_link=self.link, model=self.shape))
         trace = Trace(rank=self.rank, role=self.role, label=label)
         executor = Executor(
             plugins, make_backend("host"), config.multistream, compute=self.compute, role=self.role, trace=trace

@@ -32,7 +32,7 @@ from afd_mrv2.hooks.cam import common as cam_common
 from afd_mrv2.hooks.cam import ops as cam_ops
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import ConnectorContext, FfnContext, load_plugins
 from afd_mrv2.probe.cluster import ClusterSpec, ranks
 from afd_mrv2.stages import attention_items
 from afd_mrv2.work import Work
@@ -157,10 +157,11 @@ WITNESSED: dict[tuple[str, int], Rank] = {}  # (role, rank) -> that rank's backe
 
 
 class PhaseWitness:
-    hook_api_version = 1
+    hook_api_version = 2
 
-    def __init__(self, context) -> None:  # type: ignore[no-untyped-def]
-        self.rank = WITNESSED[(context.config.role, context.resources.get("role_rank", 0))]
+    def __init__(self, context: ConnectorContext) -> None:
+        context = context.typed()
+        self.rank = WITNESSED[(context.role, context.role_rank or 0)]
 
     def _wrap(self, phase: str, work, stream):  # type: ignore[no-untyped-def]
         backend = self.rank.backend
@@ -240,11 +241,11 @@ def test_simlink_uses_the_executor_it_is_given(multistream: bool, witnessed: dic
         }
     )
     rank = witnessed.setdefault(("ffn", 0), Rank(RecordingBackend()))
-    resources = {"source": lambda item: torch.full((2, 4), float(item.seq)), "sink": outputs.__setitem__}
+    context = FfnContext(
+        config=config, source=lambda item: torch.full((2, 4), float(item.seq)), sink=outputs.__setitem__
+    )
     items = [WorkItem(i % 2, (i // 2) % 2, i) for i in range(10)]
-    with Executor(
-        load_plugins(config, resources=resources), rank.backend, config.multistream, compute=lambda i, x: x + 1
-    ) as ex:
+    with Executor(load_plugins(context), rank.backend, config.multistream, compute=lambda i, x: x + 1) as ex:
         ex.run(items)
     assert assert_every_phase_went_through_the_executor(rank, multistream) == len(items)
     assert {item: float(out[0, 0]) for item, out in outputs.items()} == {item: item.seq + 1.0 for item in items}
@@ -253,8 +254,7 @@ def test_simlink_uses_the_executor_it_is_given(multistream: bool, witnessed: dic
 def test_the_witness_sees_a_phase_called_outside_the_executor(witnessed: dict[tuple[str, int], Rank]) -> None:
     config = parse_afd_config({"connector": "simlink", "role": "ffn", "observers": ["witness"]})
     rank = witnessed.setdefault(("ffn", 0), Rank(RecordingBackend()))
-    resources = {"source": lambda item: torch.zeros(1), "sink": lambda item, out: None}
-    plugins = load_plugins(config, resources=resources)
+    plugins = load_plugins(FfnContext(config=config, source=lambda item: torch.zeros(1), sink=lambda item, out: None))
     with Executor(plugins, rank.backend, config.multistream, compute=lambda i, x: x) as ex:
         ex.run([WorkItem(0, 0, 0)])
         stray = Work(WorkItem(0, 0, 1), ex.inputs[0], ex.outputs[0], threading.Event())

@@ -48,13 +48,13 @@ Hooks per role (work item ``(L, s)``):
   async_combine_send.  A rank that received no routed tokens sends a one-row
   zero placeholder: CAM combine-send cannot take an empty (or int8) routed output.
 * attention: recv = async_combine_recv of (L-1, s) with that dispatch's top-k ids
-  and weights from the pending FIFO (layer 0: resource ``source``), compute =
+  and weights from the pending FIFO (layer 0: context field ``source``), compute =
   ``compute(item, hidden) -> CamAsyncDispatch`` (the last item returns a
   tensor for ``sink``), send = async_dispatch_send of (L, s).  Both sides stamp
   the identity of what they send on the side channel and check what they
   receive (the FFN side each dispatch, the attention side each FFN rank's combine).
 
-Resources: ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` /
+Runtime objects (the role's context): ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` /
 ``sink`` (attention), ``device`` (optional), ``cam_stage_tags`` (optional, the
 stage-identity side channel; default: the OpSet's).  Options: ``dynamicQuant`` (0|1),
 ``attn_ranks_per_dp`` (CAM's TP width), ``comm_id``, ``max_seq_len``,
@@ -124,11 +124,12 @@ class CamAsyncConnector(CamConnectorBase):
         self._check_stages(self.stages, "afd.async_moe.num_stages")
         self.world_size = self.num_attention + self.num_ffn
         self.expert_per_rank = -(-self.model.num_experts // self.num_ffn)
-        self.group_name = context.resource("cam_group")
+        typed = context.typed()
+        self.group_name = typed.need(typed.cam_group, "cam_group")
         self.comm_args = torch.empty((1,), dtype=torch.float16, device=self.device)
         self._recv_placeholder = torch.empty((1,), dtype=self.model.dtype, device=self.device)
         self.ops: OpSet = self._ops(
-            context,
+            typed,
             namespace=CAMASYNC.namespace,
             known=CAMASYNC.known,
             install_hint="install the CAM run package and the umdk_cam_op_lib wheel, then import umdk_cam_op_lib",

@@ -35,11 +35,11 @@ Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.stages.pairing`):
 
 * FFN: recv = a2e (layer L, stage s), compute = ``compute(item, hidden) -> out``
   (rows = real tokens), send = e2a.
-* attention: recv = e2a of layer L-1 (layer 0: resource ``source``), compute =
+* attention: recv = e2a of layer L-1 (layer 0: context field ``source``), compute =
   ``compute(item, hidden) -> hidden`` (layer L's attention), send = a2e of
-  layer L (the last item hands its output to resource ``sink``).
+  layer L (the last item hands its output to context field ``sink``).
 
-Resources: ``model`` (:class:`CamModelSpec`), ``role_rank``, ``hccl_groups``
+Runtime objects (the role's context): ``model`` (:class:`CamModelSpec`), ``role_rank``, ``hccl_groups``
 (one comm name per stage), ``ffn_ep_group`` (FFN, optional),
 ``stage_token_counts`` (FFN: ``item -> tokens per attention rank``),
 ``source`` / ``sink`` (attention), ``device`` (optional, default CPU),
@@ -63,7 +63,7 @@ from afd_mrv2.hooks.cam.ops import BoundOp, OperatorFamily, OpSet
 from afd_mrv2.hooks.cam.options import CamP2POptions, options
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
-from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.plugins import ConnectorContext, FfnContext
 from afd_mrv2.stages.pairing import PendingFifo
 from afd_mrv2.topology import FFN
 from afd_mrv2.work import Work
@@ -148,7 +148,8 @@ class CamP2PConnector(CamConnectorBase):
             raise ConfigError(
                 "afd.compute_gate_on_attention", "CAMP2P computes the MoE gate on the FFN side; expected false"
             )
-        groups = context.resource("hccl_groups")
+        typed = context.typed()
+        groups = typed.need(typed.hccl_groups, "hccl_groups")
         if (
             isinstance(groups, str)
             or not isinstance(groups, Sequence)
@@ -164,9 +165,8 @@ class CamP2PConnector(CamConnectorBase):
                 f"num_attention_ranks ({self.num_attention}), got {self.num_ffn}",
             )
         self.per_ffn = self.num_attention // self.num_ffn
-        self.ep_group: str | None = context.resources.get("ffn_ep_group")
         self.ops: OpSet = self._ops(
-            context,
+            typed,
             namespace=CAMP2P.namespace,
             known=CAMP2P.known,
             install_hint="build afd-plugin's Ascend ops (csrc/npu) and import its extension",
@@ -234,7 +234,12 @@ class CamP2PFfn(CamP2PConnector, CamFfnBase):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.token_counts: Callable[[WorkItem], Sequence[int]] = context.resource("stage_token_counts")
+        typed = context.typed()
+        assert isinstance(typed, FfnContext)  # this class is built for afd.role ffn only
+        self.token_counts: Callable[[WorkItem], Sequence[int]] = typed.need(
+            typed.stage_token_counts, "stage_token_counts"
+        )
+        self.ep_group: str | None = typed.ffn_ep_group
         # afd-plugin's FFN side hands a2e empty activations / expert ids / scales rather than None
         self._empty = torch.empty((0, self.model.hidden_size), dtype=self.model.dtype, device=self.device)
         self._empty_ids = torch.empty((0,), dtype=torch.int32, device=self.device)

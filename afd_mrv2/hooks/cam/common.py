@@ -2,7 +2,8 @@
 
 Everything connector-specific lives in :mod:`camp2p` / :mod:`camasync` (their
 options in :mod:`~afd_mrv2.hooks.cam.options`); this module only holds the
-pieces both need to start up the same way: read the runtime resources, resolve
+pieces both need to start up the same way: read the runtime objects of the role's
+context (:class:`~afd_mrv2.plugins.AttentionContext` / :class:`~afd_mrv2.plugins.FfnContext`), resolve
 the operators (or take the explicit test doubles) and run the start-up checks,
 all before any communication happens, and the phase hooks of the attention
 side, which both families share.
@@ -32,7 +33,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -44,16 +45,16 @@ from afd_mrv2.hooks.cam.ops import OpSet, installed_versions, load_evidence, tor
 from afd_mrv2.hooks.cam.stage_tags import STAGE_TAGS_RESOURCE, StageTags, check_stage
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
 from afd_mrv2.items import WorkItem
-from afd_mrv2.plugins import ConnectorContext
+from afd_mrv2.plugins import ConnectorContext, RoleContext
 from afd_mrv2.stages.pairing import PendingFifo, check_attention_depth
 from afd_mrv2.support_matrix import check_deployment
 from afd_mrv2.topology import ATTENTION, FFN
 from afd_mrv2.work import Work
 
-#: Resource name of the CAM operators to use instead of resolving ``torch.ops.<namespace>``: an
-#: :class:`OpSet` the embedding code builds (tests pass doubles, a runner may pass wrapped real
-#: operators).  Only code can provide it (resources are not configuration); without it the
-#: connector resolves the real operators.
+#: Name of the context field (``cam_ops``) of the CAM operators to use instead of resolving
+#: ``torch.ops.<namespace>``: an :class:`OpSet` the embedding code builds (tests pass doubles, a
+#: runner may pass wrapped real operators).  Only code can provide it (the context is not
+#: configuration); without it the connector resolves the real operators.
 OPS_RESOURCE = "cam_ops"
 #: Its name before hook API 1 (served with a DeprecationWarning).
 OLD_OPS_RESOURCE = "cam_test_ops"
@@ -61,7 +62,7 @@ OLD_OPS_RESOURCE = "cam_test_ops"
 
 @dataclass(frozen=True)
 class CamModelSpec:
-    """The model facts the connectors size their operators with (resource ``model``)."""
+    """The model facts the connectors size their operators with (context field ``model``)."""
 
     hidden_size: int
     topk: int
@@ -87,8 +88,17 @@ def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
         time.sleep(poll_s)
 
 
+T = TypeVar("T")
+
 #: ``work.transfer`` key of the connector's per-item transfer state (see the module docstring)
 TRANSFER = "cam"
+
+
+def _checked(value: object, name: str, kind: type[T]) -> T:
+    """``value``, or a :class:`PluginError` when it is not a ``kind`` (a bool is no int)."""
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PluginError(f"runtime resource {name!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 class CamConnectorBase(ABC):
@@ -104,7 +114,7 @@ class CamConnectorBase(ABC):
     name: ClassVar[str] = "cam"
     #: the runtime-pair capability this connector needs (:mod:`afd_mrv2.compat`)
     required_capability: ClassVar[str | None] = None
-    hook_api_version: ClassVar[int] = 1
+    hook_api_version: ClassVar[int] = 2
     #: the role this class serves; set by the role classes
     role: ClassVar[str] = ""
     #: the operators this role's recv / send phases call (start-up capability check)
@@ -130,32 +140,25 @@ class CamConnectorBase(ABC):
         return next((sub for sub in cls.__subclasses__() if sub.role == role), None)
 
     def __init__(self, context: ConnectorContext) -> None:
+        context = context.typed()
         config = context.config
         self.config = config
-        deployment = context.resources.get("deployment")
-        if deployment is not None:
-            check_deployment(config, deployment)
+        if context.deployment is not None:
+            check_deployment(config, context.deployment)
         self.pipelined = config.multistream.active_for(config.role)
-        self.model: CamModelSpec = self._resource(context, "model", CamModelSpec)
-        self.role_rank: int = self._resource(context, "role_rank", int)
+        self.model: CamModelSpec = _checked(context.need(context.model, "model"), "model", CamModelSpec)
+        self.role_rank: int = _checked(context.need(context.role_rank, "role_rank"), "role_rank", int)
         size = config.num_attention_ranks if self.role == ATTENTION else config.num_ffn_ranks
         if not 0 <= self.role_rank < size:
             raise PluginError(
                 f"connector {self.name!r}: role_rank {self.role_rank} is outside 0..{size - 1} for role {self.role}"
             )
         self.num_attention, self.num_ffn = config.num_attention_ranks, config.num_ffn_ranks
-        self.device = torch.device(context.resources.get("device", "cpu"))
-
-    @staticmethod
-    def _resource(context: ConnectorContext, name: str, kind: type) -> Any:
-        value = context.resource(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise PluginError(f"runtime resource {name!r} must be a {kind.__name__}, got {type(value).__name__}")
-        return value
+        self.device = torch.device(context.device or "cpu")
 
     def _ops(
         self,
-        context: ConnectorContext,
+        context: RoleContext,
         *,
         namespace: str,
         known: Mapping[str, tuple[StreamBehaviour, str]],
@@ -164,14 +167,14 @@ class CamConnectorBase(ABC):
         """The test doubles when the test switch is set, else the real operators of
         ``torch.ops.<namespace>`` (with any stream evidence from the options); then
         the start-up capability check of this role's operators."""
-        ops = context.resources.get(OPS_RESOURCE)
-        if ops is None and OLD_OPS_RESOURCE in context.resources:
+        ops = context.cam_ops
+        if ops is None and OLD_OPS_RESOURCE in context.extras:
             warnings.warn(
                 f"resource {OLD_OPS_RESOURCE!r} is deprecated since hook API 1: use {OPS_RESOURCE!r}",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            ops = context.resources[OLD_OPS_RESOURCE]
+            ops = context.extras[OLD_OPS_RESOURCE]
         if ops is None:
             evidence = load_evidence(context.config.extra, "afd.connector_extra_config.stream_evidence")
             ops = torch_opset(
@@ -180,8 +183,12 @@ class CamConnectorBase(ABC):
         elif not isinstance(ops, OpSet):
             raise PluginError(f"resource {OPS_RESOURCE!r} must be an OpSet (afd_mrv2.hooks.cam.ops)")
         ops.check_start_up(self.recv_ops, self.send_ops, connector=self.name, pipelined=self.pipelined)
-        tags = context.resources.get(STAGE_TAGS_RESOURCE, ops.stage_tags)
-        self.stage_tags = tags
+        tags = context.cam_stage_tags
+        if tags is not None and not isinstance(tags, StageTags):
+            raise PluginError(
+                f"runtime resource {STAGE_TAGS_RESOURCE!r} must be a StageTags, got {type(tags).__name__}"
+            )
+        self.stage_tags = ops.stage_tags if tags is None else tags
         return ops
 
     def describe_world(self, world: int) -> str:
@@ -262,8 +269,9 @@ class CamAttentionBase(CamConnectorBase):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.source: Callable[[WorkItem], torch.Tensor] = context.resource("source")
-        self.sink: Callable[[WorkItem, torch.Tensor], None] = context.resource("sink")
+        context = context.typed()
+        self.source: Callable[[WorkItem], torch.Tensor] = context.need(context.source, "source")
+        self.sink: Callable[[WorkItem, torch.Tensor], None] = context.need(context.sink, "sink")
 
     @abstractmethod
     def _combine(self, stream: Stream, sent: Any) -> Any:

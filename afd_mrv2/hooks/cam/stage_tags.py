@@ -31,7 +31,7 @@ Providers:
   each message's payload metadata (what a transport with a spare header word
   would do) and hand it to ``take`` when their receive operator delivers the
   message; their ``OpSet`` brings it (``OpSet.stage_tags``);
-* a deployment may pass any :class:`StageTags` as the runtime resource
+* a deployment may pass any :class:`StageTags` as the context field
   ``cam_stage_tags`` (for example one keyed by (source, destination, layer,
   ordinal) over a host store: CAM is FIFO per (source, destination, layer), so
   the ``k``-th arrival of a key pairs with the ``k``-th stamp of it; ``take``
@@ -45,15 +45,16 @@ Providers:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from afd_mrv2.errors import PluginError
 from afd_mrv2.items import WorkItem
 
-#: Resource name of a deployment's :class:`StageTags` (takes precedence over the OpSet's).
+#: Context field of a deployment's :class:`StageTags` (takes precedence over the OpSet's).
 STAGE_TAGS_RESOURCE = "cam_stage_tags"
 
 
+@runtime_checkable
 class StageTags(Protocol):
     """The side channel the stage identity of CAM transfers travels on (see the module docstring)."""
 

@@ -21,7 +21,7 @@ Options (``afd.connector_extra_config``), all optional:
     0 (the default) means infinite.
 ``max_tokens``
     Per-stage token capacity of one attention rank (the buffer size); defaults
-    to the ``model`` resource's ``max_tokens``.
+    to the ``model`` context field's ``max_tokens``.
 ``quant`` (default: none, float32 rows)
     ``"w8a8"``: the attention side quantizes each dispatched hidden row to int8
     with one float32 scale per row (:mod:`afd_mrv2.hooks.quant`) and sends both;
@@ -54,7 +54,7 @@ _NON_NEGATIVE = number(inclusive=True)
 class P2pShape:
     """The model dimensions torch_p2p sizes its buffers and checks its messages with.
 
-    Provided by the owner as the ``model`` resource.  ``num_layers`` tells the
+    Provided by the owner as the ``model`` context field.  ``num_layers`` tells the
     attention side which items have nothing to receive (layer 0) and which have
     nothing to send (the epilogue item ``layer == num_layers`` that only combines
     the last layer's FFN output).

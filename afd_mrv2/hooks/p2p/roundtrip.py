@@ -18,9 +18,9 @@ that caller, item by item::
                 owner's ``wait()`` on it (from ``UBatchExchange.finish``, on the
                 model's thread) waits for every combine, checks each header, sums
                 the partials in token order and returns the [T, H] result.  Only a
-                sink that says it takes results in flight (attribute
-                ``accepts_in_flight = True``, as ``UBatchExchange``'s does) gets one;
-                any other sink (a plain function, or a third party's wrapper around
+                sink that declares it takes results in flight
+                (:class:`~afd_mrv2.api.InFlightSink`, as ``UBatchExchange``'s does) gets
+                one; any other sink (a plain function, or a third party's wrapper around
                 the owner's sink) gets the [T, H] tensor, waited for in ``on_send``
                 (the tensor contract third-party sink wrappers were written against)
 
@@ -51,9 +51,10 @@ receives and sends in posting order), and each item's combine lands in an inbox
 of its own (taken from a free list, given back once ``wait()`` read it), not in
 its output slot, which the executor reuses once ``on_send`` returned.
 
-Selected by the owner's resources: an attention owner that provides ``source``
+Selected by the owner's context: an attention owner that provides ``source``
 and ``sink`` (the contract of :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`)
-gets this side; one that provides neither drives the pipelined side.
+gets this side; one that provides neither drives the pipelined side.  This side is
+the one that fails over (:class:`~afd_mrv2.api.AttentionFailover`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from typing import Any
 
 import torch
 
+from afd_mrv2.api import supports_in_flight
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.attention import AttentionSide, _Dispatch
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
@@ -80,7 +82,7 @@ from afd_mrv2.work import Work
 
 RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, Any], None]
-#: the attribute a ``sink`` sets to True to receive :class:`CombineInFlight` results instead of tensors
+#: the marker attribute of :class:`~afd_mrv2.api.InFlightSink` (a sink declares it by subclassing that)
 ACCEPTS_IN_FLIGHT = "accepts_in_flight"
 
 
@@ -190,7 +192,7 @@ class RoundTripAttentionSide(AttentionSide):
         self.source = source
         self.sink = sink
         # a sink that did not opt in keeps the tensor contract (a wrapper reads ``result.shape``)
-        self.sink_accepts_in_flight = getattr(sink, ACCEPTS_IN_FLIGHT, False) is True
+        self.sink_accepts_in_flight = supports_in_flight(sink)
         self._free_inboxes: list[list[torch.Tensor]] = []
         self._inbox_lock = threading.Lock()
         self._pair_seq = [0] * len(self.peers)  # the next message's number on each pair
@@ -338,7 +340,7 @@ class RoundTripAttentionSide(AttentionSide):
             self.live = live
             with self._pair_locks[ffn]:
                 self._pair_seq[ffn] = 0
-        self.failovers.rejoined(ffn, self.link.generation(self.peers[ffn]), self.link.me)
+        self.failovers.rejoined(ffn, self.link.pair_name(self.peers[ffn]), self.link.me)
 
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)

@@ -20,12 +20,13 @@ Topology and expert placement: :mod:`afd_mrv2.topology` (A x F ranks, experts
 sharded in contiguous blocks, every attention rank talks to every FFN rank, the
 shared expert runs where a token's top-1 expert lives).
 
-Resources (``ConnectorContext.resources``):
+Runtime objects (the role's context, :class:`~afd_mrv2.plugins.AttentionContext` /
+:class:`~afd_mrv2.plugins.FfnContext`):
     ``p2p_link``: a :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, one per process,
     built by the owner on its process group before any executor (it pre-posts the
     control channel, which must outlive every executor of the process).
     ``model``: a :class:`~afd_mrv2.hooks.p2p.common.P2pShape`.
-    ``source`` / ``sink`` (attention role, optional): an owner that hands each item
+    ``source`` / ``sink`` (Attention role, optional): an owner that hands each item
     over and waits for its result (the :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`
     contract, e.g. a vLLM MoE layer) provides both and gets the round-trip side
     (:mod:`afd_mrv2.hooks.p2p.roundtrip`); without them the attention side is
@@ -44,6 +45,11 @@ Resources (``ConnectorContext.resources``):
     (with ``follow_stages``: layer and ``stage i of n`` from the header) once its
     headers were validated, zero-token items included (``serve_ffn`` counts items
     per stage count with it).
+
+Capability: expert-replica failover (:class:`~afd_mrv2.api.SupportsFailover`).  The
+round-trip Attention side routes around a lost FFN rank and takes it back
+(:meth:`TorchP2pConnector.attention_failover`); the FFN side counts the re-sends it
+served (:meth:`TorchP2pConnector.ffn_failover`).
 
 Stage identity: every header carries the item's layer, ``stage i of n`` and seq,
 checked on every message, so the connector declares ``carries_stage_identity``
@@ -79,6 +85,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from afd_mrv2.api import AttentionFailover, FfnFailover, SupportsFailover
 from afd_mrv2.errors import PluginError
 from afd_mrv2.hooks.p2p.attention import AttentionSide
 from afd_mrv2.hooks.p2p.common import P2pShape, parse_options
@@ -86,46 +93,54 @@ from afd_mrv2.hooks.p2p.ffn import FfnSide
 from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hooks.p2p.roundtrip import RoundTripAttentionSide
 from afd_mrv2.hookspecs import ComputeFn, hookimpl
-from afd_mrv2.plugins import ConnectorContext
-from afd_mrv2.topology import ATTENTION
+from afd_mrv2.plugins import ConnectorContext, FfnContext
 from afd_mrv2.work import Work
 
 
-class TorchP2pConnector:
+class TorchP2pConnector(SupportsFailover):
     """The torch_p2p connector; see the module docstring."""
 
     required_capability: ClassVar[str | None] = None  # torch.distributed only: any runtime pair
-    hook_api_version: ClassVar[int] = 1
+    hook_api_version: ClassVar[int] = 2
     carries_stage_identity: ClassVar[bool] = True  # every header names the layer and stage i of n
 
     def __init__(self, context: ConnectorContext) -> None:
-        link = context.resource("p2p_link")
-        shape = context.resource("model")
+        context = context.typed()
+        link = context.need(context.p2p_link, "p2p_link")
+        shape = context.need(context.model, "model")
         if not isinstance(link, PeerLink):
             raise PluginError(f"torch_p2p: resource 'p2p_link' must be a PeerLink, got {type(link).__name__}")
         if not isinstance(shape, P2pShape):
             raise PluginError(f"torch_p2p: resource 'model' must be a P2pShape, got {type(shape).__name__}")
-        role = context.config.role
-        if role != link.role:
+        if context.role != link.role:
             raise PluginError(
-                f"torch_p2p: afd.role is {role!r} but global rank {link.rank} is {link.topology.describe(link.rank)}"
+                f"torch_p2p: afd.role is {context.role!r} but global rank {link.rank} is "
+                f"{link.topology.describe(link.rank)}"
             )
         options = parse_options(context.config.extra)
         self.side: AttentionSide | FfnSide
-        if role != ATTENTION:
+        if isinstance(context, FfnContext):
             self.side = FfnSide(
                 link,
                 shape,
                 options,
-                peers=context.resources.get("attention_peers"),
-                follow_stages=bool(context.resources.get("follow_stages", False)),
-                on_item=context.resources.get("on_item"),
+                peers=context.attention_peers,
+                follow_stages=context.follow_stages,
+                on_item=context.on_item,
             )
-        elif "sink" in context.resources:  # an exchange owner: each item is one round trip
-            source, sink = context.resource("source"), context.resource("sink")
-            self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=sink)
+        elif context.sink is not None:  # an exchange owner: each item is one round trip
+            source = context.need(context.source, "source")
+            self.side = RoundTripAttentionSide(link, shape, options, source=source, sink=context.sink)
         else:  # the owner drives the layer loop: layer l-1's combine arrives in item l's recv
             self.side = AttentionSide(link, shape, options)
+
+    def attention_failover(self) -> AttentionFailover | None:
+        """The round-trip Attention side (it fails over); None on the FFN role and the layer-pipelined side."""
+        return self.side if isinstance(self.side, RoundTripAttentionSide) else None
+
+    def ffn_failover(self) -> FfnFailover | None:
+        """The FFN side (it counts the re-sends it served); None on the Attention role."""
+        return self.side if isinstance(self.side, FfnSide) else None
 
     @hookimpl
     def on_recv(self, work: Work) -> None:

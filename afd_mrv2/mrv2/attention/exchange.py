@@ -5,7 +5,8 @@ each AFD point; the exchange turns the call into one
 :class:`~afd_mrv2.items.WorkItem` ``(layer, microbatch, seq)`` and runs it through
 the executor, whose connector hooks (``on_recv`` -> ``on_compute`` -> ``on_send``)
 do the transfer on the executor's streams.  The connector reaches the data through
-two resources (the contract ``simlink`` documents):
+two fields of its context (the contract ``simlink`` documents), :attr:`UBatchExchange.source`
+and :attr:`UBatchExchange.sink`:
 
 * ``source(item) -> Tensor``: the hidden states handed to ``start`` for ``item``;
 * ``sink(item, result)``: where the connector delivers the item's result: the
@@ -13,9 +14,9 @@ two resources (the contract ``simlink`` documents):
   ``delivered_ns`` says when it arrived), which ``finish`` waits for on the caller's
   thread.  A connector whose receive completes after its ``on_send`` (torch_p2p's
   round-trip side) hands the latter, so its send stream is free for the next item
-  while this one's result is on its way; it does so only to a sink whose
-  ``accepts_in_flight`` attribute is True (this exchange's), so a third-party
-  connector that wraps the sink keeps receiving tensors.
+  while this one's result is on its way; it does so only to a sink that declares
+  it takes one (:class:`~afd_mrv2.api.InFlightSink`: this exchange's does), so a
+  third-party connector that wraps the sink keeps receiving tensors.
 
 Each item carries its stage identity, ``stage i of n`` (``WorkItem.stage_idx`` and
 ``num_stages``), given by the caller of ``start``: the micro-batch index and the
@@ -77,25 +78,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from afd_mrv2.api import InFlight, InFlightSink
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import Executor
 
 _NO_RESULT = object()
 _HISTORY = 4096  # items kept in ``UBatchExchange.items``
-
-
-@runtime_checkable
-class InFlight(Protocol):
-    """A result a connector handed ``sink`` before it arrived (see the module docstring)."""
-
-    delivered_ns: int
-
-    def wait(self) -> Any:
-        """Block until the result arrived and return it; raise what the transfer raised."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -120,10 +111,8 @@ class _Entry:
         self.delivered_ns = time.perf_counter_ns()
 
 
-class _Sink:
-    """The ``sink`` resource: ``finish`` waits for an :class:`InFlight` result, so it says it takes one."""
-
-    accepts_in_flight = True
+class _Sink(InFlightSink):
+    """The ``sink``: ``finish`` waits for an :class:`InFlight` result, so it declares it takes one."""
 
     def __init__(self, deliver: Any) -> None:
         self._deliver = deliver
@@ -143,9 +132,16 @@ class UBatchExchange:
         self.capacity = 0  # pool entries, set by bind()
         # the most recent items started, in order (for tests and traces; bounded: a server runs for days)
         self.items: deque[WorkItem] = deque(maxlen=_HISTORY)
+        #: the connector's ``sink`` (a context field): where it delivers each item's result
+        self.sink: InFlightSink = _Sink(self._deliver)
+
+    def source(self, item: WorkItem) -> Any:
+        """The connector's ``source`` (a context field): the hidden states handed to ``start`` for ``item``."""
+        return self._entries[item].hidden
 
     def resources(self) -> dict[str, Any]:
-        return {"source": self._source, "sink": _Sink(self._deliver)}
+        """``source`` and ``sink`` by name (hook API 1's ``resources`` form)."""
+        return {"source": self.source, "sink": self.sink}
 
     def bind(self, executor: Executor) -> None:
         """Run transfers on ``executor``; sizes the pool from its buffer counts."""
@@ -158,10 +154,7 @@ class UBatchExchange:
         """Items started and not yet finished, in start order."""
         return list(self._entries)
 
-    # ------------------------------------------------------------------ connector resources
-
-    def _source(self, item: WorkItem) -> Any:
-        return self._entries[item].hidden
+    # ------------------------------------------------------------------ the connector's delivery
 
     def _deliver(self, item: WorkItem, result: Any) -> None:
         entry = self._entries.get(item)

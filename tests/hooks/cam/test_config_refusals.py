@@ -9,7 +9,8 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.hooks.cam.common import OPS_RESOURCE
 from afd_mrv2.hooks.cam.evidence import Evidence, OpEvidence, StreamBehaviour
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.hooks.p2p import P2pShape
+from afd_mrv2.plugins import AttentionContext, load_plugins, role_context
 from afd_mrv2.support_matrix import Deployment, check_deployment
 from tests.hooks.cam.harness import MODEL
 from tests.support.cam_fabric import Fabric
@@ -49,7 +50,7 @@ def build(config, *, evidence=CURRENT_EVIDENCE, doubles=True, **resources):
     }
     if doubles:
         res[OPS_RESOURCE] = kind(Fabric()).opset(0, evidence)
-    return load_plugins(config, resources=res).connector
+    return load_plugins(role_context(config, **res)).connector
 
 
 def refused(config_or_fn, match: str, **kwargs) -> ConfigError:
@@ -144,21 +145,25 @@ def test_real_operators_missing_fail_before_anything_runs(config, names: str) ->
 def test_test_switch_must_be_an_opset() -> None:
     with pytest.raises(PluginError, match="must be an OpSet"):
         load_plugins(
-            camasync(),
-            resources={
-                "model": MODEL.spec,
-                "role_rank": 0,
-                "source": 1,
-                "sink": 1,
-                "cam_group": "g",
-                OPS_RESOURCE: object(),
-            },
+            AttentionContext(
+                config=camasync(),
+                model=MODEL.spec,
+                role_rank=0,
+                source=print,
+                sink=print,
+                cam_group="g",
+                cam_ops=object(),
+            )
         )
 
 
 def test_resources_are_checked() -> None:
-    with pytest.raises(PluginError, match="needs the runtime resource 'model'"):
-        load_plugins(camasync(), resources={"role_rank": 0})
+    with pytest.raises(PluginError, match=r"needs the runtime resource 'model'.*\(provided: role_rank\)"):
+        load_plugins(AttentionContext(config=camasync(), role_rank=0))
+    with pytest.raises(PluginError, match="runtime resource 'model' must be a CamModelSpec, got P2pShape"):
+        build(camasync(), model=P2pShape(8, 2, 4, 2, 4))  # another connector's model spec
+    with pytest.raises(PluginError, match="runtime resource 'cam_stage_tags' must be a StageTags, got str"):
+        build(camasync(), cam_stage_tags="tags")
     with pytest.raises(PluginError, match=r"role_rank 3 is outside 0\.\.0"):
         build(camasync(), role_rank=3)
     with pytest.raises(PluginError, match="'hccl_groups' must be a sequence"):

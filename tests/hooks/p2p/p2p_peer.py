@@ -40,7 +40,7 @@ from afd_mrv2.devices import make_backend
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink, wire
 from afd_mrv2.items import WorkItem
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import load_plugins, role_context
 from afd_mrv2.topology import Topology
 
 SHAPE = P2pShape(hidden_size=8, top_k=1, num_experts=2, num_layers=2, max_tokens=4)
@@ -79,7 +79,7 @@ def real_side(
             "multistream": {"enabled": True, "depth": 2, "roles": ["attention", "ffn"], "backend": "host"},
         }
     )
-    plugins = load_plugins(config, resources={"p2p_link": link, "model": SHAPE})
+    plugins = load_plugins(role_context(config, p2p_link=link, model=SHAPE))
     compute = attention_compute if role == "attention" else ffn_compute
     executor = Executor(plugins, make_backend("host"), config.multistream, compute=compute, role=role)
     layers = SHAPE.num_layers + (1 if role == "attention" else 0)
