@@ -460,13 +460,128 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
+def _check_prerequisites(args: argparse.Namespace) -> Path:
+    """The checkpoint, once vLLM and the test-only stand-in are known to be there."""
     model = check_model(args.model)
     check_vllm()
     if not (STANDIN / "sitecustomize.py").is_file():
         raise UsageError(
             f"{STANDIN}/sitecustomize.py is missing: vLLM's V2 runner on CPU needs this test-only stand-in"
         )
+    return model
+
+
+def _start_sides(
+    args: argparse.Namespace,
+    model: Path,
+    topologies: dict[str, ServeTopology],
+    engine_args: list[str],
+    plain_cores: str,
+    started: list[PlainServer | ServeServer],
+) -> dict[str, Side]:
+    """Start the three sides together (each appended to ``started`` once it runs) and wait until all are ready."""
+    logs = Path(args.logs)
+    env = _environment()
+    ports = [topologies[name].ports() for name in ("blocking", "ubatch")]
+    base = free_port_block(1 + sum(ports))
+    plain = PlainServer(model, base, logs / "plain.log", engine_args, plain_cores, env={**env, **PLAIN_ENV})
+    started.append(plain)
+    sides = {"plain": Side("plain", plain)}
+    port = base + 1
+    for name, count in zip(("blocking", "ubatch"), ports, strict=True):
+        serve = ServeServer(model, port, logs / f"{name}.log", topologies[name], engine_args, env={**env, **SERVE_ENV})
+        started.append(serve)
+        sides[name] = Side(name, serve)
+        port += count
+    for side in sides.values():
+        side.ready_s = side.server.wait_ready()
+        side.ready()
+    print(
+        "ready: " + ", ".join(f"{n} after {s.ready_s:.0f} s" for n, s in sides.items()) + " (started together)",
+        flush=True,
+    )
+    return sides
+
+
+def _renice(sides: dict[str, Side], nice: int | None) -> None:
+    if nice is None:
+        return
+    reniced = {n: renice_engine_cores(s.server, nice) for n, s in sides.items()}
+    print(
+        f"EngineCore processes at nice {nice}: " + ", ".join(f"{n} {pids}" for n, pids in reniced.items()), flush=True
+    )
+
+
+def _check_runners(sides: dict[str, Side], ubatches: int) -> None:
+    """Plain vLLM runs Model Runner V2, and each AFD side's Attention runner splits as asked."""
+    plain = sides["plain"].server
+    if V2_LOG not in plain.log_text():
+        raise ServerError(f"plain vLLM did not log {V2_LOG!r} (log {plain.log})")
+    for name, want in (("blocking", 1), ("ubatch", ubatches)):
+        for stats in snapshot(sides[name])["stats"]:
+            got = (stats.get("runner") or {}).get("num_ubatches")
+            if got != want:
+                raise ServerError(f"{name}: the Attention runner reports num_ubatches {got}, expected {want}")
+
+
+def _measure_rounds(
+    sides: dict[str, Side], payloads: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One unmeasured round per side (batch shapes seen, caches warm), then ``args.rounds`` measured ones, alternating."""
+    for name in SIDES:
+        measure_round(sides, name, payloads, args.clients)
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.rounds):
+        for name in SIDES:
+            rounds.append({"round": i + 1, **measure_round(sides, name, payloads, args.clients)})
+            r = rounds[-1]
+            forward = f", forward median {statistics.median(r['forward_ms']):.2f} ms" if r.get("forward_ms") else ""
+            print(
+                f"  round {i + 1} {name}: {r['tokens_per_s']:.1f} tok/s in {r['wall_s']:.2f} s, "
+                f"{r['steps']} steps{forward}",
+                flush=True,
+            )
+    return rounds
+
+
+def _stop_sides(sides: dict[str, Side]) -> tuple[dict[str, int | None], dict[str, list[dict[str, Any]]]]:
+    """Each side's exit code and its FFN roles' reports, stopping one side at a time (the others still paused:
+    each FFN role reports on a quiet machine)."""
+    exits: dict[str, int | None] = {}
+    for name in SIDES:
+        side = sides[name]
+        side.settle()
+        exits[name] = side.server.stop()
+    reports = {
+        name: [{"rank": d.rank, "report": d.report} for d in sides[name].server.ffn_reports()]  # type: ignore[union-attr]
+        for name in ("blocking", "ubatch")
+    }
+    return exits, reports
+
+
+def _add_summaries(result: dict[str, Any], sides: dict[str, Side], args: argparse.Namespace) -> None:
+    """Per side summaries, the analytic limit and the ratios, into ``result``."""
+    result["sides"] = {
+        name: side_summary(sides[name], result["rounds"], 1 if name == "plain" else args.attention) for name in SIDES
+    }
+    limit = analytic(result, args.ubatches)
+    result["analytic"] = limit
+    ubatch, blocking, plain_side = (result["sides"][n] for n in ("ubatch", "blocking", "plain"))
+    ubatch["hidden_fraction"] = ubatch["overlap"].get(str(args.ubatches), {}).get("hidden_fraction")
+    ubatch["analytic_limit"] = limit["analytic_limit"]
+    result["ratios"] = {
+        "ubatch/blocking tok_s": ubatch["median_tok_s"] / blocking["median_tok_s"],
+        "ubatch/blocking forward_ms": (
+            ubatch["median_forward_ms"] / blocking["median_forward_ms"]
+            if ubatch["median_forward_ms"] and blocking["median_forward_ms"]
+            else None
+        ),
+        "ubatch/plain tok_s": ubatch["median_tok_s"] / plain_side["median_tok_s"],
+    }
+
+
+def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
+    model = _check_prerequisites(args)
     available = sorted(os.sched_getaffinity(0))
     plain_cores = args.plain_cores or ",".join(str(c) for c in available)
     parse_cpu_list(plain_cores)
@@ -475,10 +590,8 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         name: ServeTopology(args.attention, args.ffn, args.depth, afd or None, ubatches=u, stop_grace=args.stop_grace)
         for name, u in (("blocking", 1), ("ubatch", args.ubatches))
     }
-    logs = Path(args.logs)
-    logs.mkdir(parents=True, exist_ok=True)
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
     payloads = [body(model, p, args.tokens) for p in prompts(args.requests)]
-    env = _environment()
     load_start = load_average()
     print(
         f"{PROG}: {model}, {args.clients} clients, {args.requests} requests x {args.tokens} tokens per round, "
@@ -489,69 +602,16 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         f"serve --afd {json.dumps(afd)}",
         flush=True,
     )
-    ports = [topologies[name].ports() for name in ("blocking", "ubatch")]
-    base = free_port_block(1 + sum(ports))
-    sides: dict[str, Side] = {}
     started: list[PlainServer | ServeServer] = []
     try:
-        plain = PlainServer(model, base, logs / "plain.log", engine_args, plain_cores, env={**env, **PLAIN_ENV})
-        started.append(plain)
-        sides["plain"] = Side("plain", plain)
-        port = base + 1
-        for name, count in zip(("blocking", "ubatch"), ports, strict=True):
-            serve = ServeServer(
-                model, port, logs / f"{name}.log", topologies[name], engine_args, env={**env, **SERVE_ENV}
-            )
-            started.append(serve)
-            sides[name] = Side(name, serve)
-            port += count
-        for side in sides.values():
-            side.ready_s = side.server.wait_ready()
-            side.ready()
-        print(
-            "ready: " + ", ".join(f"{n} after {s.ready_s:.0f} s" for n, s in sides.items()) + " (started together)",
-            flush=True,
-        )
-        reniced: dict[str, list[int]] = {}
-        if args.engine_core_nice is not None:
-            reniced = {n: renice_engine_cores(s.server, args.engine_core_nice) for n, s in sides.items()}
-            print(
-                f"EngineCore processes at nice {args.engine_core_nice}: "
-                + ", ".join(f"{n} {pids}" for n, pids in reniced.items()),
-                flush=True,
-            )
-        if V2_LOG not in plain.log_text():
-            raise ServerError(f"plain vLLM did not log {V2_LOG!r} (log {plain.log})")
+        sides = _start_sides(args, model, topologies, engine_args, plain_cores, started)
+        _renice(sides, args.engine_core_nice)
+        _check_runners(sides, args.ubatches)
         binds = {n: role_binds(s.server.role_pids()) for n, s in sides.items() if isinstance(s.server, ServeServer)}
-        engine_cores = {"plain": bound_cores(plain.log_text())}
+        engine_cores = {"plain": bound_cores(sides["plain"].server.log_text())}
         engine_cores.update({n: bound_cores(s.server.log_text(), "[") for n, s in sides.items() if s.afd})
-        for name, want in (("blocking", 1), ("ubatch", args.ubatches)):
-            for stats in snapshot(sides[name])["stats"]:
-                got = (stats.get("runner") or {}).get("num_ubatches")
-                if got != want:
-                    raise ServerError(f"{name}: the Attention runner reports num_ubatches {got}, expected {want}")
-        for name in SIDES:  # one unmeasured round each: batch shapes seen, caches warm
-            measure_round(sides, name, payloads, args.clients)
-        rounds: list[dict[str, Any]] = []
-        for i in range(args.rounds):
-            for name in SIDES:
-                rounds.append({"round": i + 1, **measure_round(sides, name, payloads, args.clients)})
-                r = rounds[-1]
-                forward = f", forward median {statistics.median(r['forward_ms']):.2f} ms" if r.get("forward_ms") else ""
-                print(
-                    f"  round {i + 1} {name}: {r['tokens_per_s']:.1f} tok/s in {r['wall_s']:.2f} s, "
-                    f"{r['steps']} steps{forward}",
-                    flush=True,
-                )
-        exits: dict[str, int | None] = {}
-        for name in SIDES:  # one at a time, the others still paused: each FFN role reports on a quiet machine
-            side = sides[name]
-            side.settle()
-            exits[name] = side.server.stop()
-        reports = {
-            name: [{"rank": d.rank, "report": d.report} for d in sides[name].server.ffn_reports()]  # type: ignore[union-attr]
-            for name in ("blocking", "ubatch")
-        }
+        rounds = _measure_rounds(sides, payloads, args)
+        exits, reports = _stop_sides(sides)
     finally:
         for server in started:
             server.stop()
@@ -580,23 +640,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         "residual_pids": leftovers,
         "load_average": {"start": load_start, "end": load_average()},
     }
-    result["sides"] = {
-        name: side_summary(sides[name], rounds, 1 if name == "plain" else args.attention) for name in SIDES
-    }
-    limit = analytic(result, args.ubatches)
-    result["analytic"] = limit
-    ubatch, blocking, plain_side = (result["sides"][n] for n in ("ubatch", "blocking", "plain"))
-    ubatch["hidden_fraction"] = ubatch["overlap"].get(str(args.ubatches), {}).get("hidden_fraction")
-    ubatch["analytic_limit"] = limit["analytic_limit"]
-    result["ratios"] = {
-        "ubatch/blocking tok_s": ubatch["median_tok_s"] / blocking["median_tok_s"],
-        "ubatch/blocking forward_ms": (
-            ubatch["median_forward_ms"] / blocking["median_forward_ms"]
-            if ubatch["median_forward_ms"] and blocking["median_forward_ms"]
-            else None
-        ),
-        "ubatch/plain tok_s": ubatch["median_tok_s"] / plain_side["median_tok_s"],
-    }
+    _add_summaries(result, sides, args)
     return result
 
 

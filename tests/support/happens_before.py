@@ -86,9 +86,8 @@ def _join(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(max(p, q) for p, q in zip(x, y, strict=False))
 
 
-def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[OrderingViolation]:
-    """Every executor ordering rule the log fails to guarantee (empty: all proven)."""
-    clocks = _Clocks(log, host_edges=host_edges)
+def _phases(log: Sequence[Op]) -> tuple[dict[tuple, dict[str, int]], list[tuple]]:
+    """Each work item's (item, slots) key -> {phase: index of its submit}, and the keys in issue order."""
     phases: dict[tuple, dict[str, int]] = {}
     issue_order: list[tuple] = []
     for i, op in enumerate(log):
@@ -99,52 +98,81 @@ def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[Order
             phases[key] = {}
             issue_order.append(key)
         phases[key][op.name] = i
+    return phases, issue_order
 
-    violations: list[OrderingViolation] = []
 
-    def require(rule: str, a: int | None, b: int | None, message: str) -> None:
-        if a is not None and b is not None and not clocks.before(log, a, b):
-            violations.append(OrderingViolation(rule, message))
+class _Rules:
+    """The executor's ordering rules checked against one log's clocks; ``violations`` collects the failures."""
 
-    for key in issue_order:
-        item, _slots = key
-        p = phases[key]
-        require(
-            "recv->compute", p.get("recv"), p.get("compute"), f"compute of ({item}) may start before its recv completed"
-        )
-        require(
-            "compute->send", p.get("compute"), p.get("send"), f"send of ({item}) may start before its compute completed"
-        )
+    def __init__(self, log: Sequence[Op], *, host_edges: bool) -> None:
+        self.log = log
+        self.clocks = _Clocks(log, host_edges=host_edges)
+        self.phases, self.issue_order = _phases(log)
+        self.violations: list[OrderingViolation] = []
 
-    # (rule, which slot of the pair, the previous user's releasing phase, the next user's overwriting phase)
-    reuse = (("input-reuse", 0, "compute", "recv"), ("output-reuse", 1, "send", "compute"))
-    for rule, which, releases, overwrites in reuse:
+    def require(self, rule: str, a: int | None, b: int | None, message: str) -> None:
+        if a is not None and b is not None and not self.clocks.before(self.log, a, b):
+            self.violations.append(OrderingViolation(rule, message))
+
+    def item_edges(self) -> None:
+        """recv -> compute -> send of every work item."""
+        for key in self.issue_order:
+            item, _slots = key
+            p = self.phases[key]
+            self.require(
+                "recv->compute",
+                p.get("recv"),
+                p.get("compute"),
+                f"compute of ({item}) may start before its recv completed",
+            )
+            self.require(
+                "compute->send",
+                p.get("compute"),
+                p.get("send"),
+                f"send of ({item}) may start before its compute completed",
+            )
+
+    def slot_reuse(self, rule: str, which: int, releases: str, overwrites: str) -> None:
+        """The next user of a slot (``which``: 0 input, 1 output) overwrites it (its ``overwrites`` phase) only
+        after the previous user's ``releases`` phase completed."""
         last_user: dict[int, tuple] = {}
-        for key in issue_order:
+        for key in self.issue_order:
             slots = key[1]
             if slots is None:
                 continue
             previous = last_user.get(slots[which])
             if previous is not None:
-                require(
+                self.require(
                     rule,
-                    phases[previous].get(releases),
-                    phases[key].get(overwrites),
+                    self.phases[previous].get(releases),
+                    self.phases[key].get(overwrites),
                     f"{overwrites} of ({key[0]}) may overwrite {('input', 'output')[which]} slot {slots[which]} "
                     f"before {releases} of ({previous[0]}) completed",
                 )
             last_user[slots[which]] = key
 
-    for phase in ("recv", "compute", "send"):
-        ordered = [phases[key][phase] for key in issue_order if phase in phases[key]]
+    def phase_order(self, phase: str) -> None:
+        """Each phase keeps the issue order of work items."""
+        ordered = [self.phases[key][phase] for key in self.issue_order if phase in self.phases[key]]
         for a, b in itertools.pairwise(ordered):
-            require(
+            self.require(
                 "phase-order",
                 a,
                 b,
-                f"{phase} of ({log[b].item}) may start before {phase} of ({log[a].item}) completed",
+                f"{phase} of ({self.log[b].item}) may start before {phase} of ({self.log[a].item}) completed",
             )
-    return violations
+
+
+def find_violations(log: Sequence[Op], *, host_edges: bool = True) -> list[OrderingViolation]:
+    """Every executor ordering rule the log fails to guarantee (empty: all proven)."""
+    rules = _Rules(log, host_edges=host_edges)
+    rules.item_edges()
+    # (rule, which slot of the pair, the previous user's releasing phase, the next user's overwriting phase)
+    rules.slot_reuse("input-reuse", 0, "compute", "recv")
+    rules.slot_reuse("output-reuse", 1, "send", "compute")
+    for phase in ("recv", "compute", "send"):
+        rules.phase_order(phase)
+    return rules.violations
 
 
 def check_happens_before(log: Sequence[Op], *, host_edges: bool = True) -> None:

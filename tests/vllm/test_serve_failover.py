@@ -106,6 +106,91 @@ def metric(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def _stream_bodies(url: str, bodies: list[dict[str, Any]]) -> tuple[list[Any], list[threading.Thread], threading.Event]:
+    """One streamed request per body, started now; (results, threads, first-event)."""
+    results: list[Any] = [None] * len(bodies)
+    first = threading.Event()
+
+    def client(i: int, payload: dict[str, Any]) -> None:
+        results[i] = stream(url, payload, first=first)
+
+    threads = [threading.Thread(target=client, args=c, daemon=True) for c in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    return results, threads, first
+
+
+def _stream_all(
+    url: str, model: Path, n: int, tokens: int
+) -> tuple[list[Any], list[threading.Thread], threading.Event]:
+    """``n`` streamed greedy requests of ``tokens`` tokens, started now; (results, threads, first-event)."""
+    return _stream_bodies(url, [body(model, p, tokens) for p in prompts()[:n]])
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read().decode()
+
+
+def _kill_mid_generation(serve: Serve, model: Path, pid: int) -> tuple[list[Any], int, float, float]:
+    """Stream the 32 requests, SIGKILL the process group ``pid`` leads mid-generation and wait for every client;
+    (results, requests finished before the kill, the kill's wall time, seconds from the kill to the last answer)."""
+    results, threads, first = _stream_bodies(serve.url, payloads(model))
+    assert first.wait(300), "no streamed token arrived"
+    time.sleep(0.3)  # mid-generation: 64 tokens of 32 requests take longer
+    killed_at = time.time()
+    os.killpg(pid, signal.SIGKILL)
+    before = sum(1 for r in results if r is not None)  # requests already finished at the kill
+    for t in threads:
+        t.join(600)
+    assert not any(t.is_alive() for t in threads), "a client hangs"
+    return results, before, killed_at, time.time() - killed_at
+
+
+def _metrics_once_resent(serve: Serve, resent: str) -> str:
+    """``/metrics`` once it counts a re-send (``resent``), or after 10 s (the roles' figures are up to a second old)."""
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = _get(serve.url + "/metrics")
+        if (metric(metrics, resent) or 0) >= 1 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.5)
+
+
+def _wait_for_rejoin(serve: Serve, model: Path, killed: int, deadline: float) -> re.Match[str]:
+    """Serve restarts the rank; the engine takes it back at its next step: the rejoin line's match."""
+    while "restarted: ready after" not in serve.log_text():
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
+        time.sleep(1.0)
+    while True:
+        assert time.monotonic() < deadline, serve.log_text()[-3000:]
+        complete(serve.url, body(model, prompts()[0], 4))  # steps, so the engine reaches a step boundary
+        rejoined = re.search(rf"afd-mrv2 rejoin: .*FFN rank {killed} is back .*\(at ([0-9.]+)\)", serve.log_text())
+        if rejoined is not None:
+            return rejoined
+
+
+def _metrics_once_rejoined_rank_serves(
+    serve: Serve, model: Path, killed: int, killed_at: float, deadline: float
+) -> str:
+    """``/metrics`` once the restarted rank's own item counter (its figures start from 0, written after the kill)
+    grew under new requests."""
+    base = None
+    while True:
+        figures = json.loads(_get(serve.url + "/afd/status"))["figures"].get(f"ffn {killed}") or {}
+        back = _get(serve.url + "/metrics")
+        if figures.get("at", 0) <= killed_at:  # still the killed process's figures
+            figures = {}
+        count = figures.get("items")
+        if base is None and count is not None:
+            base = count
+        elif base is not None and count is not None and count > base:
+            return back
+        assert time.monotonic() < deadline, (figures, back)
+        complete_all(serve.url, payloads(model)[:8])
+        time.sleep(1.0)
+
+
 @pytest.mark.parametrize(
     ("arch", "killed"),
     [
@@ -123,24 +208,7 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid(f"ffn {killed}")
-        results: list[Any] = [None] * CLIENTS
-        first = threading.Event()
-
-        def client(i: int, payload: dict[str, Any]) -> None:
-            results[i] = stream(serve.url, payload, first=first)
-
-        threads = [threading.Thread(target=client, args=c, daemon=True) for c in enumerate(payloads(model))]
-        for t in threads:
-            t.start()
-        assert first.wait(300), "no streamed token arrived"
-        time.sleep(0.3)  # mid-generation: 64 tokens of 32 requests take longer
-        killed_at = time.time()
-        os.killpg(pid, signal.SIGKILL)
-        before = sum(1 for r in results if r is not None)  # requests already finished at the kill
-        for t in threads:
-            t.join(600)
-        assert not any(t.is_alive() for t in threads), "a client hangs"
-        answered_s = time.time() - killed_at
+        results, before, killed_at, answered_s = _kill_mid_generation(serve, model, pid)
         errors = [
             (i, status, events[-2:])
             for i, (status, events) in enumerate(results)
@@ -156,43 +224,13 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         assert failover is not None, log[-3000:]
         survivor = 1 - killed
         resent = f'afd_ffn_redispatched_total{{ffn="{survivor}"}}'
-        deadline = time.monotonic() + 10  # the roles' figures are up to a second old
-        while True:
-            with urllib.request.urlopen(serve.url + "/metrics", timeout=30) as resp:
-                metrics = resp.read().decode()
-            if (metric(metrics, resent) or 0) >= 1 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        with urllib.request.urlopen(serve.url + "/afd/status", timeout=30) as resp:
-            status = json.loads(resp.read())
+        metrics = _metrics_once_resent(serve, resent)
+        status = json.loads(_get(serve.url + "/afd/status"))
         resend_at = status["figures"]["attention 0"]["failover"]["first_resend_at"][str(killed)]
         after = [complete(serve.url, body(model, p, 8)) for p in prompts()[:4]]
-        # the restart: serve starts the rank again; the engine takes it back at its next step
         deadline = time.monotonic() + 600
-        while "restarted: ready after" not in serve.log_text():
-            assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
-            time.sleep(1.0)
-        rejoined = None
-        while rejoined is None:
-            assert time.monotonic() < deadline, serve.log_text()[-3000:]
-            complete(serve.url, body(model, prompts()[0], 4))  # steps, so the engine reaches a step boundary
-            rejoined = re.search(rf"afd-mrv2 rejoin: .*FFN rank {killed} is back .*\(at ([0-9.]+)\)", serve.log_text())
-        base = None
-        while True:  # the restarted process's own figures (they start from 0), then growing under new requests
-            with urllib.request.urlopen(serve.url + "/afd/status", timeout=30) as resp:
-                figures = json.loads(resp.read())["figures"].get(f"ffn {killed}") or {}
-            with urllib.request.urlopen(serve.url + "/metrics", timeout=30) as resp:
-                back = resp.read().decode()
-            if figures.get("at", 0) <= killed_at:  # still the killed process's figures
-                figures = {}
-            count = figures.get("items")
-            if base is None and count is not None:
-                base = count
-            elif base is not None and count is not None and count > base:
-                break
-            assert time.monotonic() < deadline, (figures, back)
-            complete_all(serve.url, payloads(model)[:8])
-            time.sleep(1.0)
+        rejoined = _wait_for_rejoin(serve, model, killed, deadline)
+        back = _metrics_once_rejoined_rank_serves(serve, model, killed, killed_at, deadline)
         restart_line = next(line for line in serve.log_text().splitlines() if "restarted: ready after" in line)
         print(
             f"\n[failover] {arch} 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
@@ -219,23 +257,6 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
     finally:
         code = serve.stop()
     assert code == 0
-
-
-def _stream_all(
-    url: str, model: Path, n: int, tokens: int
-) -> tuple[list[Any], list[threading.Thread], threading.Event]:
-    """``n`` streamed greedy requests of ``tokens`` tokens, started now; (results, threads, first-event)."""
-    results: list[Any] = [None] * n
-    first = threading.Event()
-
-    def client(i: int, payload: dict[str, Any]) -> None:
-        results[i] = stream(url, payload, first=first)
-
-    bodies = [body(model, p, tokens) for p in prompts()[:n]]
-    threads = [threading.Thread(target=client, args=c, daemon=True) for c in enumerate(bodies)]
-    for t in threads:
-        t.start()
-    return results, threads, first
 
 
 def _errors(results: list[Any], tokens: int) -> list[Any]:

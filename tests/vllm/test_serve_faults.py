@@ -66,6 +66,26 @@ def test_malformed_afd_section_exits_2_one_line_nothing_started(model: Path, afd
 UBATCHED = ["--ubatches", "2", "--afd", '{"ubatch": {"decode_token_threshold": 2, "prefill_token_threshold": 2}}']
 
 
+def _mixed_clients(
+    url: str, model: Path, tokens: int
+) -> tuple[list[Any], list[float], list[threading.Thread], threading.Event]:
+    """8 greedy requests of ``tokens`` tokens started now, the odd ones streamed; (results, each one's finishing
+    time, threads, first-streamed-token event)."""
+    results: list[Any] = [None] * 8
+    finished: list[float] = [0.0] * 8
+    first = threading.Event()
+
+    def client(i: int) -> None:
+        payload = body(model, PROMPTS[i], tokens)
+        results[i] = stream(url, payload, first=first) if i % 2 else complete(url, payload)
+        finished[i] = time.monotonic()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    return results, finished, threads, first
+
+
 @pytest.mark.parametrize(
     ("role", "ubatched"),
     [
@@ -82,18 +102,7 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid(f"{role} 0")  # the role's first process, leader of its process group
-        results: list[Any] = [None] * 8
-        finished: list[float] = [0.0] * 8
-        first = threading.Event()
-
-        def client(i: int) -> None:
-            payload = body(model, PROMPTS[i], 200)
-            results[i] = stream(serve.url, payload, first=first) if i % 2 else complete(serve.url, payload)
-            finished[i] = time.monotonic()
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
-        for t in threads:
-            t.start()
+        results, finished, threads, first = _mixed_clients(serve.url, model, 200)
         assert first.wait(120), "no streamed token arrived"
         time.sleep(0.5)  # mid-generation: 200 tokens each take far longer
         killed = time.monotonic()
@@ -133,6 +142,28 @@ def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_na
         serve.stop()
 
 
+def _completed(result: tuple[int, Any], *, streamed: bool, tokens: int) -> bool:
+    """A request that finished: 200 and ``tokens`` tokens; streamed, text and ``[DONE]`` with no error event."""
+    status, answer = result
+    if streamed:
+        events = [e for e in answer if e != "[DONE]"]
+        text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e)
+        return status == 200 and answer[-1] == "[DONE]" and bool(text) and "error" not in str(events[-1])
+    return status == 200 and answer["usage"]["completion_tokens"] == tokens
+
+
+def _serve_through_restart(serve: Serve, model: Path) -> int:
+    """Requests answered while serve restarts a lost engine (each must succeed); how many, once it is back."""
+    deadline = time.monotonic() + 600
+    during = 0
+    while "restarted: ready after" not in serve.log_text():
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
+        status, answer = complete(serve.url, body(model, PROMPTS[0], 4))
+        assert status == 200, answer
+        during += 1
+    return during
+
+
 @pytest.mark.vllm_full
 def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_serve_on(
     model: Path, tmp_path: Path
@@ -147,16 +178,7 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid("attention 1")
-        results: list[Any] = [None] * 8
-        first = threading.Event()
-
-        def client(i: int) -> None:
-            payload = body(model, PROMPTS[i], tokens)
-            results[i] = stream(serve.url, payload, first=first) if i % 2 else complete(serve.url, payload)
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
-        for t in threads:
-            t.start()
+        results, _finished, threads, first = _mixed_clients(serve.url, model, tokens)
         assert first.wait(120), "no streamed token arrived"
         time.sleep(0.5)
         killed = time.monotonic()
@@ -165,16 +187,7 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a client hangs"
         answered = time.monotonic() - killed
-
-        def finished(i: int) -> bool:
-            status, answer = results[i]
-            if i % 2:
-                events = [e for e in answer if e != "[DONE]"]
-                text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e)
-                return status == 200 and answer[-1] == "[DONE]" and bool(text) and "error" not in str(events[-1])
-            return status == 200 and answer["usage"]["completion_tokens"] == tokens
-
-        done = [i for i in range(8) if finished(i)]
+        done = [i for i in range(8) if _completed(results[i], streamed=bool(i % 2), tokens=tokens)]
         assert len(done) == 4, results  # least-outstanding: four on each engine; rank 0's four complete
         assert serve.proc.poll() is None, "serve stopped"
         after = [complete(serve.url, body(model, PROMPTS[i], 8)) for i in range(4)]
@@ -182,14 +195,7 @@ def test_one_of_two_engines_killed_mid_generation_the_other_and_the_ffn_rank_ser
         (line,) = [line for line in serve.log_text().splitlines() if "the endpoint serves on with" in line]
         assert line.startswith(f"[serve] attention rank 1 (pid {pid}) exited (signal SIGKILL"), line
         assert line.endswith("): the endpoint serves on with attention 0 (1 of 2 Attention engines)"), line
-        # the restart: requests are answered meanwhile; then engine 1 is back in the rotation
-        deadline = time.monotonic() + 600
-        during = 0
-        while "restarted: ready after" not in serve.log_text():
-            assert time.monotonic() < deadline and serve.proc.poll() is None, serve.log_text()[-3000:]
-            status, answer = complete(serve.url, body(model, PROMPTS[0], 4))
-            assert status == 200, answer
-            during += 1
+        during = _serve_through_restart(serve, model)
         restarted_in = time.monotonic() - killed
         (back,) = [line for line in serve.log_text().splitlines() if "restarted: ready after" in line]
         engine_1 = serve.engine_urls()[1]

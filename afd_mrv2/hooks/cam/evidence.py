@@ -130,12 +130,8 @@ def _string_map(value: object) -> bool:
     return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def validate(doc: object) -> list[str]:
-    """Every way ``doc`` departs from the schema, one line each (empty: it matches)."""
-    if not isinstance(doc, Mapping):
-        return [f"expected a JSON object, got {type(doc).__name__}"]
-    if doc.get("schema") != SCHEMA:
-        return [f"schema: expected {SCHEMA!r}, got {doc.get('schema')!r}"]
+def _top_level_problems(doc: Mapping[str, object]) -> list[str]:
+    """The document's own keys: none missing, none unknown, each of its type."""
     problems = [f"missing key {k!r}" for k in TOP_LEVEL if k not in doc]
     problems += [f"unknown key {k!r}" for k in doc if k not in TOP_LEVEL]
     for k in ("producer", "created"):
@@ -144,6 +140,36 @@ def validate(doc: object) -> list[str]:
     for k in ("environment", "versions"):
         if k in doc and not _string_map(doc[k]):
             problems.append(f"{k}: expected an object of strings")
+    return problems
+
+
+def _check_row_problems(i: int, c: Mapping[str, object], seen: set[str]) -> list[str]:
+    """One check row with exactly :data:`CHECK_FIELDS`; adds its name to ``seen``."""
+    problems = []
+    name = c["name"]
+    if not isinstance(name, str) or not name or name in seen:
+        problems.append(f"checks[{i}].name: expected a unique non-empty string, got {name!r}")
+    seen.add(str(name))
+    if c["status"] not in STATUSES:
+        problems.append(f"checks[{i}].status: expected one of {', '.join(STATUSES)}, got {c['status']!r}")
+    if not isinstance(c["detail"], str):
+        problems.append(f"checks[{i}].detail: expected a string")
+    elif c["status"] in (FAIL, SKIPPED) and not c["detail"]:
+        problems.append(f"checks[{i}] ({name}): a {c['status']} row must say why (detail)")
+    try:
+        json.dumps(c["measured"], allow_nan=False)
+    except (TypeError, ValueError):
+        problems.append(f"checks[{i}].measured: expected a JSON value (no NaN or infinity)")
+    return problems
+
+
+def validate(doc: object) -> list[str]:
+    """Every way ``doc`` departs from the schema, one line each (empty: it matches)."""
+    if not isinstance(doc, Mapping):
+        return [f"expected a JSON object, got {type(doc).__name__}"]
+    if doc.get("schema") != SCHEMA:
+        return [f"schema: expected {SCHEMA!r}, got {doc.get('schema')!r}"]
+    problems = _top_level_problems(doc)
     checks = doc.get("checks")
     if not isinstance(checks, list):
         return [*problems, "checks: expected a list"]
@@ -152,20 +178,7 @@ def validate(doc: object) -> list[str]:
         if not isinstance(c, Mapping) or sorted(c) != sorted(CHECK_FIELDS):
             problems.append(f"checks[{i}]: expected exactly the keys {', '.join(CHECK_FIELDS)}")
             continue
-        name = c["name"]
-        if not isinstance(name, str) or not name or name in seen:
-            problems.append(f"checks[{i}].name: expected a unique non-empty string, got {name!r}")
-        seen.add(str(name))
-        if c["status"] not in STATUSES:
-            problems.append(f"checks[{i}].status: expected one of {', '.join(STATUSES)}, got {c['status']!r}")
-        if not isinstance(c["detail"], str):
-            problems.append(f"checks[{i}].detail: expected a string")
-        elif c["status"] in (FAIL, SKIPPED) and not c["detail"]:
-            problems.append(f"checks[{i}] ({name}): a {c['status']} row must say why (detail)")
-        try:
-            json.dumps(c["measured"], allow_nan=False)
-        except (TypeError, ValueError):
-            problems.append(f"checks[{i}].measured: expected a JSON value (no NaN or infinity)")
+        problems += _check_row_problems(i, c, seen)
     expected = {s: sum(isinstance(c, Mapping) and c.get("status") == s for c in checks) for s in STATUSES}
     if "summary" in doc and doc["summary"] != expected:
         problems.append(f"summary: expected {expected} (the checks' statuses), got {doc['summary']}")

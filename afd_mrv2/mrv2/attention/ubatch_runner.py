@@ -71,6 +71,93 @@ UBATCH_STREAM_ROLES = ("compute", "comm")
 _CLASSES: dict[UBatchApi, type] = {}
 
 
+class _SplitRun:
+    """One split step: a thread per micro-batch, their outputs and errors, and what the caller holds meanwhile."""
+
+    __slots__ = (
+        "_api",
+        "_backend",
+        "_contexts",
+        "_device",
+        "_errors",
+        "_model",
+        "_outputs",
+        "_stack",
+        "_step",
+        "_threads",
+    )
+
+    def __init__(self, api: UBatchApi, model: Any, contexts: list[Any], *, backend: DeviceBackend, device: Any) -> None:
+        self._api = api
+        self._model = model
+        self._contexts = contexts
+        self._backend = backend
+        self._device = device
+        self._step = SplitStep(len(contexts), api.handoff)
+        self._outputs: dict[int, Any] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._threads: list[threading.Thread] = []
+        self._stack = ExitStack()
+
+    def _run_ubatch(self, context: Any, inputs: dict[str, Any]) -> None:
+        """One micro-batch's thread: bind the device, run the model in its context, record the output or error."""
+        step = self._step
+        setup: BaseException | None = None
+        try:
+            self._backend.bind_thread(self._device)
+        except BaseException as exc:  # noqa: BLE001 - the thread must still reach the barrier
+            setup = exc
+        try:
+            with torch.inference_mode(), context:
+                try:
+                    if setup is not None:
+                        raise setup
+                    step.resumed(context.id)
+                    step.check(context.id)  # a sibling failed before this one got the core
+                    self._outputs[context.id] = self._model(**inputs)
+                except BaseException as exc:  # noqa: BLE001 - reported by finish
+                    # mark the step BEFORE the context's exit wakes the next micro-batch
+                    self._errors[context.id] = exc
+                    step.fail(context.id, exc)
+        except BaseException as exc:  # noqa: BLE001 - the hand-off itself failed
+            self._errors.setdefault(context.id, exc)
+            step.fail(context.id, exc)
+
+    def start(self, model_inputs: dict[str, Any], slices: list[Any]) -> None:
+        """Hold the forward context, open the step and start one thread per micro-batch (they park at the barrier)."""
+        self._stack.enter_context(self._api.override_forward_context(None))  # the threads own the forward context
+        open_step(self._step)
+        try:
+            for context, ubatch_slice in zip(self._contexts, slices, strict=True):
+                inputs = self._api.slice_model_inputs(model_inputs, ubatch_slice.token_slice)
+                thread = threading.Thread(
+                    target=self._run_ubatch, args=(context, inputs), name=f"afd-ubatch-{context.id}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def join(self) -> None:
+        """Release the first micro-batch and wait for every thread."""
+        self._contexts[0].cpu_wait_event.set()
+        for thread in self._threads:
+            thread.join()
+
+    def close(self) -> None:
+        """Close the step and give the forward context back."""
+        close_step(self._step)
+        self._stack.close()
+
+    def result(self) -> Any:
+        """The merged outputs; :class:`MicroBatchFailed` naming the failed micro-batch when one failed."""
+        if self._errors:
+            failed, exc = self._step.failure or min(self._errors.items())
+            raise MicroBatchFailed(failed, len(self._contexts), exc) from exc
+        return self._api.merge_ubatch_outputs([self._outputs[i] for i in range(len(self._contexts))])
+
+
 class AfdUBatchRunnerMixin:
     """Mixed in before upstream's ``UBatchRunner``; see the module docstring."""
 
@@ -173,63 +260,17 @@ class AfdUBatchRunnerMixin:
             forward_contexts=forward_contexts,
             ready_barrier=self.ready_barrier,
         )
-        step = SplitStep(n, api.handoff)
-        outputs: dict[int, Any] = {}
-        errors: dict[int, BaseException] = {}
-
-        def run_ubatch(context: Any, inputs: dict[str, Any]) -> None:
-            setup: BaseException | None = None
-            try:
-                self.afd_backend.bind_thread(self.device)
-            except BaseException as exc:  # noqa: BLE001 - the thread must still reach the barrier
-                setup = exc
-            try:
-                with torch.inference_mode(), context:
-                    try:
-                        if setup is not None:
-                            raise setup
-                        step.resumed(context.id)
-                        step.check(context.id)  # a sibling failed before this one got the core
-                        outputs[context.id] = model(**inputs)
-                    except BaseException as exc:  # noqa: BLE001 - reported by finish
-                        # mark the step BEFORE the context's exit wakes the next micro-batch
-                        errors[context.id] = exc
-                        step.fail(context.id, exc)
-            except BaseException as exc:  # noqa: BLE001 - the hand-off itself failed
-                errors.setdefault(context.id, exc)
-                step.fail(context.id, exc)
-
-        stack = ExitStack()
-        stack.enter_context(api.override_forward_context(None))  # the threads own the forward context
-        open_step(step)
-        threads = []
-        try:
-            for context, ubatch_slice in zip(contexts, slices, strict=True):
-                inputs = api.slice_model_inputs(model_inputs, ubatch_slice.token_slice)
-                thread = threading.Thread(
-                    target=run_ubatch, args=(context, inputs), name=f"afd-ubatch-{context.id}", daemon=True
-                )
-                threads.append(thread)
-                thread.start()
-        except BaseException:
-            close_step(step)
-            stack.close()
-            raise
+        run = _SplitRun(api, model, contexts, backend=self.afd_backend, device=self.device)
+        run.start(model_inputs, slices)
         self.ready_barrier.wait()  # every thread is parked: nothing runs before finish
 
         def finish() -> Any:
             try:
-                contexts[0].cpu_wait_event.set()
-                for thread in threads:
-                    thread.join()
+                run.join()
             finally:
                 self._pending_finish = None
-                close_step(step)
-                stack.close()
-            if errors:
-                failed, exc = step.failure or min(errors.items())
-                raise MicroBatchFailed(failed, n, exc) from exc
-            return api.merge_ubatch_outputs([outputs[i] for i in range(n)])
+                run.close()
+            return run.result()
 
         self._pending_finish = finish
         return finish
