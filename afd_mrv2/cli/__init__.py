@@ -66,12 +66,13 @@ class _RetiredSpelling(argparse.Action):
 def add_retired_spelling(group: argparse._ActionsContainer, old: str, option: argparse.Action) -> None:
     """Keep ``old`` parsing as ``option`` (same value, same destination), hidden from the help, with a
     deprecation line on stderr each time it is used."""
+    converts: dict[str, Any] = {} if option.type is None else {"type": option.type}
     group.add_argument(
         old,
         action=_RetiredSpelling,
         spelling=option.option_strings[0],
         dest=option.dest,
-        type=option.type,
+        **converts,
         nargs=option.nargs,
         choices=option.choices,
         metavar=option.metavar,
