@@ -1,4 +1,4 @@
-# docs/examples/my_link.py: a connector written to hook API 1, run end to end through the executor
+# docs/examples/my_link.py: a connector written to hook API 2, run end to end through the executor
 import time
 
 import torch
@@ -7,12 +7,13 @@ from afd_mrv2 import HOOK_API_VERSION, ConnectorContext, Stream, Work, hookimpl
 
 
 class MyLink:
-    hook_api_version = 1  # the hook API this connector is written for (afd_mrv2.HOOK_API_VERSION)
+    hook_api_version = 2  # the hook API this connector is written for (afd_mrv2.HOOK_API_VERSION)
 
     def __init__(self, context: ConnectorContext) -> None:
+        context = context.typed()  # AttentionContext or FfnContext: the owner's runtime objects, one field each
         self.options = context.config.extra  # afd.connector_extra_config (parse it: docs/config.md)
-        self.source = context.resource("source")  # resources: what the embedding runner provides
-        self.sink = context.resource("sink")
+        self.source = context.need(context.source, "source")  # a clear error when the owner left it out
+        self.sink = context.need(context.sink, "sink")
 
     @hookimpl
     def on_recv(self, work: Work, stream: Stream) -> None:
@@ -41,22 +42,20 @@ class MyLink:
 
 
 if __name__ == "__main__":  # run it: python docs/examples/my_link.py
-    from afd_mrv2 import WorkItem
+    from afd_mrv2 import FfnContext, WorkItem
     from afd_mrv2.config import parse_afd_config
     from afd_mrv2.devices import HostBackend
     from afd_mrv2.pipeline import Executor
-    from afd_mrv2.plugins import ConnectorContext, plugins_for
+    from afd_mrv2.plugins import plugins_for
 
     config = parse_afd_config(
         {"connector": "my_link", "role": "ffn", "multistream": {"enabled": True, "depth": 2, "backend": "host"}}
     )
     received = {}
-    context = ConnectorContext(
-        config,
-        {
-            "source": lambda item: torch.full((4, 8), float(item.seq)),
-            "sink": lambda item, t: received.update({item: t}),
-        },
+    context = FfnContext(
+        config=config,
+        source=lambda item: torch.full((4, 8), float(item.seq)),
+        sink=lambda item, t: received.update({item: t}),
     )
     executor = Executor(
         plugins_for(MyLink(context), name="my_link"),
