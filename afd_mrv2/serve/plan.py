@@ -237,6 +237,14 @@ def _depth_value(depth: str) -> int | str:
     return int(depth) if depth.strip().lstrip("-").isdigit() else depth
 
 
+def _with_flags(afd: Mapping[str, Any], key: str, **flags: Any) -> dict[str, Any]:
+    """``afd[key]`` (a mapping, or absent) with ``flags`` set over it."""
+    section = afd.get(key) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"afd.{key}", f"expected a mapping, got {type(section).__name__}")
+    return {**section, **flags}
+
+
 def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, Any]:
     """The ``afd`` section every role shares: the extra args' section, then ``--afd``, then the flags."""
     base = from_extra.get("afd", {})
@@ -259,15 +267,9 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
         afd["connector"] = opts.connector
     afd.setdefault("connector", DEFAULT_CONNECTOR)
     if opts.depth is not None:
-        multistream = afd.get("multistream") or {}
-        if not isinstance(multistream, dict):
-            raise ConfigError("afd.multistream", f"expected a mapping, got {type(multistream).__name__}")
-        afd["multistream"] = {**multistream, "enabled": True, "depth": _depth_value(opts.depth)}
+        afd["multistream"] = _with_flags(afd, "multistream", enabled=True, depth=_depth_value(opts.depth))
     if opts.ubatches is not None:
-        ubatch = afd.get("ubatch") or {}
-        if not isinstance(ubatch, dict):
-            raise ConfigError("afd.ubatch", f"expected a mapping, got {type(ubatch).__name__}")
-        afd["ubatch"] = {**ubatch, "num_ubatches": opts.ubatches}
+        afd["ubatch"] = _with_flags(afd, "ubatch", num_ubatches=opts.ubatches)
     afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
     afd.setdefault("host", HOST)
     afd.setdefault("port", opts.port + opts.attention + 1)
