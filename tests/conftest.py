@@ -23,7 +23,7 @@ def _missing(marker: str) -> str | None:
         if importlib.util.find_spec("torch_npu") is None:
             return "torch_npu is not installed"
         import torch
-        import torch_npu  # noqa: F401
+        import torch_npu  # noqa: F401 - importing it registers the torch.npu device module
 
         return None if torch.npu.is_available() else "no Ascend NPU (torch.npu.is_available() is False)"
     if marker == "vllm_runtime":

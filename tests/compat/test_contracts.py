@@ -196,9 +196,10 @@ def _rename_in_method(text: str, cls: str, method: str, old: str, new: str) -> s
 
 def test_renamed_parameter_in_a_copy_of_ubatch_runner_fails_naming_symbol_and_parameter(wheel_0_33, tmp_path) -> None:
     """A copy that says it is vllm 0.33.0, whose row grants ubatch_runner: the drift is a VIOLATION."""
-    edit = lambda t: _rename_in_method(  # noqa: E731
-        t, "UBatchRunner", "_make_forward_contexts", "slot_mappings_by_layer", "slot_mappings"
-    )
+
+    def edit(t: str) -> str:
+        return _rename_in_method(t, "UBatchRunner", "_make_forward_contexts", "slot_mappings_by_layer", "slot_mappings")
+
     root = _copy_module(wheel_0_33, tmp_path, UBATCH_PATH, edit, dist_info="vllm-0.33.0")
     report = check_contracts(DirectorySource(root))
     symbol = f"{UBATCH_SYMBOL}._make_forward_contexts"

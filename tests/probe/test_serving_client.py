@@ -45,7 +45,10 @@ def test_line_reader_waits_for_a_prefix_and_gives_up_when_the_writer_is_gone() -
     code = "import time; print('starting', flush=True); time.sleep(0.3); print('ready at x', flush=True)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     reader = LineReader(proc.stdout)  # type: ignore[arg-type]
-    alive = lambda: proc.poll() is None  # noqa: E731
+
+    def alive() -> bool:
+        return proc.poll() is None
+
     assert reader.wait_for("ready at", deadline=time.monotonic() + 30, alive=alive)
     proc.wait()
     assert reader.lines[:2] == ["starting", "ready at x"]

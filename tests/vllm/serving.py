@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 # re-exported for the tests: DEV_MODE, READY, complete, compare, stream, rpc
-from scripts.serving import (  # noqa: F401
+from scripts.serving import (  # noqa: F401 - re-exported for the tests (see the comment above)
     DEV_MODE,
     ENGINE_ARGS,
     READY,
@@ -35,7 +35,7 @@ from scripts.serving import (  # noqa: F401
     stream,
 )
 from scripts.serving import PlainServer as HarnessPlainServer
-from scripts.serving import collective_rpc as rpc  # noqa: F401
+from scripts.serving import collective_rpc as rpc  # noqa: F401 - re-exported for the tests
 from scripts.serving import ffn_reports as harness_ffn_reports
 from tests.dists import write_dist_info
 from tests.vllm.engine import PROMPTS
