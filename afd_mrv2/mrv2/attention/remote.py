@@ -58,10 +58,10 @@ from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, St
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
-from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening, open_peer_link, pairs_enabled
+from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening
 from afd_mrv2.mrv2.transport.rejoin import Rejoiner, route_around_missing
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.plugins import Plugins, load_plugins
+from afd_mrv2.plugins import AttentionContext, Plugins, load_plugins
 from afd_mrv2.stages.layout import decide_split, layout_line, layout_log_enabled, step_layouts, unsplit_stage
 from afd_mrv2.topology import Topology
 
@@ -118,12 +118,17 @@ class _Session:
     exchange: UBatchExchange
     #: torch_p2p's Attention side (failover, take-back), or None for another connector
     side: Any = None
+    #: the side's record of failovers (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`), or None
+    failover_log: Any = None
     rejoiner: Rejoiner | None = None
 
-    @property
-    def failover_log(self) -> Any:
-        """torch_p2p's record of failovers (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`), or None."""
-        return getattr(self.side, "failovers", None)
+
+def _failover_side(connector: object) -> tuple[Any, Any, bool]:
+    """(torch_p2p's Attention side, its failover record, whether it takes a restarted FFN rank back), or
+    (None, None, False) for a connector without them: the one probe of a connector in this module, until a
+    declared capability replaces it."""
+    side = getattr(connector, "side", None)
+    return side, getattr(side, "failovers", None), hasattr(side, "take_back")
 
 
 class RemoteExperts:
@@ -170,7 +175,7 @@ class RemoteExperts:
         if shape != first:
             raise ValueError(f"MoE layer {layer_index} has shape {shape}, the others {first}: AFD needs one shape")
         self._layers[layer_index] = shape
-        if self._open_early and self._opening is None and pairs_enabled():
+        if self._open_early and self._opening is None:
             config = self.config
             self._opening = AttentionLinkOpening(config.host, config.port, self._topology(shape), config.rank)
 
@@ -286,31 +291,24 @@ class RemoteExperts:
         moe = next(iter(self._layers.values()))
         config = self.config
         topology = self._topology(moe)
-        rank = topology.global_rank(ATTENTION, config.rank)
-        rejoin: tuple[Any, int, dict[int, int]] | None = None
-        if pairs_enabled():
-            opening = self._opening or AttentionLinkOpening(config.host, config.port, topology, config.rank)
-            store, link, me, joined = opening.wait()
-            if config.rendezvous == "external" and config.expert_replicas > 1:
-                rejoin = (store, me, joined)
-        else:
-            link = open_peer_link(
-                topology, rank, host=config.host, port=config.port, ffn0_hosts=config.rendezvous == "ffn0"
-            )
+        opening = self._opening or AttentionLinkOpening(config.host, config.port, topology, config.rank)
+        store, link, me, joined = opening.wait()
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange()
-        plugins = load_plugins(config, resources={"p2p_link": link, "model": shape, **exchange.resources()})
+        context = AttentionContext(
+            config=config, p2p_link=link, model=shape, source=exchange.source, sink=exchange.sink
+        )
+        plugins = load_plugins(context)
         backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        side = getattr(plugins.connector, "side", None)  # torch_p2p's Attention side
+        side, failover_log, takes_back = _failover_side(plugins.connector)
         route_around_missing(link, side)
         rejoiner = None
-        if rejoin is not None and side is not None and hasattr(side, "take_back"):
-            store, me, joined = rejoin
+        if config.rendezvous == "external" and config.expert_replicas > 1 and takes_back:
             lost = lambda: set(range(topology.num_ffn)) - set(side.live)  # noqa: E731
             rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
-        return _Session(link, plugins, backend, executor, exchange, side, rejoiner)
+        return _Session(link, plugins, backend, executor, exchange, side, failover_log, rejoiner)
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
         """Streams for ``roles`` from the connector's ``create_streams`` hook, on this session's

@@ -64,14 +64,14 @@ from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
-from afd_mrv2.live_stats import StatsWriter, stats_path
+from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
 from afd_mrv2.mrv2.attention.remote import MoeShape
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, RendezvousStore
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import FfnContext, load_plugins
 from afd_mrv2.topology import Topology
 
 #: One MoE layer's routed experts: ``(x [N, H], topk_weights [N, k], topk_ids [N, k] int32) -> [N, H]``.
@@ -319,10 +319,10 @@ class FfnServer:
         for link in list(self._links.values()):
             link.abort(reason)
 
-    def live(self) -> dict[str, Any]:
+    def live(self) -> FfnFigures:
         """What serve's ``/metrics`` shows of this rank (:mod:`afd_mrv2.live_stats`)."""
         redispatched = sum(_redispatched(c) for each in self._connectors.values() for c in each)
-        return {**self.report.live(), "redispatched": redispatched, "up_s": round(time.monotonic() - self._started, 3)}
+        return self.report.figures(redispatched=redispatched, up_s=round(time.monotonic() - self._started, 3))
 
     # ------------------------------------------------------------------ one Attention rank
 
@@ -379,18 +379,19 @@ class FfnServer:
         """The loop serving Attention rank ``a`` on ``link``: its own connector and executor."""
         peer = self.topology.global_rank(ATTENTION, a)
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
-        resources = {
-            "p2p_link": link,
-            "model": self._p2p_shape,
-            "attention_peers": [peer],
-            "follow_stages": True,
-            "on_item": self.report.item_seen,
-        }
+        context = FfnContext(
+            config=self.config,
+            p2p_link=link,
+            model=self._p2p_shape,
+            attention_peers=[peer],
+            follow_stages=True,
+            on_item=self.report.item_seen,
+        )
         trace = None
         if self.config.multistream.trace:
             trace = Trace(rank=self.me, role=FFN, label=f"serving attention rank {a}")
             self._traces.append(trace)
-        plugins = load_plugins(self.config, resources=resources)
+        plugins = load_plugins(context)
         self._connectors[a].append(plugins.connector)
         self._links[a] = link
         ms = self.config.multistream
