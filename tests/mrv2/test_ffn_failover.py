@@ -112,6 +112,34 @@ def _spawn_ffn(raw: dict[str, Any], experts: int, stall_at: int) -> subprocess.P
     )
 
 
+def _attention(port: int, ranks: dict[str, Any], shape: MoeShape) -> RemoteExperts:
+    """Attention rank 0 of ``ranks`` with every MoE layer registered."""
+    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
+    for layer in LAYERS:
+        remote.add_layer(layer, shape)
+    return remote
+
+
+def _end(*procs: subprocess.Popen[str] | None) -> None:
+    """Let each FFN process end on its own (its session ends once the store says stop), else kill it."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _report_of(proc: subprocess.Popen[str] | None) -> dict[str, Any]:
+    """The ``report`` line an FFN process printed when its session ended."""
+    assert proc is not None and proc.stdout is not None
+    lines = proc.stdout.read().splitlines()
+    report: dict[str, Any] = json.loads(
+        next(line for line in lines if line.startswith("report ")).removeprefix("report ")
+    )
+    return report
+
+
 def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any], dict[str, Any], RemoteExperts]:
     """1 Attention rank, ``ffn`` FFN ranks, FFN rank ``killed`` a process killed mid-item.
 
@@ -123,9 +151,7 @@ def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any],
     done: dict[str, Any] = {}
     servers = [_start_holder(done, port, ranks, shape, f) for f in range(ffn) if f != killed]
     victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": killed}, experts, 3)
-    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
-    for layer in LAYERS:
-        remote.add_layer(layer, shape)
+    remote = _attention(port, ranks, shape)
     outcomes: list[Any] = []
 
     def forwards() -> None:
@@ -190,6 +216,26 @@ def test_without_replicas_an_ffn_rank_killed_mid_item_fails_the_call_naming_it(o
     assert remote.stats()["failover"]["failovers"] == 0
 
 
+def _forwards_until(remote: RemoteExperts, shape: MoeShape, enough: threading.Event, outcomes: list[Any]) -> None:
+    """Checked forwards until ``enough`` or the first failure; each outcome None when exact, else the exception."""
+    gen = torch.Generator().manual_seed(3)
+    while not enough.is_set():
+        try:
+            _checked_forward(remote, shape, gen, 9)
+            outcomes.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcomes.append(exc)
+            return
+        time.sleep(0.02)
+
+
+def _wait_for(remote: RemoteExperts, what: str, deadline: float, client: threading.Thread, outcomes: list[Any]) -> None:
+    """Until the Attention side's failover record counts ``what`` (``failovers``, ``rejoins``)."""
+    while not (remote.failovers() or {}).get(what):
+        assert time.monotonic() < deadline and client.is_alive(), outcomes[-1:]
+        time.sleep(0.05)
+
+
 def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     one_torch_thread: None, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -203,24 +249,10 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     done: dict[str, Any] = {}
     survivor = _start_holder(done, port, ranks, shape, 0)
     victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 3)
-    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
-    for layer in LAYERS:
-        remote.add_layer(layer, shape)
+    remote = _attention(port, ranks, shape)
     enough = threading.Event()
     outcomes: list[Any] = []
-
-    def forwards() -> None:
-        gen = torch.Generator().manual_seed(3)
-        while not enough.is_set():
-            try:
-                _checked_forward(remote, shape, gen, 9)
-                outcomes.append(None)
-            except Exception as exc:  # noqa: BLE001 - the test reads it
-                outcomes.append(exc)
-                return
-            time.sleep(0.02)
-
-    client = threading.Thread(target=forwards, daemon=True)
+    client = threading.Thread(target=_forwards_until, args=(remote, shape, enough, outcomes), daemon=True)
     restarted = None
     try:
         client.start()
@@ -228,13 +260,9 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(10)
         deadline = time.monotonic() + 30
-        while not (remote.failovers() or {}).get("failovers"):
-            assert time.monotonic() < deadline and client.is_alive(), outcomes[-1:]
-            time.sleep(0.05)
+        _wait_for(remote, "failovers", deadline, client, outcomes)
         restarted = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 0)
-        while not (remote.failovers() or {}).get("rejoins"):
-            assert time.monotonic() < deadline + 60 and client.is_alive(), outcomes[-1:]
-            time.sleep(0.05)
+        _wait_for(remote, "rejoins", deadline + 60, client, outcomes)
         calls = len(outcomes)
         while len(outcomes) < calls + 10 and client.is_alive():  # a few forwards with the rank back
             time.sleep(0.05)
@@ -245,18 +273,11 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
         enough.set()
         remote.close()
         store.request_stop()  # the FFN ranks serve no new incarnation: their sessions end
-        for proc in (victim, restarted):
-            if proc is not None and proc.poll() is None:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+        _end(victim, restarted)
     survivor.join(30)
     assert outcomes and all(o is None for o in outcomes), [o for o in outcomes if o is not None][:1]
     assert not survivor.is_alive() and "error0" not in done, done
-    assert restarted is not None and restarted.stdout is not None
-    lines = restarted.stdout.read().splitlines()
-    report = json.loads(next(line for line in lines if line.startswith("report ")).removeprefix("report "))
+    report = _report_of(restarted)
     assert report["items"] >= 10 and report["computed"] > 0, report  # the new process served again
     log = remote.failovers()
     assert log is not None and log["failovers"] == 1 and log["rejoins"] == 1, log
@@ -279,9 +300,7 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     store.mark_lost(FFN, 1)  # ... and was lost
     done: dict[str, Any] = {}
     survivor = _start_holder(done, port, ranks, shape, 0)
-    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
-    for layer in LAYERS:
-        remote.add_layer(layer, shape)
+    remote = _attention(port, ranks, shape)
     gen = torch.Generator().manual_seed(5)
     restarted = None
 
@@ -302,14 +321,8 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     finally:
         remote.close()
         store.request_stop()
-        if restarted is not None:
-            try:
-                restarted.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(restarted.pid, signal.SIGKILL)
+        _end(restarted)
     survivor.join(30)
     assert not survivor.is_alive() and "error0" not in done, done
-    assert restarted is not None and restarted.stdout is not None
-    lines = restarted.stdout.read().splitlines()
-    report = json.loads(next(line for line in lines if line.startswith("report ")).removeprefix("report "))
+    report = _report_of(restarted)
     assert report["items"] >= 3 * len(LAYERS) and report["computed"] > 0, report

@@ -175,6 +175,34 @@ def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() 
     assert got_ids.tolist() == [[3, 3]] and got_w.tolist() == [[0.5, 0.0]]
 
 
+def _checked_forward(remote: RemoteExperts, gen: torch.Generator, tokens: int) -> None:
+    """One forward of ``tokens`` through every MoE layer, each output checked against the reference."""
+    for ordinal, layer in enumerate(LAYERS):
+        x = torch.randn(tokens, SHAPE.hidden_size, generator=gen)
+        weights = torch.rand(tokens, SHAPE.top_k, generator=gen)
+        ids = torch.randint(0, SHAPE.num_experts, (tokens, SHAPE.top_k), generator=gen, dtype=torch.int32)
+        out = remote.exchange(layer, x, weights, ids)
+        torch.testing.assert_close(out, _reference(ordinal, x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def _engine(
+    a: int, remote: RemoteExperts, forwards: tuple[int, ...], rank1_may_go_on: threading.Event, done: dict[str, Any]
+) -> None:
+    """Attention rank ``a``'s checked ``forwards``; rank 1 idles after its first one until rank 0 ran all of its
+    own.  An exception lands in ``done[f"attention-error{a}"]``."""
+    gen = torch.Generator().manual_seed(10 + a)
+    try:
+        for n, tokens in enumerate(forwards):
+            if a == 1 and n == 1:  # idle while rank 0 runs all its forwards
+                assert rank1_may_go_on.wait(60), "attention rank 0 never finished"
+            _checked_forward(remote, gen, tokens)
+        if a == 0:
+            rank1_may_go_on.set()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
+        done[f"attention-error{a}"] = exc
+        rank1_may_go_on.set()
+
+
 @pytest.mark.parametrize("multistream", [None, {"enabled": True, "depth": 2}], ids=["serialized", "depth-2"])
 def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
     one_torch_thread: None, multistream: dict[str, Any] | None
@@ -200,24 +228,6 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
     forwards = {0: (5, 32, 1, 7, 3), 1: (4, 9)}
     rank1_may_go_on = threading.Event()
 
-    def attention(a: int) -> None:
-        gen = torch.Generator().manual_seed(10 + a)
-        try:
-            for n, tokens in enumerate(forwards[a]):
-                if a == 1 and n == 1:  # idle while rank 0 runs all its forwards
-                    assert rank1_may_go_on.wait(60), "attention rank 0 never finished"
-                for ordinal, layer in enumerate(LAYERS):
-                    x = torch.randn(tokens, SHAPE.hidden_size, generator=gen)
-                    weights = torch.rand(tokens, SHAPE.top_k, generator=gen)
-                    ids = torch.randint(0, SHAPE.num_experts, (tokens, SHAPE.top_k), generator=gen, dtype=torch.int32)
-                    out = remotes[a].exchange(layer, x, weights, ids)
-                    torch.testing.assert_close(out, _reference(ordinal, x, weights, ids), rtol=1e-5, atol=1e-5)
-            if a == 0:
-                rank1_may_go_on.set()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
-            done[f"attention-error{a}"] = exc
-            rank1_may_go_on.set()
-
     threads = [
         start_ffn(
             done,
@@ -229,7 +239,10 @@ def test_2a2f_engines_on_their_own_clocks_idle_attention_rank_stalls_nobody(
         )
         for f in range(2)
     ]
-    threads += [threading.Thread(target=attention, args=(a,), daemon=True) for a in range(2)]
+    threads += [
+        threading.Thread(target=_engine, args=(a, remotes[a], forwards[a], rank1_may_go_on, done), daemon=True)
+        for a in range(2)
+    ]
     for thread in threads[2:]:
         thread.start()
     for thread in threads[2:]:
