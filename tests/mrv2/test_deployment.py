@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from afd_mrv2.admission import Stage, Subject, checkpoint_facts, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.mrv2.deployment import check_vllm_deployment, deployment_of
@@ -189,19 +190,24 @@ def test_afd_microbatching_is_refused_where_its_runner_cannot_run(deployment, ke
 
 
 def test_afd_microbatching_config_refusals_and_what_stays_allowed() -> None:
+    """What the afd section alone decides is a CONFIG admission check (ubatch-section), before any VllmConfig."""
     check_deployment(ubatched(), Deployment())  # V2, Triton, eager, DP 1: the supported case
     check_deployment(ubatched(role="ffn"), Deployment(v2_runner=False))  # the FFN role follows the wire
     check_deployment(ubatched(1), Deployment(v2_runner=False))  # one micro-batch: nothing to refuse
+
+    def config_checks(config) -> None:
+        run(Subject(config), (Stage.CONFIG,), names=("ubatch-section",))
+
+    config_checks(ubatched())
+    config_checks(ubatched(4, role="ffn", multistream={"depth": 1}))  # the FFN role splits nothing
     with pytest.raises(ConfigError, match=r"^afd\.ubatch\.prefill_token_threshold: expected at least num_ubatches"):
-        check_deployment(ubatched(3, prefill_token_threshold=2), Deployment())
+        config_checks(ubatched(3, prefill_token_threshold=2))
     with pytest.raises(ConfigError, match=r"^afd\.ubatch\.num_ubatches: async-MoE stages"):
-        check_deployment(ubatched(async_moe={"enabled": True}), Deployment())
+        config_checks(ubatched(async_moe={"enabled": True}))
     with pytest.raises(
         ConfigError, match=r"4 micro-batches keep 4 round trips in flight, but afd\.multistream holds 1 \+ 1"
     ):
-        check_deployment(
-            ubatched(4, decode_token_threshold=4, prefill_token_threshold=4, multistream={"depth": 1}), Deployment()
-        )
+        config_checks(ubatched(4, decode_token_threshold=4, prefill_token_threshold=4, multistream={"depth": 1}))
 
 
 def test_v2_runner_and_triton_are_read_from_the_engine_config() -> None:
@@ -262,15 +268,14 @@ def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> N
 def test_the_checkpoint_expert_count_is_read_as_vllm_reads_it_or_left_undecided(tmp_path, raw, experts) -> None:
     import json
 
-    from afd_mrv2.mrv2.deployment import CheckpointExperts, precheck_experts
-
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    facts = CheckpointExperts.read(str(tmp_path))
-    assert facts is not None and facts.get_num_experts() == experts
+    facts = checkpoint_facts(str(tmp_path))
+    assert (facts.num_experts if facts is not None else None) == experts
+    assert facts is None or facts.moe_layers is None  # config.json alone never says which layers are MoE
     ffn7 = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 7})  # divides none
     if experts is None:
-        precheck_experts(ffn7, str(tmp_path))  # undecided: no refusal here
+        run(Subject(ffn7, model=facts), (Stage.MODEL,))  # undecided: no refusal here
     else:
         with pytest.raises(ConfigError, match="no routed-experts layer" if experts == 0 else "do not shard evenly"):
-            precheck_experts(ffn7, str(tmp_path))
-    assert CheckpointExperts.read(str(tmp_path / "missing")) is None
+            run(Subject(ffn7, model=facts), (Stage.MODEL,))
+    assert checkpoint_facts(str(tmp_path / "missing")) is None

@@ -234,15 +234,16 @@ def test_role_commands_are_data():
 @pytest.mark.parametrize(
     ("args", "v2", "expected"),
     [
-        ([], "0", ["moe_seam"]),
-        (["--depth", "2"], "0", ["moe_seam", "multistream_ffn"]),
-        (["--depth", "auto"], "1", ["moe_seam", "mrv2", "multistream_ffn"]),
+        ([], "0", [("moe_seam",), ("moe_seam",)]),
+        (["--depth", "2"], "0", [("moe_seam",), ("moe_seam", "multistream_ffn")]),
+        (["--depth", "auto"], "1", [("moe_seam", "mrv2"), ("moe_seam", "mrv2", "multistream_ffn")]),
     ],
     ids=["serialized", "depth-2", "auto-on-v2"],
 )
 def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch, tmp_path, args, v2, expected):
-    """The gate asks the runtime decision for exactly what each role's process checks itself
-    (afd_mrv2.validation.required_capabilities), so a pair that refuses a role refuses serve up front."""
+    """The gate runs each role's RUNTIME admission check as that role's process will (afd_mrv2.admission,
+    required_capabilities: the Attention role first, then the FFN role), so a pair that refuses a role
+    refuses serve up front, in one line."""
     from types import SimpleNamespace
 
     from afd_mrv2.serve import app
@@ -251,15 +252,17 @@ def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch,
 
     def fake_check(require: tuple[str, ...] = ()) -> SimpleNamespace:
         asked.append(tuple(require))
-        return SimpleNamespace(accepted=False, reasons=("multistream_ffn not granted",))
+        refused = "multistream_ffn" in require or len(asked) == 2  # the FFN role's needs are refused
+        reasons = ("multistream_ffn not granted",) if refused else ()
+        return SimpleNamespace(accepted=not refused, reasons=reasons, message=lambda: "; ".join(reasons))
 
     monkeypatch.setattr(app, "check_runtime", fake_check)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
     (tmp_path / "config.json").write_text('{"num_local_experts": 8}')  # the gate checks the model folder first
     plan = build_plan(ServeOptions(str(tmp_path), 1, 1, port=free_port_block(3), depth=(args or [None, None])[1]))
-    with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted"):
+    with pytest.raises(AfdError, match=r"^runtime refused: multistream_ffn not granted \(afd-mrv2 compat lists"):
         app.runtime_gate(plan)
-    assert asked == [tuple(expected)]
+    assert asked == expected
 
 
 def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_only() -> None:

@@ -1,0 +1,418 @@
+"""Admission: the one ordered list of named checks an ``afd`` section passes before anything AFD exists.
+
+Each :class:`Check` names what it reads and refuses in one line naming the key; :func:`run` runs
+:data:`CHECKS` in order, filtered by the :class:`Stage` facts a caller holds (serve's pre-flight,
+each vLLM process's ``admit``).  The list, and who runs which stage: docs/vllm.md, "Admission".
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, final
+
+from afd_mrv2.compat import CompatRefused, Decision, check_runtime, vllm_path_capabilities
+from afd_mrv2.config import AfdConfig, parse_afd_config
+from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.items import ATTENTION
+from afd_mrv2.plugins import check_plugins, entry_points
+from afd_mrv2.support_matrix import RULES, Deployment, Rule
+
+#: The compat decision for a tuple of required capabilities (``check_runtime`` by default; tests pass their own).
+Gate = Callable[[tuple[str, ...]], Decision]
+
+
+class Stage(enum.IntEnum):
+    """What a caller knows when it admits a section, in the order it comes to know it."""
+
+    #: the ``afd`` section and the installed ``afd_mrv2`` plugins
+    CONFIG = 1
+    #: + the installed runtime versions (torch, vLLM, vLLM-Ascend: the compat decision)
+    RUNTIME = 2
+    #: + the engine's ``VllmConfig``, read into a :class:`~afd_mrv2.support_matrix.Deployment`
+    VLLM_CONFIG = 3
+    #: + the model: the MoE layers it builds, or short of them its config's routed-expert count
+    MODEL = 4
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the ``MODEL`` checks read of the model."""
+
+    #: its architectures (``config.json``), for the message
+    architectures: tuple[str, ...]
+    #: routed experts per MoE layer: as its layers hold them where they were built, else as its config says (0: none)
+    num_experts: int
+    #: the routed-experts (MoE) layers the model builds; None where only its config was read
+    moe_layers: int | None = None
+    #: its decoder layers, where ``moe_layers`` is known
+    layers: int | None = None
+
+
+@final
+class Subject:
+    """What is known of one role when its checks run: the section, and the facts of each later stage.
+
+    ``deployment`` and ``model`` may be functions, called on first use (a check that refuses earlier
+    spares the reading); ``gate`` None is :func:`afd_mrv2.compat.check_runtime`.
+    """
+
+    __slots__ = ("_config", "_deployment", "_model", "gate", "section", "v2_runner")
+
+    def __init__(
+        self,
+        section: object,
+        *,
+        v2_runner: bool = False,
+        gate: Gate | None = None,
+        deployment: Deployment | Callable[[], Deployment] | None = None,
+        model: ModelFacts | Callable[[], ModelFacts | None] | None = None,
+    ) -> None:
+        #: the raw ``afd`` section, or its parsed :class:`AfdConfig`
+        self.section = section
+        #: whether the engine runs vLLM's Model Runner V2 (then the runtime pair must grant ``mrv2``)
+        self.v2_runner = v2_runner
+        self.gate = gate
+        self._config = section if isinstance(section, AfdConfig) else None
+        self._deployment = functools.cache(deployment if callable(deployment) else lambda: deployment)
+        self._model = functools.cache(model if callable(model) else lambda: model)
+
+    @property
+    def config(self) -> AfdConfig:
+        """The parsed section (parsed once; a bad one raises :class:`ConfigError` naming the key)."""
+        if self._config is None:
+            self._config = parse_afd_config(self.section)
+        return self._config
+
+    @property
+    def deployment(self) -> Deployment:
+        deployment = self._deployment()
+        if deployment is None:
+            raise TypeError("the VLLM_CONFIG checks need the engine's Deployment (Subject(deployment=...))")
+        return deployment
+
+    @property
+    def model(self) -> ModelFacts | None:
+        """The model's facts, or None where nothing decides them (its config names no expert count vLLM reads)."""
+        return self._model()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One named admission check."""
+
+    name: str
+    #: the least a caller must know to run it
+    stage: Stage
+    #: what it reads
+    reads: str
+    #: raises one line naming the key (ConfigError, PluginError or CompatRefused); returns None otherwise
+    run: Callable[[Subject], None]
+
+
+def afd_section(additional_config: object) -> object | None:
+    """The raw ``afd`` section of ``additional_config``, or None when there is none."""
+    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
+        return None
+    return additional_config["afd"]
+
+
+# ------------------------------------------------------------------ the connector's declarations
+
+
+def _connector_factory(name: str) -> object | None:
+    """The installed connector ``name``'s factory (loading the entry point imports its module, nothing more:
+    no connector object is built), or None when it is not installed."""
+    point = entry_points().get(name)
+    if point is None:
+        return None
+    try:
+        return point.load()
+    except Exception as exc:
+        raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+
+
+def connector_capability(name: str) -> str | None:
+    """The runtime-pair capability the installed connector ``name`` declares, if any.
+
+    A connector factory declares it as the class attribute ``required_capability``
+    (a capability name of :mod:`afd_mrv2.compat`, or None); built-in and
+    third-party connectors alike.
+    """
+    factory = _connector_factory(name)
+    capability = getattr(factory, "required_capability", None)  # optional: most connectors need none
+    if capability is not None and not isinstance(capability, str):
+        raise PluginError(f"connector {name!r}: required_capability must be a capability name or None")
+    return capability
+
+
+def carries_stage_identity(name: str) -> bool:
+    """Whether the installed connector ``name`` declares ``carries_stage_identity = True``: its messages name
+    each item's layer and ``stage i of n`` and the FFN side pairs by them (optional class attribute, default
+    False), which afd-mrv2's micro-batching (``afd.ubatch``) needs of the connector on the vLLM path."""
+    return getattr(_connector_factory(name), "carries_stage_identity", False) is True
+
+
+def required_capabilities(config: AfdConfig, *, v2_runner: bool = False) -> tuple[str, ...]:
+    """What the runtime pair must grant for ``config`` on the vLLM path.
+
+    ``moe_seam`` always, ``mrv2`` only with the V2 runner (:func:`afd_mrv2.compat.vllm_path_capabilities`),
+    ``ubatch_runner`` for a micro-batched Attention role (``afd.ubatch``), then multistream and the
+    connector's own capability.
+    """
+    caps = list(vllm_path_capabilities(v2_runner=v2_runner))
+    if config.role == ATTENTION and config.ubatch.enabled:  # afd-mrv2's micro-batch runner on MRV2
+        caps.append("ubatch_runner")
+    if config.multistream.active_for(config.role):
+        caps.append("multistream_ffn")
+    needed = connector_capability(config.connector)
+    if needed is not None:
+        caps.append(needed)
+    return tuple(caps)
+
+
+# ------------------------------------------------------------------ CONFIG
+
+
+def _section(subject: Subject) -> None:
+    subject.config  # noqa: B018 - parsing is the check
+
+
+def _connector_installed(subject: Subject) -> None:
+    name = subject.config.connector
+    points = entry_points()  # names only: nothing is imported
+    if name not in points:
+        raise PluginError(
+            f"afd.connector: {name!r} is not installed; installed connectors: {', '.join(sorted(points)) or 'none'}"
+        )
+
+
+def _plugins(subject: Subject) -> None:
+    check_plugins(subject.config)  # loaded (not built), of the right kind, of a hook API version served here
+
+
+def _stage_identity(subject: Subject) -> None:
+    config = subject.config
+    if config.role == ATTENTION and config.ubatch.enabled and not carries_stage_identity(config.connector):
+        raise ConfigError(
+            "afd.ubatch.num_ubatches",
+            f"connector {config.connector!r} does not declare carries_stage_identity: its messages cannot say "
+            f"which of {config.ubatch.num_ubatches} micro-batches an item belongs to (torch_p2p can); "
+            "set num_ubatches to 1",
+        )
+
+
+def _ubatch_section(subject: Subject) -> None:
+    config = subject.config
+    if not (config.ubatch.enabled and config.role == ATTENTION):
+        return
+    n = config.ubatch.num_ubatches
+    if config.async_moe.enabled:
+        raise ConfigError(
+            "afd.ubatch.num_ubatches", "async-MoE stages (afd.async_moe) split the same batch; enable one of the two"
+        )
+    for name, threshold in (
+        ("decode_token_threshold", config.ubatch.decode_token_threshold),
+        ("prefill_token_threshold", config.ubatch.prefill_token_threshold),
+    ):
+        if threshold < n:
+            raise ConfigError(
+                f"afd.ubatch.{name}",
+                f"expected at least num_ubatches ({n}): a step of fewer tokens would leave a micro-batch empty, "
+                f"got {threshold}",
+            )
+    inputs, outputs = config.multistream.buffer_counts
+    if inputs + outputs < n:
+        raise ConfigError(
+            "afd.ubatch.num_ubatches",
+            f"{n} micro-batches keep {n} round trips in flight, but afd.multistream holds {inputs} + {outputs} "
+            "exchange buffers; raise afd.multistream.depth",
+        )
+
+
+def _router_on_attention(subject: Subject) -> None:
+    if not subject.config.compute_gate_on_attention:
+        raise ConfigError(
+            "afd.compute_gate_on_attention",
+            "expected true on the vLLM path: vLLM's MoE runner computes the router on the attention side "
+            "before the routed-experts seam, so the FFN receives top-k ids and weights, got false",
+        )
+
+
+# ------------------------------------------------------------------ RUNTIME
+
+
+def _runtime_pair(subject: Subject) -> None:
+    required = required_capabilities(subject.config, v2_runner=subject.v2_runner)
+    decision = (subject.gate or check_runtime)(required)
+    if not decision.accepted:
+        raise CompatRefused(decision)
+
+
+# ------------------------------------------------------------------ VLLM_CONFIG
+
+
+def _matrix(rule: Rule) -> Check:
+    def run(subject: Subject) -> None:
+        rule.check(subject.config, subject.deployment)
+
+    return Check(rule.name, Stage.VLLM_CONFIG, "VllmConfig: " + ", ".join(rule.facts), run)
+
+
+def _seam_microbatching(subject: Subject) -> None:
+    deployment = subject.deployment
+    if deployment.native_dbo:
+        raise ConfigError(
+            "afd",
+            f"vLLM native micro-batching ({deployment.num_ubatches} micro-batches per step, --enable-dbo / "
+            "--ubatch-size) cannot run with AFD on vLLM's MoE seam; leave it off and use afd.ubatch.num_ubatches "
+            "(afd-mrv2 serve --ubatches N)",
+        )
+
+
+# ------------------------------------------------------------------ MODEL
+
+_MOE_ONLY = (
+    "AFD splits each MoE layer between Attention and FFN ranks, so it serves MoE models only "
+    "(Mixtral, Qwen2-MoE, DeepSeek-V2, ...)"
+)
+
+
+def _routed_experts(subject: Subject) -> None:
+    model = subject.model
+    if model is None:
+        return
+    archs = ", ".join(model.architectures or ("unknown architecture",))
+    if model.num_experts <= 0:
+        raise ConfigError("afd", f"the model ({archs}) has no routed-experts layer: {_MOE_ONLY}")
+    if model.moe_layers == 0:
+        layers = "" if model.layers is None else f" {model.layers}"
+        raise ConfigError(
+            "afd",
+            f"the model ({archs}) has no routed-experts layer: its config gives {model.num_experts} routed experts, "
+            f"but none of the{layers} layers vLLM builds of it is a MoE layer (mlp_only_layers, "
+            f"decoder_sparse_step or the like); {_MOE_ONLY}",
+        )
+
+
+def _expert_shards(subject: Subject) -> None:
+    model = subject.model
+    if model is None or model.num_experts <= 0:
+        return
+    experts, ffn = model.num_experts, subject.config.num_ffn_ranks
+    if experts % ffn:
+        fits = ", ".join(str(f) for f in range(1, experts + 1) if experts % f == 0)
+        raise ConfigError(
+            "afd.num_ffn_ranks",
+            f"the model's {experts} routed experts do not shard evenly over {ffn} FFN ranks "
+            f"(serve --ffn); use one of {fits}",
+        )
+
+
+#: Every admission check, in the order they run (the first refusal wins).
+CHECKS: tuple[Check, ...] = (
+    Check("afd-section", Stage.CONFIG, "additional_config['afd'], every key (afd_mrv2.config)", _section),
+    Check(
+        "connector-installed",
+        Stage.CONFIG,
+        "afd.connector; the names in entry-point group afd_mrv2",
+        _connector_installed,
+    ),
+    Check(
+        "plugins",
+        Stage.CONFIG,
+        "afd.connector, afd.observers: each entry point loaded (not built), its kind and hook_api_version",
+        _plugins,
+    ),
+    Check(
+        "stage-identity",
+        Stage.CONFIG,
+        "afd.role, afd.ubatch.num_ubatches; the connector's carries_stage_identity",
+        _stage_identity,
+    ),
+    Check(
+        "ubatch-section",
+        Stage.CONFIG,
+        "afd.role, afd.ubatch (num_ubatches, token thresholds), afd.async_moe.enabled, afd.multistream buffers",
+        _ubatch_section,
+    ),
+    Check("router-on-attention", Stage.CONFIG, "afd.compute_gate_on_attention", _router_on_attention),
+    Check(
+        "runtime-pair",
+        Stage.RUNTIME,
+        "the installed torch / vLLM / vLLM-Ascend (afd_mrv2.compat) against the capabilities the section needs",
+        _runtime_pair,
+    ),
+    *(_matrix(rule) for rule in RULES),
+    Check("seam-native-ubatching", Stage.VLLM_CONFIG, "VllmConfig: native_dbo, num_ubatches", _seam_microbatching),
+    Check(
+        "routed-experts",
+        Stage.MODEL,
+        "the MoE layers the model builds, else its config's routed-expert count",
+        _routed_experts,
+    ),
+    Check("expert-shards", Stage.MODEL, "the routed-expert count; afd.num_ffn_ranks", _expert_shards),
+)
+NAMES = frozenset(check.name for check in CHECKS)
+
+
+def run(
+    subject: Subject, stages: Collection[Stage] = tuple(Stage), *, names: Collection[str] | None = None
+) -> AfdConfig:
+    """Run the checks of ``stages`` (those of them named ``names``, if given) in :data:`CHECKS` order.
+
+    Returns the parsed section; the first refusal raises (one line naming the key).  Creates nothing.
+    """
+    if names is not None and not NAMES.issuperset(names):
+        raise ValueError(f"no admission check named {', '.join(sorted(set(names) - NAMES))}")
+    for check in CHECKS:
+        if check.stage in stages and (names is None or check.name in names):
+            check.run(subject)
+    return subject.config
+
+
+# ------------------------------------------------------------------ a checkpoint's config.json, without vLLM
+
+#: The ``config.json`` keys vLLM reads a model's routed-expert count from (``ModelConfig.get_num_experts``,
+#: vLLM 0.32/0.33), in its order: a list value counts its first element.
+EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _expert_count(raw: Mapping[str, Any]) -> int | None:
+    for section in (raw, raw.get("text_config")):
+        if not isinstance(section, Mapping):
+            continue
+        for key in EXPERT_COUNT_KEYS:
+            value = section.get(key)
+            if isinstance(value, list) and value:
+                value = value[0]
+            if isinstance(value, int) and value > 0:
+                return value
+    return 0 if "expert" not in json.dumps(raw) else None
+
+
+def checkpoint_facts(model: str) -> ModelFacts | None:
+    """A local checkpoint's :class:`ModelFacts` from its ``config.json``, without vLLM (serve's first,
+    second-long look); layers unknown.
+
+    None (undecided: vLLM decides, in serve's pre-flight child and in every role) unless the routed-expert
+    count is under one of :data:`EXPERT_COUNT_KEYS` (top level, or ``text_config``), or no key of the config
+    mentions experts at all (a dense model: 0 experts); None too where there is no readable ``config.json``.
+    """
+    path = Path(model).expanduser() / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    experts = _expert_count(raw)
+    if experts is None:
+        return None
+    return ModelFacts(tuple(raw.get("architectures") or ()), experts)

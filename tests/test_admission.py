@@ -1,0 +1,149 @@
+"""afd_mrv2.admission: one ordered list of named checks, run by stage; each refusal one line naming the key.
+
+Without vLLM: the VLLM_CONFIG facts are Deployment values and the MODEL facts ModelFacts values, as serve's
+pre-flight child and each vLLM process read them (tests/vllm/test_serve_preflight.py runs the real ones).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from afd_mrv2.admission import CHECKS, ModelFacts, Stage, Subject, run
+from afd_mrv2.compat import CompatRefused
+from afd_mrv2.config import parse_afd_config
+from afd_mrv2.errors import ConfigError, PluginError
+from afd_mrv2.support_matrix import RULES, Deployment
+
+SECTION = {"connector": "torch_p2p", "role": "attention", "num_ffn_ranks": 2}
+
+
+def refusing_gate(asked: list[tuple[str, ...]]):
+    def gate(require: tuple[str, ...]) -> SimpleNamespace:
+        asked.append(require)
+        return SimpleNamespace(accepted=False, reasons=("refused here",), message=lambda: "refused here")
+
+    return gate
+
+
+def test_the_checks_are_one_ordered_list_grouped_by_stage() -> None:
+    names = [check.name for check in CHECKS]
+    assert names == [
+        "afd-section",
+        "connector-installed",
+        "plugins",
+        "stage-identity",
+        "ubatch-section",
+        "router-on-attention",
+        "runtime-pair",
+        *(rule.name for rule in RULES),  # the support matrix, in its own order
+        "seam-native-ubatching",
+        "routed-experts",
+        "expert-shards",
+    ]
+    assert len(set(names)) == len(names) == 17
+    stages = [check.stage for check in CHECKS]
+    assert stages == sorted(stages)  # what needs less is checked first
+    assert all(check.reads for check in CHECKS)
+
+
+def test_run_runs_only_the_stages_it_is_given_in_order() -> None:
+    asked: list[tuple[str, ...]] = []
+    subject = Subject(SECTION, gate=refusing_gate(asked))  # no deployment, no model: not needed for CONFIG
+    assert run(subject, (Stage.CONFIG,)).connector == "torch_p2p"
+    assert asked == []  # the runtime pair is a later stage
+    with pytest.raises(CompatRefused):
+        run(subject, (Stage.CONFIG, Stage.RUNTIME))
+    assert asked == [("moe_seam",)]
+    with pytest.raises(TypeError, match="need the engine's Deployment"):
+        run(Subject(SECTION), (Stage.VLLM_CONFIG,))  # a caller that asks for a stage must hold its facts
+    with pytest.raises(ValueError, match="no admission check named no-such-check"):
+        run(subject, names=("no-such-check",))
+
+
+def test_an_earlier_refusal_spares_reading_later_facts_and_each_fact_is_read_once() -> None:
+    reads: list[str] = []
+
+    def deployment() -> Deployment:
+        reads.append("deployment")
+        return Deployment()
+
+    def model() -> ModelFacts:
+        reads.append("model")
+        return ModelFacts(("MixtralForCausalLM",), 8, 2, 2)
+
+    bad = Subject({**SECTION, "compute_gate_on_attention": False}, deployment=deployment, model=model)
+    with pytest.raises(ConfigError, match=r"^afd\.compute_gate_on_attention: expected true on the vLLM path"):
+        run(bad, (Stage.CONFIG, Stage.VLLM_CONFIG, Stage.MODEL))
+    assert reads == []
+    good = Subject(SECTION, deployment=deployment, model=model)
+    run(good, (Stage.VLLM_CONFIG, Stage.MODEL))
+    run(good, (Stage.VLLM_CONFIG, Stage.MODEL))
+    assert reads == ["deployment", "model"]
+
+
+@pytest.mark.parametrize(
+    ("section", "error", "line"),
+    [
+        ({"role": "attention"}, ConfigError, "afd.connector: "),
+        (
+            {**SECTION, "connector": "nope"},
+            PluginError,
+            "afd.connector: 'nope' is not installed; installed connectors: ",
+        ),
+        (
+            {**SECTION, "connector": "simlink", "ubatch": {"num_ubatches": 2}},
+            ConfigError,
+            "afd.ubatch.num_ubatches: connector 'simlink' does not declare carries_stage_identity",
+        ),
+        (
+            {**SECTION, "ubatch": {"num_ubatches": 3, "decode_token_threshold": 2}},
+            ConfigError,
+            "afd.ubatch.decode_token_threshold: expected at least num_ubatches (3)",
+        ),
+        (
+            {**SECTION, "compute_gate_on_attention": False},
+            ConfigError,
+            "afd.compute_gate_on_attention: expected true on the vLLM path",
+        ),
+    ],
+    ids=["section", "connector-installed", "stage-identity", "ubatch-section", "router-on-attention"],
+)
+def test_config_checks_refuse_in_one_line_naming_the_key(section, error, line) -> None:
+    asked: list[tuple[str, ...]] = []
+    with pytest.raises(error) as info:
+        run(Subject(section, gate=refusing_gate(asked)))
+    assert str(info.value).startswith(line) and "\n" not in str(info.value), str(info.value)
+    assert asked == []  # before the runtime pair
+
+
+def test_the_vllm_config_checks_are_the_support_matrix_then_the_moe_seam() -> None:
+    dbo = Deployment(native_dbo=True, num_ubatches=2)
+    with pytest.raises(ConfigError) as info:
+        run(Subject(SECTION, deployment=dbo), (Stage.VLLM_CONFIG,))
+    assert info.value.key == "afd" and "cannot run with AFD on vLLM's MoE seam" in str(info.value)
+    with pytest.raises(ConfigError) as three:  # the matrix's own rule first
+        run(Subject(SECTION, deployment=Deployment(native_dbo=True, num_ubatches=3)), (Stage.VLLM_CONFIG,))
+    assert three.value.key == "afd.connector" and "runs 3 micro-batches per step" in str(three.value)
+    run(Subject(SECTION, deployment=Deployment()), (Stage.VLLM_CONFIG,))
+
+
+def test_the_model_is_moe_by_the_layers_it_builds_not_by_its_config_keys() -> None:
+    """A MoE architecture whose config gives it experts but whose layers are all dense (Qwen2-MoE with
+    decoder_sparse_step above the layer count): its config alone passes, its layers refuse."""
+    ffn = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2})
+    from_config = ModelFacts(("Qwen2MoeForCausalLM",), 8)  # moe_layers unknown: what config.json says
+    run(Subject(ffn, model=from_config), (Stage.MODEL,))
+    built = ModelFacts(("Qwen2MoeForCausalLM",), 8, moe_layers=0, layers=2)
+    with pytest.raises(ConfigError) as info:
+        run(Subject(ffn, model=built), (Stage.MODEL,))
+    assert str(info.value).startswith(
+        "afd: the model (Qwen2MoeForCausalLM) has no routed-experts layer: its config gives 8 routed experts, "
+        "but none of the 2 layers vLLM builds of it is a MoE layer"
+    )
+    assert "\n" not in str(info.value)
+    run(Subject(ffn, model=ModelFacts(("Qwen2MoeForCausalLM",), 8, moe_layers=1, layers=2)), (Stage.MODEL,))
+    with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: the model's 3 routed experts do not shard evenly"):
+        run(Subject(ffn, model=ModelFacts(("X",), 3, moe_layers=2, layers=2)), (Stage.MODEL,))
+    run(Subject(ffn, model=None), (Stage.MODEL,))  # nothing decides the model here: its roles check it
