@@ -11,7 +11,7 @@ contract in :mod:`afd_mrv2.compat.moe_seams`): docs/vllm.md, "Admission".
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from afd_mrv2.admission import Gate, ModelFacts, Stage, Subject, afd_section, run
@@ -235,9 +235,21 @@ def built_model_facts(vllm_config: Any) -> ModelFacts:
     finally:
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
-    moe = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    return layer_facts(vllm_config, [m for m in model.modules() if isinstance(m, RoutedExperts)])
+
+
+def layer_facts(vllm_config: Any, moe_layers: Sequence[Any]) -> ModelFacts:
+    """The model's :class:`~afd_mrv2.admission.ModelFacts` from the routed-experts layers built of it (vLLM's
+    ``RoutedExperts``: their ``moe_config.num_experts``), of ``vllm_config``'s model."""
     facts = model_facts(vllm_config.model_config)
-    experts = moe[0].moe_config.num_experts if moe else facts.num_experts
-    return ModelFacts(
-        facts.architectures, experts, len(moe), vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-    )
+    experts = int(moe_layers[0].moe_config.num_experts) if moe_layers else facts.num_experts
+    layers = int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+    return ModelFacts(facts.architectures, experts, len(moe_layers), layers)
+
+
+def check_layers(config: AfdConfig, vllm_config: Any, moe_layers: Sequence[Any]) -> ModelFacts:
+    """The ``MODEL`` admission checks on the routed-experts layers a process built (the FFN worker's loaded
+    model); returns the facts checked."""
+    facts = layer_facts(vllm_config, moe_layers)
+    run(Subject(config, model=facts), (Stage.MODEL,))
+    return facts

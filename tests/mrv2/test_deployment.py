@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
-from afd_mrv2.admission import Stage, Subject, checkpoint_facts, run
+from afd_mrv2.admission import ModelFacts, Stage, Subject, checkpoint_facts, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.mrv2.deployment import check_vllm_deployment, deployment_of
@@ -60,6 +61,7 @@ class Config:
     model_config: object = field(default_factory=Model)
     compilation_config: object = field(default_factory=Compilation)
     use_v2_model_runner: bool = True
+    additional_config: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -279,3 +281,62 @@ def test_the_checkpoint_expert_count_is_read_as_vllm_reads_it_or_left_undecided(
         with pytest.raises(ConfigError, match="no routed-experts layer" if experts == 0 else "do not shard evenly"):
             run(Subject(ffn7, model=facts), (Stage.MODEL,))
     assert checkpoint_facts(str(tmp_path / "missing")) is None
+
+
+class _Model:
+    """A ModelConfig stand-in: the routed-expert count its config gives, its layers."""
+
+    def __init__(self, experts: int, layers: int = 2) -> None:
+        self.experts, self.layers = experts, layers
+        self.architectures = ["Qwen2MoeForCausalLM"]
+        self.enforce_eager = True
+
+    def get_num_experts(self) -> int:
+        return self.experts
+
+    def get_num_layers(self, parallel_config: object) -> int:
+        return self.layers
+
+
+def _moe_layer(experts: int) -> object:
+    return SimpleNamespace(moe_config=SimpleNamespace(num_experts=experts))
+
+
+def test_the_layers_a_process_built_decide_moe_not_the_config_count() -> None:
+    """check_layers: the MODEL checks on a loaded (or meta-built) model's RoutedExperts layers."""
+    from afd_mrv2.mrv2.deployment import check_layers
+
+    ffn2 = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2})
+    config = Config(model_config=_Model(8))
+    assert check_layers(ffn2, config, [_moe_layer(8), _moe_layer(8)]) == ModelFacts(
+        ("Qwen2MoeForCausalLM",), 8, moe_layers=2, layers=2
+    )
+    with pytest.raises(ConfigError, match=r"^afd: .* its config gives 8 routed experts, but none of the 2 layers"):
+        check_layers(ffn2, config, [])
+    with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: the model's 6 routed experts"):
+        check_layers(
+            parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 4}), config, [_moe_layer(6)]
+        )
+
+
+def test_admit_runs_the_stages_a_process_knows_in_order() -> None:
+    """admit: CONFIG, RUNTIME, VLLM_CONFIG, and MODEL (the config's count) only when asked."""
+    from afd_mrv2.mrv2.deployment import admit
+
+    asked: list[tuple[str, ...]] = []
+
+    def gate(require: tuple[str, ...]) -> SimpleNamespace:
+        asked.append(require)
+        return SimpleNamespace(accepted=True)
+
+    section = {"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2}
+    dense = Config(model_config=_Model(0), additional_config={"afd": section})
+    assert admit(dense, gate=gate, triton=True).role == "ffn"  # no MODEL stage: a worker that has no model yet
+    assert asked == [("moe_seam", "mrv2")]  # the config's own V2 runner
+    with pytest.raises(ConfigError, match=r"^afd: the model \(Qwen2MoeForCausalLM\) has no routed-experts layer"):
+        admit(dense, gate=gate, triton=True, model=True)
+    dbo = Config(Parallel(use_ubatching=True, num_ubatches=2), _Model(0), additional_config={"afd": section})
+    with pytest.raises(ConfigError) as info:  # VLLM_CONFIG before MODEL
+        admit(dbo, gate=gate, triton=True, model=True)
+    assert info.value.key == "afd" and "micro-batches per step" in str(info.value)
+    assert admit(Config(), gate=gate) is None and len(asked) == 3

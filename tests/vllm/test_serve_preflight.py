@@ -3,7 +3,10 @@ no role process started (real vLLM builds each role's config; nothing else start
 
 The setups a newcomer hit: an expert count the FFN ranks do not divide, a dense model (both read from the
 checkpoint's config.json before vLLM is imported, and again by vLLM in the check's child), an argument that is
-not vLLM's, a model folder that does not exist.
+not vLLM's, a model folder that does not exist; and a MoE architecture whose config gives it experts but whose
+layers are all dense (Qwen2-MoE with ``decoder_sparse_step`` above its layer count): config.json cannot tell, the
+child builds the model's layers on the meta device and refuses (without it every role started and the FFN role
+failed about a minute later, on the loaded model).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ LIMIT_S = 15.0
 #: which imports the server stack: ~20 s on a 2-core machine (measured 20-26 s), past the 15 s of the others.
 #: That run caches vLLM's option names; from the second start on the refusal takes LIMIT_S at most.
 PARSER_LIMIT_S = 40.0
+#: What only the layers decide is refused by the check's child, after it imported vLLM and built each role's
+#: config (measured 17-20 s on a 2-core machine at load 7, the meta-device build of the layers about 1 s of it).
+CHILD_LIMIT_S = 40.0
+
+
+def with_config(source: Path, folder: Path, **changes: object) -> Path:
+    """A copy of checkpoint ``source`` whose config.json has ``changes`` (the weights stay: no check reads them)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +56,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         config.pop(key, None)
     config.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (dense / "config.json").write_text(json.dumps(config))
-    return {"mixtral": mixtral, "dense": dense, "missing": root / "no-such-model"}
+    qwen = make_model(root / "qwen2-moe", "qwen2_moe")  # 2 layers, 8 routed experts
+    dense_layers = with_config(qwen, root / "qwen2-moe-dense-layers", decoder_sparse_step=4)  # no layer is MoE
+    return {"mixtral": mixtral, "dense": dense, "missing": root / "no-such-model", "dense-layers": dense_layers}
 
 
 CASES = {  # model, serve arguments, arguments after --, what the one line must say
@@ -59,6 +76,13 @@ CASES = {  # model, serve arguments, arguments after --, what the one line must 
         "not vLLM engine or server arguments: --no-such-flag",
     ),
     "missing-model-folder": ("missing", ["--ffn", "1"], [], "model folder {model} does not exist"),
+    "moe-config-dense-layers": (
+        "dense-layers",
+        ["--ffn", "2"],  # 8 experts over 2 FFN ranks: config.json passes
+        [],
+        "afd: the model (Qwen2MoeForCausalLM) has no routed-experts layer: its config gives 8 routed experts, "
+        "but none of the 2 layers vLLM builds of it is a MoE layer",
+    ),
 }
 
 
@@ -88,7 +112,7 @@ def test_a_bad_setup_exits_2_in_one_line_before_any_role_starts(
     models: dict[str, Path], case: str, tmp_path: Path
 ) -> None:
     took = refused(case, models[CASES[case][0]], tmp_path / "cache")  # a cold cache: what a first start does
-    limit = PARSER_LIMIT_S if case == "not-a-vllm-argument" else LIMIT_S
+    limit = {"not-a-vllm-argument": PARSER_LIMIT_S, "moe-config-dense-layers": CHILD_LIMIT_S}.get(case, LIMIT_S)
     assert took < limit, f"{case}: refused after {took:.1f} s"
 
 
@@ -103,3 +127,34 @@ def test_an_unknown_vllm_argument_is_refused_within_15_s_once_vllms_options_are_
     assert "--max-model-len" in json.loads(written.read_text())
     took = refused("not-a-vllm-argument", models["mixtral"], cache)
     assert took < LIMIT_S, f"refused after {took:.1f} s with vLLM's options cached"
+
+
+def test_the_child_counts_the_moe_layers_vllm_builds_without_reading_a_weight(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """serve's pre-flight child on the layers themselves: ``mlp_only_layers`` covering every layer refuses as
+    ``decoder_sparse_step`` does, one MoE layer of two passes (and says so), and the weights are never read (the
+    checkpoint's safetensors file is replaced by garbage)."""
+    qwen = models["dense-layers"].with_name("qwen2-moe")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    answers = {}
+    for name, mlp_only in (("all-dense", [0, 1]), ("one-moe", [0])):
+        model = with_config(qwen, tmp_path / name, mlp_only_layers=mlp_only)
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+        out = tmp_path / f"{name}.json"
+        section = {"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2}
+        cmd = [sys.executable, "-m", "afd_mrv2.serve.preflight", str(model), "--out", str(out)]
+        cmd += ["--section", json.dumps(section), "--", "--dtype", "float32", "--max-model-len", "256"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        answers[name] = (proc.returncode, json.loads(out.read_text()))
+        print(f"\n[preflight] child, mlp_only_layers={mlp_only}: {answers[name]}", flush=True)
+    code, refused = answers["all-dense"]
+    assert code == 2 and refused["refused"].startswith("afd: the model (Qwen2MoeForCausalLM) has no routed-experts")
+    assert refused["model"] == {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "num_experts": 8,
+        "moe_layers": 0,
+        "layers": 2,
+    }
+    code, passed = answers["one-moe"]
+    assert code == 0 and passed["model"]["moe_layers"] == 1, passed
