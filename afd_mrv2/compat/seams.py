@@ -213,6 +213,59 @@ STEP_SEAMS: tuple[Seam, ...] = (
     ),
 )
 
+_LAYERS = "serve's pre-flight child counts the MoE layers vLLM builds of the model, on the meta device (no weight read)"
+#: What mrv2/deployment.built_model_facts uses to build the model's layers as vLLM's loaders do.
+MODEL_LAYER_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        "vllm.model_executor.model_loader.utils",
+        "initialize_model",
+        f"{_LAYERS}: vLLM's own model construction",
+        params=("vllm_config",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.utils.torch_utils",
+        "set_default_torch_dtype",
+        f"{_LAYERS}, in the model's dtype",
+        params=("dtype",),
+        capability="moe_seam",
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.vllm",
+        "set_current_vllm_config",
+        f"{_LAYERS}, with the model's config current",
+        params=("vllm_config",),
+        capability="moe_seam",
+    ),
+    *(
+        Seam(
+            "vllm",
+            "vllm.distributed.parallel_state",
+            name,
+            f"{_LAYERS}, in a one-rank process group it sets up and tears down",
+            params=params,
+            capability="moe_seam",
+        )
+        for name, params in (
+            ("init_distributed_environment", ("world_size", "rank", "local_rank", "backend")),
+            ("ensure_model_parallel_initialized", ("tensor_model_parallel_size", "pipeline_model_parallel_size")),
+            ("destroy_model_parallel", ()),
+            ("destroy_distributed_environment", ()),
+        )
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.model",
+        "ModelConfig.get_num_layers",
+        f"{_LAYERS}, and says how many layers it built",
+        params=("parallel_config",),
+        capability="moe_seam",
+    ),
+)
+
 #: Upstream symbols the vLLM-path code uses beyond :data:`MOE_SEAMS` (afd_mrv2/mrv2/attention/experts.py,
 #: standin.py, worker_ext.py, ffn_role.py and tests/vllm), appended by the vLLM-path work.
 VLLM_PATH_SEAMS: tuple[Seam, ...] = (
@@ -340,6 +393,7 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
         params=(),
         capability="moe_seam",
     ),
+    *MODEL_LAYER_SEAMS,
 )
 
 #: Every seam: the V2-runner seams above, then the vLLM path's.

@@ -217,8 +217,13 @@ def built_model_facts(vllm_config: Any) -> ModelFacts:
     process must hold none (:class:`RuntimeError` otherwise).
     """
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -228,13 +233,13 @@ def built_model_facts(vllm_config: Any) -> ModelFacts:
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), world_size=1, rank=0)
     try:
         with set_current_vllm_config(vllm_config):
-            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-            parallel_state.ensure_model_parallel_initialized(1, 1)
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+            ensure_model_parallel_initialized(1, 1)
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config)
     finally:
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
+        destroy_model_parallel()
+        destroy_distributed_environment()
     return layer_facts(vllm_config, [m for m in model.modules() if isinstance(m, RoutedExperts)])
 
 

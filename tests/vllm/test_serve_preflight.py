@@ -32,7 +32,7 @@ LIMIT_S = 15.0
 #: That run caches vLLM's option names; from the second start on the refusal takes LIMIT_S at most.
 PARSER_LIMIT_S = 40.0
 #: What only the layers decide is refused by the check's child, after it imported vLLM and built each role's
-#: config (measured 17-20 s on a 2-core machine at load 7, the meta-device build of the layers about 1 s of it).
+#: config (measured 17 s on a shared 2-core machine; the meta-device build of the layers is about 1 s of it).
 CHILD_LIMIT_S = 40.0
 
 
