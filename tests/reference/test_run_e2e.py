@@ -20,13 +20,18 @@ from tests.procs import Proc, afd, child_env, running
 SMALL = ["--hidden", "64", "--expert-size", "128", "--layers", "4", "--batches", "2", "--warmup", "1"]
 
 
-def run_json(out: Path, *args: str, timeout_s: float = 120.0) -> dict:
-    proc = afd("run", "--json", "--out", str(out), *SMALL, *args)
+def run_report(out: Path, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """``afd-mrv2 run --json`` (the SMALL model, then ``args``): its report and its stderr."""
+    proc = afd("run", "--json", "--out", str(out), *SMALL, *args, env=env)
     with running(proc, out_dir=out):
         code = proc.wait(timeout_s)
     assert code == 0, f"exit {code}\n{proc.stderr[-3000:]}"
     assert len(proc.out) == 1, "--json prints exactly one line on stdout"
-    return json.loads(proc.out[0])
+    return json.loads(proc.out[0]), proc.stderr
+
+
+def run_json(out: Path, *args: str, timeout_s: float = 120.0) -> dict:
+    return run_report(out, *args, timeout_s=timeout_s)[0]
 
 
 def check_buffers(report: dict) -> None:
@@ -147,8 +152,8 @@ def test_trace_shows_recv_compute_send_of_different_items_overlapping_on_an_ffn_
     serial_pid = next(pid for pid, name in names.items() if "serialized" in name and "ffn 0" in name)
     serial = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == serial_pid]
     assert _overlapping_triple(serial) is None, "the serialized mode runs one phase at a time"
-    # The simulated link dominates, so multistream must win clearly (a loose bound: ideal is 3x).
-    assert report["speedup"] > 1.2, report["modes"]
+    # how much sooner the multistream mode ends depends on the machine's load: a benchmark checks it
+    # (tests/bench/test_bench_speedups.py, -m bench)
 
 
 @pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (2, 3)], ids=["3A2F", "2A3F"])
@@ -171,11 +176,12 @@ def test_free_topology_matches_the_reference(tmp_path: Path, attention: int, ffn
     assert report["ok"] is True and report["max_abs_diff"] <= 1e-5
 
 
-def test_bad_arguments_fail_before_starting_anything(tmp_path: Path) -> None:
-    proc = afd("run", "--attention", "3", "--ffn", "2", "--experts", "5", "--out", str(tmp_path))
-    with running(proc):
-        assert proc.wait(60) == 2
-    assert "num_experts (5) must be a multiple of the FFN ranks (2)" in proc.stderr
+def test_bad_arguments_fail_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (``afd-mrv2 run``'s exit status as ``main`` returns it): nothing to start, nothing started."""
+    from afd_mrv2.cli import main
+
+    assert main(["run", "--attention", "3", "--ffn", "2", "--experts", "5", "--out", str(tmp_path)]) == 2
+    assert "num_experts (5) must be a multiple of the FFN ranks (2)" in capsys.readouterr().err
     assert not (tmp_path / "workers.json").exists()
 
 

@@ -4,7 +4,12 @@
   on its own (not killed by the launcher), each naming the dead peer;
 * a peer that stops sending (SIGSTOP): the waiting side fails with a clear
   error at the configured deadline (--recv-timeout-s 2);
-* SIGINT to the launcher: all workers are gone within 5 s.
+* SIGINT to the launcher: it stops every worker with SIGTERM (its first step, before any SIGKILL) and
+  exits 130.
+
+Deadlines are the product's (``--recv-timeout-s``, the launcher's 2 s SIGTERM grace); the tests bound
+what they wait for generously and check the cause (which deadline fired, which signal ended a worker),
+so a loaded machine makes them slower, never red.
 """
 
 from __future__ import annotations
@@ -80,9 +85,10 @@ def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path) -> 
     for w in final[:2]:
         assert w["returncode"] == 1 and not w["killed_by_launcher"], w
         index, line = failure_line(proc.err, w["name"])
-        assert "FFN rank 0 (global rank 2" in line and "within 2 s (" in line, line
+        assert "FFN rank 0 (global rank 2" in line and "within 2 s (" in line, line  # the 2 s deadline fired
         after = proc.err_times[index] - stopped_at
-        assert 1.5 <= after <= 5.0, f"failed {after:.2f} s after the stall, deadline 2 s: {line}"
+        # not before the deadline; well before gloo's own 60 s timeout (late only by the machine's load)
+        assert 1.5 <= after <= 30.0, f"failed {after:.2f} s after the stall, deadline 2 s: {line}"
         print(
             f"\n{w['name']}: failed {after:.2f} s after the stall (deadline 2 s), exited "
             f"{w['exited_at_monotonic'] - stopped_at:.2f} s after it"
@@ -97,7 +103,11 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
         pids = [w["pid"] for w in workers(tmp_path)]
         assert not any(gone(pid) for pid in pids)
         proc.popen.send_signal(signal.SIGINT)
-        elapsed = wait_all_gone(pids, 5.0)
+        elapsed = wait_all_gone(pids, 30.0)
         print(f"\nall {len(pids)} workers gone {elapsed:.2f} s after SIGINT")
-        assert proc.wait(10) == 130
+        assert proc.wait(30) == 130
     assert "interrupted: stopping the workers" in proc.stderr
+    final = json.loads((tmp_path / "workers.json").read_text())
+    assert [w["pid"] for w in final] == pids
+    for w in final:  # the launcher's SIGTERM ended each (or a peer's end, a moment before): never its SIGKILL
+        assert w["killed_by_launcher"] and w["returncode"] in (-signal.SIGTERM, 1), w

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import afd, child_env, running
-from tests.reference.test_run_e2e import run_json
+from tests.reference.test_run_e2e import run_json, run_report
 
 LAYERS = 2
 FAST = ["--layers", str(LAYERS), "--batches", "2", "--warmup", "0", "--depths", "2"]
@@ -39,14 +39,27 @@ def check_shards(report: dict, tp: int) -> None:
         assert max(mode["max_abs_diff_by_rank"].values()) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["sp", "tp"])
-def test_token_split_mid_request_with_attention_tp2(tmp_path: Path, layout: str) -> None:
-    """One 95-token prefill cut mid-request (48 + 47 tokens: odd, so the second stage needs TP padding)."""
-    report = run_json(
-        tmp_path,
+#: The variables that turn the layout log on (AFD_MRV2_LAYOUT_LOG, and its old name).
+LAYOUT_LOG_ENV = ("AFD_MRV2_LAYOUT_LOG", "AFD_ASYNC_MOE_LAYOUT_LOG")
+
+
+@pytest.fixture(scope="module", params=["sp", "tp"])
+def token_split_tp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, str]:
+    """One 95-token prefill cut mid-request at attention TP 2 in each layout, the layout log left at its
+    default (off): (the layout, the run's report, its stderr), made once per layout for the tests that read it."""
+    layout = request.param
+    report, stderr = run_report(
+        tmp_path_factory.mktemp(f"token-tp2-{layout}"),
         *("--async-moe-split", "token", "--attention", "1", "--attention-tp", "2", "--layout", layout),
         *("--requests", "1", "--min-len", "95", "--max-len", "95", *FAST),
+        env={k: v for k, v in child_env().items() if k not in LAYOUT_LOG_ENV},
     )
+    return layout, report, stderr
+
+
+def test_token_split_mid_request_with_attention_tp2(token_split_tp2: tuple[str, dict, str]) -> None:
+    """One 95-token prefill cut mid-request (48 + 47 tokens: odd, so the second stage needs TP padding)."""
+    layout, report, _ = token_split_tp2
     assert report["attention_tp"] == 2 and report["layout"] == layout and report["num_attention_ranks"] == 2
     for plan in report["split"]["plans"]:
         assert plan["stage_tokens"] == [48, 47] and plan["continued"][0]["context"] == 48
@@ -100,12 +113,8 @@ def test_fallback_without_tp_and_the_layout_log(tmp_path: Path) -> None:
     assert any("step 2 stage 1/1 unsplit (" in line and "+ dp padding " in line for line in lines)
 
 
-def test_no_layout_log_by_default(tmp_path: Path) -> None:
-    proc = afd(
-        "run", "--json", "--out", str(tmp_path), "--hidden", "64", "--expert-size", "128",
-        *("--async-moe-split", "token", "--attention", "1", "--requests", "2", *FAST),
-        env={k: v for k, v in child_env().items() if k not in ("AFD_MRV2_LAYOUT_LOG", "AFD_ASYNC_MOE_LAYOUT_LOG")},
-    )  # fmt: skip
-    with running(proc, out_dir=tmp_path):
-        assert proc.wait(120) == 0, proc.stderr[-3000:]
-    assert "afd-mrv2 layout:" not in proc.stderr
+@pytest.mark.parametrize("token_split_tp2", ["sp"], indirect=True)  # the sp layout's run, made once above
+def test_no_layout_log_by_default(token_split_tp2: tuple[str, dict, str]) -> None:
+    _, report, stderr = token_split_tp2
+    assert report["split"]["plans"] and "afd-mrv2 run: [1/2] serialized" in stderr  # a split run, its stderr read
+    assert "afd-mrv2 layout:" not in stderr
