@@ -223,19 +223,27 @@ def test_report_prints_every_side_the_ratios_and_the_formula_inputs() -> None:
     assert "ubatch/plain: tok/s 0.960 (equal cores: plain pinned to 2, ubatch to 2)" in text
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signals_restored: None
+) -> None:
+    """The script as a program once (its exit status and whole stderr), then every case through its ``main``."""
     (tmp_path / "config.json").write_text("{}")
-    for args, says in (
+    cases = (
         ([str(tmp_path / "none")], "is not a checkpoint folder"),
         ([str(tmp_path), "--ubatches", "1"], "--ubatches: expected an integer >= 2"),
         ([str(tmp_path), "--afd", "[1]"], "--afd: expected a JSON object, got list"),
         ([str(tmp_path), "--rounds", "0"], "--rounds: expected an integer >= 1"),
         ([str(tmp_path), "--engine-core-nice", "20"], "--engine-core-nice: expected an integer 1..19"),
-    ):
-        done = subprocess.run(
-            [sys.executable, str(SCRIPTS / "bench_serve.py"), *args], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, (args, done.stderr)
+    )
+    args, says = cases[1]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_serve.py"), *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, (args, done.stderr)
+    for args, says in cases:
+        code = bench.main(args)
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and err.count("\n") == 1 and says in err, (args, err)
 
 
 #: A root whose child names itself as vLLM names its engine core (``VLLM::EngineCore``, cut to 15 characters).

@@ -140,9 +140,19 @@ def test_cell_environment_for_the_launch_command() -> None:
         (["--splits", "half"], "--splits: expected some of off, token, request"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args: list[str], text: str) -> None:
-    done = script(*args)
-    assert done.returncode == 2 and text in done.stderr and done.stderr.count("\n") == 1
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], text: str, capsys: pytest.CaptureFixture[str], signals_restored: None
+) -> None:
+    assert load_script().main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and text in err and err.count("\n") == 1
+
+
+def test_bad_input_as_a_program_is_one_line_and_exit_2() -> None:
+    """The cases above go through ``main`` in this process; the script itself exits the same way."""
+    done = script("--splits", "half")
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert "--splits: expected some of off, token, request" in done.stderr
 
 
 def test_async_moe_axis_on_the_embedded_run(tmp_path) -> None:
