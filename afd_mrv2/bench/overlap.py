@@ -19,7 +19,7 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.pipeline import Executor, WorkItem
 from afd_mrv2.pipeline.trace import Trace
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import FfnContext, load_plugins
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 
 ROWS, WIDTH = 64, 256
@@ -122,7 +122,7 @@ def run_mode(
     def source(item: WorkItem) -> torch.Tensor:
         return torch.full((ROWS, WIDTH), (item.seq % 17) / 17.0) + torch.arange(WIDTH) / WIDTH
 
-    plugins = load_plugins(config, resources={"source": source, "sink": outputs.__setitem__})
+    plugins = load_plugins(FfnContext(config=config, source=source, sink=outputs.__setitem__))
     counts = "auto" if config.multistream.auto_depth else counts_label(*config.multistream.buffer_counts)
     label = f"pipelined {counts}" if pipelined else "serialized"
     trace = Trace(role="ffn", label=label)

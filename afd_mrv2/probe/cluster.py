@@ -22,7 +22,7 @@ from afd_mrv2.devices import DeviceBackend, make_backend
 from afd_mrv2.hooks.cam.common import OPS_RESOURCE
 from afd_mrv2.hooks.cam.ops import OpSet
 from afd_mrv2.pipeline.executor import CloseReport, Executor
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import load_plugins, role_context
 from afd_mrv2.probe.toy import ToyAttention, ToyMoE, camasync_ffn, camp2p_ffn
 from afd_mrv2.stages import Stage, attention_items, ffn_items, merge_tokens, plan_stages
 from afd_mrv2.stages.layout import StepDecision, decide_split, unsplit_stage
@@ -148,7 +148,7 @@ def run_rank(
     else:
         compute = camasync_ffn(model, rank, -(-model.spec.num_experts // spec.num_ffn))
         items = list(ffn_items(layers, spec.num_stages, sources=spec.num_attention))
-    plugins = load_plugins(config, resources=res)
+    plugins = load_plugins(role_context(config, **res))
     executor = Executor(plugins, backend, config.multistream, compute=compute, role=role)
     try:
         executor.run(items)

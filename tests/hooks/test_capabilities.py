@@ -198,16 +198,6 @@ ALLOWED_PROBES = {
     ("afd_mrv2/mrv2/deployment.py", "getattr(model_config, 'architectures', None)"): (
         "vLLM's model config, not a connector: only named in an error message"
     ),
-    # PENDING (issue 24 item 3): these files are being rewritten; each call becomes failover_of /
-    # ffn_failover_of (afd_mrv2.api).  Replacing them fails the stale check below: drop these entries then.
-    ("afd_mrv2/mrv2/attention/remote.py", "getattr(connector, 'side', None)"): "pending: failover_of(connector)",
-    ("afd_mrv2/mrv2/attention/remote.py", "getattr(side, 'failovers', None)"): "pending: failover.failovers",
-    ("afd_mrv2/mrv2/attention/remote.py", "hasattr(side, 'take_back')"): "pending: failover is not None",
-    ("afd_mrv2/mrv2/ffn/server.py", "getattr(connector, 'side', None)"): "pending: ffn_failover_of(connector)",
-    ("afd_mrv2/mrv2/ffn/server.py", "getattr(getattr(connector, 'side', None), 'redispatched', 0)"): (
-        "pending: ffn_failover_of(connector).redispatched"
-    ),
-    ("afd_mrv2/mrv2/transport/rejoin.py", "hasattr(side, 'start_without')"): "pending: failover is None",
 }
 
 

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from afd_mrv2.api import supports_in_flight
 from afd_mrv2.compat import CompatRefused, Runtime, decide
 from afd_mrv2.errors import ConfigError, PluginError
-from afd_mrv2.hooks.p2p.roundtrip import ACCEPTS_IN_FLIGHT
 from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.mrv2.attention import runner as runner_module
 from afd_mrv2.mrv2.attention.handoff import MicroBatchFailed, current_step
@@ -421,4 +421,4 @@ def test_a_third_party_sink_wrapper_keeps_receiving_tensors(
     assert "error" not in done, done
     # 2 layers x (2 + 1 + 2) items, every one a tensor: the wrapper never saw a result still in flight
     assert SinkWrapping.seen == [torch.Tensor] * 10
-    assert getattr(exchange_sink, ACCEPTS_IN_FLIGHT) is True  # afd-mrv2's own sink opts in to in-flight results
+    assert supports_in_flight(exchange_sink)  # afd-mrv2's own sink opts in to in-flight results

@@ -318,7 +318,7 @@ def test_a_plugin_of_an_unserved_hook_api_is_refused_in_the_preflight(tmp_path, 
 
     install_distribution("afd_echo_api1", tmp_path, monkeypatch)
     (tmp_path / "afd_echo_api1.py").write_text(
-        (tmp_path / "afd_echo_api1.py").read_text().replace("hook_api_version = 1", "hook_api_version = 2")
+        (tmp_path / "afd_echo_api1.py").read_text().replace("hook_api_version = 1", "hook_api_version = 99")
     )
     commands, _planned = no_spawn
     gated = []
@@ -327,9 +327,9 @@ def test_a_plugin_of_an_unserved_hook_api_is_refused_in_the_preflight(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(
-        "afd-mrv2 serve: error: connector 'echo_api1' (afd_echo_api1.EchoLink) was written for hook API 2; "
+        "afd-mrv2 serve: error: connector 'echo_api1' (afd_echo_api1.EchoLink) was written for hook API 99; "
     ), err
-    assert "serves hook API 0 to 1" in err[0] and gated == []
+    assert "serves hook API 0 to 2" in err[0] and gated == []
 
 
 def test_test_port_blocks_avoid_the_kernels_ephemeral_range():

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from afd_mrv2.api import AttentionFailover, FailoverRecord, failover_of
 from afd_mrv2.config import AUTO, AfdConfig, MultistreamConfig
 from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.devices.accelerator import accelerator_available
@@ -116,19 +117,14 @@ class _Session:
     backend: DeviceBackend
     executor: Executor
     exchange: UBatchExchange
-    #: torch_p2p's Attention side (failover, take-back), or None for another connector
-    side: Any = None
-    #: the side's record of failovers (:class:`~afd_mrv2.hooks.p2p.failover.FailoverLog`), or None
-    failover_log: Any = None
+    #: the connector's Attention-side failover (:func:`~afd_mrv2.api.failover_of`), or None where it has none
+    failover: AttentionFailover | None = None
     rejoiner: Rejoiner | None = None
 
-
-def _failover_side(connector: object) -> tuple[Any, Any, bool]:
-    """(torch_p2p's Attention side, its failover record, whether it takes a restarted FFN rank back), or
-    (None, None, False) for a connector without them: the one probe of a connector in this module, until a
-    declared capability replaces it."""
-    side = getattr(connector, "side", None)
-    return side, getattr(side, "failovers", None), hasattr(side, "take_back")
+    @property
+    def failover_log(self) -> FailoverRecord | None:
+        """What the connector's failovers did, or None where it does not fail over."""
+        return None if self.failover is None else self.failover.failovers
 
 
 class RemoteExperts:
@@ -216,8 +212,8 @@ class RemoteExperts:
             stage = (ubatch, step.num_ubatches)
             step.check(ubatch)  # a sibling failed: start nothing more
         if ordinal == 0 and ubatch == 0:  # the first MoE layer's first stage: a new engine step
-            if session.rejoiner is not None:  # a step boundary: take back restarted FFN ranks
-                session.rejoiner.take_back(session.link, session.side)
+            if session.rejoiner is not None and session.failover is not None:  # a step boundary: take back
+                session.rejoiner.take_back(session.link, session.failover)  # restarted FFN ranks
             self.steps += 1
             if layout_log_enabled():
                 self._log_layout(x.shape[0], stage[1])
@@ -302,13 +298,13 @@ class RemoteExperts:
         backend = make_backend(attention_backend(config.multistream))
         executor = Executor(plugins, backend, config.multistream, compute=_identity, role=ATTENTION)
         exchange.bind(executor)
-        side, failover_log, takes_back = _failover_side(plugins.connector)
-        route_around_missing(link, side)
+        failover = failover_of(plugins.connector)  # None: the connector cannot route around a lost FFN rank
+        route_around_missing(link, failover)
         rejoiner = None
-        if config.rendezvous == "external" and config.expert_replicas > 1 and takes_back:
-            lost = lambda: set(range(topology.num_ffn)) - set(side.live)  # noqa: E731
+        if config.rendezvous == "external" and config.expert_replicas > 1 and failover is not None:
+            lost = lambda: set(range(topology.num_ffn)) - set(failover.live)  # noqa: E731
             rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
-        return _Session(link, plugins, backend, executor, exchange, side, failover_log, rejoiner)
+        return _Session(link, plugins, backend, executor, exchange, failover, rejoiner)
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
         """Streams for ``roles`` from the connector's ``create_streams`` hook, on this session's
@@ -344,7 +340,7 @@ class RemoteExperts:
         if session is None:
             return self._failover_record  # what the last session did, once closed
         log = session.failover_log
-        return None if log is None else log.as_dict()  # type: ignore[no-any-return]
+        return None if log is None else log.as_dict()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -58,6 +58,7 @@ from typing import Any, final
 
 import torch
 
+from afd_mrv2.api import ffn_failover_of
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
@@ -121,9 +122,10 @@ def left_between_steps(error: PipelineError) -> bool:
 
 
 def _redispatched(connector: object) -> int:
-    """The re-sends a loop's connector served (torch_p2p's FFN side counts them; another connector: 0): the
-    one probe of a connector in this module, until a declared capability replaces it."""
-    return int(getattr(getattr(connector, "side", None), "redispatched", 0))
+    """The re-sends a loop's connector served (:class:`~afd_mrv2.api.FfnFailover`; a connector without
+    failover: 0)."""
+    resends = ffn_failover_of(connector)
+    return 0 if resends is None else resends.redispatched
 
 
 def local_routing(

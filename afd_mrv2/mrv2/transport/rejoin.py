@@ -16,8 +16,8 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from afd_mrv2.api import AttentionFailover
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION, FFN
@@ -37,23 +37,17 @@ class Comeback:
     label: str
 
 
-def _routes_around(side: Any) -> bool:
-    """Whether the connector's ``side`` can start without an FFN rank (torch_p2p's round-trip Attention side):
-    the one probe of a connector here, until a declared capability replaces it."""
-    return hasattr(side, "start_without")
-
-
-def route_around_missing(link: PeerLink, side: Any) -> None:
+def route_around_missing(link: PeerLink, failover: AttentionFailover | None) -> None:
     """FFN ranks the just-opened ``link`` has no pair with (lost before this engine started; serve marked
-    them in the store) are routed around from the first item: ``side.start_without``; a connector side that
-    cannot route around a rank fails here, naming it."""
+    them in the store) are routed around from the first item: ``failover.start_without``; without a connector
+    that fails over (:func:`~afd_mrv2.api.failover_of` gave None) a missing rank fails here, naming it."""
     topology = link.topology
     for f in range(topology.num_ffn):
         if topology.global_rank(FFN, f) in link.peers:
             continue
-        if not _routes_around(side):
+        if failover is None:
             raise PipelineError(f"{link.me}: FFN rank {f} is lost and the connector cannot route around it")
-        side.start_without(f)
+        failover.start_without(f)
 
 
 class Rejoiner:
@@ -106,12 +100,12 @@ class Rejoiner:
             except queue.Empty:
                 return out
 
-    def take_back(self, link: PeerLink, side: Any) -> None:
+    def take_back(self, link: PeerLink, failover: AttentionFailover) -> None:
         """Between two steps (nothing in flight): install the pairs joined meanwhile in ``link`` and let the
-        connector's ``side`` route to those FFN ranks again."""
+        connector's ``failover`` route to those FFN ranks again."""
         for comeback in self.take():
             link.install(self.topology.global_rank(FFN, comeback.ffn), comeback.pair, comeback.label)
-            side.take_back(comeback.ffn)
+            failover.take_back(comeback.ffn)
 
     def close(self) -> None:
         self._closed.set()
