@@ -51,7 +51,7 @@ BACKENDS = ("auto", "accelerator", "host", "inline", "recording")
 MAX_DEPTH = 8
 AUTO = "auto"
 ASYNC_MOE_SPLITS = ("request", "token")
-#: Stages per batch of async-MoE ubatching, and the most any connector runs.
+#: Stages per batch of the async-MoE split, and the most any connector runs.
 ASYNC_MOE_STAGES = 2
 #: The most micro-batches afd-mrv2's own MRV2 micro-batch runner splits a step into (``afd.ubatch.num_ubatches``).
 MAX_UBATCHES = 4
@@ -167,7 +167,7 @@ class AsyncMoeConfig:
     enabled: bool = option(FLAG, False)
     split: str = option(one_of(ASYNC_MOE_SPLITS), "request")
     num_stages: int = option(
-        integer(ASYNC_MOE_STAGES, ASYNC_MOE_STAGES, why="async-MoE ubatching supports exactly two stages"),
+        integer(ASYNC_MOE_STAGES, ASYNC_MOE_STAGES, why="the async-MoE split supports exactly two stages"),
         ASYNC_MOE_STAGES,
     )
 
@@ -283,7 +283,7 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
     if config.async_moe.enabled and not config.compute_gate_on_attention:
         raise ConfigError(
             f"{key}.async_moe.enabled",
-            "async-MoE ubatching dispatches each stage's routing from the attention side; "
+            "the async-MoE split dispatches each stage's routing from the attention side; "
             f"set {key}.compute_gate_on_attention to true",
         )
     return config

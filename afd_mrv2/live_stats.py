@@ -21,11 +21,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, final
 
+from afd_mrv2 import envs
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.pipeline.metrics import fraction
 
-STATS_DIR_ENV = "AFD_MRV2_STATS_DIR"
+STATS_DIR_ENV = envs.STATS_DIR.name
 WRITE_EVERY_S = 1.0
 #: Upper bounds (seconds) of the Attention side's round-trip histogram.
 ROUND_TRIP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -304,7 +305,7 @@ Build = Callable[[], Figures | dict[str, Any]]
 
 def stats_path(role: str, rank: int) -> Path | None:
     """Where role ``role`` rank ``rank`` writes its figures; None without ``$AFD_MRV2_STATS_DIR``."""
-    folder = os.environ.get(STATS_DIR_ENV)
+    folder = envs.stats_dir()
     return Path(folder) / f"{role}-{rank}.json" if folder else None
 
 

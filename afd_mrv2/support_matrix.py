@@ -17,7 +17,7 @@ What is refused, and why (see docs/rfc/0001-shared-stream-pipeline.md, "Support 
   (``afd.async_moe``); two ubatching schemes would both split the batch and
   pair dispatches differently.
 * CAMAsync outside eager mode: the CAM async operators have no graph path.
-* async-MoE ubatching with decode context parallelism: the stage metadata
+* async-MoE stages with decode context parallelism: the stage metadata
   rebuild does not cover DCP metadata.
 * the ``token`` split with prefill context parallelism: PCP shards each request
   across ranks; the token split cuts inside requests and is defined for non-PCP
@@ -92,7 +92,7 @@ def _camasync_native_dbo(config: AfdConfig, deployment: Deployment) -> None:
         raise ConfigError(
             key,
             "vLLM native DBO (--enable-dbo) cannot be combined with CAMAsync"
-            + (" async-MoE ubatching" if config.async_moe.enabled else "")
+            + (" async-MoE stages" if config.async_moe.enabled else "")
             + "; CAMAsync stages its MoE itself (afd.async_moe): disable native DBO",
         )
 
@@ -114,7 +114,7 @@ def _async_moe_dcp(config: AfdConfig, deployment: Deployment) -> None:
     if deployment.decode_context_parallel_size > 1:
         raise ConfigError(
             "afd.async_moe.enabled",
-            f"async-MoE ubatching does not rebuild decode-context-parallel metadata; "
+            f"the async-MoE split does not rebuild decode-context-parallel metadata; "
             f"got decode_context_parallel_size={deployment.decode_context_parallel_size}",
         )
 

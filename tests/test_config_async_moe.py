@@ -29,7 +29,7 @@ def test_enabled_token_split() -> None:
     [
         (
             {"num_stages": 3},
-            "afd.async_moe.num_stages: expected 2 (async-MoE ubatching supports exactly two stages), got 3 (int)",
+            "afd.async_moe.num_stages: expected 2 (the async-MoE split supports exactly two stages), got 3 (int)",
         ),
         ({"num_stages": 1}, "afd.async_moe.num_stages: expected 2"),
         ({"num_stages": True}, "afd.async_moe.num_stages: expected 2"),

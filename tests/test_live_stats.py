@@ -186,8 +186,6 @@ def test_the_ffn_record_is_what_the_servers_old_dict_said() -> None:
     report.record(tokens=3, seconds=0.125)
     figures = report.figures(redispatched=1, up_s=3.5)
     assert figures == FfnFigures(items=3, computed=2, tokens=8, busy_s=0.375, redispatched=1, up_s=3.5)
-    old = {**report.live(), "redispatched": 1, "up_s": 3.5}
-    assert FfnFigures.from_dict(old, "ffn") == figures
 
 
 def test_a_writer_building_a_dict_still_writes_the_record_with_a_deprecation(tmp_path: Path) -> None:

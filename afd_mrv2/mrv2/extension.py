@@ -40,11 +40,12 @@ import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.models.utils import extract_layer_index
 
-from afd_mrv2.mrv2.attention.remote import MoeShape, attached
+from afd_mrv2.mrv2.attention.remote import attached
 from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
-from afd_mrv2.mrv2.deployment import admit
+from afd_mrv2.mrv2.deployment import admit, check_layers
 from afd_mrv2.mrv2.ffn.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.ffn.server import ExpertsFn, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.topology import Topology
 from afd_mrv2.validation import afd_section
 
@@ -103,8 +104,7 @@ class AfdWorkerExtension:
         config = ffn_serving_config(raw)
         admit(self.vllm_config)  # the one admission call, before serve_ffn opens the link
         layers = routed_experts_layers(self.model_runner.get_model())
-        if not layers:
-            raise RuntimeError("afd_ffn_serve: the loaded model has no RoutedExperts layer")
+        check_layers(config, self.vllm_config, layers)  # the MODEL checks, on the layers vLLM really built
         moe = layers[0].moe_config
         topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
         loaded_bytes = self.afd_routed_expert_bytes()  # the peak: vLLM's loader loaded every expert

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from afd_mrv2 import envs
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import AfdError
@@ -51,7 +52,7 @@ from afd_mrv2.reference.weights import build_weights
 from afd_mrv2.stages.layout import layout_log_enabled
 from afd_mrv2.topology import ATTENTION
 
-LAUNCHER_ENV = "AFD_MRV2_LAUNCHER"  # the launcher's pid, set in the workers it starts
+LAUNCHER_ENV = envs.LAUNCHER.name  # the launcher's pid, set in the workers it starts
 
 
 def progress(message: str) -> None:
@@ -81,9 +82,9 @@ def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
             f"WORLD_SIZE is {world_size} but --attention {cfg.num_attention} + --ffn {cfg.num_ffn} "
             f"needs {topology.world_size} processes"
         )
-    launcher = os.environ.get(LAUNCHER_ENV)
-    if launcher:
-        _die_with_parent(int(launcher))
+    launcher = envs.launcher_pid()
+    if launcher is not None:
+        _die_with_parent(launcher)
     torch.set_num_threads(1)
     # This worker reports a failure itself, in one line; the executor's own warning would repeat it.
     logging.getLogger("afd_mrv2.pipeline.executor").setLevel(logging.ERROR)
@@ -201,7 +202,7 @@ class _Session:
         from afd_mrv2.reference.report import build_report, render, write_outputs
 
         report = write_outputs(cfg, build_report(cfg, gathered or [], sim_latency_us=sim_latency_us), gathered or [])
-        if not os.environ.get(LAUNCHER_ENV):
+        if envs.launcher_pid() is None:
             print(render(report, as_json=self.as_json), flush=True)
         return 0 if report["ok"] else 1
 

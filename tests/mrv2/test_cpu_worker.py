@@ -14,9 +14,10 @@ from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.mrv2.attention import remote
-from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
 from afd_mrv2.mrv2.attention.worker import afd_init_device_worker_class
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.upstream import Upstream
 from tests.compat.test_contracts import STANDINS
 from tests.mrv2.helpers import CPU

@@ -35,7 +35,7 @@ from afd_mrv2.items import WorkItem
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import AttentionContext, load_plugins
 from tests.standins.vllm.v1.worker import ubatching
 
 LAYERS = 5
@@ -83,7 +83,7 @@ def _exchange(*, multistream: bool, depth: int = 2) -> tuple[UBatchExchange, Exe
     exchange = UBatchExchange()
     trace = Trace(role="attention")
     executor = Executor(
-        load_plugins(config, resources=exchange.resources()),
+        load_plugins(AttentionContext(config=config, source=exchange.source, sink=exchange.sink)),
         make_backend("host"),
         config.multistream,
         compute=ffn,
@@ -231,7 +231,7 @@ def _recording_exchange(depth: int, compute=ffn) -> tuple[UBatchExchange, Execut
         }
     )
     exchange = UBatchExchange()
-    plugins = load_plugins(config, resources=exchange.resources())
+    plugins = load_plugins(AttentionContext(config=config, source=exchange.source, sink=exchange.sink))
     executor = Executor(plugins, make_backend("recording"), config.multistream, compute=compute, role="attention")
     exchange.bind(executor)
     return exchange, executor
@@ -244,7 +244,10 @@ def test_pool_is_sized_from_the_buffer_counts(buffers: dict, capacity: int) -> N
     config = parse_afd_config({"connector": "simlink", "role": "attention", "multistream": buffers})
     exchange = UBatchExchange()
     executor = Executor(
-        load_plugins(config, resources=exchange.resources()), make_backend("recording"), config.multistream, compute=ffn
+        load_plugins(AttentionContext(config=config, source=exchange.source, sink=exchange.sink)),
+        make_backend("recording"),
+        config.multistream,
+        compute=ffn,
     )
     exchange.bind(executor)
     assert exchange.capacity == capacity

@@ -21,8 +21,9 @@ import torch
 
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import PipelineError
-from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.store import RendezvousStore
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
@@ -37,7 +38,7 @@ HIDDEN, TOP_K = 16, 2
 FFN_PROCESS = """
 import json, sys, time, torch
 from afd_mrv2.mrv2.ffn.server import ffn_serving_config, serve_ffn
-from afd_mrv2.mrv2.attention.remote import MoeShape
+from afd_mrv2.mrv2.shape import MoeShape
 from tests.mrv2.test_free_topologies import _moe, _weights
 from tests.mrv2.test_vllm_path import LAYERS, afd
 raw, experts, stall_at = eval(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -11,7 +11,7 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.pipeline.executor import Executor
-from afd_mrv2.plugins import load_plugins
+from afd_mrv2.plugins import FfnContext, load_plugins
 from tests.support.happens_before import check_happens_before
 
 
@@ -25,11 +25,12 @@ def _loop(backend: str, latency_us: float, *, layers=3, stages=2):
         }
     )
     outputs = {}
-    resources = {
-        "source": lambda item: torch.full((4,), float(item.seq)),
-        "sink": lambda item, out: outputs.__setitem__(item, out),
-    }
-    plugins = load_plugins(config, resources=resources)
+    context = FfnContext(
+        config=config,
+        source=lambda item: torch.full((4,), float(item.seq)),
+        sink=lambda item, out: outputs.__setitem__(item, out),
+    )
+    plugins = load_plugins(context)
     dev = make_backend(backend)
     executor = Executor(plugins, dev, config.multistream, compute=lambda item, x: x * 3.0, role="ffn")
     return FfnLoop(executor, num_layers=layers, num_stages=stages), dev, outputs

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts
+from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
 from tests.mrv2.test_vllm_path import LAYERS, afd, start_ffn

@@ -16,9 +16,10 @@ from afd_mrv2.config import MultistreamConfig, parse_afd_config
 from afd_mrv2.devices.base import Span
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import WorkItem
-from afd_mrv2.mrv2.attention.remote import MoeShape, RemoteExperts, attention_backend, check_vllm_path
+from afd_mrv2.mrv2.attention.remote import RemoteExperts, attention_backend, check_vllm_path
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.ffn.server import ffn_serving_config, local_routing, serve_ffn
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.procs import free_port

@@ -142,7 +142,7 @@ REFUSED = [
         camasync(async_moe={"enabled": True, "split": "request"}),
         {"enforce_eager": True, "ubatch_size": 2, **UBATCHING},
         "afd.async_moe.enabled",
-        "cannot be combined with CAMAsync async-MoE ubatching",
+        "cannot be combined with CAMAsync async-MoE stages",
     ),
     (
         "async-moe-dcp",

@@ -142,7 +142,7 @@ class CamP2PConnector(CamConnectorBase):
         if config.async_moe.enabled:
             raise ConfigError(
                 "afd.async_moe.enabled",
-                "async-MoE ubatching needs connector camasync; CAMP2P stages are its HCCL groups",
+                "the async-MoE split needs connector camasync; CAMP2P stages are its HCCL groups",
             )
         if config.compute_gate_on_attention:
             raise ConfigError(

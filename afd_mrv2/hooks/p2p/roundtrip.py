@@ -82,8 +82,6 @@ from afd_mrv2.work import Work
 
 RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, Any], None]
-#: the marker attribute of :class:`~afd_mrv2.api.InFlightSink` (a sink declares it by subclassing that)
-ACCEPTS_IN_FLIGHT = "accepts_in_flight"
 
 
 @dataclass(eq=False)

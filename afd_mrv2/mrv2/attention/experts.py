@@ -36,9 +36,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.mrv2.attention.remote import MoeShape, attach
+from afd_mrv2.mrv2.attention.remote import attach
 from afd_mrv2.mrv2.attention.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.deployment import admit
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.upstream import load_handoff
 
 log = logging.getLogger(__name__)

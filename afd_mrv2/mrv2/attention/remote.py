@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from afd_mrv2.admission import Subject, run
 from afd_mrv2.api import AttentionFailover, FailoverRecord, failover_of
 from afd_mrv2.config import AUTO, AfdConfig, MultistreamConfig
 from afd_mrv2.devices import DeviceBackend, Stream, make_backend
@@ -59,6 +60,7 @@ from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, St
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening
 from afd_mrv2.mrv2.transport.rejoin import Rejoiner, route_around_missing
 from afd_mrv2.pipeline.executor import CloseReport, Executor
@@ -67,15 +69,6 @@ from afd_mrv2.stages.layout import decide_split, layout_line, layout_log_enabled
 from afd_mrv2.topology import Topology
 
 OP_NAME = "afd_mrv2::remote_routed_experts"
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """What the transfer needs to know of a MoE layer (read from its vLLM ``FusedMoEConfig``)."""
-
-    hidden_size: int
-    top_k: int
-    num_experts: int
 
 
 def attention_backend(multistream: MultistreamConfig) -> str:
@@ -95,13 +88,9 @@ def attention_backend(multistream: MultistreamConfig) -> str:
 
 
 def check_vllm_path(config: AfdConfig) -> None:
-    """Refuse, in one line naming the key, what the vLLM MoE seam cannot do (yet)."""
-    if not config.compute_gate_on_attention:
-        raise ConfigError(
-            "afd.compute_gate_on_attention",
-            "expected true on the vLLM path: vLLM's MoE runner computes the router on the attention side "
-            "before the routed-experts seam, so the FFN receives top-k ids and weights, got false",
-        )
+    """Refuse, in one line naming the key, what the vLLM MoE seam cannot do: the admission check
+    ``router-on-attention`` (:mod:`afd_mrv2.admission`; ``admit`` already runs it in every vLLM process)."""
+    run(Subject(config), names=("router-on-attention",))
 
 
 def _identity(item: WorkItem, routed: Any) -> Any:
@@ -257,10 +246,10 @@ class RemoteExperts:
         )
 
     def _log_layout(self, tokens: int, stages: int) -> None:
-        """``AFD_ASYNC_MOE_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
+        """``AFD_MRV2_LAYOUT_LOG``: the step's one stage (this path forms no async-MoE stages).
 
         Each engine steps alone (no DP group here), so it decides alone:
-        :func:`~afd_mrv2.ubatch.layout.decide_split` without an exchange; there is
+        :func:`~afd_mrv2.stages.layout.decide_split` without an exchange; there is
         no planner on this path, so the step runs as one stage.
         """
         if stages > 1:  # a split step: the runner knows its micro-batches' rows

@@ -76,12 +76,6 @@ class FfnReport:
                 up_s=up_s,
             )
 
-    def live(self) -> dict[str, Any]:
-        """The running counts of :meth:`figures` as a dict (items, computed, tokens, busy_s): what
-        ``serve_ffn`` builds its figures from until it calls :meth:`figures`."""
-        doc = self.figures(redispatched=0, up_s=0.0).as_dict()
-        return {key: doc[key] for key in ("items", "computed", "tokens", "busy_s")}
-
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
         """Attention rank ``attention``'s loop ended after serving ``served`` items (``redispatched`` re-sends);
         a restarted engine's next loop adds to its counts, its end replaces the last."""

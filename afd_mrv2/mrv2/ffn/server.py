@@ -66,9 +66,9 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
-from afd_mrv2.mrv2.attention.remote import MoeShape
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
+from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, RendezvousStore
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace

@@ -180,7 +180,7 @@ def test_resources_are_checked() -> None:
             lambda: camasync(async_moe=MOE),
             Deployment(native_dbo=True),
             "afd.async_moe.enabled",
-            "native DBO (--enable-dbo) cannot be combined with CAMAsync async-MoE ubatching",
+            "native DBO (--enable-dbo) cannot be combined with CAMAsync async-MoE stages",
         ),
         (camasync, Deployment(native_dbo=True), "afd.connector", "cannot be combined with CAMAsync"),
         (camasync, Deployment(enforce_eager=False), "afd.connector", "eager only"),
