@@ -1,42 +1,13 @@
 """The public hook API: everything a connector or observer may use, and its version.
 
-A plugin written against this module keeps working across afd-mrv2 releases that
-serve its ``hook_api_version`` (declare it as a class attribute of the factory the
-entry point names; none declared is API 0).  Anything not listed here is internal
-and may change without notice.  CHANGELOG.md records every change to these names
-and to the user-facing ones (config keys, report fields, metric names, CLI flags);
-a renamed or removed member keeps working for one more API version with a
-``DeprecationWarning`` that names its replacement.
+Markers ``hookimpl`` / ``hookspec``; the five hook specs (:mod:`afd_mrv2.hookspecs`) and
+``ComputeFn``; ``Work``, ``BufferSlot``, ``WorkItem``; the contexts ``AttentionContext``,
+``FfnContext``, ``ConnectorContext``, ``role_context``; the capabilities ``SupportsFailover``
+and ``InFlightSink`` with their checks; ``Stream``, ``Event``, ``DeviceBackend``; the errors;
+``HOOK_API_VERSION``, ``OLDEST_SERVED_HOOK_API``; and :mod:`afd_mrv2.options`.  Anything not
+listed here is internal.
 
-* markers: :data:`hookimpl` (implementations), :data:`hookspec`;
-* the five hook specifications (:mod:`afd_mrv2.hookspecs`, the manual):
-  ``create_streams``, ``on_recv``, ``on_compute``, ``on_send``, ``on_cleanup``,
-  and the owner's compute function's protocol :class:`ComputeFn`;
-* what the hooks receive: :class:`Work`, its :class:`BufferSlot` s, the item
-  identity :class:`WorkItem`; what a factory receives, its role's typed context
-  :class:`AttentionContext` or :class:`FfnContext` (both a :class:`ConnectorContext`),
-  and :func:`role_context`, which builds the one of a role given at run time;
-* the capabilities a plugin opts into (below): :class:`SupportsFailover` (with
-  :class:`AttentionFailover`, :class:`FfnFailover`, :class:`FailoverRecord` and the checks
-  :func:`failover_of`, :func:`ffn_failover_of`) and :class:`InFlightSink` (with
-  :class:`InFlight` and the check :func:`supports_in_flight`);
-* the streams a hook is given: :class:`Stream`, :class:`Event`, :class:`DeviceBackend`;
-* the errors a hook may raise or see: :class:`AfdError`, :class:`PluginError`,
-  :class:`PipelineError`, :class:`PipelineAborted`;
-* versions: :data:`HOOK_API_VERSION`, :data:`OLDEST_SERVED_HOOK_API`;
-* and the module :mod:`afd_mrv2.options`, whole: the parser a connector uses for its
-  ``connector_extra_config`` (docs/config.md).
-
-Capabilities
-------------
-What a plugin may do beyond the five hooks is declared, never probed for: a class
-opts in by listing the capability among its bases (as vLLM's KV connectors list
-``SupportsHMA``), which sets the capability's marker attribute and makes a type
-checker hold the class to its members; the owner asks with the capability's check
-function, at start-up.  A plugin that does not opt in keeps working without the
-capability.  The side objects a capability hands out (:class:`AttentionFailover`,
-:class:`FfnFailover`, :class:`FailoverRecord`) are matched structurally: implement
-their members, plain attributes included.
+See docs/internals/hooks-api.md, "afd_mrv2.api".
 """
 
 from __future__ import annotations

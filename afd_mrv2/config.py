@@ -1,21 +1,9 @@
 """Typed configuration parsed from ``additional_config["afd"]``.
 
-vLLM hands plugins the ``--additional-config`` JSON as a plain dict.  Everything
-afd-mrv2 reads from it is parsed here, once, into frozen dataclasses, before any
-stream, thread or communication resource exists.  Bad input raises
-:class:`~afd_mrv2.errors.ConfigError` with a single line that names the dotted
-key and the accepted values::
+Parsed once, into frozen (hashable) dataclasses, before any resource exists; bad input raises
+:class:`~afd_mrv2.errors.ConfigError` naming the dotted key (docs/config.md).
 
-    afd.multistream.depth: expected an integer in 1..8 or "auto", got 0 (int)
-
-Every section here (``afd``, ``afd.multistream``, ``afd.async_moe``) and each
-connector's ``connector_extra_config`` is declared and parsed with the one options
-mechanism of :mod:`afd_mrv2.options` (why our own and not pydantic: see there and
-docs/config.md).
-
-Values are stored as tuples and frozen dataclasses so the parsed config is
-hashable, like vLLM requires of ``additional_config`` (it feeds the compile-cache
-hash).
+See docs/internals/hooks-api.md, "afd_mrv2.config".
 """
 
 from __future__ import annotations

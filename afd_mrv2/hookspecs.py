@@ -1,62 +1,8 @@
 """The afd-mrv2 hook specifications: the extension manual for connectors and observers.
 
-afd-mrv2 runs every AFD connector through ONE executor.  A connector is a plugin
-(a class registered under the ``afd_mrv2`` entry-point group) that implements
-the three phase hooks ``on_recv``, ``on_compute`` and ``on_send``, and usually
-``on_cleanup``.  The executor decides *when* each phase runs and on *which*
-stream; the connector decides *what* the phase enqueues.  A connector never
-creates streams or events of its own and never synchronizes the device.
+Each spec's docstring below is the manual for that hook (writing a connector: docs/connectors.md).
 
-Per work item (one layer, one stage, one sequence number) the executor calls, in
-this order and on these streams::
-
-    on_recv(work, stream=recv)       fills work.inputs                 -> inputs ready
-    on_compute(work, stream=compute, compute=...)   (waits inputs ready, outputs free)
-                                     reads work.inputs, writes work.outputs
-                                                                       -> inputs free, outputs ready
-    on_send(work, stream=send)       (waits outputs ready) reads work.outputs -> outputs free
-
-Buffers and state
------------------
-An item holds one **input slot** (``work.inputs``) and one **output slot**
-(``work.outputs``) out of the executor's ``depth_in`` / ``depth_out``; their
-``state`` is the connector's preallocated buffers (allocate on first use, keep,
-reuse).  The two have different lifetimes: the next item bound to an input slot
-may overwrite it once this item's *compute* finished; the next item bound to an
-output slot, once this item's *send* completed.  So an input slot is for what
-recv fills and compute reads, an output slot for what compute writes and send
-reads.  Anything else that must live from recv to send (an operator's dispatch
-handle, a group list, dynamic scales, routing metadata) is per-item **transfer
-state**: keep it in ``work.transfer``, never in a slot; it is valid until this
-item's ``on_send`` returned.  The executor keeps at most ``depth_in + depth_out``
-items in flight.
-
-With ``multistream.enabled = false`` (the default) the three streams are one and
-the same stream, so the phases run strictly one after another (the serialized
-fallback).  The calls themselves, their order per item and their arguments are
-identical in both modes.
-
-Threads and the current stream
-------------------------------
-A phase hook runs "on" its stream:
-
-* accelerator backend (CUDA, NPU): on the executor's thread, with ``stream`` made
-  the current ``torch`` stream.  The hook *enqueues* device work and returns; it
-  must not wait for that work on the host.
-* host backend (CPUs): on the stream's own worker thread.  The hook's work is done
-  when it returns.  Blocking (a socket receive, a sleep) is fine: it blocks only
-  that stream.
-* recording backend (tests): on the caller's thread, immediately.
-
-Blocking hooks must poll ``work.cancelled`` (or call ``work.raise_if_cancelled()``)
-so that shutdown and failures elsewhere are not held up by them.
-
-Observers
----------
-Other plugins may observe or check phases by implementing the same hooks with
-``@hookimpl(wrapper=True)`` (see pluggy's new-style wrappers); they run around
-the connector's implementation on the same thread.  Only the one connector chosen
-by ``afd.connector`` may implement the phase hooks as plain implementations.
+See docs/internals/hooks-api.md, "afd_mrv2.hookspecs".
 """
 
 from __future__ import annotations

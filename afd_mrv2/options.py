@@ -1,24 +1,9 @@
 """The one options mechanism: declare a section as a frozen dataclass, parse it with one parser.
 
-One mechanism serves every options section: ``afd``, ``afd.multistream``,
-``afd.async_moe`` and each connector's ``connector_extra_config``.  A section is
-a frozen dataclass whose fields are declared with :func:`option` (nested sections
-with :func:`section`): the field holds the default, written once, and a
-:class:`Check` (``FLAG``, :func:`integer`, :func:`number`, ``TEXT``,
-:func:`one_of`, :func:`subset_of`, ...) holds the type and the range or choices.  :func:`parse_section` derives the accepted
-keys from the fields, rejects unknown keys, runs each check and builds the
-dataclass; checks that involve several keys stay with the section's own parse
-function (e.g. :func:`parse_afd_config`).
+:func:`option`, :func:`section`, :class:`Check` (``FLAG``, :func:`integer`, :func:`one_of`, ...),
+:func:`parse_section`; why not pydantic: docs/config.md.
 
-Why our own parser and not pydantic v2 (decided for issue 11, see docs/config.md):
-pydantic is what vLLM's own config is built on, but it is not a dependency of
-afd-mrv2 (the embedded run needs torch, pluggy and packaging only) and would
-become one just to parse about thirty keys.  Its errors are multi-line
-``ValidationError`` reports that name the key as a location tuple; an unknown
-key reads "Extra inputs are not permitted" without the accepted keys, and a
-union such as ``int | "auto"`` reports one error per member.  Keeping the
-one-line messages that name the dotted key and the accepted values would mean a
-translation layer over pydantic's error types, no smaller than these checks.
+See docs/internals/hooks-api.md, "afd_mrv2.options".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Where each routed expert lives when experts are replicated, and which live holder serves it.
 
-``E`` routed experts, ``F`` FFN ranks, ``R`` replicas (``1 <= R <= F``, ``E % F == 0``).
-Expert ``e``'s *primary* holder is the FFN rank whose contiguous block it is in, as in
-:class:`~afd_mrv2.topology.Topology` (``e // (E/F)``); its replicas are the next ``R-1``
-ranks around the ring::
+:class:`Placement` (``route``, ``routing``, ``describe``), :class:`PlacementError`.
 
-    holders(e) = (p, p+1, ..., p+R-1) mod F        p = e // (E/F)
-
-So with ``R = 1`` the placement is exactly today's blocks; every FFN rank holds ``R`` blocks
-(``R * E/F`` experts: the load is even); the ``R`` holders of an expert are distinct, so the
-loss of any ``R-1`` ranks leaves every expert a live holder.
-
-Routing policy (:meth:`Placement.route`): a (token, expert) pair goes to the expert's first
-*live* holder in that order, primary first.  Deterministic, it keeps the ``R = 1`` path and a
-healthy ``R >= 2`` deployment identical to today's (every expert computed by its primary, whose
-weights are the ones that ran), and a failover moves exactly the lost rank's share, to its ring
-successor, which already holds those experts.
-
-The checks here are the only ones on ``E``, ``F`` and ``R``: :class:`~afd_mrv2.topology.Topology`
-delegates to them, so both raise :class:`PlacementError` with the same words.
+See docs/internals/p2p-transport.md, "afd_mrv2.placement".
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """The plugin manager: discovers connectors and observers, registers the chosen ones.
 
-Connectors and observers are found in the ``afd_mrv2`` entry-point group, the
-built-in ones exactly like third-party ones.  An entry point names a factory (a
-class, usually) called as ``factory(context=...)`` with the role's typed context
-(:class:`AttentionContext` or :class:`FfnContext`: the ``afd`` section and the
-owner's runtime objects, one field each); the object it returns is registered with
-pluggy.  What the object implements decides its kind:
+Entry-point group ``afd_mrv2``; :class:`AttentionContext`, :class:`FfnContext`, :func:`check_plugins`.
 
-* a **connector** implements ``on_recv``, ``on_compute`` and ``on_send`` as plain
-  hook implementations; exactly one connector, chosen by ``afd.connector``, is
-  registered per executor, so exactly one connector's phase hooks run per item;
-* an **observer** implements phase hooks only as wrappers
-  (``@hookimpl(wrapper=True)``), plus any ``on_cleanup``; the ones named in
-  ``afd.observers`` are registered around the connector.
-
-Third-party distribution example (``pyproject.toml``)::
-
-    [project.entry-points.afd_mrv2]
-    my_link = "my_pkg.connector:MyLinkConnector"
-    my_checker = "my_pkg.checks:OrderingObserver"
-
-Versions: the factory declares the hook API version it was written for as the class
-attribute ``hook_api_version`` (:data:`afd_mrv2.hookspecs.HOOK_API_VERSION`); none
-declared is API 0, served through compatibility shims (:class:`afd_mrv2.work.Work`'s
-``slot`` and ``scratch``, with API 0's buffer lifetimes).  A version this package no
-longer serves, or does not serve yet, is refused in one line when the plugin is
-resolved (:func:`check_plugins`), before any object, stream or link exists.
+See docs/internals/hooks-api.md, "afd_mrv2.plugins".
 """
 
 from __future__ import annotations

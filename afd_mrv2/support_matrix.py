@@ -1,47 +1,9 @@
 """The first support matrix, enforced: refuse unsupported combinations at configuration time.
 
-The ``afd`` section cannot see vLLM's own settings (native DBO, graph mode,
-parallel sizes), so they are described in a :class:`Deployment` and
-each rule of :data:`RULES` (a name, the facts it reads, the check) runs right after
-parsing, before any stream, thread or communicator exists.  On the vLLM path the
-Deployment is read from the engine's real ``VllmConfig`` (:mod:`afd_mrv2.mrv2.deployment`)
-and the rules run as the ``VLLM_CONFIG`` checks of :mod:`afd_mrv2.admission`, in this
-order; the CAM connectors run them all (:func:`check_deployment`) when their owner
-hands them the ``deployment`` resource.  Errors are one line, naming the key:
+:class:`Deployment`, :data:`RULES`, :func:`check_deployment`; the checks in order are listed
+in docs/vllm.md, "The support matrix (the VLLM_CONFIG checks)".
 
-    afd.async_moe.enabled: vLLM native DBO (--enable-dbo) cannot be combined ...
-
-What is refused, and why (see docs/rfc/0001-shared-stream-pipeline.md, "Support matrix"):
-
-* CAMAsync with vLLM native DBO/ubatching: CAMAsync stages its MoE itself
-  (``afd.async_moe``); two ubatching schemes would both split the batch and
-  pair dispatches differently.
-* CAMAsync outside eager mode: the CAM async operators have no graph path.
-* async-MoE stages with decode context parallelism: the stage metadata
-  rebuild does not cover DCP metadata.
-* the ``token`` split with prefill context parallelism: PCP shards each request
-  across ranks; the token split cuts inside requests and is defined for non-PCP
-  DP+TP/SP layouts (PCP keeps the ``request`` split).
-* multistream outside eager mode, for the role whose executor runs pipelined
-  (``afd.multistream`` active for ``afd.role``): the executor's phases and host
-  waits are not capturable; graph mode keeps the serialized path.
-* more than two stages: refused where the stage count is configured
-  (``afd.async_moe.num_stages``, the CAMP2P ``hccl_groups`` resource) and here
-  for vLLM's native micro-batching (``--ubatch-size`` above 2).
-* afd-mrv2's micro-batching (``afd.ubatch.num_ubatches`` > 1, Attention role) where
-  its runner cannot run it: on vLLM's V1 runner, or on V2 without a Triton backend
-  (MRV2 needs Triton); outside eager mode (graph capture of micro-batched steps is
-  not built); together with vLLM's native DBO (two schemes would split the same
-  batch); with data, decode- or prefill-context parallelism or sequence-parallel
-  MoE (the split is decided per DP-1 engine, and the runner builds no DCP/PCP or SP
-  metadata).  What the ``afd`` section alone decides (async-MoE stages too, a token
-  threshold below the micro-batch count, fewer exchange buffers than micro-batches)
-  and a connector that cannot carry the stage identity are refused earlier, by the
-  ``CONFIG`` checks of :mod:`afd_mrv2.admission`.
-
-A fact the runtime could not read (its vLLM lacks the field, see
-:attr:`Deployment.unknown`) refuses every rule that needs it, naming the
-missing field: the matrix never passes a combination it could not check.
+See docs/internals/compat.md, "afd_mrv2.support_matrix".
 """
 
 from __future__ import annotations
@@ -160,7 +122,7 @@ UBATCH_LAYOUT_FACTS = ("data_parallel_size", "prefill_context_parallel_size", "d
 
 
 def _ubatch_runner(config: AfdConfig, deployment: Deployment) -> None:
-    """afd-mrv2's micro-batching on the Attention role; see the module docstring."""
+    """afd-mrv2's micro-batching on the Attention role; see docs/internals/compat.md."""
     if not (config.ubatch.enabled and config.role == ATTENTION):
         return
     n = config.ubatch.num_ubatches

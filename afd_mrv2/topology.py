@@ -1,38 +1,6 @@
-"""The AFD rank map: which global rank plays which role, and where each expert lives.
+"""The AFD rank map: which global rank plays which role, and where each expert lives (:class:`Topology`).
 
-Layout of the ``A + F`` global ranks of one AFD process group::
-
-    global rank 0 .. A-1        attention ranks 0 .. A-1
-    global rank A .. A+F-1      FFN ranks 0 .. F-1
-
-Experts are sharded across the FFN ranks in contiguous blocks: FFN rank ``f``
-is the primary holder of the routed experts ``[f * E/F, (f+1) * E/F)`` (so ``E % F == 0``).  Every
-attention rank exchanges one message pair with every FFN rank per work item:
-it dispatches to FFN rank ``f`` exactly the tokens that have at least one of
-their top-k experts on ``f`` (possibly none: then only a control header travels)
-and gets back ``f``'s partial output for them.  An FFN rank therefore serves all
-``A`` attention ranks and batches their tokens into one expert computation, as
-in MegaScale-Infer's M:N disaggregated expert parallelism.
-
-The shared expert is replicated on every FFN rank and computed, for each token,
-by the FFN rank that computes the token's top-1 expert.  The token travels there
-anyway, so the shared expert costs no extra transfer, and an FFN rank none of
-whose experts is selected receives no token at all (the case "an FFN rank
-receives zero tokens" is real, not a formality).
-
-Expert replicas (``expert_replicas = R``, default 1): every routed expert lives on
-``R`` distinct FFN ranks, its primary (the block above) and the next ``R-1``
-ranks around the ring (:class:`~afd_mrv2.placement.Placement`); FFN rank ``f`` then
-holds ``R`` blocks (:meth:`Topology.held_by`), and each (token, expert) pair goes to
-the expert's first live holder.  ``R = 1`` is exactly the blocks above.
-
-Attention and FFN rank counts are independent (any ``A >= 1``, ``F >= 1``, e.g.
-3A2F or 2A3F): since every FFN rank serves every attention rank, nothing pairs an
-attention rank with one FFN rank, and ``F`` need not divide ``A`` (the upstream
-plugin's ``A % F == 0`` is a convention of connectors that pair ranks, such as
-CAMP2P, which checks it itself).  Only ``E % F == 0`` is required: the checks on
-``E``, ``F`` and ``R`` are :class:`~afd_mrv2.placement.Placement`'s, and so is their
-exception (:class:`~afd_mrv2.placement.PlacementError`, a ``ValueError``).
+See docs/internals/p2p-transport.md, "afd_mrv2.topology".
 """
 
 from __future__ import annotations

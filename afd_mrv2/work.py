@@ -1,17 +1,6 @@
-"""Buffer slots and the per-item handle (``Work``) passed to the phase hooks.
+"""Buffer slots and the per-item handle (``Work``) passed to the phase hooks: :class:`BufferSlot`, :class:`Work`.
 
-A work item touches two kinds of buffers with different lifetimes:
-
-* its **input** buffers: ``on_recv`` fills them, ``on_compute`` reads them; they
-  are free again once compute consumed them;
-* its **output** buffers: ``on_compute`` writes them, ``on_send`` reads them; they
-  are free again once send completed.
-
-The executor keeps ``depth_in`` input slots and ``depth_out`` output slots
-(:class:`BufferSlot`); item ``k`` is bound to one of each.  What must live from
-recv to send (a CAMAsync dispatch handle, a group list, dynamic scales) is not a
-buffer but per-item transfer state: it travels with the item in
-``Work.transfer`` and is dropped after the item's ``on_send`` returned.
+See docs/internals/hooks-api.md, "afd_mrv2.work".
 """
 
 from __future__ import annotations

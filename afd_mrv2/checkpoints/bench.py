@@ -1,55 +1,9 @@
 """Per-layer compute of a checkpoint's two AFD sides at the bench load, on one core (torch or vLLM's kernels).
 
-Micro-batching an Attention step (two micro-batches of 32 sequences instead of one
-of 64) pays only when half a batch really costs about half a whole one.  Small fp32
-GEMMs on a CPU are bound by their weight reads, so at small batches they do not:
-:func:`measure_layer_compute` measures, for one MoE layer of ``shape`` and the bench
-load (:data:`BENCH_LOAD`: 64 decoding sequences), each side's compute for the full
-decode batch and for its first half:
+:func:`measure_layer_compute`, :data:`BENCH_LOAD`, :data:`HALF_MAX`, :data:`BALANCE_MAX`;
+the measured numbers are in docs/benchmarks-vllm.md, "The bench checkpoint".
 
-* **Attention side** (``A`` full, ``a`` half), what afd-mrv2's Attention engine runs
-  per layer in vLLM 0.32 (CPU, fp32): the fused residual add + RMSNorm, the QKV
-  projection (Qwen2-MoE: with q/k/v biases), the rotary embedding (gathered by
-  position from a cos/sin cache), the write of the new key/value into the KV cache
-  and the decode attention of each sequence over its own context (one batched
-  ``scaled_dot_product_attention`` call with a length mask, as vLLM's CPU attention
-  backend makes one kernel call for the batch), the output projection, the
-  post-attention add + RMSNorm, the router GEMM (hidden x experts) with softmax and
-  top-k, and the shared expert where the architecture has one (Qwen2-MoE: gated,
-  DeepSeek-V2: ungated): afd-mrv2 keeps it with the Attention engine.  DeepSeek-V2's
-  attention is MLA in the absorbed decode form (queries mapped into the 512-wide
-  latent, attention over the 576-wide latent cache, values mapped back per head).
-* **FFN side** (``F`` full, ``f`` half), vLLM's CPU unquantized fused MoE for the
-  layer: the routed (token, expert) pairs sorted by expert, then per expert the
-  gate_up GEMM ``[tokens_e, H] x [H, 2I]``, SiLU-and-mul, the down GEMM
-  ``[tokens_e, I] x [I, H]``, and the weighted scatter-add back to the tokens.
-  Routes are a seeded random top-k (the bench checkpoint's router is balanced-ish).
-
-Plain torch is the emulation everywhere; where vLLM is installed, ``kernels="auto"``
-(the default) runs the same layer through vLLM's own CPU kernels instead
-(:mod:`afd_mrv2.checkpoints.bench_vllm`: oneDNN matmuls on prepacked weights, vLLM's
-paged CPU attention, ``cpu_fused_moe``), because on some CPUs a torch (MKL) GEMM of a
-few rows costs far more than vLLM's prepacked MoE kernel, which makes the torch FFN
-side's half/full read high (docs/benchmarks-vllm.md, "The bench checkpoint", has both).
-DeepSeek-V2's MLA attention is always the torch emulation.
-
-Every layer of ``shape`` gets its own weights and KV cache and one timed pass runs
-all of them in order (as a forward does), so a layer's weights are as cold as in a
-real forward; full and half passes alternate (their order too) and the result is
-the median pass over the layer count.  torch runs on one thread meanwhile.
-
-What it leaves out: the engine around the kernels.  In a real vLLM engine each
-Attention-side layer also costs ~2.5 ms of eager Python (vLLM's layers, the AFD
-seam) on the 2-core machine of the docs, which does not halve, and the two sides
-slow each other down when they overlap (shared memory bandwidth); the docs have
-the real numbers next to these.
-
-The criteria the ``bench`` size is chosen for (``make-model --size bench`` prints
-them as PASS/FAIL; docs/benchmarks-vllm.md, "The bench checkpoint", has the
-measured numbers, emulated here and real in vLLM): ``a <= 0.6 A`` and ``f <= 0.6 F``
-(:data:`HALF_MAX`), and ``a`` and ``f`` within 1.5x of each other
-(:data:`BALANCE_MAX`), so that one micro-batch's attention can hide the other's
-FFN round trip.
+See docs/internals/reference.md, "afd_mrv2.checkpoints.bench".
 """
 
 from __future__ import annotations
@@ -193,7 +147,7 @@ class LayerCompute:
 def measure_layer_compute(
     shape: ModelShape, load: BenchLoad = BENCH_LOAD, *, repeats: int = 21, seed: int = 0, kernels: str = "auto"
 ) -> LayerCompute:
-    """Measure ``A``, ``a``, ``F`` and ``f`` for ``shape`` at ``load`` (see the module docstring).
+    """Measure ``A``, ``a``, ``F`` and ``f`` for ``shape`` at ``load`` (see docs/internals/reference.md).
 
     ``kernels``: ``"torch"`` (the plain-torch emulation), ``"vllm"`` (vLLM's CPU kernels; a
     :class:`~afd_mrv2.errors.ConfigError` when vLLM cannot run them here) or ``"auto"``

@@ -2,7 +2,7 @@
 
 ``--kernels torch`` (and ``auto`` without vLLM): the Attention engine's and the FFN's
 work per MoE layer written in torch ops, the shapes and weight reads of the layers vLLM
-runs (the module docstring of :mod:`afd_mrv2.checkpoints.bench` says what each side
+runs (docs/internals/reference.md, "afd_mrv2.checkpoints.bench", says what each side
 covers); :mod:`afd_mrv2.checkpoints.bench_vllm` is the same with vLLM's CPU kernels.
 """
 

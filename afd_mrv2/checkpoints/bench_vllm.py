@@ -1,24 +1,8 @@
 """The bench layer of :mod:`afd_mrv2.checkpoints.bench` built from vLLM's own CPU kernels (when vLLM is installed).
 
-The same work as the plain-torch emulation, op for op, but through the ops vLLM 0.32's
-CPU path calls (``vllm._custom_ops``), with weights prepared the way vLLM prepares
-them at load time:
+:func:`available` says whether it can run; nothing here imports vLLM at module import time.
 
-* Attention side (standard attention: Mixtral, Qwen2-MoE): the residual add + RMSNorm
-  in torch ops (what the eager engine runs: ``RMSNorm.forward_native``), the projections as oneDNN matmuls on prepacked weights (``create_onednn_mm`` /
-  ``onednn_mm``: vLLM's CPU linear dispatch for fp32), ``rotary_embedding``, the
-  paged KV cache (block size 128, vLLM's CPU default) written by
-  ``cpu_attn_reshape_and_cache`` and read by ``cpu_attention_with_kv_cache`` with the
-  scheduler metadata vLLM builds per step, and ``silu_and_mul`` in the shared expert.
-  DeepSeek-V2's MLA attention is not rebuilt here: its side stays the torch emulation.
-* FFN side: ``cpu_fused_moe`` on weights packed by ``cpu_prepack_moe_weight`` (isa
-  ``vec``: vLLM's ``CPUUnquantizedExperts`` for fp32).
-
-Why it exists: on some CPUs (the 2-core AMD EPYC of docs/benchmarks-vllm.md) a torch
-(MKL) GEMM of a few rows costs much more than vLLM's prepacked MoE micro-kernel, so
-the torch emulation overstates the FFN side's half/full; with vLLM installed the
-measurement uses the kernels vLLM really runs.  Nothing here imports vLLM at module
-import time; :func:`available` says whether it can run.
+See docs/internals/reference.md, "afd_mrv2.checkpoints.bench_vllm".
 """
 
 from __future__ import annotations

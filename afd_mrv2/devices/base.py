@@ -1,22 +1,9 @@
 """The stream/event backend protocol every executor backend implements.
 
-The semantics are those of device streams (CUDA, Ascend NPU) and are kept by
-every backend, including the CPU ones:
+Device-stream semantics (FIFO streams, ``record`` / ``wait`` / ``query`` / ``synchronize``),
+kept by every backend, the CPU ones included.
 
-* work submitted to one stream runs in submission (FIFO) order, one item at a time;
-* ``stream.record(event)`` marks a point in the stream; the event completes when
-  the stream reaches that point;
-* ``stream.wait(event)`` makes *later* work on the stream wait until the most
-  recent ``record`` of ``event`` issued before the ``wait`` call has completed
-  (an event never recorded counts as complete);
-* ``event.query()`` / ``event.synchronize()`` are the host-side checks.
-
-``submit(fn, span)`` runs ``fn()`` "on" the stream: with the stream current, in
-stream order.  Where ``fn`` physically runs is the backend's business: on an
-accelerator the caller's thread (``fn`` enqueues kernels), on the host backend the
-stream's worker thread, on the recording backend immediately on the caller's
-thread.  If a ``span`` is given, the backend fills its start and end times with the
-moments the stream started and finished that work (device time on accelerators).
+See docs/internals/pipeline.md, "afd_mrv2.devices.base".
 """
 
 from __future__ import annotations
@@ -94,7 +81,7 @@ class BackendCloseReport:
 
 @runtime_checkable
 class DeviceBackend(Protocol):
-    """Factory and owner of streams and events; see the module docstring."""
+    """Factory and owner of streams and events; see docs/internals/pipeline.md."""
 
     name: str
 

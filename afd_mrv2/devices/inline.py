@@ -1,23 +1,8 @@
 """Inline backend: every stream runs its work at once, on the thread that submits it.
 
-The device-stream contract holds trivially: a stream runs its work in submission
-order because ``submit`` runs it before returning; ``record`` completes the event at
-once (everything submitted before it already ran); ``wait`` has nothing to wait for.
-This is where the host work of an accelerator stream runs too (``fn`` enqueues
-kernels on the caller's thread); here ``fn`` is the work itself.
+Used by a serialized executor driven from the model's own thread (the Attention side on CPU).
 
-Who uses it: a *serialized* executor whose caller is the model's own thread, i.e. the
-Attention side of a vLLM MoE layer on CPU (:mod:`afd_mrv2.mrv2.attention.remote`).  On the host
-backend its one stream is a thread of its own, so every item costs two thread
-hand-offs, and in a micro-batched step the stream thread competes for the engine's
-core and for the GIL with the sibling micro-batch that is computing meanwhile: the
-dispatch then leaves late and the round trip grows by the scheduler's and the GIL's
-switch intervals.  Inline, ``start`` has put the dispatch on the wire when it
-returns, before the hand-off to the sibling.
-
-A phase that raises aborts the backend as on the host backend: the error is kept in
-``errors``, later work is skipped, and events recorded after the failure never
-complete (a host wait on one raises :class:`~afd_mrv2.errors.PipelineAborted`).
+See docs/internals/pipeline.md, "afd_mrv2.devices.inline".
 """
 
 from __future__ import annotations
@@ -93,7 +78,7 @@ class InlineStream:
 
 
 class InlineBackend:
-    """Streams that run on the caller's thread; see the module docstring."""
+    """Streams that run on the caller's thread; see docs/internals/pipeline.md."""
 
     name = "inline"
 

@@ -1,20 +1,8 @@
 """Recording backend: deterministic, single-threaded, with an op log.
 
-Every ``submit``, ``record``, ``wait`` and host-side ``synchronize`` is appended to
-``backend.log``.  Submitted work runs immediately on the caller's thread, so
-results are exactly those of program order; what the log adds is the *claim* the
-schedule makes about a real device, where streams run concurrently.  The
-happens-before checker (:mod:`tests.support.happens_before`) replays the log
-with device-stream semantics and proves which orderings a device would guarantee.
+The happens-before checker replays ``backend.log``; with ``durations`` it simulates a device.
 
-Span times come from a logical clock (1 us per submitted op), so traces produced
-on this backend are reproducible.  Given ``durations`` (logical ns per submitted
-op) the backend instead simulates a device: each stream has its own clock, an op
-starts when its stream is free and every event it waits for was reached, a host
-``synchronize`` advances the host clock to the event, and ``query()`` reports
-whether the host clock has passed the event.  Random durations then change what
-the executor observes (which items it can release, what ``depth: "auto"``
-measures) and so the schedule it issues: the property tests use this.
+See docs/internals/pipeline.md, "afd_mrv2.devices.recording".
 """
 
 from __future__ import annotations
@@ -122,7 +110,7 @@ class RecordingStream:
 
 
 class RecordingBackend:
-    """See the module docstring.  ``log`` is the op log the checker reads."""
+    """See docs/internals/pipeline.md.  ``log`` is the op log the checker reads."""
 
     name = "recording"
 

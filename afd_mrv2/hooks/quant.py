@@ -1,21 +1,8 @@
 """W8A8-style dynamic quantization of the activations a connector dispatches.
 
-``"w8a8"`` is the one mode: per-token (per-row) symmetric int8 with one float32
-scale per row, computed at dispatch time from the row itself::
+Per-token symmetric int8 with one float32 scale per row; the FFN compute dequantizes.
 
-    scale_t = max_j |x_tj| / 127          (a zero row gets scale 1, it quantizes to 0)
-    q_tj    = round(x_tj / scale_t)       in -127..127 (int8)
-    x_tj   ~= q_tj * scale_t              (dequantized inside the FFN compute)
-
-Rounding to the nearest step makes the per-element error at most half a step:
-``|x_tj - q_tj * scale_t| <= scale_t / 2 = max_j |x_tj| / 254``.  That is the
-quantity the end-to-end tolerance of a quantized run is derived from (see
-``tests/reference/test_quantized_run.py``).
-
-The connector quantizes before it sends (Attention side), sends int8 rows and
-their scales, and hands both to the FFN ``compute``, which dequantizes (or
-computes on int8 with the scales): the scales reach compute, nothing dequantizes
-behind its back.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.quant".
 """
 
 from __future__ import annotations
@@ -29,7 +16,7 @@ INT8_MAX = 127
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, H] -> (int8 rows [T, H], float32 scales [T]); see the module docstring."""
+    """``x`` [T, H] -> (int8 rows [T, H], float32 scales [T]); see docs/internals/p2p-transport.md."""
     amax = x.abs().amax(dim=1).to(torch.float32) if x.shape[0] else x.new_zeros((0,), dtype=torch.float32)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(x.to(torch.float32) / scales.unsqueeze(1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

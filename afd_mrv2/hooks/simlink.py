@@ -1,26 +1,6 @@
 """``simlink``: a simulated link, for controlled overlap experiments and the demo.
 
-The peer is simulated in-process.  A transfer of ``n`` bytes costs
-``latency_us + n / bandwidth`` of wall time and no CPU: the stream sleeps, like a
-real stream waiting on a network transfer.  Data moves for real:
-
-* ``on_recv`` copies the inputs from the ``source`` context field into the input slot's
-  preallocated buffer, after the simulated transfer time;
-* ``on_compute`` calls the owner's ``compute(item, inputs) -> outputs`` and keeps
-  the outputs in the output slot's preallocated buffer;
-* ``on_send`` hands a copy of the outputs to the ``sink`` context field, after the
-  simulated transfer time.
-
-Runtime objects (either role's context, :class:`~afd_mrv2.plugins.AttentionContext` /
-:class:`~afd_mrv2.plugins.FfnContext`):
-    source: ``Callable[[WorkItem], torch.Tensor]``, the inputs of each work item;
-    sink: ``Callable[[WorkItem, torch.Tensor], None]``, receives each item's outputs.
-
-Options (``afd.connector_extra_config``), all optional:
-    latency_us (default 50): per-transfer latency;
-    bandwidth_gbps (default 10): bytes per second / 1e9 (0 = infinite);
-    recv_latency_us / send_latency_us: per-direction latency overriding latency_us,
-    for links whose two directions differ.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.simlink".
 """
 
 from __future__ import annotations
@@ -44,7 +24,7 @@ _NON_NEGATIVE = number(inclusive=True)
 
 @dataclass(frozen=True)
 class SimLinkOptions:
-    """simlink's ``afd.connector_extra_config``; see the module docstring."""
+    """simlink's ``afd.connector_extra_config``; see docs/internals/p2p-transport.md."""
 
     latency_us: float = option(_NON_NEGATIVE, 50.0)
     recv_latency_us: float | None = option(_NON_NEGATIVE, None)  # None: latency_us
@@ -94,7 +74,7 @@ def _into(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
 
 
 class SimLinkConnector:
-    """The simulated-link connector; see the module docstring."""
+    """The simulated-link connector; see docs/internals/p2p-transport.md."""
 
     required_capability: ClassVar[str | None] = None  # runs on any runtime pair
     hook_api_version: ClassVar[int] = 2

@@ -1,16 +1,8 @@
 """vLLM engine arguments as the AFD role processes receive them, and the ``VllmConfig`` they make.
 
-* :func:`vllm_engine_kwargs`: the engine arguments given explicitly in a ``vllm serve``
-  style argument list (what ``afd-mrv2 serve`` passes every role after ``--``),
-  parsed by vLLM's own parser (``EngineArgs.add_cli_args``), as ``LLM(...)`` keywords;
-* :data:`FFN_ENGINE_DEFAULTS`: what the FFN role process (:mod:`afd_mrv2.mrv2.ffn.role`)
-  sets unless told otherwise;
-* :func:`engine_config`: the ``VllmConfig`` vLLM builds from such arguments
-  (``EngineArgs(...).create_engine_config()``, what ``LLM`` and the OpenAI server do
-  first), without building an engine: no process, no model, no communication.
+:func:`vllm_engine_kwargs`, :data:`FFN_ENGINE_DEFAULTS`, :func:`engine_config`.
 
-Imports vLLM inside the functions only (this module is imported by the FFN role's
-command line before it decides to start vLLM).
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.engine_args".
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """Methods afd-mrv2 adds to vLLM's worker, reachable through ``collective_rpc``.
 
-Named by vLLM's ``worker_extension_cls`` (``--worker-extension-cls`` /
-``LLM(worker_extension_cls=...)``): vLLM's worker wrapper mixes this class into
-its worker class, in the worker process, before building the worker.  Upstream
-does the mixing; afd-mrv2 assigns nothing to vLLM's classes.
+:class:`AfdWorkerExtension`: ``afd_ffn_serve``, ``afd_routed_expert_bytes``,
+``afd_attention_stats``, ``afd_runner_info``.
 
-``afd_ffn_serve()``
-    the FFN role: after vLLM loaded the model the normal way (its loader, its
-    quant method, its MoE kernel), serve the routed experts of every MoE layer to
-    the Attention role until it leaves (:func:`afd_mrv2.mrv2.ffn.server.serve_ffn`).
-    With several FFN ranks each keeps only the experts it holds (its block, and with
-    ``expert_replicas`` R >= 2 the R-1 blocks before it around the ring;
-    :func:`keep_experts`), right after loading and before serving.  The report gives
-    the routed-expert bytes at the peak (vLLM's loader loads every expert first) and
-    in steady state (after the cut).
-    The engine core is blocked in this call for the whole session; the FFN engine
-    serves no requests of its own.
-``afd_routed_expert_bytes()``
-    (also in ``afd_ffn_serve``'s report) bytes held by the parameters of the process's routed-experts layers
-    (0 on the Attention role: it holds only 0-element placeholders).
-``afd_attention_stats()``
-    the Attention role's transfer counters (None where no AFD layer was built): calls,
-    tokens per call, items per stage count, round-trip overlap
-    (:class:`~afd_mrv2.mrv2.attention.overlap.OverlapMeter`) and, under afd-mrv2's V2 runner, its
-    step accounting (``runner``: steps split or not by batch kind, forward times).
-``afd_runner_info()``
-    the model runner this worker really holds: its class and MRO (qualified names),
-    whether it is afd-mrv2's Attention composition and over which upstream runner,
-    and whether its AFD session is the MoE seam's.  Tests use it to prove the V2
-    composition from inside the worker rather than from a log line.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.extension".
 """
 
 from __future__ import annotations
@@ -91,7 +66,7 @@ def _modular(layer: RoutedExperts) -> ExpertsFn:
 
 
 class AfdWorkerExtension:
-    """Mixed into vLLM's worker class; see the module docstring."""
+    """Mixed into vLLM's worker class; see docs/internals/vllm-roles.md."""
 
     # provided by the vLLM worker this class is mixed into
     vllm_config: Any

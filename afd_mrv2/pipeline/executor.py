@@ -1,42 +1,8 @@
 """The shared executor: bounded input and output buffer slots, explicit event edges.
 
-Work item ``k`` is bound to input slot ``I = k % depth_in`` and output slot
-``O = k % depth_out`` (:mod:`afd_mrv2.work`) and issued as::
+:class:`Executor` (``submit``, ``wait_for``, ``drain``, ``run``, ``close``); see also docs/pipeline.md.
 
-    recv stream:    wait(I.free)   on_recv(k)     record(I.ready)
-    compute stream: wait(I.ready)  wait(O.free)   on_compute(k)  record(I.free)  record(O.ready)
-    send stream:    wait(O.ready)  on_send(k)     record(O.free)
-
-``I.free`` is recorded when compute consumed the inputs and ``O.free`` when send
-completed, so an input slot cycles recv -> compute and an output slot compute ->
-send.  recv(k+1) overlaps compute(k) overlaps send(k-1) with two input and two
-output slots (a single slot per item would need three: its cycle would be
-recv -> compute -> send).  Every dependency is an event edge; a wait between two
-phases on the same stream is implied by FIFO order and not issued.  In the
-serialized fallback all three roles share one stream and the same hooks are
-called in the same order.
-
-Host waits, all documented:
-
-* before issuing item ``k`` the host waits for ``I.free`` (the input slot's
-  previous item finished its compute).  Together with the device edge
-  compute(k) -> wait(O.free) this bounds the items in flight to
-  ``depth_in + depth_out``; it is an event wait, never a device-wide synchronize.
-  The device-side waits are issued as well, so correctness does not depend on
-  host timing (the happens-before checker proves it with host edges ignored);
-* ``drain`` and ``close`` wait for every in-flight item.
-
-Each in-flight item also holds a ``done`` event (recorded after its send) from a
-pool of ``depth_in + depth_out``: items are released, in issue order, as soon as
-their ``done`` event is seen complete, without blocking; the pool is never
-empty in the steady state, since the edges above have finished the oldest item
-by the time a new one needs its event.
-
-The executor is driven from one thread (the owner's): ``submit``, ``wait_for``,
-``drain``, ``run`` and ``close`` are not thread-safe among themselves.  Threads
-that hand off to each other so that only one runs at a time (vLLM's microbatch
-threads, :mod:`afd_mrv2.mrv2.attention.exchange`) count as one: the hand-off orders their
-calls.
+See docs/internals/pipeline.md, "afd_mrv2.pipeline.executor".
 """
 
 from __future__ import annotations
@@ -68,7 +34,7 @@ _POLL_S = 0.05  # how often a host wait re-checks for failures and deadlines
 
 
 class Executor:
-    """Runs work items through one connector's phase hooks; see the module docstring.
+    """Runs work items through one connector's phase hooks; see docs/internals/pipeline.md.
 
     :param plugins: the registered connector and observers (:func:`load_plugins`).
     :param backend: the stream/event backend.
@@ -171,7 +137,7 @@ class Executor:
         outputs = self.outputs[self._cursor % self.depth_out]
         self._await(inputs.free, None)  # the input slot's previous item consumed its inputs
         self._reap()
-        if self._in_flight.full:  # not in the steady state (see the module docstring)
+        if self._in_flight.full:  # not in the steady state (see docs/internals/pipeline.md)
             self._await(self._in_flight.pending()[0][1], None)
             self._reap()
         work = Work(item, inputs, outputs, self._cancel, _api0=self._api0)

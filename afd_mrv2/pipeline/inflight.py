@@ -1,8 +1,8 @@
 """The items an executor issued and has not released yet, each with its ``done`` event.
 
 An item's ``done`` event is recorded after its send; the events come from a
-fixed pool (``depth_in + depth_out``: no more items are ever in flight, see the
-executor's module docstring) and go back when the item is released.  Items are
+fixed pool (``depth_in + depth_out``: no more items are ever in flight, see
+docs/internals/pipeline.md, "afd_mrv2.pipeline.executor") and go back when the item is released.  Items are
 kept in issue order, so "release every completed item" stops at the first one
 still running.
 """

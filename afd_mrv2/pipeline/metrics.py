@@ -1,18 +1,8 @@
-"""Overlap metrics computed from traced spans.
+"""Overlap metrics computed from traced spans: busy time, hidden communication, efficiency.
 
-* busy time per stream: the union of a stream's span intervals;
-* hidden communication: the fraction of recv+send time that overlaps compute;
-* the interval arithmetic under both (:func:`union`, :func:`overlap`, :func:`fraction`), which
-  the Attention side's overlap meter, the FFN report and the live figures use too;
-* efficiency = lower bound / measured makespan, where the lower bound is the
-  classic flow-shop bound over the stages recv -> compute -> send::
+:func:`union`, :func:`overlap`, :func:`fraction` and the flow-shop lower bound.
 
-      LB = max over stages s of ( sum_k t[s, k]
-                                  + min_k (time of k's stages before s)
-                                  + min_k (time of k's stages after s) )
-
-  No schedule of the same items on one stream per stage can finish sooner, so
-  efficiency <= 1 for any correct pipelined run (up to timer noise).
+See docs/internals/pipeline.md, "afd_mrv2.pipeline.metrics".
 """
 
 from __future__ import annotations
@@ -96,7 +86,7 @@ def stage_times(spans: Iterable[Span]) -> list[tuple[int, int, int]]:
 
 
 def flow_shop_lower_bound(times: Sequence[Sequence[float]]) -> float:
-    """The flow-shop makespan lower bound of the module docstring.
+    """The flow-shop makespan lower bound of docs/internals/pipeline.md.
 
     ``times[k][s]`` is item k's duration in stage s (stages in pipeline order).
     """

@@ -1,24 +1,6 @@
-"""Analytic model of the executor's schedule: predicted makespan and buffer-count choice.
+"""Analytic model of the executor's schedule: predicted makespan and buffer-count choice (``choose_buffers``).
 
-Given per-phase times (recv, compute, send), the number of items ``N`` and the
-buffer counts ``depth_in`` / ``depth_out``, the model replays the executor's
-event graph with fixed durations:
-
-* each role's stream runs its ops one at a time, in issue order (item-major:
-  recv(k), compute(k), send(k) before item k+1), and roles mapped to one stream
-  share it (the serialized schedule maps all three to one);
-* compute(k) starts after recv(k) ended, send(k) after compute(k) ended;
-* recv(k) starts after compute(k - depth_in) ended (input-buffer reuse);
-* compute(k) starts after send(k - depth_out) ended (output-buffer reuse).
-
-With all roles on distinct streams this gives the steady-state period
-``max(r, c, s, (r + c) / depth_in, (c + s) / depth_out)`` per item: an input
-buffer cycles recv -> compute, an output buffer compute -> send, so two of each
-overlap all three balanced phases.  ``choose_buffers`` returns, among the
-(depth_in, depth_out) pairs whose makespan is within ``tolerance`` (5 %) of the
-unbounded makespan, the one holding the fewest buffer bytes.  MegaScale-Infer's
-rule of thumb (m >= 2(1 + Tc/Tf) micro-batches for a two-way ping-pong) is a
-special case of the same reasoning for its topology.
+See docs/internals/pipeline.md, "afd_mrv2.pipeline.schedule_model".
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """``afd-mrv2 probe npu``: establish on Ascend hardware what the CAM operators do with streams.
 
-Two processes (NPU 0 and NPU 1) form the smallest AFD world of each connector,
-one attention and one FFN rank, over HCCL (one group per stage), plus a gloo
-group to coordinate.  For every operator the probe records:
+Writes the evidence document; :func:`skipped_evidence` when there is no NPU.
 
-* ``present``: the schema is registered with torch (its library was imported);
-* ``stream``: ``current`` or ``foreign`` by the *escape* check: the calling rank
-  keeps its stream busy with a matmul chain and issues the operator behind it.
-  A receive whose output already holds its final value while the stream is still
-  busy (read on a side stream), or a send whose peer finishes receiving while the
-  sender's stream is still busy, escaped the caller's stream.  If the busy window
-  ended before the check could tell, the result is ``unverified``;
-* ``concurrent_in_flight_safe``: two transfers issued back to back, without
-  waiting (two stages' worth), both arrive intact.
-
-Stage identity: :mod:`afd_mrv2.probe.stage_identity` (what is checked, and the verdicts).
-
-Then the toy MoE runs through the real connector and executor on the NPUs,
-serialized and multistream (with the stream behaviour just found), and the
-outputs are compared.  Rank 0 writes the evidence document
-(:mod:`afd_mrv2.hooks.cam.evidence`, schema ``afd-mrv2/evidence/v1``) that
-``connector_extra_config.stream_evidence`` accepts.  Without NPUs,
-:func:`skipped_evidence` is the same document with every row ``skipped: no NPU``.
-
-Status: written against the operator contracts of ``afd_mrv2.hooks.cam.camp2p`` and
-``camasync``; it has not run on an NPU in this repository (no hardware).  The
-CPU tests cover the connectors, the comparison harness, the evidence format and
-the stage-identity verdicts (:func:`camasync_stage_rows`, on made-up measurements).
+See docs/internals/cam-connectors.md, "afd_mrv2.probe.npu".
 """
 
 from __future__ import annotations

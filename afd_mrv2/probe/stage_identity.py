@@ -1,29 +1,8 @@
 """Stage identity of the real CAM operators, checked on two NPUs by ``afd-mrv2 probe npu``.
 
-Where stage identity travels (docs/ascend-deployment.md, "Stage identity on the CAM wire"):
+:func:`camasync_stages`, :func:`camasync_stage_rows`, :func:`camp2p_stage_row`.
 
-* ``stage-identity:camp2p``: each stage's transfers use the stage's own HCCL
-  group, so identity travels in the communicator; two stages in flight at once,
-  each on its own group, arrive on their own group intact (both directions);
-* ``stage-identity:camasync:dispatch-order``: the CAM header carries no stage, so
-  without a ``StageTags`` side channel (``afd_mrv2.hooks.cam.stage_tags``) the FFN
-  side infers a payload's stage from its ordinal among one source's arrivals of
-  one layer, and a host-store side channel pairs stamps by that ordinal too.
-  Both hold when one source's dispatches reach the FFN rank in issue order: over several rounds the attention rank dispatches stage 0
-  (``T`` tokens) then stage 1 (``T // 2`` tokens) and the FFN rank reads the
-  token counts back from the headers in arrival order;
-* ``stage-identity:camasync:combine-order``: the FFN rank combine-sends in
-  arrival order, stage 1's rows negated; the attention rank's combines must come
-  back in its dispatch order (cosine with its own input > 0.9 for stage 0, < -0.9
-  for stage 1; this assumes combine is a positive-weighted sum of the rows sent back);
-* ``stage-identity:camasync:layer-field``: the header's layer field returns the
-  value the sender passed (``2 * layer + stage``, up to 123): the premise of
-  carrying the stage in that field, the side channel proposed for steps whose
-  stage counts differ.
-
-:func:`camasync_stages` measures (one call per rank, inside the probe's process
-pair); :func:`camasync_stage_rows` and :func:`camp2p_stage_row` turn measurements
-into evidence rows, so the verdicts are tested on CPU with made-up measurements.
+See docs/internals/cam-connectors.md, "afd_mrv2.probe.stage_identity".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Classifying an operator's stream behaviour by running it.
+"""Classifying an operator's stream behaviour by running it: :func:`classify_late`.
 
-The question: when the caller's stream has passed an operator call, is the
-operator's effect (outputs written, data handed to the peer) complete?  If the
-operator enqueues on the caller's current stream, yes: stream order covers it.
-If not, it ran (or still runs) elsewhere and needs the fence of
-:mod:`afd_mrv2.hooks.cam.ops`.
-
-:func:`classify_late` is the check for backends whose streams run host code (the
-host backend, the CPU doubles): call the operator on a probe stream, record an
-event after it, wait for the event, then look at the effect at once.
-``afd-mrv2 probe npu`` adds the device-side escape check (``_escape`` in
-:mod:`afd_mrv2.probe.npu`, both ranks, both directions): hold the caller's stream
-behind a long kernel and see whether the effect appears anyway; that one cannot
-be fooled by an operator that is merely fast.
+See docs/internals/cam-connectors.md, "afd_mrv2.probe.streams".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""A tiny deterministic MoE, split the AFD way: attention + gate on one side, experts on the other.
+"""A tiny deterministic MoE, split the AFD way: attention + gate on one side, experts on the other (:class:`ToyMoE`).
 
-Used to compare serialized with multistream execution through the real executor
-and connectors (with the CPU doubles in tests, with the CAM operators on an NPU
-in ``afd-mrv2 probe npu``), and against the unsplit reference :meth:`ToyMoE.forward`.
-Every function is token-wise, so a batch split into stages must reproduce the
-unsplit result.
-
-Per layer ``L``: ``a = h + tanh(h @ A_L)``; route ``a`` to the top-k of
-``a @ G_L + b_L`` (softmax over the chosen k); ``moe = sum_k w_k * tanh(a @ E_{L,e_k})
-+ tanh(a @ S_L) / 2``; ``h' = a + moe``.  ``starve`` pushes an expert range's
-gate bias to -1e4 in a layer so no token routes there: an FFN rank owning those
-experts receives zero routed tokens.
+See docs/internals/cam-connectors.md, "afd_mrv2.probe.toy".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The ``buffers`` block every ``run``, ``demo`` and ``bench`` result carries.
 
-Overlap is paid for in buffers, so each result says how many input and output
-buffers a rank ran with and how many bytes they held, measured from the storages
-of the tensors the connector's slots hold at the end of the run (after drain,
-before close: :meth:`~afd_mrv2.pipeline.executor.Executor.buffer_bytes`), never
-from a declared size.
-
-JSON: ``{"in": N, "out": M, "bytes": total, "input_bytes": [...], "output_bytes": [...]}``
-(one entry per allocated slot).  ``in`` / ``out`` are the counts the executor ran
-with at the end; under ``depth: "auto"`` they are the chosen counts while the
-slot lists cover every slot allocated for the measuring window, so ``bytes`` is
-what the rank really holds.  Table cell: ``"2+2 / 128 KiB"``.
+See docs/internals/reference.md, "afd_mrv2.reference.buffer_report".
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """A paged KV cache and chunked-prefill attention for the reference model.
 
-The unsplit reference (:func:`~afd_mrv2.reference.layers.self_attention`) sees
-whole requests only.  Under the async-MoE ``token`` split a request can be cut
-in two: stage 1 holds its first tokens, stage 2 continues it as a chunked
-prefill whose context (the stage-1 tokens) is already in the KV cache.  This
-module is what that needs, vLLM-style and no more:
+:class:`KvLayout`, :class:`KvCache`, :class:`KvCacheError`, :func:`chunked_self_attention`.
 
-* :class:`KvLayout`: each request's block table over one pool of
-  ``block_size``-token blocks; a token's slot is
-  ``block_table[pos // block_size] * block_size + pos % block_size``.  Blocks are
-  handed out in a seeded shuffled order, so a slot is never just a token index
-  and a slot-mapping bug shows up as a wrong result;
-* :class:`KvCache`: per-layer K and V rows indexed by slot, written through a
-  stage's ``slot_mapping`` (``PAD_SLOT_ID`` rows are skipped) and read through
-  block tables; reading a slot that was never written raises
-  :class:`KvCacheError` (a stage ran before the stage holding its context);
-* :func:`chunked_self_attention`: the attention of one stage, whose requests may
-  have ``context_lens > 0``: it writes the stage's K/V, reads each request's
-  ``seq_len`` keys from the cache and attends causally with the positions as
-  offsets (:func:`~afd_mrv2.reference.layers.attend`, the same math as the
-  unsplit path).
+See docs/internals/async-moe-stages.md, "afd_mrv2.reference.kvcache".
 """
 
 from __future__ import annotations

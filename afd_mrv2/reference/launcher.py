@@ -1,22 +1,6 @@
 """The local launcher of ``afd-mrv2 run``: A + F worker processes on this machine.
 
-It does what torchrun does for one node, and no more: picks a free loopback
-port, starts one ``python -m afd_mrv2.cli run`` per rank with the torchrun
-environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``) plus the run config, supervises them, and prints rank 0's report.
-
-Process hygiene, because a stray worker holding a port or a core is the worst
-outcome of a demo:
-
-* each worker runs in its own session (a terminal's Ctrl-C reaches only the
-  launcher, which then stops the workers in order) and asks the kernel to
-  SIGKILL it if the launcher dies (``PR_SET_PDEATHSIG``);
-* when a worker fails, the others get ``grace_s`` to notice (they name the dead
-  peer and exit on their own, normally within a second), then are killed;
-* on SIGINT or SIGTERM the launcher sends SIGTERM to every worker's process
-  group, SIGKILL after 2 s, and exits 130;
-* ``workers.json`` in the output directory records each worker's pid, exit status
-  and exit time (``time.monotonic()``), for tests and post-mortems.
+See docs/internals/reference.md, "afd_mrv2.reference.launcher".
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """The numerics check of a quantized (``--quant w8a8``) embedded run: each MoE output against its float twin.
 
-Where the int8 error enters and how far it can go
--------------------------------------------------
-torch_p2p quantizes each dispatched row per token (:mod:`afd_mrv2.hooks.quant`):
-``|dx_tj| <= eps_t = max_j |x_tj| / 254`` (half an int8 step), and nothing else
-changes: the router ran on the float rows on the Attention side, so the FFN
-ranks apply the same experts with the same weights to ``x + dx``.  One SwiGLU
-expert ``E(x) = W2 (silu(W1 x) * (W3 x))`` then moves by, element by element
-(``g = W1 x``, ``u = W3 x``, ``dg = W1 dx``, ``du = W3 dx``)::
+The bound is derived from the int8 step; :data:`FLOAT_SLACK` covers float round-off.
 
-    silu(g + dg) (u + du) - silu(g) u = (silu(g + dg) - silu(g)) (u + du) + silu(g) du
-    |dg_i| <= ||W1_i||_1 eps_t,  |du_i| <= ||W3_i||_1 eps_t        (Hoelder)
-    |silu(g + dg) - silu(g)| <= 1.1 |dg|                           (silu' <= 1.0998, mean value theorem)
-    |dh_i| <= 1.1 |dg_i| (|u_i| + |du_i|) + |silu(g_i)| |du_i|
-    |dE_j| <= sum_i |W2_ji| |dh_i|
-
-and the MoE output ``y = S(x) + sum_k p_k E_k(x)`` (softmax weights ``p_k >= 0``)
-by at most ``bound_S + sum_k p_k bound_Ek``, plus :data:`FLOAT_SLACK` for the
-float round-off of the split-and-sum (the float run's own tolerance).  The bound
-is derived from the int8 step alone; it is evaluated on each token's float
-activations and the model's weights, before comparing.
-
-Why per MoE layer and not at the model's output: the next layer's router reads
-the residual the int8 error moved, and a token whose two best experts are
-nearly tied may pick another one (a discrete jump no step size bounds).  So the
-run checks every MoE output against the float MoE of the same input and
-routing, where the bound above holds, and reports the end-to-end difference
-against the float single-process reference for information only.
+See docs/internals/reference.md, "afd_mrv2.reference.quant_check".
 """
 
 from __future__ import annotations
@@ -56,7 +32,7 @@ def step_error(x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_error_bound(x: torch.Tensor, eps: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound [N, H] on ``|E(x + dx) - E(x)|`` for ``|dx_t|_inf <= eps_t`` (module docstring)."""
+    """Elementwise bound [N, H] on ``|E(x + dx) - E(x)|`` for ``|dx_t|_inf <= eps_t`` (docs/internals/reference.md)."""
     if x.shape[0] == 0:
         return x.new_zeros((0, w2.shape[0]))
     row_l1 = w13.abs().sum(dim=1)  # ||W1_i||_1 then ||W3_i||_1
@@ -69,7 +45,7 @@ def swiglu_error_bound(x: torch.Tensor, eps: torch.Tensor, w13: torch.Tensor, w2
 def moe_error_bound(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: LayerWeights
 ) -> torch.Tensor:
-    """Elementwise bound [T, H] on the MoE output's int8 error, same routing (module docstring)."""
+    """Elementwise bound [T, H] on the MoE output's int8 error, same routing (docs/internals/reference.md)."""
     eps = step_error(x)
     bound = swiglu_error_bound(x, eps, w.shared_w13, w.shared_w2)
     for expert in topk_ids.unique().tolist():

@@ -1,24 +1,6 @@
 """What ``afd-mrv2 run`` reports: the summary, the merged Chrome trace, the table.
 
-Definitions (all measured in the run itself, on the measured batches):
-
-* per-layer latency: wall time between the barriers around the measured batches
-  (rank 0's clock) / (batches x layers);
-* speedup: serialized per-layer latency / this mode's;
-* overlap efficiency: flow-shop lower bound / makespan of each FFN rank's trace
-  (:mod:`afd_mrv2.pipeline.metrics`), averaged over FFN ranks; the attention
-  ranks' value is reported next to it;
-* max |diff|: largest absolute difference between an attention rank's final
-  hidden states and the single-process reference forward, over every batch;
-  with ``--quant w8a8``: between each MoE output and the float MoE of the same
-  input and routing, and the tolerance is the bound derived from the int8 step
-  (:mod:`afd_mrv2.reference.quant_check`; the end-to-end difference is in
-  ``quant.end_to_end_max_abs_diff``, for information);
-* buffers: each mode's input and output buffer counts and the bytes each rank's
-  buffers held, measured from the tensors' storages after the measured batches
-  (:mod:`afd_mrv2.reference.buffer_report`); ``bytes``, ``input_bytes`` and
-  ``output_bytes`` are the largest rank's (named by ``rank``), ``by_rank`` has
-  every rank's.
+See docs/internals/reference.md, "afd_mrv2.reference.report".
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
 """Attention-rank compute under ``--async-moe-split``: the planner's stages, their layouts and the fallback.
 
-:class:`SplitAttentionOwner` plans each batch into the async-MoE planner's two
-stages (or runs it as one stage when its DP group decided so, see
-:func:`afd_mrv2.stages.layout.decide_split`) and runs stage ``s`` of layer ``l``
-with :func:`~afd_mrv2.reference.staged.staged_attention` over the batch's KV
-cache (created by stage 0 of layer 0, dropped after the last epilogue), so a
-request the ``token`` split cuts continues in stage 2 with its stage-1 tokens as
-KV context.  Work items are computed in (layer, stage) order on one compute
-stream, so stage 1 of layer l always wrote its K/V before stage 2 of layer l
-reads them (the cache raises if not).
+:class:`SplitAttentionOwner`.
 
-With ``tp_size > 1`` this process is one TP rank of an Attention DP rank, and the
-stage's rows follow :mod:`afd_mrv2.stages.layout`:
-
-* ``sp``: the residual is this rank's shard of the stage.  Layer 0 converts the
-  parent batch's SP shard into the stage's shard (all-gather over the TP group,
-  slice the stage, pad, keep the shard); attention all-gathers the stage's
-  shards, attends over all its rows and keeps its own shard; the MoE input is
-  that shard; :meth:`parent_shard` restores the parent's SP layout at the end.
-* ``tp``: the residual is replicated (the stage's real rows, plus the parent's
-  DP padding when the step is unsplit).  The CAM boundary pads the MoE input to
-  a multiple of ``tp_size`` and dispatches this rank's shard; the FFN output of
-  the shard is all-gathered over the TP group and the padding dropped before it
-  joins the residual.
-
-The attention arithmetic itself is replicated on the TP ranks (heads are not
-sharded): what the layouts change, and what this owner proves against the
-single-process reference, is which rows each rank holds, what crosses the CAM
-boundary, and the collectives that convert and restore them.
+See docs/internals/async-moe-stages.md, "afd_mrv2.reference.split_owner".
 """
 
 from __future__ import annotations
@@ -62,7 +37,7 @@ TpGather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 @dataclass
 class SplitAttentionOwner(AttentionOwner):
-    """See the module docstring.
+    """See docs/internals/async-moe-stages.md.
 
     ``decisions``: the DP group's decision per batch (from the per-step
     collective); a batch missing there is decided by this rank alone.

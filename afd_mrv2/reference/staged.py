@@ -1,17 +1,8 @@
 """The reference model run in the async-MoE planner's two stages, for split-vs-unsplit proofs.
 
-:func:`plan_batch` cuts one prefill batch with :func:`afd_mrv2.stages.plan_stages`
-(``"token"`` or ``"request"``) and rebuilds each stage's attention metadata with
-:func:`afd_mrv2.stages.build_stage_metadata` over a paged KV layout.
-:func:`staged_attention_step` is :func:`~afd_mrv2.reference.forward.attention_step`
-for one stage, its attention reading earlier stages' K/V from the cache
-(:func:`~afd_mrv2.reference.kvcache.chunked_self_attention`).
-:func:`staged_forward` runs the whole model in the async-MoE order (layer-major:
-stage 1 of layer l, stage 2 of layer l, then layer l+1; MoE per stage) and
-merges the stages with :func:`afd_mrv2.stages.merge_tokens`; its output must
-match :func:`~afd_mrv2.reference.forward.reference_forward`, which stays the
-ground truth.  The attention ranks of ``afd-mrv2 run --async-moe-split`` execute
-the same :func:`staged_attention_step` (:class:`~afd_mrv2.reference.owners.SplitAttentionOwner`).
+:func:`plan_batch`, :func:`staged_attention_step`, :func:`staged_forward`.
+
+See docs/internals/async-moe-stages.md, "afd_mrv2.reference.staged".
 """
 
 from __future__ import annotations

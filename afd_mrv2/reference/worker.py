@@ -1,17 +1,6 @@
 """One rank of ``afd-mrv2 run``: an attention or FFN process of the embedded AFD deployment.
 
-Started by the local launcher, by torchrun, or by hand: it reads the torchrun
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins a
-gloo process group, and runs the same prefill batches through the executor in
-each mode (serialized, then multistream at each (in, out) buffer count) with the
-torch_p2p connector, measuring the bytes its buffers hold after each mode.  Attention ranks check their final hidden states against the
-single-process reference forward; rank 0 gathers every rank's timings, traces
-and diffs and writes the report, the merged Chrome trace and the timeline.
-
-Failure: any error is printed once, on one line naming this rank and the peer
-concerned, announced to the peers on the control channel, and the process exits
-with status 1 right away (``os._exit``: a thread blocked in gloo must not hold
-the exit up).
+See docs/internals/reference.md, "afd_mrv2.reference.worker".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""``GET /metrics`` and ``GET /afd/status`` on serve's endpoint.
+"""``GET /metrics`` and ``GET /afd/status`` on serve's endpoint (:data:`AFD_METRICS`, docs/serve.md).
 
-``/metrics`` (Prometheus text format, built with ``prometheus_client``) carries:
-
-* every Attention engine's own vLLM metrics, read from its ``/metrics``.  Each engine is an
-  independent vLLM server that labels its samples ``engine="0"``; here each sample's
-  ``engine`` label is the engine's Attention rank (added where a sample has none), so the
-  engines' series stay apart.  An engine that does not answer within
-  :data:`SCRAPE_TIMEOUT_S` is left out, and ``afd_engine_scrape_ok`` says so;
-* serve's own AFD metrics (:data:`AFD_METRICS`, documented in docs/serve.md).
-
-* the failover and live per-rank figures each role process writes to serve's run folder
-  (:mod:`afd_mrv2.live_stats`, at most a second old): items, tokens, re-sends and busy
-  fraction per FFN rank; failovers, the round-trip histogram and the hidden fraction per
-  Attention engine.
-
-``/afd/status`` answers JSON: the topology, the placement, each role process and whether it
-is live, the failovers, each role's live figures, the requests the endpoint sent to each
-engine, and whether the endpoint is ready.
+See docs/internals/serve.md, "afd_mrv2.serve.metrics".
 """
 
 from __future__ import annotations

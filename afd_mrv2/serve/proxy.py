@@ -1,24 +1,8 @@
 """The one OpenAI-compatible endpoint in front of the Attention engines: a small balancing proxy on aiohttp.
 
-* ``GET /health`` is answered here: 200 once every role is ready, 503 while
-  starting or stopping.
-* ``GET /metrics`` (every engine's vLLM metrics, relabelled by Attention rank, and
-  serve's AFD metrics) and ``GET /afd/status`` (JSON) are answered here too, at any
-  time (:mod:`afd_mrv2.serve.metrics`).
-* Every other path (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-  ...) goes to one Attention engine, picked by least outstanding requests (ties
-  broken round robin) or plain round robin.  Method, path, query, headers
-  (less hop-by-hop ones), body and status pass through; the response body is
-  copied chunk by chunk as it arrives, so ``"stream": true`` server-sent events
-  reach the client unbuffered.
-* :meth:`Proxy.mark_lost` (serve calls it when one of several Attention engines
-  died) takes that engine out of the rotation and breaks its in-flight exchanges at
-  once; the others go on serving.
-* A backend that fails before its response started gives the client a 502 with
-  an OpenAI-style error body; one that fails mid-stream ends the event stream
-  with a ``data: {"error": ...}`` event (no ``[DONE]``), as vLLM reports errors
-  inside a stream.  :meth:`Proxy.fail_all` (serve calls it when a role died)
-  breaks every in-flight exchange at once, so no client waits on a dead system.
+:class:`Proxy` (``mark_lost``, ``fail_all``).
+
+See docs/internals/serve.md, "afd_mrv2.serve.proxy".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Start the roles in handshake order, front them with the proxy, stop everything together.
 
-Order: the proxy binds its port (503 until ready), every FFN rank starts and
-becomes ready, then every Attention engine starts and becomes ready; then the
-proxy takes requests and exactly one stdout line says so::
-
-    afd-mrv2 serve: ready at http://127.0.0.1:PORT/v1
-
-Before the FFN ranks start, serve prints where the experts live (one line per FFN
-rank, :meth:`~afd_mrv2.placement.Placement.describe`).
-
-From then on serve waits for SIGINT/SIGTERM or for a role to exit.  Two exits do
-not stop it: one of several Attention engines (the endpoint routes around it), and,
-with ``--expert-replicas`` R >= 2, an FFN rank whose experts all keep a live holder
-(the Attention engines fail over to those holders by themselves; serve kills what is
-left of the rank's process group and says so in one line).  Otherwise it breaks in-flight requests (their clients get an error response), sends
-SIGTERM to every Attention engine's process group, lets the FFN ranks end their
-sessions (each prints its report) or sends them SIGTERM, SIGKILL to what is still
-alive after the grace, and exits: 0 after a signal, 1 when a role died (one line naming role,
-rank, pid and how it ended) or a role did not get ready in time.  A second
-SIGINT/SIGTERM skips the grace.
+See docs/internals/serve.md, "afd_mrv2.serve.supervisor".
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
 """Attention-side token layouts of the async-MoE stages: SP and plain TP, three token counts, one decision.
 
-Where the Attention side runs tensor parallelism (``tp_size`` ranks per DP rank),
-each TP rank hands the CAM boundary a *shard* of a stage's tokens: a stage's
-physical rows are padded up to a multiple of ``tp_size`` and TP rank ``r`` owns
-rows ``[r * n / tp, (r + 1) * n / tp)``.  The two layouts differ in where the
-shard lives between MoE boundaries:
+:class:`StageLayout`, :func:`decide_split`, :func:`layout_line`.
 
-``"sp"`` (sequence parallelism, FlashComm1)
-    the residual stream itself is sharded.  The parent batch's rows are sharded
-    over the TP ranks; when the stages start, the parent shards are *converted*
-    into stage-local shards (each stage padded to a multiple of ``tp_size``);
-    attention all-gathers the stage's shards, attends over the whole stage and
-    keeps its own shard; the MoE input, dispatch and combine are the shard as
-    is; after the last layer the stage shards are *restored* to the parent
-    layout (stage padding dropped, stages merged, parent re-sharded).
-``"tp"`` (plain tensor parallelism)
-    the residual stream is replicated on every TP rank.  Only at the CAM
-    boundary is the stage's MoE input padded and sharded; the FFN output of the
-    shard comes back and is all-gathered over the TP ranks (padding dropped)
-    before the next attention layer.
-
-Three token counts are kept apart in :class:`StageLayout`:
-
-* ``real_tokens``: the scheduled tokens of the stage;
-* ``dp_padding``: rows the parent batch carries to match the largest batch of
-  its DP group (vLLM pads every DP rank to the same token count).  A split drops
-  them (the planner cuts real tokens only) and the restore re-adds them; an
-  unsplit step carries them through its single stage;
-* ``tp_padding``: rows appended to the stage so that it shards evenly over the
-  TP ranks (0 without TP).
-
-The split/unsplit decision of a step (:func:`decide_split`) is made together by
-the ranks that step together: when the planner has no plan for one of them
-(one request under the ``request`` policy, fewer than two tokens under
-``token``), every rank runs the step unsplit, or their collectives would pair
-stage 1 of one rank with the whole batch of another and deadlock.  The function
-is pure over the exchanged values; the caller supplies the exchange (one small
-all-gather per step over the DP group, or none for a rank that steps alone).
-
-``AFD_MRV2_LAYOUT_LOG=1`` makes runners print :func:`layout_line` once per
-step and stage: shapes and counts only, no tensor values, no device sync.
+See docs/internals/async-moe-stages.md, "afd_mrv2.stages.layout".
 """
 
 from __future__ import annotations
@@ -69,7 +32,7 @@ def round_up(value: int, unit: int) -> int:
 
 @dataclass(frozen=True)
 class StageLayout:
-    """The rows of one stage of one step on one TP rank; see the module docstring."""
+    """The rows of one stage of one step on one TP rank; see docs/internals/async-moe-stages.md."""
 
     index: int
     num_stages: int  # 2 for a split step, 1 for an unsplit one
@@ -177,7 +140,7 @@ def decide_split(
     *,
     name_of: Callable[[int], str] | None = None,
 ) -> StepDecision:
-    """Split only when every rank of the group can (see the module docstring).
+    """Split only when every rank of the group can (see docs/internals/async-moe-stages.md).
 
     ``exchange`` all-gathers ``[can_split, tokens, requests]`` over the ranks that
     step together; None means this rank steps alone (an independent engine).

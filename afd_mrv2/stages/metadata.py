@@ -1,28 +1,6 @@
 """Stage-local metadata: rebuild one stage's attention inputs from the parent batch's.
 
-A stage runs attention as if it were a batch of its own, so it needs its own
-query start offsets, sequence lengths, positions and slot mapping.  Everything
-here is a pure function of the parent's metadata and a :class:`Stage`, over
-tensors or lists, so a runner can call it on whatever it already built (vLLM's
-``query_start_loc``, ``seq_lens``, ``positions``, ``slot_mapping``) and the
-rebuild is testable without a model.
-
-Sequence lengths are the subtle part.  For request ``r`` with parent query
-tokens ``[q0, q1)`` and a stage covering parent tokens ``[a, b)``:
-
-* the stage's query for ``r`` is ``[max(q0, a), min(q1, b))``;
-* its sequence length is the parent's minus the tokens of ``r`` that come
-  *after* the stage (``max(0, q1 - b)``): those are not in the KV cache yet.
-
-So a request cut by the ``token`` split has, in stage 1, a shortened sequence
-(its later tokens belong to stage 2) and, in stage 2, the FULL parent sequence
-length with a shorter query: its context (``seq_len - query_len``) then includes
-the stage-1 tokens, exactly like a chunked prefill whose previous chunk is
-already in the KV cache.  Attention backends that derive context as
-``seq_lens - query_lens`` (vLLM, vLLM-Ascend) read it correctly.
-
-Physical padding (sequence parallelism) appends positions ``0`` and slot
-``PAD_SLOT_ID`` (-1, vLLM's "do not write the KV cache" marker).
+See docs/internals/async-moe-stages.md, "afd_mrv2.stages.metadata".
 """
 
 from __future__ import annotations
@@ -77,7 +55,7 @@ def build_stage_metadata(
     positions: IntLike,
     slot_mapping: IntLike,
 ) -> StageMetadata:
-    """Rebuild ``stage``'s metadata from the parent batch's (see the module docstring).
+    """Rebuild ``stage``'s metadata from the parent batch's (see docs/internals/async-moe-stages.md).
 
     :param query_start_loc: parent ``(n + 1,)`` prefix sums of scheduled tokens.
     :param seq_lens: parent ``(n,)`` sequence lengths (cached + scheduled).

@@ -1,27 +1,6 @@
-"""Stage identity and dispatch/combine pairing across layers.
+"""Stage identity and dispatch/combine pairing across layers: :func:`check_attention_depth`.
 
-With two async-MoE stages the attention side has, per layer, two dispatches
-(stage 0, stage 1) whose combines come back later.  Correctness needs:
-
-1. every combine of (layer L, stage s) pairs with the dispatch of (L, s): the
-   routing metadata (top-k ids and weights) used to combine is the one that was
-   dispatched, not the other stage's;
-2. combines happen in dispatch order (CAM pairs a combine with the oldest
-   outstanding dispatch of the rank; CAMP2P with the per-stage HCCL group's FIFO).
-
-On the executor, attention work item ``(L, s)`` receives layer ``L-1``'s combine
-for stage ``s``, computes attention of layer ``L`` and dispatches layer ``L``.
-Items are issued layer-major, stage-minor, so with ``S`` stages item ``k``'s
-recv combines what the send of item ``k - S`` dispatched: the pairing edge
-dispatch(L-1, s) -> combine(L-1, s) is send(k - S) -> recv(k).  The executor
-(:mod:`afd_mrv2.pipeline.executor`) does not issue that edge itself; it orders
-recv(k) after send(j) only through its two reuse edges, send(j) -> compute(j +
-depth_out) (output reuse) -> recv(j + depth_out + depth_in) (input reuse).  So
-the pairing edge holds exactly when ``depth_in + depth_out <= S``: with two
-stages, one input and one output buffer (``depth: 1``); with one stage no
-counts do (each is at least 1).  Neither count alone decides it: it is their
-sum, the most items the executor lets be in flight.  :func:`check_attention_depth`
-refuses any other counts at configuration time.
+See docs/internals/async-moe-stages.md, "afd_mrv2.stages.pairing".
 """
 
 from __future__ import annotations
@@ -128,7 +107,7 @@ def ffn_items(num_layers: int, num_stages: int, *, sources: int = 1, first_seq: 
 def attention_buffers(num_stages: int) -> tuple[int, int] | None:
     """The (input, output) buffer counts a pipelined attention side may use; None: none do.
 
-    See the module docstring: ``depth_in + depth_out`` must not exceed the stage
+    See docs/internals/async-moe-stages.md: ``depth_in + depth_out`` must not exceed the stage
     count, and each count is at least one.
     """
     return (1, 1) if num_stages >= 2 else None
@@ -140,7 +119,7 @@ def check_attention_depth(
     """Refuse attention-side buffer counts whose reuse edges would not order dispatch before combine.
 
     ``buffers`` is ``multistream.buffer_counts`` (input, output); what matters is
-    their sum (see the module docstring).  ``key`` names the option that set them
+    their sum (see docs/internals/async-moe-stages.md).  ``key`` names the option that set them
     (``afd.multistream.buffers`` when given, else ``afd.multistream.depth``).
     """
     if not pipelined:

@@ -1,28 +1,6 @@
-"""The async-MoE two-stage planner: where to cut one scheduled batch into two stages.
+"""The async-MoE two-stage planner: where to cut one scheduled batch into two stages (``request`` / ``token``).
 
-CAMAsync overlaps the MoE of one stage with the attention of the other, so a
-batch is cut into exactly two ordered stages.  The cut must keep token order
-(stage 1 is a prefix of the flattened tokens, stage 2 the rest) so that the
-stages' outputs concatenate back into the unsplit batch, and every token must
-land in exactly one stage.  Two policies:
-
-``"request"``
-    cut at a request boundary ``i`` (1 <= i <= n-1) minimising
-    ``|2*cu[i] - total|`` (``cu`` = prefix sums of the scheduled tokens), ties to
-    the smaller ``|2*i - n|`` and then to the smaller ``i``.  No request is split,
-    so with fewer than two requests there is no plan (``None``).
-``"token"``
-    cut the flattened tokens at ``t = (total + 1) // 2``.  The request that
-    crosses ``t`` appears in both stages; stage 2 continues it as a chunked
-    prefill whose KV context includes the stage-1 tokens (see
-    :mod:`afd_mrv2.stages.metadata`).  ``None`` when ``total < 2``.
-
-Physical tokens (``num_input_tokens``) equal the real ones except under sequence
-parallelism, where each stage is padded up to a multiple of ``tp_size`` because
-SP scatters a stage's tokens evenly over the TP ranks.
-
-Pure Python on purpose: the planner runs on the scheduler's CPU-side token
-counts before any device tensor exists, and is property-tested in isolation.
+See docs/internals/async-moe-stages.md, "afd_mrv2.stages.planner".
 """
 
 from __future__ import annotations
@@ -75,7 +53,7 @@ def plan_stages(
     tp_size: int = 1,
     sequence_parallel: bool = False,
 ) -> tuple[Stage, Stage] | None:
-    """Plan the two stages of one batch; see the module docstring for the semantics.
+    """Plan the two stages of one batch; see docs/internals/async-moe-stages.md for the semantics.
 
     :param num_scheduled_tokens: tokens scheduled per request, in batch order.
     :param split: ``"request"`` or ``"token"``.

@@ -1,64 +1,8 @@
 """``camasync``: the Ascend CAM async connector (``torch.ops.umdk_cam_op_lib``) as hooks.
 
-Only operator invocation and transfer state are CAMAsync-specific; streams,
-events, slots, ordering and cleanup are the shared executor's.  Which buffer each
-phase uses is :mod:`afd_mrv2.hooks.cam.common`'s rule; here the FFN's input slot
-holds the received rows (:class:`CamAsyncRows`), its output slot what combine-send
-reads (:class:`CamAsyncFfnSend`), and the header, group list and dynamic scales
-(:class:`AFDAsyncTransferState`) travel in ``work.transfer``.
+Transfer state :class:`AFDAsyncTransferState`; slots :class:`CamAsyncRows`, :class:`CamAsyncFfnSend`.
 
-Operator contract (argument order as afd-plugin calls them)::
-
-    async_dispatch_send(x, topk_ids, comm_args, comm_id, max_seq_len, batch_size,
-        hidden_size, topk, ffn_size, attn_size, expert_per_rank, rank, world_size,
-        layer_idx, tp_size, dynamic_quant, group_name)
-    async_dispatch_recv(placeholder, comm_args, comm_id, batch_size, hidden_size, topk,
-        ffn_size, attn_size, expert_per_rank, rank, world_size, tp_size,
-        dynamic_quant, group_name) -> (expand_x, expand_x_shared, dynamic_scales,
-        dynamic_scales_shared, token_nums_rankid_layeridx, expert_token_nums,
-        expert_token_nums_shared)
-    async_combine_send(routed_out, shared_out, comm_args, token_nums_rankid_layeridx,
-        comm_id, batch_size, hidden_size, topk, ffn_size, attn_size, expert_per_rank,
-        rank, world_size, tp_size, group_name)
-    async_combine_recv(placeholder, topk_ids, topk_weights, comm_args, comm_id,
-        batch_size, hidden_size, topk, ffn_size, attn_size, expert_per_rank, rank,
-        world_size, group_name) -> combined (batch_size, hidden_size)
-
-World ranks are attention first (``0..A-1``), then FFN (``A..A+F-1``).  The
-dispatch payload carries its own metadata: ``token_nums_rankid_layeridx`` =
-(source tokens, source rank, layer); ``expert_token_nums`` = rows per local
-expert; ``expert_token_nums_shared[0]`` = shared-expert rows.  Outputs are sized
-to capacity and sliced to those counts, which needs them on the host: the one
-host read of this connector (a D2H copy on the recv stream, not a device-wide
-synchronize).  With ``dynamicQuant = 1`` routed and shared activations arrive as
-int8 with per-row scales; compute gets both, as received
-(``CamAsyncFfnBatch.dynamic_scales`` / ``dynamic_scales_shared``), and
-dequantizes itself (``batch.dequantized(dtype)``) or computes on int8.
-
-Hooks per role (work item ``(L, s)``):
-
-* FFN: recv = async_dispatch_recv until the payload of (L, s) arrived (earlier
-  arrivals of other (layer, stage) wait in a pending FIFO keyed by (layer, stage);
-  a payload's stage identity, stage i of n, comes from the stage-tag side channel
-  (:mod:`afd_mrv2.hooks.cam.stage_tags`) and must equal the item's: a rank that
-  split the step differently raises :class:`StageMismatch` naming both sides;
-  without a side channel it is inferred, unchecked, as the payload's ordinal
-  among the (source, layer) arrivals modulo this rank's stage count), compute =
-  ``compute(item, CamAsyncFfnBatch) -> CamAsyncFfnOutput``, send =
-  async_combine_send.  A rank that received no routed tokens sends a one-row
-  zero placeholder: CAM combine-send cannot take an empty (or int8) routed output.
-* attention: recv = async_combine_recv of (L-1, s) with that dispatch's top-k ids
-  and weights from the pending FIFO (layer 0: context field ``source``), compute =
-  ``compute(item, hidden) -> CamAsyncDispatch`` (the last item returns a
-  tensor for ``sink``), send = async_dispatch_send of (L, s).  Both sides stamp
-  the identity of what they send on the side channel and check what they
-  receive (the FFN side each dispatch, the attention side each FFN rank's combine).
-
-Runtime objects (the role's context): ``model``, ``role_rank``, ``cam_group`` (HCCL comm name), ``source`` /
-``sink`` (attention), ``device`` (optional), ``cam_stage_tags`` (optional, the
-stage-identity side channel; default: the OpSet's).  Options: ``dynamicQuant`` (0|1),
-``attn_ranks_per_dp`` (CAM's TP width), ``comm_id``, ``max_seq_len``,
-``stream_evidence``.
+See docs/internals/cam-connectors.md, "afd_mrv2.hooks.cam.camasync".
 """
 
 from __future__ import annotations

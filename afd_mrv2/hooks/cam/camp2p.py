@@ -1,51 +1,8 @@
 """``camp2p``: the Ascend CAMP2P connector (``torch.ops.afd_ascend.a2e`` / ``e2a``) as hooks.
 
-Only operator invocation and transfer state are CAMP2P-specific; streams,
-events, slots, ordering and cleanup are the shared executor's.  Which buffer each
-phase uses is :mod:`afd_mrv2.hooks.cam.common`'s rule; here the FFN's input slot
-holds a2e's received rows, its output slot the (padded) FFN output e2a sends, and
-the :class:`CAMP2PTransferState` travels in ``work.transfer``.
+Transfer state :class:`CAMP2PTransferState`; :func:`select_group` maps stage -> HCCL group.
 
-Operator contract (learned from afd-plugin ``csrc/npu/torch_extension``)::
-
-    a2e(x, expert_ids?, scales?, batch_size, hidden_size, topk, expert_rank_size,
-        attention_rank_size, rank, group_ep, aiv_num, compute_gate) -> [expand_x,
-        simulate_expert_ids, simulate_expert_scales, atten_batch_size, x_active_mask]
-    e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size,
-        attention_rank_size, rank, group_ep, aiv_num) -> x_out
-
-World ranks are FFN first (``0..F-1``), then attention (``F..F+A-1``); FFN rank
-``r`` serves attention ranks ``r*g .. r*g+g-1`` (``g = A/F``: unlike the expert-sharded
-connectors, CAMP2P refuses an F that does not divide A).  An attention rank
-calls a2e to send its hidden states and e2a to receive the FFN output; an FFN
-rank calls a2e to receive (``atten_batch_size``: rows per attention rank) and e2a
-to send back.  Both launch through ``EXEC_NPU_CMD``, i.e. on the caller's current
-NPU stream (``c10_npu::getCurrentNPUStream``): stream order covers them.
-
-Stages and HCCL groups: each stage (ubatch) has its own HCCL group, so the two
-stages' transfers never mix; :func:`select_group` maps stage -> group name.  The
-group alone cannot tell stage 0 of 2 from stage 0 of 1 (a peer that ran the
-step unsplit): each side stamps the stage identity of what it sends on the
-stage-tag side channel (:mod:`afd_mrv2.hooks.cam.stage_tags`) and checks what it
-receives (the FFN side each attention rank's a2e rows, the attention side its
-FFN rank's e2a rows); a mismatch raises :class:`StageMismatch` naming both.
-Without a side channel (the real operators alone) the group is trusted.
-
-Hooks per role (work item ``(L, s)``; see :mod:`afd_mrv2.stages.pairing`):
-
-* FFN: recv = a2e (layer L, stage s), compute = ``compute(item, hidden) -> out``
-  (rows = real tokens), send = e2a.
-* attention: recv = e2a of layer L-1 (layer 0: context field ``source``), compute =
-  ``compute(item, hidden) -> hidden`` (layer L's attention), send = a2e of
-  layer L (the last item hands its output to context field ``sink``).
-
-Runtime objects (the role's context): ``model`` (:class:`CamModelSpec`), ``role_rank``, ``hccl_groups``
-(one comm name per stage), ``ffn_ep_group`` (FFN, optional),
-``stage_token_counts`` (FFN: ``item -> tokens per attention rank``),
-``source`` / ``sink`` (attention), ``device`` (optional, default CPU),
-``cam_stage_tags`` (optional, the stage-identity side channel; default: the OpSet's).
-Options (``connector_extra_config``): ``core_num``, ``attn_core_num``,
-``ffn_core_num``, ``quant_mode`` (0 only), ``stream_evidence``.
+See docs/internals/cam-connectors.md, "afd_mrv2.hooks.cam.camp2p".
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """What the two Ascend connectors share besides the executor: model spec, set-up.
 
-Everything connector-specific lives in :mod:`camp2p` / :mod:`camasync` (their
-options in :mod:`~afd_mrv2.hooks.cam.options`); this module only holds the
-pieces both need to start up the same way: read the runtime objects of the role's
-context (:class:`~afd_mrv2.plugins.AttentionContext` / :class:`~afd_mrv2.plugins.FfnContext`), resolve
-the operators (or take the explicit test doubles) and run the start-up checks,
-all before any communication happens, and the phase hooks of the attention
-side, which both families share.
+Also the attention side's phase hooks and the buffer/transfer-state rule both follow.
 
-Buffers and transfer state (the executor's contract, :mod:`afd_mrv2.work`):
-
-* input slot (``work.inputs.state``): what recv produced and compute reads, the
-  combined hidden states (attention) or the received rows (FFN);
-* output slot (``work.outputs.state``): what compute produced and send reads, the
-  hidden states or dispatch to send (attention) or the FFN output (and CAMAsync's
-  one-row placeholder);
-* ``work.transfer[TRANSFER]``: the operators' per-item transfer state (CAMP2P's
-  a2e results, CAMAsync's header, group list and dynamic scales, the dispatch an
-  attention item combines), valid until the item's send returned, never shared.
-
-These operators allocate their results, so the slots hold the operators' own
-tensors rather than copies in preallocated buffers.  A slot keeps its reference
-until the next item bound to it overwrites it, which the executor orders after
-this item's consumer finished (compute for an input slot, send for an output
-slot): that is what keeps a tensor read on another stream alive long enough.
+See docs/internals/cam-connectors.md, "afd_mrv2.hooks.cam.common".
 """
 
 from __future__ import annotations
@@ -90,7 +69,7 @@ def wait_until_idle(stream: Stream, work: Work, poll_s: float = 2e-4) -> None:
 
 T = TypeVar("T")
 
-#: ``work.transfer`` key of the connector's per-item transfer state (see the module docstring)
+#: ``work.transfer`` key of the connector's per-item transfer state (see docs/internals/cam-connectors.md)
 TRANSFER = "cam"
 
 

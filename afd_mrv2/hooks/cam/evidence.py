@@ -1,34 +1,9 @@
 """The evidence document: one versioned JSON format for everything run on the hardware.
 
-Two producers write it: ``afd-mrv2 probe npu`` (what the CAM operators do with
-streams, stage identity, serialized vs multistream) and ``scripts/e2e_matrix.py``
-(the E2E matrix: topology x async-MoE policy x prefill).  A CAM connector reads
-the probe's document through ``connector_extra_config.stream_evidence`` and
-trusts its operator rows only when they were written for the same software stack
-(:meth:`Evidence.applies_to`).  The format lives here, the lowest layer that both
-producers and that reader can import.  Documented for hardware owners in
-docs/ascend-deployment.md ("The evidence document").
+Schema ``afd-mrv2/evidence/v1`` (:class:`Evidence`); documented for hardware owners in
+docs/ascend-deployment.md, "The evidence document".
 
-Schema ``afd-mrv2/evidence/v1``::
-
-    {"schema": "afd-mrv2/evidence/v1",
-     "producer": "afd-mrv2 probe npu",            # or "scripts/e2e_matrix.py"
-     "created": "2026-12-01T12:00:00Z",           # UTC, when the document was written
-     "environment": {"host": "...", "platform": "...", "python": "3.11.2", ...},   # str -> str
-     "versions": {"torch": "2.10.0", "torch_npu": "...", ...},                     # str -> str
-     "checks": [{"name": "operator:umdk_cam_op_lib.async_dispatch_recv",
-                 "status": "pass",                # pass | fail | skipped
-                 "measured": {...},               # any JSON value (null when nothing was measured)
-                 "detail": "..."}],               # why; required (non-empty) for fail and skipped
-     "summary": {"pass": 1, "fail": 0, "skipped": 0}}
-
-Check names are unique within a document.  The probe's rows are named
-``operator:<namespace.op>``, ``comparison:<connector>`` and
-``stage-identity:<connector>[:<what>]``; the E2E matrix's ``e2e:<axis>:<cell>``.
-``versions`` is what the evidence is tied to: for the probe, the distributions
-whose change would change an operator's behaviour (a connector compares them).
-A check that could not run is ``skipped`` with the reason (``skipped: no NPU:
-...``), never a silent pass.
+See docs/internals/cam-connectors.md, "afd_mrv2.hooks.cam.evidence".
 """
 
 from __future__ import annotations
@@ -67,7 +42,7 @@ class Check:
 
 @dataclass(frozen=True)
 class Report:
-    """A whole evidence document (see the module docstring)."""
+    """A whole evidence document (see docs/internals/cam-connectors.md)."""
 
     producer: str
     checks: tuple[Check, ...]

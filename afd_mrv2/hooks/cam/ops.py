@@ -1,33 +1,8 @@
 """Typed operator access for the CAM connectors, and the one narrow stream fence.
 
-Both Ascend connectors call external operators (``torch.ops.afd_ascend.a2e/e2a``,
-``torch.ops.umdk_cam_op_lib.async_*``).  This module is the only place that looks
-them up: :func:`resolve_torch_ops` checks each schema with the dispatcher once, at
-start-up, and an :class:`OpSet` holds the resolved callables as
-:class:`BoundOp` objects.  No other code probes ``torch.ops``.
+:func:`resolve_torch_ops`, :class:`OpSet`, :class:`BoundOp`, :class:`OpCapability`.
 
-Each bound operator carries its :class:`OpCapability`: present or not, and its
-stream behaviour with the *basis* for believing it (source inspection, a probe's
-evidence file, or nothing).  Start-up (:meth:`OpSet.check_start_up`) refuses
-multistream for a role whose operators' stream behaviour is unverified.
-
-The narrow adapter
-------------------
-An operator that does not enqueue on the caller's current stream (``FOREIGN``)
-would escape the executor's event edges: its outputs could be read before it
-wrote them, its inputs released before it read them.  For such an operator only,
-:class:`BoundOp` brackets the call with a fence against the operator's *home*
-stream (the stream it really uses, named by the evidence):
-
-* before: the home stream waits for the caller's stream (inputs are ready);
-* after: the caller's stream waits for the home stream (outputs are ready, and
-  the slot's ``send_done`` event, recorded later on the caller's stream, covers
-  the operator).
-
-On accelerators both are device-side ``wait_stream`` calls (no host wait); for
-the CPU test doubles the home is the double's worker thread and "after" drains
-it.  Nothing else changes: the executor, its streams, events and slots stay the
-shared ones; the fence is not a second scheduler.
+See docs/internals/cam-connectors.md, "afd_mrv2.hooks.cam.ops".
 """
 
 from __future__ import annotations

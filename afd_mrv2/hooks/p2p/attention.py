@@ -1,35 +1,6 @@
-"""The attention side of torch_p2p.
+"""The attention side of torch_p2p (layer-pipelined): :class:`AttentionSide`.
 
-Work item ``(layer l, stage s)`` on an attention rank::
-
-    on_recv     l > 0: wait for the combine of (l-1, s) from every FFN rank and
-                validate each header (receives posted earlier, see on_send)
-    on_compute  sum the FFN partials into one [T, H] tensor (token order of the
-                stage), call ``compute(item, combined)`` -> (x, topk_ids,
-                topk_weights) or None, and pack, for every FFN rank, the rows of
-                the tokens with at least one (token, expert) pair routed to it
-                (each expert to its first live holder, :class:`~afd_mrv2.placement.Placement`;
-                without replicas, the block owner), the pairs routed elsewhere
-                weighing 0 in that rank's copy (with option ``quant: w8a8``: the
-                rows quantized per token to int8, and their scales)
-    on_send     post the receives for this item's combine, then send a header
-                (and, for n > 0 tokens, the payload) to every FFN rank
-
-The owner's ``compute(item, combined)`` gets ``combined = None`` for layer 0 and
-the summed FFN output of layer ``l-1`` otherwise (a view of input-slot memory:
-use it, do not keep it); it returns the normalized hidden states and the routing of
-layer ``l``, or None for the epilogue item ``l == num_layers``, which only
-combines and sends nothing.
-
-Why the combine receive is posted in on_send: gloo sends are rendezvous (a send
-completes only once the receiver posted the matching receive).  If the attention
-side posted it only when it reaches item (l+1, s), a serialized FFN rank sending
-the combine of (l, s) would wait for the attention side, which waits in its own
-send of (l, s+1) for the FFN rank: a deadlock whenever there are 2+ stages.
-Posting it together with the dispatch makes the FFN -> attention direction never
-block, so no cycle exists at any depth.  The receive lands in a per-stage inbox
-(its size is known: the attention side knows what it dispatched), which lives
-until item (l+1, s) has combined it.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.attention".
 """
 
 from __future__ import annotations
@@ -90,7 +61,7 @@ class _Inbox:
 
 
 class AttentionSide(Side):
-    """Phase logic of an attention rank; see the module docstring."""
+    """Phase logic of an attention rank; see docs/internals/p2p-transport.md."""
 
     def __init__(self, link: PeerLink, shape: P2pShape, options: P2pOptions) -> None:
         super().__init__(link, shape, options)

@@ -1,35 +1,9 @@
 """What both sides of torch_p2p share: options, the model shape, the simulated link.
 
-Options (``afd.connector_extra_config``), all optional:
+:class:`P2pOptions` (``recv_timeout_s``, ``send_timeout_s``, ``sim_latency_us``,
+``sim_bandwidth_gbps``, ``max_tokens``, ``quant``), :class:`P2pShape`.
 
-``recv_timeout_s`` (default 30)
-    Deadline of every receive phase: a peer that stays connected but sends nothing
-    for this long fails the waiting side with :class:`PeerTimeout`.
-``send_timeout_s`` (default: ``recv_timeout_s``)
-    Deadline of every send phase (gloo sends complete when the peer has posted
-    the matching receive).
-``sim_latency_us`` / ``sim_bandwidth_gbps``
-    Adds a simulated link.  The data still moves through torch.distributed (so
-    results stay checkable); on top, what a phase exchanges with each peer is
-    delivered only ``latency + bytes / bandwidth`` after it started moving, and
-    the phase's stream is held (a sleep, no CPU) until then, at both ends, like
-    a DMA engine per direction and peer.  "Started moving" is the moment the
-    first operation of the phase with that peer completed in gloo (for a
-    rendezvous send: the peer had posted its receive; for a receive: the first
-    bytes arrived), so gloo's own handshake overlaps the simulated latency
-    instead of adding to it.  Setting either option enables the link; bandwidth
-    0 (the default) means infinite.
-``max_tokens``
-    Per-stage token capacity of one attention rank (the buffer size); defaults
-    to the ``model`` context field's ``max_tokens``.
-``quant`` (default: none, float32 rows)
-    ``"w8a8"``: the attention side quantizes each dispatched hidden row to int8
-    with one float32 scale per row (:mod:`afd_mrv2.hooks.quant`) and sends both;
-    the FFN side hands them to its compute as
-    ``compute(item, hidden_int8, topk_ids, topk_weights, scales)``, which
-    dequantizes (or computes on int8).  Every rank must set the same value (the
-    dispatch header's kind says which, so a rank that does not fails naming it).
-    The combine stays float32.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.common".
 """
 
 from __future__ import annotations
@@ -69,7 +43,7 @@ class P2pShape:
 
 @dataclass(frozen=True)
 class P2pOptions:
-    """torch_p2p's ``afd.connector_extra_config`` (see the module docstring), parsed by :func:`parse_options`.
+    """torch_p2p's ``afd.connector_extra_config`` (see docs/internals/p2p-transport.md), parsed by :func:`parse_options`.
 
     ``send_timeout_s`` left unset takes ``recv_timeout_s``; ``link`` is the
     simulated link, set when either ``sim_*`` option is.

@@ -1,35 +1,6 @@
-"""The FFN side of torch_p2p.
+"""The FFN side of torch_p2p: :class:`FfnSide`.
 
-Work item ``(layer l, stage s)`` on FFN rank ``f``::
-
-    on_recv     post a header receive from every attention rank; validate each
-                header (kind, ends, layer, stage, seq, token count <= capacity);
-                then receive each non-empty payload, sized by its validated header,
-                and check its routing (ids in range, every row routed here)
-    on_compute  concatenate the tokens of all attention ranks, call
-                ``compute(item, hidden [N, H], topk_ids [N, k], topk_weights [N, k])``
-                -> this rank's partial output [N, H] (fp32); pack one combine
-                message per attention rank (header + its rows).  With option
-                ``quant: w8a8`` the hidden rows arrive as int8 and compute gets
-                their per-token float32 scales too:
-                ``compute(item, hidden_int8 [N, H], topk_ids, topk_weights, scales [N])``
-                (the received scales, after recv completed; compute dequantizes)
-    on_send     send every combine message and wait until each was accepted
-
-A re-send (kind ``redispatch``, after the Attention side lost another FFN rank
-holding the same experts; owners with ``follow_stages`` only) is served like a
-dispatch: it names an item already seen (its layer and stage), carries only the
-rows of the lost rank's share, and does not move the stage order ``follow_stages``
-checks.  ``on_item`` is called for it too; ``redispatched`` counts them.
-
-An attention rank that routed no token here still sends a header (tokens = 0) and
-gets one back, so an FFN rank with zero tokens takes part in every item without
-any special case on the wire; with N = 0 the owner's compute is not called.
-
-``peers`` (default: every attention rank) narrows the side to some attention
-ranks: an owner whose attention ranks step on their own clocks (independent vLLM
-engines) runs one executor per attention rank, each with ``peers=[that rank]``,
-so that item ``k`` of one rank never waits for item ``k`` of another.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.ffn".
 """
 
 from __future__ import annotations
@@ -61,7 +32,7 @@ class _Inputs:
 
 
 class FfnSide(Side):
-    """Phase logic of an FFN rank; see the module docstring."""
+    """Phase logic of an FFN rank; see docs/internals/p2p-transport.md."""
 
     def __init__(
         self,
@@ -167,7 +138,7 @@ class FfnSide(Side):
         output = None
         if total:
             payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
-            if slot.scales is not None:  # the received dynamic scales reach compute (see the module docstring)
+            if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
                 payload.append(slot.scales[:total])
             output = compute(item, *payload)
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):

@@ -1,38 +1,8 @@
 """PeerLink: point-to-point transfers on a torch.distributed group, waited on safely.
 
-Why not ``work.wait(timeout=...)`` or ``work.is_completed()``?  On gloo (torch
-2.13) a wait that times out closes the pairs of the whole process group, and
-``is_completed()`` of a send/recv work stays False until someone has called
-``wait()`` (probed: the data had arrived, the flag never flipped).  There is no
-``get_future()`` for gloo send/recv.  So every posted operation is handed to a
-*watcher* thread that calls the blocking ``wait()`` for it and then sets a
-``threading.Event``; the phase hooks wait on those events in short slices,
-which lets them honour ``work.cancelled``, their own deadline and failures of
-other peers.  One watcher per (peer, tag, direction): gloo completes the
-operations of one channel in posting order, so waiting on them in order costs
-nothing.  A watcher stuck on a peer that never answers is a daemon; the caller
-has long since failed with a deadline error.
+:class:`PeerLink` (one group, or scoped :class:`Pair` s), with its control channel.
 
-The control channel: at start every rank posts one receive from every peer on
-``TAG_CONTROL``.  A peer that fails sends ``ABORT`` with its reason; a peer that
-finishes sends ``BYE``.  A peer whose process dies closes its sockets, which
-fails that pending receive at once ("Connection closed by peer").  Every wait
-checks the control channel, so a dead peer is named by every surviving rank
-within one slice, even by ranks that exchange no data with it.
-
-A link has one of two modes, chosen by what it is built on:
-
-* **one group** of every rank (``group``, by default torch.distributed's default
-  group: ``afd-mrv2 run``, whose ranks run one schedule together): a wait checks the
-  control channels of every peer, so one dead peer fails every wait on every rank;
-* **pairs** (the vLLM path): one two-rank group per peer (:class:`Pair`), so that a
-  peer that dies or restarts touches only its own pair.  Faults are *scoped*
-  (:attr:`PeerLink.scoped`): a wait checks only the control channels of the peers it
-  waits on, so a dead peer fails the waits on it and no other; an FFN rank goes on
-  serving the Attention engines that remain, and an Attention engine is not failed
-  by another engine's death.  :meth:`PeerLink.install` puts a new pair in place of a
-  peer's lost one (a restarted process): the link's next operations with that peer
-  go there, with a fresh control channel.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.link".
 """
 
 from __future__ import annotations
@@ -119,7 +89,7 @@ class _Watcher:
 
 
 class PeerLink:
-    """Transfers between this rank and its peers; see the module docstring.
+    """Transfers between this rank and its peers; see docs/internals/p2p-transport.md.
 
     :param topology: the AFD rank map.
     :param rank: this process's global rank in ``group``.
@@ -167,7 +137,7 @@ class PeerLink:
 
     @property
     def scoped(self) -> bool:
-        """Whether a wait fails only for the peers it waits on: a link on pairs (see the module docstring)."""
+        """Whether a wait fails only for the peers it waits on: a link on pairs (see docs/internals/p2p-transport.md)."""
         return self._pairs is not None
 
     def pair_name(self, peer: int) -> str:

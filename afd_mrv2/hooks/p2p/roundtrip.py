@@ -1,60 +1,8 @@
 """The round-trip attention side of torch_p2p: one complete exchange per work item.
 
-The layer-pipelined side (:mod:`afd_mrv2.hooks.p2p.attention`) receives the
-combine of layer ``l-1`` in item ``l``'s recv: right for a run that owns the
-whole layer loop.  A vLLM MoE layer cannot wait that long: its routed-experts call
-must return the combined output before the layer continues.  This side serves
-that caller, item by item::
+:class:`RoundTripAttentionSide`, :class:`CombineInFlight`, :class:`Share`; the side that fails over.
 
-    on_recv     read (hidden [T, H], topk_ids [T, k], topk_weights [T, k]) from the
-                ``source`` resource, as host tensors (hidden and weights in fp32, the
-                wire format), and check them
-    on_compute  ``compute(item, routed)`` -> the (possibly transformed) routed batch
-                (identity for vLLM: the router already ran); pack, for every FFN
-                rank, the rows routed to at least one of its experts
-    on_send     post this item's combine receives, send the dispatch to every FFN
-                rank and wait until the FFN ranks took it, then hand the ``sink``
-                resource the combine in flight (:class:`CombineInFlight`): the
-                owner's ``wait()`` on it (from ``UBatchExchange.finish``, on the
-                model's thread) waits for every combine, checks each header, sums
-                the partials in token order and returns the [T, H] result.  Only a
-                sink that declares it takes results in flight
-                (:class:`~afd_mrv2.api.InFlightSink`, as ``UBatchExchange``'s does) gets
-                one; any other sink (a plain function, or a third party's wrapper around
-                the owner's sink) gets the [T, H] tensor, waited for in ``on_send``
-                (the tensor contract third-party sink wrappers were written against)
-
-The FFN side is unchanged (:mod:`afd_mrv2.hooks.p2p.ffn`): it sees the same
-messages as from the pipelined side, item ``(layer, stage, seq)`` by item.
-
-Failover (expert replicas, ``Topology.expert_replicas`` R >= 2, on a scoped link):
-each FFN rank's part of an item is a :class:`Share`, numbered on its pair.  When an
-FFN rank is lost (its connection closed, it aborted, or it passed the deadline)
-while a share of it is unanswered, this side stops routing to it (the experts go
-to their next live holder, :meth:`~afd_mrv2.placement.Placement.routing`) and
-re-sends that share's rows to the new holders as ``redispatch`` messages, only the
-pairs the lost rank computed weighing non-zero; their partials are summed in the
-lost one's place, and the caller never sees the loss.  One line on stderr says so
-(``afd-mrv2 failover: ...``); :class:`~afd_mrv2.hooks.p2p.failover.FailoverLog` keeps the counts and times.
-Without replicas, or when some expert has no live holder left, the loss fails the
-item as it always did.
-The combine receive is posted before the dispatch is sent, so the FFN rank's
-combine send (a gloo rendezvous) never waits on this side.
-
-Why the combine is not waited for in ``on_send``: the executor's send stream is
-FIFO, so an ``on_send`` that waited for its combine would hold the next item's
-dispatch until this item's whole round trip was over.  Two micro-batches of a
-split step each have an item in flight (micro-batch B dispatches while A's round
-trip flies); waiting in ``on_send`` would serialize their round trips on the
-stream.  Posting stays in ``on_send``, in item order (gloo matches a channel's
-receives and sends in posting order), and each item's combine lands in an inbox
-of its own (taken from a free list, given back once ``wait()`` read it), not in
-its output slot, which the executor reuses once ``on_send`` returned.
-
-Selected by the owner's context: an attention owner that provides ``source``
-and ``sink`` (the contract of :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`)
-gets this side; one that provides neither drives the pipelined side.  This side is
-the one that fails over (:class:`~afd_mrv2.api.AttentionFailover`).
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.roundtrip".
 """
 
 from __future__ import annotations
@@ -181,7 +129,7 @@ class CombineInFlight:
 
 
 class RoundTripAttentionSide(AttentionSide):
-    """Phase logic of an attention rank whose caller waits for each item; see the module docstring."""
+    """Phase logic of an attention rank whose caller waits for each item; see docs/internals/p2p-transport.md."""
 
     def __init__(
         self, link: PeerLink, shape: P2pShape, options: P2pOptions, *, source: RoutedSource, sink: Sink

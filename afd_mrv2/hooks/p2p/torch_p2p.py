@@ -1,84 +1,9 @@
 """``torch_p2p``: the reference AFD connector on torch.distributed point-to-point.
 
-Registered under the ``afd_mrv2`` entry-point group as ``torch_p2p``, exactly as
-a third-party connector would be.  It posts ``ProcessGroup.send``/``recv`` and
-waits for them through :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, so the logic
-is backend-neutral; today its buffers are host tensors, which is what gloo (CPUs,
-this project's CI) needs.  NCCL/HCCL would need the slot buffers on the device
-and the waits expressed as stream edges; that is not done (and not tested: it
-needs two accelerators).
+:class:`TorchP2pConnector`, registered under the ``afd_mrv2`` entry-point group as a
+third-party connector would be.
 
-What moves, per work item ``(layer, stage, seq)`` (details in
-:mod:`afd_mrv2.hooks.p2p.wire`)::
-
-    attention rank a --dispatch--> FFN rank f   header + rows of the tokens routed
-                                                to f's experts (hidden, top-k ids
-                                                and weights)
-    attention rank a <--combine--- FFN rank f   header + f's partial output rows
-
-Topology and expert placement: :mod:`afd_mrv2.topology` (A x F ranks, experts
-sharded in contiguous blocks, every attention rank talks to every FFN rank, the
-shared expert runs where a token's top-1 expert lives).
-
-Runtime objects (the role's context, :class:`~afd_mrv2.plugins.AttentionContext` /
-:class:`~afd_mrv2.plugins.FfnContext`):
-    ``p2p_link``: a :class:`~afd_mrv2.hooks.p2p.link.PeerLink`, one per process,
-    built by the owner on its process group before any executor (it pre-posts the
-    control channel, which must outlive every executor of the process).
-    ``model``: a :class:`~afd_mrv2.hooks.p2p.common.P2pShape`.
-    ``source`` / ``sink`` (Attention role, optional): an owner that hands each item
-    over and waits for its result (the :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`
-    contract, e.g. a vLLM MoE layer) provides both and gets the round-trip side
-    (:mod:`afd_mrv2.hooks.p2p.roundtrip`); without them the attention side is
-    layer-pipelined (:mod:`afd_mrv2.hooks.p2p.attention`).
-    ``attention_peers`` (FFN role, optional): the global ranks of the attention
-    ranks this executor serves (default: all of them).  An owner whose attention
-    ranks are independent engines runs one executor per attention rank
-    (:mod:`afd_mrv2.mrv2.ffn.server`), so that none waits for another's items.
-
-    ``follow_stages`` (FFN role, optional, default false): take each item's layer
-    and stage identity from the Attention side's headers instead of from the
-    submitted item (checked against the order the Attention side issues them), so
-    an owner that cannot know whether a step was split (independent engines
-    deciding alone) accepts both stage counts; see ``FfnSide._follow``.
-    ``on_item`` (FFN role, optional): called with each item's identity as received
-    (with ``follow_stages``: layer and ``stage i of n`` from the header) once its
-    headers were validated, zero-token items included (``serve_ffn`` counts items
-    per stage count with it).
-
-Capability: expert-replica failover (:class:`~afd_mrv2.api.SupportsFailover`).  The
-round-trip Attention side routes around a lost FFN rank and takes it back
-(:meth:`TorchP2pConnector.attention_failover`); the FFN side counts the re-sends it
-served (:meth:`TorchP2pConnector.ffn_failover`).
-
-Stage identity: every header carries the item's layer, ``stage i of n`` and seq,
-checked on every message, so the connector declares ``carries_stage_identity``
-(what afd-mrv2's micro-batching requires of a connector on the vLLM path).
-
-Options: see :mod:`afd_mrv2.hooks.p2p.common` (``recv_timeout_s``,
-``send_timeout_s``, ``sim_latency_us``, ``sim_bandwidth_gbps``, ``max_tokens``,
-``quant``).
-
-The owner's ``compute`` (the executor's ``compute=``):
-    attention role, pipelined: ``compute(item, combined) -> (hidden, topk_ids, topk_weights) | None``
-    (see :mod:`afd_mrv2.hooks.p2p.attention`);
-    attention role, round trip: ``compute(item, (hidden, topk_ids, topk_weights)) -> the same triple``
-    (see :mod:`afd_mrv2.hooks.p2p.roundtrip`);
-    FFN role: ``compute(item, hidden, topk_ids, topk_weights) -> partial_output``;
-    with ``quant: w8a8``: ``compute(item, hidden_int8, topk_ids, topk_weights, scales)``
-    (see :mod:`afd_mrv2.hooks.p2p.ffn`).
-
-Contract between the roles: both number work items identically (the same
-``(layer, stage, seq)`` for the same data on every rank) and submit them in the
-same order; the headers check it on every message.
-
-Failures (all end in bounded time, all name the peer): a dead peer ->
-:class:`~afd_mrv2.hooks.p2p.errors.PeerLost` at once; a silent peer ->
-:class:`~afd_mrv2.hooks.p2p.errors.PeerTimeout` at the deadline; a bad header ->
-:class:`~afd_mrv2.hooks.p2p.errors.ProtocolError` naming the field; a peer that
-failed on its own -> :class:`~afd_mrv2.hooks.p2p.errors.PeerAborted` with its
-reason.  After any of them the process group's message order is lost: the owner
-must tear it down (:meth:`PeerLink.abort`, then exit or rebuild).
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.torch_p2p".
 """
 
 from __future__ import annotations
@@ -98,7 +23,7 @@ from afd_mrv2.work import Work
 
 
 class TorchP2pConnector(SupportsFailover):
-    """The torch_p2p connector; see the module docstring."""
+    """The torch_p2p connector; see docs/internals/p2p-transport.md."""
 
     required_capability: ClassVar[str | None] = None  # torch.distributed only: any runtime pair
     hook_api_version: ClassVar[int] = 2

@@ -1,42 +1,8 @@
 """The torch_p2p wire format: tags, the typed control header, payload layouts.
 
-gloo matches a receive to a send by (peer, tag) in posting order, and it needs
-both sides to agree on the exact byte count: a message larger than the posted
-receive aborts the receiving process (``gloo::EnforceNotMet`` ->
-``std::terminate``), a smaller one never completes.  The format is built around
-that: every receive is posted with a size derived from something already
-validated.
+:func:`validate_header` raises :class:`ProtocolError` naming the peer and the first wrong field.
 
-Messages per work item and (attention rank, FFN rank) pair::
-
-    attention -> FFN   TAG_DISPATCH_HEADER   header (9 x int64)
-                       TAG_DISPATCH_PAYLOAD  n rows of [hidden fp32 x H | weights fp32 x k | ids int32 x k]
-                                             (only when n > 0; n comes from the validated header);
-                                             with ``quant: w8a8`` (kind dispatch-w8a8): n rows of
-                                             [hidden int8 x H | scale fp32 | weights | ids]
-    FFN -> attention   TAG_COMBINE           [header | n rows of fp32 x H] in one message
-                                             (n = what the attention rank dispatched, so it can
-                                             post this receive before the FFN rank even has the data)
-    any -> any         TAG_CONTROL           [header | UTF-8 text]: ABORT (with the reason) or BYE
-
-A re-send after a failover (expert replicas: an FFN rank was lost with the share of
-an item it had not answered) travels on the same tags as a dispatch, with kind
-``redispatch`` (``redispatch-w8a8``): the header names the same item (layer, stage,
-stages) and the token rows of the lost rank's experts only; its combine comes back
-as usual.  The header's ``seq`` is the message's number on its (attention rank, FFN
-rank) pair: equal to the item's seq until a re-send adds a message to a pair.
-
-The header names the work item (layer, stage, seq), the stage count of its step
-(``stages``: 1 for an unsplit step), both ends (src, dst global ranks) and the
-token count.  :func:`validate_header` checks every field against what the
-receiver expects and raises :class:`ProtocolError` naming the peer and the first
-wrong field: a misrouted, reordered, duplicated or foreign message is an error,
-never silently used.  A wrong ``stage`` or ``stages`` is a *stage identity*
-mismatch (one rank ran the step unsplit, the other in two stages; or the stages
-went out in another order): its error names both ranks and both identities
-(``sent layer=0 stage 0 of 2 ... expects layer=0 stage 0 of 1``).
-
-Version 2 (this one) added ``stages``; a version 1 peer fails the magic check.
+See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.wire".
 """
 
 from __future__ import annotations
@@ -63,7 +29,7 @@ KIND_BYE = 4
 #: a dispatch whose hidden rows are per-token int8 with float32 scales (option ``quant: w8a8``); a
 #: different kind, so that ranks configured differently fail on the header, not on the payload size
 KIND_DISPATCH_W8A8 = 5
-#: a re-send of the lost FFN rank's share of an item to a live holder (see the module docstring)
+#: a re-send of the lost FFN rank's share of an item to a live holder (see docs/internals/p2p-transport.md)
 KIND_REDISPATCH = 6
 KIND_REDISPATCH_W8A8 = 7
 KIND_NAMES = {

@@ -1,74 +1,8 @@
 """Per-microbatch AFD transfers, run as work items of the shared executor.
 
-On the Attention side a model layer hands its hidden states to the exchange at
-each AFD point; the exchange turns the call into one
-:class:`~afd_mrv2.items.WorkItem` ``(layer, microbatch, seq)`` and runs it through
-the executor, whose connector hooks (``on_recv`` -> ``on_compute`` -> ``on_send``)
-do the transfer on the executor's streams.  The connector reaches the data through
-two fields of its context (the contract ``simlink`` documents), :attr:`UBatchExchange.source`
-and :attr:`UBatchExchange.sink`:
+:class:`UBatchExchange` (``start`` / ``finish`` / ``exchange``, ``source`` / ``sink``).
 
-* ``source(item) -> Tensor``: the hidden states handed to ``start`` for ``item``;
-* ``sink(item, result)``: where the connector delivers the item's result: the
-  tensor, or a result still in flight (:class:`InFlight`: ``wait()`` returns it,
-  ``delivered_ns`` says when it arrived), which ``finish`` waits for on the caller's
-  thread.  A connector whose receive completes after its ``on_send`` (torch_p2p's
-  round-trip side) hands the latter, so its send stream is free for the next item
-  while this one's result is on its way; it does so only to a sink that declares
-  it takes one (:class:`~afd_mrv2.api.InFlightSink`: this exchange's does), so a
-  third-party connector that wraps the sink keeps receiving tensors.
-
-Each item carries its stage identity, ``stage i of n`` (``WorkItem.stage_idx`` and
-``num_stages``), given by the caller of ``start``: the micro-batch index and the
-step's micro-batch count in a split step, ``0 of 1`` in an unsplit one.  The
-connector puts it on the wire beside the layer; the FFN side follows it
-(``follow_stages`` of torch_p2p), so an engine may split some steps and not others.
-
-Start and finish
-----------------
-A transfer is split the way vLLM's dual-batch overlap splits an all-to-all
-(dispatch, yield, combine)::
-
-    ticket = exchange.start(layer, hidden, stage=(i, n))  # dispatch: enqueue send + receive
-    dbo_yield()                                           # the sibling microbatch computes meanwhile
-    hidden = exchange.finish(ticket)                      # combine: wait for THIS item's result
-
-``start`` submits the item (the executor enqueues its recv, compute and send on
-its streams) and returns; nothing it took is held afterwards, so while the
-transfer is in flight the other microbatch runs freely.  ``finish`` waits for this
-item only (:meth:`Executor.wait_for`: a host wait on the item's ``done`` event,
-never a drain of other items, never a device-wide synchronize; then, for a result
-still in flight, its ``wait()``) and returns the result the connector delivered to
-``sink``.  :meth:`UBatchExchange.exchange` is
-``start`` + ``finish`` for callers that do not overlap.  The host wait in
-``finish`` is the one documented host wait of the Attention side: the model reads
-the result on the host's schedule; an accelerator build could make the compute
-stream wait on the ``done`` event instead.
-
-Threads
--------
-``Executor.submit`` and ``wait_for`` are driven from one thread at a time.  vLLM's
-microbatch threads hand off to each other (``UBatchContext``: a thread runs only
-after the other signalled its event and parks until signalled back), so exactly
-one is between two hand-offs, and the event set/wait orders one thread's calls
-before the next thread's.  The executor therefore sees its calls serialized by
-the hand-off, and submits stay in increasing ``seq`` order.  The lock below
-covers only the submit bookkeeping (seq, pool entry, ``submit``), never the
-in-flight window, so it could not block the sibling even if the threads did not
-hand off.  The connector's ``source`` and ``sink`` run on stream threads; they
-touch only the pool entry of their own item.
-
-Transfer-state pool
--------------------
-Each started, unfinished item holds one pool entry (its hidden states, read by
-``source`` until ``on_recv`` ran, and its result, written by ``sink``).  The
-executor bounds the items in flight to ``depth_in + depth_out`` (its input slots
-gate new items on compute, its output slots gate compute on send), so the pool
-holds ``inputs + outputs`` entries of the executor's allocated buffer counts
-(``MultistreamConfig.buffer_counts``, the most ``depth: auto`` may choose).
-With vLLM's pattern each microbatch has at most one item open, so two microbatches
-need two entries and depth 1 already fits.  A ``start`` beyond the pool raises:
-a microbatch that starts more transfers than that without finishing them is a bug.
+See docs/internals/micro-batching.md, "afd_mrv2.mrv2.attention.exchange".
 """
 
 from __future__ import annotations
@@ -122,7 +56,7 @@ class _Sink(InFlightSink):
 
 
 class UBatchExchange:
-    """The Attention side's AFD transfers; see the module docstring."""
+    """The Attention side's AFD transfers; see docs/internals/micro-batching.md."""
 
     def __init__(self) -> None:
         self._entries: dict[WorkItem, _Entry] = {}  # started, not finished (at most ``capacity``)

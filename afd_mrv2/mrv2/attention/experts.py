@@ -1,26 +1,8 @@
 """The MoE seam: afd-mrv2's out-of-tree replacement of vLLM's ``RoutedExperts`` layer.
 
-vLLM builds every MoE layer's routed experts as ``RoutedExperts(...)``;
-``PluggableLayer.__new__`` looks the class name up in the out-of-tree registry,
-so once :func:`register_routed_experts` ran (the general plugin's ``register()``,
-in every vLLM process) each of them is an :class:`AfdRoutedExperts`.  The layer
-decides what it is while it is constructed, from the current vLLM config's
-``additional_config["afd"]`` (vLLM sets the current config while it builds the
-model):
+:class:`AfdRoutedExperts`, installed by :func:`register_routed_experts`.
 
-* no ``afd`` section, or role ``ffn``: exactly upstream (the only override
-  defers to ``super()``; the FFN role serves ``forward_modular`` of these layers);
-* with an ``afd`` section of either role, the engine's ``VllmConfig`` is admitted first
-  (:func:`~afd_mrv2.mrv2.deployment.admit`: section, plugins, runtime pair, support matrix):
-  a refused one fails the model's construction, before any link exists;
-* role ``attention``: :class:`~afd_mrv2.mrv2.attention.standin.RemoteExpertsMethod`: no
-  routed-expert weights, and each call is one AFD transfer to the FFN role
-  (:mod:`afd_mrv2.mrv2.attention.remote`).
-
-The decision is made in ``_get_quant_method`` (called once, from
-``RoutedExperts.__init__``, before the weights are created).  That is the one
-method overridden; each upstream symbol used is a seam contract in
-:mod:`afd_mrv2.compat.seams`.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.experts".
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class AfdRoutedExperts(RoutedExperts):
-    """vLLM's ``RoutedExperts``, except on the AFD Attention role; see the module docstring."""
+    """vLLM's ``RoutedExperts``, except on the AFD Attention role; see docs/internals/vllm-roles.md."""
 
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig

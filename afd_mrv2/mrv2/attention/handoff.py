@@ -1,23 +1,8 @@
 """The hand-off between micro-batch threads at an AFD exchange, and a split step's abort flag.
 
-No vLLM import here: the upstream hand-off functions come in through :class:`Handoff`
-(a typed adapter the vLLM layer builds from ``vllm.v1.worker.ubatching``; tests build
-one from the stand-ins), and the runner (:mod:`afd_mrv2.mrv2.attention.ubatch_runner`) opens a
-:class:`SplitStep` for each micro-batched step.
+:class:`Handoff`, :class:`SplitStep`, :class:`SiblingFailed`, :class:`MicroBatchFailed`.
 
-At every MoE layer a micro-batch thread (:meth:`afd_mrv2.mrv2.attention.remote.RemoteExperts.exchange`)::
-
-    ticket = exchange.start(...)      # the send
-    step.hand_over(ubatch)            # vLLM's dbo_yield: the sibling runs meanwhile
-    result = exchange.finish(ticket)  # the receive, once control came back
-
-vLLM's hand-off waits have no timeout and upstream's runner parks a sibling forever
-when one micro-batch dies.  Here a micro-batch that fails marks the step
-(:meth:`SplitStep.fail`) *before* its thread leaves its ``UBatchContext`` (whose exit
-wakes the next micro-batch), and every micro-batch checks the mark right after each
-hand-off and before it starts an exchange (:meth:`SplitStep.check`): the sibling wakes,
-sees the failure and ends too, so the step ends with the first failure and no
-thread stays parked.
+See docs/internals/micro-batching.md, "afd_mrv2.mrv2.attention.handoff".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """How much of the Attention side's FFN round trips ran under another micro-batch's compute.
 
-The MoE seam records two kinds of spans per engine step (host ``perf_counter_ns``):
+:class:`OverlapMeter` (``end_step``, ``snapshot``, ``hidden_fraction``).
 
-* a **round trip** per exchange: from ``start`` (the send) to the moment the
-  connector delivered the combined result (the receive completed);
-* a **compute span** per micro-batch and MoE layer: from the moment the
-  micro-batch got the core (its thread started, or a hand-off came back) to the
-  moment it started its next exchange: its attention (and router) work.
-
-:meth:`OverlapMeter.end_step` folds the step's spans into cumulative counters per
-stage count (1: unsplit steps, n: steps split into n micro-batches): the
-**hidden** part of a round trip is its overlap with the union of the *other*
-micro-batches' compute spans (an unsplit step has none, so nothing is hidden
-there).  ``hidden_fraction`` = hidden / round-trip time.  Counters only grow, so
-a caller measures a window as the difference of two :meth:`snapshot` calls.  The
-interval arithmetic is :mod:`afd_mrv2.pipeline.metrics`' (the executor's too).
+See docs/internals/micro-batching.md, "afd_mrv2.mrv2.attention.overlap".
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ class _Totals:
     compute_ns: int = 0
 
     def add_step(self, step: _Step) -> None:
-        """Fold one step's spans in (see the module docstring)."""
+        """Fold one step's spans in (see docs/internals/micro-batching.md)."""
         self.steps += 1
         for ubatch, start, end in step.round_trips:
             others = [(s, e) for u, s, e in step.computes if u != ubatch]

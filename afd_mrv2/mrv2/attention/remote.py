@@ -1,39 +1,8 @@
 """Attention role, model side: each routed-experts call of a vLLM MoE layer as one AFD transfer.
 
-This module holds no vLLM import: :mod:`afd_mrv2.mrv2.attention.experts` (the vLLM layer)
-registers its MoE layers here while the model is constructed and calls
-:func:`remote_routed_experts` from its stand-in quant method's ``apply``.
+:class:`RemoteExperts` and the opaque custom op :func:`remote_routed_experts`.
 
-One :class:`RemoteExperts` per Attention process (``attach`` creates it with the
-first AFD layer, and starts opening the ``p2p_link`` on a thread of its own then:
-its pairs with the FFN ranks' rendezvous runs while vLLM still loads the model,
-never on the model's thread; :mod:`afd_mrv2.mrv2.transport.pairs`).  On the first call
-(vLLM's warm-up forward, or the first request when warm-up is off) it waits for
-that link and builds what every AFD role builds: the shared executor (role attention) with the
-configured connector, and a :class:`~afd_mrv2.mrv2.attention.exchange.UBatchExchange`
-whose ``source`` / ``sink`` the connector reads and fills.  Each call is then one
-work item ``(ordinal, stage, seq)``, where ``ordinal`` is the layer's position among
-the MoE layers and ``stage i of n`` is the calling micro-batch and the step's
-micro-batch count in a split step (:func:`afd_mrv2.mrv2.attention.handoff.current_step`), ``0
-of 1`` otherwise; the FFN side follows the identity on the wire.
-
-Unsplit, a call is one blocking round trip (``start`` + ``finish``).  In a split
-step (a micro-batch thread of :mod:`afd_mrv2.mrv2.attention.ubatch_runner`) a call is::
-
-    ticket = exchange.start(ordinal, routed, stage=(i, n))   # the send
-    step.hand_over(i)                                         # vLLM's dbo_yield: the sibling computes
-    out = exchange.finish(ticket)                             # the receive, when control came back
-
-and when a sibling failed meanwhile (:class:`~afd_mrv2.mrv2.attention.handoff.SiblingFailed`
-after the hand-off) the call waits for its own round trip (so no transfer is left
-half-done in the pool) and ends its micro-batch.  Every call records its round trip
-and the compute span before it in an :class:`~afd_mrv2.mrv2.attention.overlap.OverlapMeter`.
-
-:func:`remote_routed_experts` is a ``torch.library.custom_op``: Dynamo and
-Inductor see one opaque node (its fake implementation returns ``empty_like(x)``),
-so vLLM's ``torch.compile`` of the Attention model neither traces into the
-transport (which would be a fatal graph break under vLLM's fullgraph compile) nor
-runs it while tracing; every compiled execution runs the real transfer.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.remote".
 """
 
 from __future__ import annotations
@@ -117,7 +86,7 @@ class _Session:
 
 
 class RemoteExperts:
-    """The Attention process's AFD side; see the module docstring.
+    """The Attention process's AFD side; see docs/internals/vllm-roles.md.
 
     :param config: the parsed ``afd`` section (role attention).
     :param max_tokens: the most tokens one forward hands a MoE layer (vLLM's
@@ -189,7 +158,7 @@ class RemoteExperts:
     def exchange(
         self, layer_index: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The routed experts' output for ``x``, computed by the FFN role (see the module docstring)."""
+        """The routed experts' output for ``x``, computed by the FFN role (see docs/internals/vllm-roles.md)."""
         session = self._open()
         ordinal = self._order.index(layer_index)
         step = self.split_step()

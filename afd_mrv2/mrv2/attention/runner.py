@@ -1,44 +1,8 @@
 """The Attention-side runner: the platform's V2 model runner, extended by subclassing.
 
-:func:`attention_runner_class` builds ``AfdAttention<Base>``, a subclass of the
-platform runner the compat decision chose (vLLM's ``GPUModelRunner`` on CUDA, its V2
-``CPUModelRunner`` on CPU, vLLM-Ascend's ``NPUModelRunner`` on Ascend), through the
-typed :class:`~afd_mrv2.mrv2.upstream.Upstream` adapter.  One runner on every
-platform: the model's MoE layers carry the transfers (vLLM builds every
-routed-experts layer as afd-mrv2's out-of-tree replacement,
-:mod:`afd_mrv2.mrv2.attention.experts`, which hands each call to the process's
-:class:`~afd_mrv2.mrv2.attention.remote.RemoteExperts`).  It copies no upstream code and
-overrides four methods:
+:func:`attention_runner_class` builds ``AfdAttention<Base>``.
 
-``__init__(vllm_config, device, ...)``
-    admits its ``VllmConfig`` (:func:`afd_mrv2.mrv2.deployment.admit`: the ``afd`` section,
-    its plugins, the runtime pair and the support matrix)
-    **before** calling the upstream constructor, so a bad config, an unsupported
-    combination or a refused pair fails before any upstream state exists.
-``load_model(...)``
-    upstream's, then forward hooks (torch's ``register_forward_pre_hook`` /
-    ``register_forward_hook`` on the loaded model) that time unsplit forwards.
-``initialize_kv_cache(kv_cache_config, *args, **kwargs)``
-    upstream's, then it checks that the loaded model built its AFD MoE layers (else
-    the afd-mrv2 vLLM plugin was not loaded in this process, e.g. ``VLLM_PLUGINS``
-    leaves it out) and holds that session as ``afd_remote``.  With
-    ``afd.ubatch.num_ubatches`` N > 1 it then installs micro-batching, which upstream
-    never builds at DP 1: each attention group's metadata builders are rebuilt N
-    times over (upstream's own ``AttentionGroup.create_metadata_builders``, the
-    count upstream would pass with its DBO flags; why not ``--ubatch-size N`` plus an
-    inert all-to-all backend: docs/vllm.md, "Micro-batching"), ``ubatch_runner``
-    becomes afd-mrv2's micro-batch runner (:mod:`afd_mrv2.mrv2.attention.ubatch_runner`, its
-    compute/comm streams from the connector's ``create_streams``), and
-    ``cudagraph_manager`` a subclass of the one upstream built whose ``dispatch``
-    asks the :class:`~afd_mrv2.mrv2.attention.split_policy.SplitPolicy`.  ``*args/**kwargs``
-    pass through: vLLM 0.33 takes ``is_profiling`` and
-    ``kv_cache_allocation_context``, vLLM-Ascend's override takes neither.
-``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``
-    upstream's, with the split policy paused in dummy runs, then the step's
-    accounting (:class:`~afd_mrv2.mrv2.attention.step_stats.StepStats`: split or not, batch
-    kind, forward time; the round-trip overlap of the step).
-
-``afd_close`` ends the AFD session and deactivates the split policy.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.runner".
 """
 
 from __future__ import annotations
@@ -66,7 +30,7 @@ else:
 
 
 class AfdAttentionRunnerMixin(_RunnerBase):
-    """Mixed in before the platform runner; see the module docstring."""
+    """Mixed in before the platform runner; see docs/internals/vllm-roles.md."""
 
     _afd_upstream: Upstream
     _afd_gate: Gate | None = None
@@ -136,7 +100,7 @@ class AfdAttentionRunnerMixin(_RunnerBase):
     # ------------------------------------------------------------------ micro-batching
 
     def _afd_install_ubatching(self, remote: RemoteExperts) -> None:
-        """Per-micro-batch metadata builders, afd-mrv2's micro-batch runner and split policy (module docstring)."""
+        """Per-micro-batch metadata builders, afd-mrv2's micro-batch runner and split policy (docs/internals/vllm-roles.md)."""
         assert self.afd_config is not None
         n = self.afd_config.ubatch.num_ubatches
         api = type(self)._afd_upstream.ubatch

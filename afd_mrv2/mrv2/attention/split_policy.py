@@ -1,17 +1,8 @@
 """At data parallelism 1, afd-mrv2's policy decides whether an engine step is split into micro-batches.
 
-vLLM asks its CUDA-graph manager for a step's batch descriptor
-(``dispatch_cg_and_sync_dp`` -> ``ModelCudaGraphManager.dispatch``); at DP 1 that
-descriptor alone decides the split (``num_ubatches > 1`` makes ``execute_model``
-call the runner's ``ubatch_runner.prepare`` and ``run``), and upstream never asks
-for more than one micro-batch there.  :func:`afd_graph_manager_class` subclasses
-the manager upstream built and overrides only ``dispatch``: a step asked for with one
-micro-batch gets ``SplitPolicy.num_ubatches(...)`` instead: ``afd.ubatch.num_ubatches``
-at or above the step kind's token threshold, else 1.  Only while the policy is
-active (the Attention runner activates it once its micro-batch runner exists and
-deactivates it when the AFD session ends) and not inside a dummy run
-(:meth:`SplitPolicy.paused`): profile runs take an eager descriptor of their own
-and never reach ``dispatch``.
+:class:`SplitPolicy` and :func:`afd_graph_manager_class`.
+
+See docs/internals/micro-batching.md, "afd_mrv2.mrv2.attention.split_policy".
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from afd_mrv2.config import UBatchConfig
 
 
 class SplitPolicy:
-    """How many micro-batches a step runs in; see the module docstring."""
+    """How many micro-batches a step runs in; see docs/internals/micro-batching.md."""
 
     def __init__(self, config: UBatchConfig, *, decode_query_len: int) -> None:
         self.config = config

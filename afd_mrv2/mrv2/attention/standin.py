@@ -1,37 +1,8 @@
 """Stand-in quant methods for routed-experts layers that hold no expert weights.
 
-vLLM's ``RoutedExperts.__init__`` asks its quant method to create the expert
-parameters, and the checkpoint loader fills them by name: through
-``RoutedExperts.load_weights`` (``param.weight_loader(param=..., ...,
-return_success=True)``) or, in model-specific loaders such as DeepSeek-V2's,
-``params_dict[name].weight_loader(param, weight, name, shard_id=..., expert_id=...,
-return_success=True)``.  A layer that must not hold the weights therefore keeps
-parameters **named as upstream's** (``w13_weight``, ``w2_weight``, plus
-``w13_bias`` / ``w2_bias`` when the MoE has biases) but with 0 elements, whose
-loader reads nothing, keeps nothing and reports success for both call styles.
+:class:`RemoteExpertsMethod`: the Attention role's, one AFD round trip per ``apply``.
 
-The MoE runner reads the quant method around the seam (``is_monolithic``,
-``topk_indices_dtype``, ``mk_can_overlap_shared_experts``, ...); most derive from
-``moe_kernel``, which stays None here, so the runner routes on this process and
-calls ``forward_modular`` -> ``apply``.
-
-Shared experts (Qwen2-MoE, DeepSeek): vLLM's ``SharedExperts`` keeps a pending
-output in one slot (index ``dbo_current_ubatch_id()`` only if its own DBO flag was
-set when the layer was built, which afd-mrv2 leaves off; else 0).  Were the runner
-to run them before ``apply`` (``SharedExpertsOrder.NO_OVERLAP``), a micro-batch
-that hands over inside ``apply`` would let its sibling run its own shared experts
-into the same occupied slot (``assert self._output[0] is None``).  So the
-Attention-side method declares that it overlaps the shared experts internally
-(``mk_can_overlap_shared_experts`` True: the runner hands them to ``apply`` as
-``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED`` and skips its own call) and runs
-them itself after the routed round trip returned, on the same thread with no
-hand-off between writing the slot and the runner reading it.  Where the runner
-disables that overlap (EPLB with an unsafe backend, sequence-parallel layers) it
-runs them itself first and the call here does nothing: micro-batching is refused
-there by the support matrix (SP) or never reached (EPLB is not an AFD path).
-
-* :class:`RemoteExpertsMethod`: the Attention role; ``apply`` is one AFD round
-  trip through the opaque ``afd_mrv2::remote_routed_experts`` op.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.standin".
 """
 
 from __future__ import annotations
@@ -105,13 +76,13 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         del layer
         routed = self.routed(x, topk_weights, topk_ids)
-        if shared_experts is not None:  # after the round trip, on this thread (module docstring)
+        if shared_experts is not None:  # after the round trip, on this thread (docs/internals/vllm-roles.md)
             shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
         return routed
 
     @property
     def mk_can_overlap_shared_experts(self) -> bool:
-        """True: ``apply`` runs the shared experts itself, after the routed experts (module docstring)."""
+        """True: ``apply`` runs the shared experts itself, after the routed experts (docs/internals/vllm-roles.md)."""
         return True
 
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

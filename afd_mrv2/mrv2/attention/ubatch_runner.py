@@ -1,54 +1,8 @@
 """afd-mrv2's own micro-batch runner for vLLM's ModelRunner V2: device-generic, at data parallelism 1.
 
-vLLM's ``UBatchRunner`` (``vllm.v1.worker.gpu.ubatch_utils``) cannot be built on CPU
-or Ascend: its constructor builds an SM-control context that asserts CUDA/ROCm and
-two ``torch.cuda.Stream`` s; its per-micro-batch forward contexts come from
-``DPMetadata.make``, which asserts data parallelism > 1; and each of its threads
-calls ``torch.accelerator.set_device_index(device.index)``, which on CPU (index
-None) kills the thread before its barrier, so the step hangs.  And when one
-micro-batch dies mid-forward, its sibling stays parked on a hand-off that never
-comes.
+:func:`afd_ubatch_runner_class` subclasses upstream's ``UBatchRunner``.
 
-:func:`afd_ubatch_runner_class` subclasses it (upstream's class comes in through the
-typed adapter :class:`~afd_mrv2.mrv2.upstream.UBatchApi`) and keeps every
-device-free piece as it is: ``prepare`` (with ``create_ubatch_slices`` and the
-slicing helpers it calls), ``run``, ``abort_pending_run``, ``slice_model_inputs``,
-``make_ubatch_contexts`` and ``merge_ubatch_outputs``.  Three pieces are its own:
-
-``__init__``
-    sets the attributes upstream's ``prepare`` and ``run`` read (``num_ubatches``,
-    ``ubatch_query_start_loc``, ``ubatch_seq_lens``, ``ubatch_dcp_local_seq_lens``,
-    ``dcp_size``, ``dcp_rank``, ``cp_interleave``, ``model_state``, ``attn_groups``,
-    ``kv_cache_config``, ``vllm_config``, ``parallel_config``, ``device``,
-    ``ready_barrier``, ``_pending_finish``; each a seam contract) and nothing else:
-    no SM control, no CUDA stream.  The micro-batch count is afd-mrv2's
-    (``afd.ubatch.num_ubatches``), not ``parallel_config.num_ubatches`` (0 without
-    vLLM's DBO flags).  Decode- and prefill-context parallelism are refused by the
-    support matrix, so ``dcp_size`` is 1.
-``_make_forward_contexts``
-    one forward context per micro-batch from ``create_forward_context`` with no DP
-    metadata (the engine runs at DP 1: there is no expert all-to-all among DP
-    ranks to size).
-``begin_capturable_run``
-    the thread launcher.  Each micro-batch runs on its own thread under
-    ``torch.inference_mode()``; the thread's device is selected only through the
-    device backend (:meth:`~afd_mrv2.devices.base.DeviceBackend.bind_thread`); the
-    calling thread holds ``override_forward_context(None)`` until the threads
-    joined.  Streams: the ``compute`` and ``comm`` streams from the connector's
-    ``create_streams`` hook; on the host backend (no native stream), the caller's
-    current stream for both, which inside a vLLM CPU worker is vLLM's own
-    placeholder: only plain ``dbo_yield`` hand-offs apply there.  A failing
-    micro-batch marks the step (:class:`~afd_mrv2.mrv2.attention.handoff.SplitStep`) before
-    its thread leaves its ``UBatchContext``, whose exit wakes the next micro-batch;
-    the MoE seam checks the mark after every hand-off, so every sibling ends, the
-    ready barrier is never broken and vLLM's process-wide micro-batch registry is
-    empty again (``dbo_enabled()`` False) when the step raises
-    :class:`~afd_mrv2.mrv2.attention.handoff.MicroBatchFailed`, which names the micro-batch
-    and the cause.  Graph capture of split steps is not built (``for_capture``
-    raises; the support matrix requires eager).
-
-Nothing is assigned into upstream's classes or modules: the subclass is ours, built
-per upstream base class.
+See docs/internals/micro-batching.md, "afd_mrv2.mrv2.attention.ubatch_runner".
 """
 
 from __future__ import annotations
@@ -159,7 +113,7 @@ class _SplitRun:
 
 
 class AfdUBatchRunnerMixin:
-    """Mixed in before upstream's ``UBatchRunner``; see the module docstring."""
+    """Mixed in before upstream's ``UBatchRunner``; see docs/internals/micro-batching.md."""
 
     _afd_api: UBatchApi
 

@@ -1,32 +1,8 @@
 """The vLLM workers that build the AFD Attention runner: ``--worker-cls afd_mrv2.mrv2.attention.worker.AfdWorker``.
 
-One name for every platform, resolved lazily from the installed runtime (the compat
-decision must accept it), and one composition
-(:func:`~afd_mrv2.mrv2.attention.runner.attention_runner_class`, over the platform's V2 runner,
-whose MoE layers carry the transfers through the same MoE seam, micro-batched or not:
-``afd.ubatch``).  Upstream builds the model runner in one of two shapes:
+:func:`afd_worker_class`, :func:`afd_init_device_worker_class` (``AfdCPUWorker`` is deprecated).
 
-* vLLM 0.33.0's CUDA ``Worker`` constructs it in ``_make_model_runner()`` ("subclasses
-  override this"; seam ``Worker._make_model_runner``, capability
-  ``worker_runner_factory``).  :func:`afd_worker_class` subclasses the worker and
-  overrides only that method: under the V2 runner (``use_v2_model_runner``) with an
-  ``afd`` section of role ``attention`` it builds the Attention runner, else it defers
-  to upstream.
-* vLLM's ``CPUWorker`` (and vLLM-Ascend's ``NPUWorker``) build it inline in
-  ``init_device()`` (seams ``CPUWorker.init_device`` and the V2
-  ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, capability ``mrv2``).
-  :func:`afd_init_device_worker_class` subclasses the worker and overrides only
-  ``init_device``: upstream's runs first (device, threads, distributed set-up, the
-  runner); then, under the V2 runner with role ``attention``, ``self.model_runner``
-  becomes the Attention runner composed over the platform's V2 runner, built from the
-  same ``(vllm_config, device)``.  The runner upstream built is dropped before
-  ``load_model``: nothing has used it yet.
-
-Every composition is named ``AfdWorker`` (what ``--worker-cls`` names, so the class resolves and
-pickles by its qualified name).  Under the V1 runner every worker is upstream's unchanged (the MoE seam carries AFD
-there, unsplit, without any runner of afd-mrv2's).  ``AfdCPUWorker`` is the former
-name of the CPU composition, kept with a ``DeprecationWarning``.  The worker
-extension's ``afd_runner_info`` reports, from inside the worker, which runner it holds.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.worker".
 """
 
 from __future__ import annotations
@@ -63,7 +39,7 @@ def afd_init_device_worker_class(
     base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None
 ) -> type:
     """``base_worker`` (vLLM's ``CPUWorker``, vLLM-Ascend's ``NPUWorker``) whose ``init_device`` installs the
-    Attention runner under the V2 runner; see the module docstring.
+    Attention runner under the V2 runner; see docs/internals/vllm-roles.md.
 
     ``upstream`` is called only when the composition is built (the V2 runner's modules
     import Triton, which a V1 CPU worker must not need).
@@ -98,7 +74,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _afd_worker() -> type:
-    """The installed platform's AFD worker (see the module docstring)."""
+    """The installed platform's AFD worker (see docs/internals/vllm-roles.md)."""
     from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected, vllm_path_capabilities
 
     # moe_seam always, mrv2 when V2 is selected (the runner checks again from the engine's own config)

@@ -1,16 +1,6 @@
-"""The FFN role's engine ends with its role process.
+"""The FFN role's engine ends with its role process: :data:`LEADER_KEY`, :func:`watch_role_leader`.
 
-``python -m afd_mrv2.mrv2.ffn.role`` builds a vLLM engine whose EngineCore and
-worker are child processes; vLLM gives them no way to notice that the role
-process (the leader) died.  Killed with SIGKILL, the leader left them alive and
-still serving the Attention role (found under ``afd-mrv2 serve``, which kills
-the whole process group anyway; a role started by hand had no such help).  The
-leader puts its pid in the engine's ``additional_config`` (:data:`LEADER_KEY`,
-beside the ``afd`` section) before it builds the engine; the worker that serves
-the experts watches it (:func:`watch_role_leader`) and, when it is gone, ends
-the role's process group (it is the leader's own group when the leader started
-it, as ``afd-mrv2 serve`` and an interactive shell do), or else only its own
-process.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.ffn.leader".
 """
 
 from __future__ import annotations

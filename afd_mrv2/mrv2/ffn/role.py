@@ -1,33 +1,8 @@
 """Start an FFN role process: ``python -m afd_mrv2.mrv2.ffn.role MODEL [--afd JSON] [--engine-args JSON] [-- VLLM ARGS]``.
 
-Builds a vLLM engine (offline ``LLM``) on MODEL with ``additional_config={"afd":
-AFD}`` (role ``ffn``) and afd-mrv2's worker extension, so vLLM loads the
-checkpoint the normal way; then asks the worker, through ``collective_rpc``, to
-serve the routed experts (:meth:`AfdWorkerExtension.afd_ffn_serve`) until the
-Attention role leaves.
+Start it before the Attention engine (docs/vllm.md).
 
-Start it BEFORE the Attention engine: the Attention engine's warm-up forward
-already reaches the FFN (docs/vllm.md).  Output, one line each on stdout::
-
-    afd-mrv2 ffn: ready pid=<pid>            the engine is built; the worker opens the link next
-    afd-mrv2 ffn: done {...}                 the session's report (JSON), when the Attention role left
-
-``--engine-args`` is a JSON object of extra ``LLM(...)`` keyword arguments
-(``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ...), the same the
-Attention engine gets.  VLLM ARGS after ``--`` are vLLM engine arguments as
-``vllm serve`` takes them (``--dtype float32 --max-model-len 256 ...``, what
-``afd-mrv2 serve`` passes every role), parsed by vLLM's own parser
-(``EngineArgs.add_cli_args``); the ones given explicitly become ``LLM(...)``
-keyword arguments under ``--engine-args``; arguments that are not engine
-arguments (front-end ones such as ``--api-key``) are ignored with a line on
-stderr.  The ``afd`` section is ``--afd``, else the ``afd`` key of an
-``--additional-config`` among VLLM ARGS (whose other keys are kept).
-``enforce_eager`` defaults to true here: the FFN engine runs no model forward
-of its own beyond vLLM's start-up.  Before it builds the engine, the ``VllmConfig``
-these arguments make is admitted (:func:`afd_mrv2.mrv2.deployment.admit`: section,
-plugins, runtime pair, routed experts that shard over the FFN ranks, support matrix).
-Exit status: 0 after a session, 2 for a bad ``--afd`` or VLLM ARGS or an
-unsupported combination (one line, nothing started).
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.ffn.role".
 """
 
 from __future__ import annotations

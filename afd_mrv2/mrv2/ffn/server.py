@@ -1,51 +1,8 @@
 """FFN role, serving side: the shared executor's FFN loop around the real routed experts.
 
-No vLLM import here: the FFN worker (:mod:`afd_mrv2.mrv2.extension`) hands
-:func:`serve_ffn` one callable per MoE layer, in model order (each is vLLM's own
-``RoutedExperts.forward_modular`` of the loaded model: vLLM's loader, quant
-method and kernel), and this module runs what every AFD FFN rank runs: the
-``p2p_link`` (a pair per Attention rank, :mod:`afd_mrv2.mrv2.transport`), the executor
-(role ffn) with the configured connector, driven by :class:`~afd_mrv2.mrv2.ffn.loop.FfnLoop`;
-:class:`FfnServer` holds the session, :func:`serve_ffn` runs it.
+:class:`FfnServer`, :func:`serve_ffn`, :class:`FfnReport`, :func:`local_routing`.
 
-One executor and loop per Attention rank.  On the vLLM path every Attention rank
-is an independent engine that steps on its own clock, so the FFN rank serves each
-one's items as they arrive: attention rank ``a``'s loop (its own thread, its own
-executor, the connector narrowed to that peer with the ``attention_peers``
-resource) never waits for another rank's item, and an idle Attention engine
-stalls nobody.  The expert computations of all loops take turns on one lock: the
-experts are one device's work (one compute stream, or the CPU's cores).
-
-Links: each loop runs on a pair of its own, a two-rank group with its Attention
-rank's current incarnation
-(:meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.join_pair`; the loop's thread
-joins it, so an engine that starts late stalls only its own loop).
-
-Work item ``k`` of an Attention rank (on its pair) has seq ``k``; its MoE layer and stage
-identity (``stage i of n``) come from the Attention side's header (torch_p2p's
-``follow_stages``): an engine decides alone whether a step is split, so the FFN
-side accepts both stage counts, step by step, and checks the order (stages of a
-layer in order, layers in order, a new stage count only where a step begins).
-
-Experts on several FFN ranks: FFN rank ``f`` holds ``topology.held_by(f)`` (its
-block, and with expert replicas the blocks before it around the ring).  Top-k
-entries outside them weigh 0 here, and so do entries the Attention side routed to
-another holder (it sends them with weight 0; the Attention side sums the ranks'
-partial outputs).  With ``local_experts_only`` the callables hold only those
-experts' weights (the worker cut the others away after loading), so ids are also
-mapped onto the kept experts' positions (:func:`local_routing`: an entry not
-computed here weighs 0 and points at its row's first expert computed here).
-
-An Attention rank that leaves (its process exits or fails) ends the loop serving it:
-the connector reports the lost peer and that loop's executor stops.  The other loops
-go on serving their engines (faults are scoped to a pair), and the session ends when
-the last loop ended.  With ``afd.rendezvous: external`` (under ``afd-mrv2 serve``) a
-loop's thread then waits for its Attention rank's next incarnation (a restarted
-engine) and serves it on a new pair; the session ends once the store's stop key is
-set and every loop ended.  A loop that fails on its own (a bad header, say, while
-its peer lives) aborts every loop's link, which tells every peer why, and the session
-ends: the other loops get ``grace_s`` to end, then their links are aborted again.
-:func:`serve_ffn` returns a :class:`FfnReport` saying how each loop ended.
+See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.ffn.server".
 """
 
 from __future__ import annotations
@@ -132,7 +89,7 @@ def local_routing(
     topk_ids: torch.Tensor, weights: torch.Tensor, held: Sequence[int], num_experts: int, *, shift: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids and weights as this FFN rank computes them, holding the experts ``held`` (ascending;
-    see the module docstring).
+    see docs/internals/vllm-roles.md).
 
     A pair this rank does not compute (its expert is not held here, or the Attention side routed it to
     another holder and sent it with weight 0) weighs 0 and is pointed at the expert of its row's first
@@ -168,7 +125,7 @@ def serve_ffn(
     local_experts_only: bool = False,
     grace_s: float = 10.0,
 ) -> FfnReport:
-    """Serve ``experts`` to the Attention ranks until they leave; see the module docstring.
+    """Serve ``experts`` to the Attention ranks until they leave; see docs/internals/vllm-roles.md.
 
     :param max_tokens: the most tokens one Attention forward hands a MoE layer.
     :param dtype: the dtype the experts compute in (the wire carries fp32).
@@ -193,7 +150,7 @@ def serve_ffn(
 
 @final
 class FfnServer:
-    """One FFN rank's serving session (see the module docstring), in named steps: :meth:`run` opens the
+    """One FFN rank's serving session (see docs/internals/vllm-roles.md), in named steps: :meth:`run` opens the
     rendezvous store and registers this process (:meth:`open`), starts one thread per Attention rank in
     :meth:`attend` (that rank's incarnations, each served by a loop from :meth:`make_loop` in
     :meth:`serve`), then waits for the session (:meth:`wait`) and ends it (:meth:`shut_down`).

@@ -1,33 +1,6 @@
 """The links torch_p2p runs on when AFD roles are vLLM processes: one two-rank group per pair.
 
-A vLLM worker already owns torch.distributed's default group (its own TP/PP/DP
-groups), so the AFD link must not touch it.  Each role process joins groups of its
-own through the rendezvous store on ``afd.host:afd.port``
-(:class:`~afd_mrv2.mrv2.transport.store.RendezvousStore`) and wraps them in the
-:class:`~afd_mrv2.hooks.p2p.link.PeerLink` the torch_p2p connector needs as its
-``p2p_link`` resource.  vLLM's groups are never read or changed.
-
-**One gloo group per (Attention rank, FFN rank) pair**
-(:meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.join_pair`), named by the two
-processes' *incarnations* (``a{a}.{i}-f{f}.{j}``), counters in the store each process
-bumps when it opens its link.  So a peer that dies touches only its pairs, and a
-restarted process (a new incarnation) builds new pairs, never reusing a dead one's.
-Item numbering (the wire header's ``seq``) is per pair, from 0.  A side waiting for
-its peer never blocks on a peer that is gone: it re-reads the peer's incarnation and
-follows a newer one.
-
-The store: with ``afd.rendezvous: ffn0`` (the default) FFN rank 0 hosts it (it starts
-first: the Attention engine's warm-up forward already reaches the FFN, docs/vllm.md); with
-``external`` someone else does (``afd-mrv2 serve``'s supervisor, which outlives every
-role), every role is a client, and restarted roles rejoin: an FFN rank serves each
-Attention rank's next incarnation after the last one left, until the store's stop key
-is set (:meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.request_stop`).
-
-Timeouts: a serving FFN rank waits for the next item as long as its Attention
-engines stay idle, so each group's own timeout (on expiry gloo aborts the whole
-group, not one wait) is ``idle_timeout_s`` (default one week).  Dead peers are still
-noticed at once through PeerLink's control channel, and stalled ones through the
-connector's ``recv_timeout_s`` / ``send_timeout_s`` where a reply is due.
+See docs/internals/p2p-transport.md, "afd_mrv2.mrv2.transport.pairs".
 """
 
 from __future__ import annotations
