@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from afd_mrv2.mrv2.attention.handoff import Handoff
 
@@ -39,8 +39,31 @@ class UBatchApi:
     create_forward_context: Callable[..., Any]
     override_forward_context: Callable[[Any], Any]
     current_stream: Callable[[], Any]
-    graph_manager: type
+    graph_manager: type[GraphManagerSurface]
     handoff: Handoff
+
+
+class GraphManagerSurface(Protocol):
+    """What afd-mrv2 uses of upstream's ``ModelCudaGraphManager`` (seams in :mod:`afd_mrv2.compat.ubatch_seams`):
+    the fields the composed manager is rebuilt from and ``dispatch``; the batch descriptor it returns is passed
+    through unread."""
+
+    cudagraph_mode: object
+    decode_query_len: int
+    lora_capture_cases: object
+    varlen_decode: bool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        num_active_loras: int,
+        max_query_len: int | None = None,
+        num_ubatches: int = 1,
+    ) -> object: ...
 
 
 class V2RunnerSurface:
@@ -58,7 +81,7 @@ class V2RunnerSurface:
     kernel_block_sizes: list[int]
     attn_groups: list[list[Any]]
     max_num_reqs: int
-    cudagraph_manager: Any
+    cudagraph_manager: GraphManagerSurface
     ubatch_runner: Any
     execute_model_state: Any
 

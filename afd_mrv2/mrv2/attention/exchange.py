@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +37,11 @@ class Ticket:
 class _Entry:
     """One pool entry: an item's hidden states and, once delivered, its result and when."""
 
-    hidden: Any
-    result: Any = _NO_RESULT
+    hidden: object  # the payload ``start`` took, handed to the connector unread
+    result: Any = _NO_RESULT  # the connector's result (the hook API's ``sink`` takes Any)
     delivered_ns: int = 0
 
-    def deliver(self, result: Any) -> None:
+    def deliver(self, result: object) -> None:
         self.result = result
         self.delivered_ns = time.perf_counter_ns()
 
@@ -48,10 +49,10 @@ class _Entry:
 class _Sink(InFlightSink):
     """The ``sink``: ``finish`` waits for an :class:`InFlight` result, so it declares it takes one."""
 
-    def __init__(self, deliver: Any) -> None:
+    def __init__(self, deliver: Callable[[WorkItem, object], None]) -> None:
         self._deliver = deliver
 
-    def __call__(self, item: WorkItem, result: Any) -> None:
+    def __call__(self, item: WorkItem, result: object) -> None:
         self._deliver(item, result)
 
 
@@ -69,11 +70,11 @@ class UBatchExchange:
         #: the connector's ``sink`` (a context field): where it delivers each item's result
         self.sink: InFlightSink = _Sink(self._deliver)
 
-    def source(self, item: WorkItem) -> Any:
+    def source(self, item: WorkItem) -> object:
         """The connector's ``source`` (a context field): the hidden states handed to ``start`` for ``item``."""
         return self._entries[item].hidden
 
-    def resources(self) -> dict[str, Any]:
+    def resources(self) -> dict[str, object]:
         """``source`` and ``sink`` by name (hook API 1's ``resources`` form)."""
         return {"source": self.source, "sink": self.sink}
 
@@ -90,14 +91,14 @@ class UBatchExchange:
 
     # ------------------------------------------------------------------ the connector's delivery
 
-    def _deliver(self, item: WorkItem, result: Any) -> None:
+    def _deliver(self, item: WorkItem, result: object) -> None:
         entry = self._entries.get(item)
         if entry is not None:  # None only after finish gave up on a failed pipeline
             entry.deliver(result)
 
     # ------------------------------------------------------------------ the model's calls
 
-    def start(self, layer_idx: int, hidden_states: Any, *, stage: tuple[int, int] = (0, 1)) -> Ticket:
+    def start(self, layer_idx: int, hidden_states: object, *, stage: tuple[int, int] = (0, 1)) -> Ticket:
         """Enqueue the AFD transfer of ``hidden_states`` for this layer and ``stage`` ``(i, n)``: stage i of n."""
         executor = self._require_executor()
         with self._lock:
@@ -146,7 +147,7 @@ class UBatchExchange:
             return value, entry.result.delivered_ns
         return entry.result, entry.delivered_ns
 
-    def exchange(self, layer_idx: int, hidden_states: Any, *, stage: tuple[int, int] = (0, 1)) -> Any:
+    def exchange(self, layer_idx: int, hidden_states: object, *, stage: tuple[int, int] = (0, 1)) -> Any:
         """``start`` + ``finish``: the transfer for callers that do not overlap."""
         return self.finish(self.start(layer_idx, hidden_states, stage=stage))
 

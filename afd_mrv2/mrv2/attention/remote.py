@@ -199,7 +199,8 @@ class RemoteExperts:
         failovers = log.count if log is not None else 0
         self._live.maybe_write(force=failovers != self._failovers_seen)  # a failover is shown at once
         self._failovers_seen = failovers
-        return out.to(device=x.device, dtype=x.dtype)
+        routed: torch.Tensor = out.to(device=x.device, dtype=x.dtype)  # the connector's result is untyped
+        return routed
 
     def live_stats(self) -> AttentionFigures:
         """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.live_stats`)."""

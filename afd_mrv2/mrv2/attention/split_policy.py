@@ -10,9 +10,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from afd_mrv2.config import UBatchConfig
+
+if TYPE_CHECKING:
+    from afd_mrv2.mrv2.upstream import GraphManagerSurface
+
+    class _AfdGraphManager(GraphManagerSurface, Protocol):
+        afd_policy: SplitPolicy
 
 
 class SplitPolicy:
@@ -50,29 +56,29 @@ class SplitPolicy:
         return self.config.split(num_tokens, uniform_decode=uniform_token_count == self.decode_query_len)
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[type[GraphManagerSurface], type[GraphManagerSurface]] = {}
 
 
-def afd_graph_manager_class(base: type) -> type:
+def afd_graph_manager_class(base: type[GraphManagerSurface]) -> type[GraphManagerSurface]:
     """``Afd<ModelCudaGraphManager>``: ``base`` whose ``dispatch`` asks a :class:`SplitPolicy` (cached per base).
 
     Constructed with upstream's arguments plus ``policy=``.
     """
     if base not in _CLASSES:
 
-        def __init__(self: Any, *args: Any, policy: SplitPolicy, **kwargs: Any) -> None:
+        def __init__(self: _AfdGraphManager, *args: object, policy: SplitPolicy, **kwargs: object) -> None:
             self.afd_policy = policy
             base.__init__(self, *args, **kwargs)
 
         def dispatch(
-            self: Any,
+            self: _AfdGraphManager,
             num_reqs: int,
             num_tokens: int,
             uniform_token_count: int | None,
             num_active_loras: int,
             max_query_len: int | None = None,
             num_ubatches: int = 1,
-        ) -> Any:
+        ) -> object:
             if num_ubatches == 1:
                 num_ubatches = self.afd_policy.num_ubatches(num_tokens, uniform_token_count)
             return base.dispatch(

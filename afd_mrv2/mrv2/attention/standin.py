@@ -65,7 +65,7 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         del layer  # nothing was loaded
 
-    def apply(  # type: ignore[override]
+    def apply(
         self,
         layer: torch.nn.Module,
         x: torch.Tensor,
@@ -95,4 +95,5 @@ class RemoteExpertsMethod(WeightlessExpertsMethod):
 
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         assert remote.OP_NAME == "afd_mrv2::remote_routed_experts"
-        return torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)
+        routed: torch.Tensor = torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)
+        return routed

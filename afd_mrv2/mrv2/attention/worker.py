@@ -31,7 +31,9 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
             return runner_cls(self.vllm_config, self.device)
         return super(cls, self)._make_model_runner()
 
-    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner})
+    cls: type[Any] = type(
+        "AfdWorker", (base_worker,), {"__module__": __name__, "_make_model_runner": _make_model_runner}
+    )
     return cls
 
 
@@ -52,7 +54,7 @@ def afd_init_device_worker_class(
             runner_cls = attention_runner_class(upstream(), gate=gate)
             self.model_runner = runner_cls(self.vllm_config, self.device)
 
-    cls = type("AfdWorker", (base_worker,), {"__module__": __name__, "init_device": init_device})
+    cls: type[Any] = type("AfdWorker", (base_worker,), {"__module__": __name__, "init_device": init_device})
     return cls
 
 
