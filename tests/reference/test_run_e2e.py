@@ -78,7 +78,10 @@ def check_correct(report: dict, modes: tuple[str, ...] = ("serialized", "multist
 
 @pytest.fixture(scope="module")
 def skewed_2a1f(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_json(tmp_path_factory.mktemp("run"), "--attention", "2", "--ffn", "1", "--routing", "skewed")
+    """2A1F, skewed routing, torch_p2p over gloo with a simulated 3 ms per transfer (the connector's own
+    ``sim_latency_us``: the same transport, slower): one run for the routing test and the trace test."""
+    args = ("--attention", "2", "--ffn", "1", "--routing", "skewed", "--link", "sim", "--sim-latency-us", "3000")
+    return run_json(tmp_path_factory.mktemp("run"), *args)
 
 
 def test_2a1f_skewed_routing_matches_the_reference(skewed_2a1f: dict) -> None:
@@ -134,9 +137,14 @@ def _overlapping_triple(spans: list[dict]) -> tuple[dict, dict, dict] | None:
     return None
 
 
-def test_trace_shows_recv_compute_send_of_different_items_overlapping_on_an_ffn_rank(tmp_path: Path) -> None:
-    report = run_json(tmp_path, "--link", "sim", "--sim-latency-us", "3000")
+def test_trace_shows_recv_compute_send_of_different_items_overlapping_on_an_ffn_rank(skewed_2a1f: dict) -> None:
+    report = skewed_2a1f
     check_correct(report)
+    assert report["topology"] == "2A1F" and report["link"] == {
+        "kind": "sim",
+        "sim_latency_us": 3000,
+        "sim_bandwidth_gbps": 0.0,
+    }
     trace = json.loads(Path(report["trace"]).read_text())
     names = {
         e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"
