@@ -126,7 +126,7 @@ def test_an_api1_owner_and_an_api1_connector_run_unchanged(tmp_path, monkeypatch
 def test_work_slot_is_refused_to_an_api1_plugin():
     work = Work(WorkItem(0, 0, 0), None, None, None)  # type: ignore[arg-type]
     with pytest.raises(AttributeError, match=r"Work.slot was removed in hook API 1: use work.inputs"):
-        work.slot  # noqa: B018
+        work.slot  # noqa: B018 - reading the removed attribute is what must raise
 
 
 def _unserved(version: int, tmp_path, monkeypatch) -> None:

@@ -190,7 +190,9 @@ def test_role_context_builds_the_context_of_the_configs_role() -> None:
 
 
 def test_the_api1_names_stay_readable_with_a_deprecation_warning() -> None:
-    source = lambda item: torch.zeros(1)  # noqa: E731
+    def source(item: object) -> torch.Tensor:
+        return torch.zeros(1)
+
     context = FfnContext(config=_config("ffn"), source=source, extras={"my_queue": "q"})
     with pytest.warns(DeprecationWarning, match=r"^ConnectorContext.resources is deprecated since hook API 2"):
         assert dict(context.resources) == {"source": source, "my_queue": "q"}
