@@ -9,11 +9,47 @@ stand-ins in ``tests/standins`` instead.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from afd_mrv2.mrv2.attention.handoff import Handoff
+
+
+class UBatchSliceSurface(Protocol):
+    """What afd-mrv2 reads of upstream's ``UBatchSlice``: the micro-batch's token range."""
+
+    token_slice: slice
+
+
+class UBatchContextSurface(Protocol):
+    """What afd-mrv2 uses of upstream's ``UBatchContext``: its id, the event that releases the first
+    micro-batch, and entering / leaving it on the micro-batch's thread."""
+
+    id: int
+    cpu_wait_event: threading.Event
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc_info: object) -> bool | None: ...
+
+
+class UBatchStateSurface(Protocol):
+    """What afd-mrv2 reads of the state upstream's ``UBatchRunner.prepare`` returns (forward contexts opaque)."""
+
+    slices: list[UBatchSliceSurface]
+    forward_contexts: list[object]
+
+
+class UBatchRunnerSurface:
+    """What afd-mrv2's micro-batch runner calls of upstream's ``UBatchRunner``, for the type checker only
+    (as :class:`V2RunnerSurface`): :class:`~afd_mrv2.mrv2.attention.ubatch_runner.AfdUBatchRunnerMixin`
+    derives from it while type checking and from ``object`` at run time."""
+
+    def run(self, model: Any, model_inputs: dict[str, Any], ubatch_state: UBatchStateSurface) -> Any:
+        raise NotImplementedError  # never instantiated: a type-checking view of upstream's runner
 
 
 @dataclass(frozen=True)
@@ -33,12 +69,12 @@ class UBatchApi:
     """
 
     base: type
-    make_ubatch_contexts: Callable[..., list[Any]]
+    make_ubatch_contexts: Callable[..., list[UBatchContextSurface]]
     slice_model_inputs: Callable[[dict[str, Any], slice], dict[str, Any]]
-    merge_ubatch_outputs: Callable[[list[Any]], Any]
-    create_forward_context: Callable[..., Any]
-    override_forward_context: Callable[[Any], Any]
-    current_stream: Callable[[], Any]
+    merge_ubatch_outputs: Callable[[list[object]], Any]
+    create_forward_context: Callable[..., object]
+    override_forward_context: Callable[[object], AbstractContextManager[object]]
+    current_stream: Callable[[], object]
     graph_manager: type[GraphManagerSurface]
     handoff: Handoff
 

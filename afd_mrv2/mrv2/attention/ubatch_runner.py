@@ -11,13 +11,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from afd_mrv2.devices.base import DeviceBackend, Stream
 from afd_mrv2.mrv2.attention.handoff import MicroBatchFailed, SplitStep, close_step, open_step
-from afd_mrv2.mrv2.upstream import UBatchApi
+from afd_mrv2.mrv2.upstream import UBatchApi, UBatchContextSurface, UBatchSliceSurface, UBatchStateSurface
+
+if TYPE_CHECKING:
+    from afd_mrv2.mrv2.upstream import UBatchRunnerSurface as _UBatchRunnerBase
+else:
+    _UBatchRunnerBase = object  # upstream's UBatchRunner is the next base of the composed class
 
 #: The stream roles the micro-batch runner asks ``create_streams`` for.
 UBATCH_STREAM_ROLES = ("compute", "comm")
@@ -41,19 +46,27 @@ class _SplitRun:
         "_threads",
     )
 
-    def __init__(self, api: UBatchApi, model: Any, contexts: list[Any], *, backend: DeviceBackend, device: Any) -> None:
+    def __init__(
+        self,
+        api: UBatchApi,
+        model: torch.nn.Module,
+        contexts: list[UBatchContextSurface],
+        *,
+        backend: DeviceBackend,
+        device: torch.device,
+    ) -> None:
         self._api = api
         self._model = model
         self._contexts = contexts
         self._backend = backend
         self._device = device
         self._step = SplitStep(len(contexts), api.handoff)
-        self._outputs: dict[int, Any] = {}
+        self._outputs: dict[int, object] = {}
         self._errors: dict[int, BaseException] = {}
         self._threads: list[threading.Thread] = []
         self._stack = ExitStack()
 
-    def _run_ubatch(self, context: Any, inputs: dict[str, Any]) -> None:
+    def _run_ubatch(self, context: UBatchContextSurface, inputs: dict[str, Any]) -> None:
         """One micro-batch's thread: bind the device, run the model in its context, record the output or error."""
         step = self._step
         setup: BaseException | None = None
@@ -77,7 +90,7 @@ class _SplitRun:
             self._errors.setdefault(context.id, exc)
             step.fail(context.id, exc)
 
-    def start(self, model_inputs: dict[str, Any], slices: list[Any]) -> None:
+    def start(self, model_inputs: dict[str, Any], slices: list[UBatchSliceSurface]) -> None:
         """Hold the forward context, open the step and start one thread per micro-batch (they park at the barrier)."""
         self._stack.enter_context(self._api.override_forward_context(None))  # the threads own the forward context
         open_step(self._step)
@@ -112,7 +125,7 @@ class _SplitRun:
         return self._api.merge_ubatch_outputs([self._outputs[i] for i in range(len(self._contexts))])
 
 
-class AfdUBatchRunnerMixin:
+class AfdUBatchRunnerMixin(_UBatchRunnerBase):
     """Mixed in before upstream's ``UBatchRunner``; see docs/internals/micro-batching.md."""
 
     _afd_api: UBatchApi
@@ -165,11 +178,11 @@ class AfdUBatchRunnerMixin:
 
     def _make_forward_contexts(
         self,
-        ubatch_slices: list[Any],
+        ubatch_slices: list[UBatchSliceSurface],
         attn_metadata: list[dict[str, Any]],
         slot_mappings_by_layer: list[dict[str, torch.Tensor]],
         is_padding: list[torch.Tensor | None],
-    ) -> list[Any]:
+    ) -> list[object]:
         """One forward context per micro-batch, without DP metadata (the engine runs at DP 1)."""
         create = self._afd_api.create_forward_context
         return [
@@ -179,7 +192,7 @@ class AfdUBatchRunnerMixin:
 
     # ------------------------------------------------------------------ the launcher
 
-    def _afd_streams_native(self) -> tuple[Any, Any]:
+    def _afd_streams_native(self) -> tuple[object, object]:
         """(compute, comm) as ``UBatchContext`` takes them: the backend's native streams, else the caller's."""
         compute = self.afd_streams["compute"].native
         comm = self.afd_streams["comm"].native
@@ -187,16 +200,20 @@ class AfdUBatchRunnerMixin:
             compute = self._afd_api.current_stream()
         return compute, compute if comm is None else comm
 
-    def run(self, model: Any, model_inputs: dict[str, Any], ubatch_state: Any) -> Any:
+    def run(self, model: Any, model_inputs: dict[str, Any], ubatch_state: UBatchStateSurface) -> Any:
         start = time.perf_counter_ns()
         try:
-            return super().run(model, model_inputs, ubatch_state)  # type: ignore[misc]
+            return super().run(model, model_inputs, ubatch_state)
         finally:
             self.afd_runs += 1
             self.afd_last_forward_ns = time.perf_counter_ns() - start
 
     def begin_capturable_run(
-        self, model: Any, model_inputs: dict[str, Any], ubatch_state: Any, for_capture: bool = False
+        self,
+        model: torch.nn.Module,
+        model_inputs: dict[str, Any],
+        ubatch_state: UBatchStateSurface,
+        for_capture: bool = False,
     ) -> Callable[[], Any]:
         """Start one thread per micro-batch, parked at the ready barrier; returns ``finish`` (run and join)."""
         if for_capture:
