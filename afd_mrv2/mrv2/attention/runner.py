@@ -151,14 +151,14 @@ class AfdAttentionRunnerMixin(_RunnerBase):
 
     # ------------------------------------------------------------------ accounting
 
-    def _afd_forward_begins(self, module: Any, args: Any) -> None:
+    def _afd_forward_begins(self, module: object, args: object) -> None:
         del module, args
         if current_step() is None:  # unsplit (a split step's micro-batches are timed by the ubatch runner)
             self._afd_forward_start_ns = time.perf_counter_ns()
             if self.afd_remote is not None:
                 self.afd_remote.step_started()
 
-    def _afd_forward_ends(self, module: Any, args: Any, output: Any) -> None:
+    def _afd_forward_ends(self, module: object, args: object, output: object) -> None:
         del module, args, output
         if current_step() is None and self._afd_forward_start_ns:
             self._afd_forward_ns = time.perf_counter_ns() - self._afd_forward_start_ns

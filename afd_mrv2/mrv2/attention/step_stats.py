@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict, deque
+from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
@@ -19,7 +20,7 @@ from typing import Any
 _WINDOW = 4096
 
 
-def batch_kind(is_prefilling: Any) -> str:
+def batch_kind(is_prefilling: Iterable[object]) -> str:
     """``decode``, ``prefill`` or ``mixed`` from the step's per-request prefill flags."""
     flags = [bool(flag) for flag in is_prefilling]
     if not flags or not any(flags):
