@@ -120,7 +120,8 @@ def afd_section(additional_config: object) -> object | None:
     """The raw ``afd`` section of ``additional_config``, or None when there is none."""
     if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
         return None
-    return additional_config["afd"]
+    section: object = additional_config["afd"]
+    return section
 
 
 # ------------------------------------------------------------------ the connector's declarations
@@ -133,9 +134,10 @@ def _connector_factory(name: str) -> object | None:
     if point is None:
         return None
     try:
-        return point.load()
+        factory: object = point.load()
     except Exception as exc:
         raise PluginError(f"connector {name!r} failed to load from {point.value!r}: {exc}") from exc
+    return factory
 
 
 def connector_capability(name: str) -> str | None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from afd_mrv2.bench.grid import Cell
 from afd_mrv2.errors import AfdError
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
 

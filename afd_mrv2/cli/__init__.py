@@ -36,7 +36,7 @@ COMMANDS = {
 
 
 def add_command(
-    sub: argparse._SubParsersAction, name: str, summary: str, description: str | None = None
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, description: str | None = None
 ) -> argparse.ArgumentParser:
     """Add subcommand ``name``: ``summary`` is its line in ``afd-mrv2 --help``, ``description`` heads its own help."""
     return sub.add_parser(name, help=summary, description=description or summary)

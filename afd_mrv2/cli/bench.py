@@ -6,15 +6,21 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from afd_mrv2.cli import add_buffer_options, add_command
 from afd_mrv2.reference.buffer_report import buffers_cell, counts_label
 from afd_mrv2.table import format_table
 
+if TYPE_CHECKING:
+    from afd_mrv2.bench.grid import Cell
+
 BEST_NOISE = 0.02
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from afd_mrv2.bench.grid import SCENARIOS
 
     parser = add_command(
@@ -120,13 +126,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_chart_path(cells, path: str):  # type: ignore[no-untyped-def]
+def write_chart_path(cells: Sequence[Cell], path: str) -> Path:
     from afd_mrv2.bench.chart import write_chart
 
     return write_chart(cells, path)
 
 
-def summarize(cells) -> dict[str, object]:  # type: ignore[no-untyped-def]
+class Summary(TypedDict):
+    """What ``summarize`` returns: the model's median error, and per scenario its best, model and auto choices."""
+
+    median_model_error: float
+    scenarios: dict[str, dict[str, object]]
+
+
+def summarize(cells: Sequence[Cell]) -> Summary:
     """Model error, best fixed buffer counts, and what auto chose, per scenario."""
     scenarios: dict[str, dict[str, object]] = {}
     for name in dict.fromkeys(c.scenario for c in cells):

@@ -17,7 +17,7 @@ from afd_mrv2.errors import AfdError
 from afd_mrv2.table import format_table
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(sub, "compat", "runtime-pair gate and upstream-seam contracts (CI steps)")
     inner = parser.add_subparsers(dest="compat_command", required=True, metavar="ACTION")
 

@@ -10,7 +10,7 @@ from afd_mrv2.reference.buffer_report import buffers_cell
 from afd_mrv2.table import format_table
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         sub,
         "demo",

@@ -9,7 +9,7 @@ import json
 from afd_mrv2.cli import add_command
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from afd_mrv2.checkpoints.archs import ARCHS, PRESETS, SIZES
 
     tiny, bench = PRESETS["tiny"], PRESETS["bench"]

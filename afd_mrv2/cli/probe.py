@@ -29,7 +29,7 @@ DESCRIPTION = (
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     summary = "probe the CAM operators on the hardware and write an evidence file"
     parser = add_command(sub, "probe", summary, DESCRIPTION)
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")

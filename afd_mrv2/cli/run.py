@@ -31,7 +31,7 @@ from afd_mrv2.stages.layout import LAYOUTS
 DEFAULT_SPLIT_REQUESTS = 4
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         sub,
         "run",

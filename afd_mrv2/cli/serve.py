@@ -93,7 +93,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     add_retired_spelling(parser, "--stop-grace", grace)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = add_command(
         sub,
         "serve",

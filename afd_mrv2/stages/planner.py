@@ -10,6 +10,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import SupportsIndex, cast
 
 from afd_mrv2.config import ASYNC_MOE_SPLITS as SPLITS
 from afd_mrv2.config import ASYNC_MOE_STAGES as NUM_STAGES
@@ -34,7 +35,9 @@ class Stage:
     @property
     def num_tokens(self) -> int:
         """Real (scheduled) tokens in this stage."""
-        return self.token_slice.stop - self.token_slice.start
+        start: int = self.token_slice.start
+        stop: int = self.token_slice.stop
+        return stop - start
 
     @property
     def num_padding(self) -> int:
@@ -43,7 +46,9 @@ class Stage:
 
     @property
     def num_requests(self) -> int:
-        return self.request_slice.stop - self.request_slice.start
+        start: int = self.request_slice.start
+        stop: int = self.request_slice.stop
+        return stop - start
 
 
 def plan_stages(
@@ -92,11 +97,11 @@ def plan_stages(
         second = slice(bisect_right(cu, t) - 1, n)
         bounds = ((first, 0, t), (second, t, total))
     unit = tp if sequence_parallel else 1
-    stages = tuple(
+    stage_1, stage_2 = (
         Stage(index, requests, slice(start, stop), _round_up(stop - start, unit))
         for index, (requests, start, stop) in enumerate(bounds)
     )
-    return stages  # type: ignore[return-value]
+    return stage_1, stage_2
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -107,6 +112,7 @@ def _as_int(value: object, name: str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name}: expected an integer, got {value!r}")
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        # operator.index is the check: it raises TypeError for a value without __index__
+        return operator.index(cast(SupportsIndex, value))
     except TypeError:
         raise ValueError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})") from None

@@ -116,8 +116,9 @@ class CamAsyncAttention(CamAsyncConnector, CamAttentionBase):
         )
 
     def _combine(self, stream: Stream, sent: AFDAsyncTransferState) -> torch.Tensor:
+        assert sent.reference is not None  # _dispatch set it before pushing the state
         placeholder = sent.reference.new_empty((1,))
-        combined = self.cam.combine_recv(
+        combined: torch.Tensor = self.cam.combine_recv(
             stream,
             placeholder,
             sent.topk_ids,
@@ -287,6 +288,7 @@ class CamAsyncFfn(CamAsyncConnector, CamFfnBase):
         quantized = rows.routed.dtype == torch.int8  # dynamicQuant: the scales go to compute with the rows
         if quantized and (s.dynamic_scales is None or s.dynamic_scales_shared is None):
             raise PluginError("camasync: int8 activations arrived without dynamic scales")
+        assert s.group_list is not None  # on_recv's arrival state always carries it
         batch = CamAsyncFfnBatch(
             s.layer_idx,
             rows.routed,

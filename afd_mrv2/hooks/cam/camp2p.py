@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -152,13 +153,17 @@ class CamP2PConnector(CamConnectorBase):
             num_stages=item.num_stages,
         )
 
-    def _a2e(self, stream: Stream, x: torch.Tensor, ids: object, scales: object, state: CAMP2PTransferState) -> list:
+    def _a2e(
+        self, stream: Stream, x: torch.Tensor, ids: object, scales: object, state: CAMP2PTransferState
+    ) -> list[Any]:
         sizes = (state.batch_size, state.h, state.k, self.num_ffn, self.num_attention, self.world_rank)
-        return self.cam.a2e(stream, x, ids, scales, *sizes, state.group_ep, state.aiv_num, 0)
+        out: list[Any] = self.cam.a2e(stream, x, ids, scales, *sizes, state.group_ep, state.aiv_num, 0)
+        return out
 
     def _e2a(self, stream: Stream, x: torch.Tensor, state: CAMP2PTransferState) -> torch.Tensor:
         sizes = (state.batch_size, state.h, state.k, self.num_ffn, self.num_attention, self.world_rank)
-        return self.cam.e2a(stream, x, state.atten_batch_size, *sizes, state.group_ep, state.aiv_num)
+        out: torch.Tensor = self.cam.e2a(stream, x, state.atten_batch_size, *sizes, state.group_ep, state.aiv_num)
+        return out
 
 
 class CamP2PAttention(CamP2PConnector, CamAttentionBase):
@@ -171,6 +176,7 @@ class CamP2PAttention(CamP2PConnector, CamAttentionBase):
         self._sent: PendingFifo[CAMP2PTransferState] = PendingFifo("camp2p attention a2e", limit=4 * len(self.groups))
 
     def _combine(self, stream: Stream, sent: CAMP2PTransferState) -> torch.Tensor:
+        assert sent.reference is not None  # _dispatch set it before pushing the state
         out = self._e2a(stream, sent.reference, sent)
         self._check_stage_from(self.role_rank // self.per_ffn, sent.stage_id, f"the e2a rows of {sent.stage_id}")
         return out

@@ -101,8 +101,11 @@ class CamConnectorBase(ABC):
     send_ops: ClassVar[tuple[str, ...]] = ()
     #: the side channel stage identities travel on (:mod:`afd_mrv2.hooks.cam.stage_tags`); None: operator order
     stage_tags: StageTags | None = None
-    #: this rank in the operators' world numbering (each family defines it)
-    world_rank: int
+
+    @property
+    @abstractmethod
+    def world_rank(self) -> int:
+        """This rank in the operators' world numbering (each family defines it)."""
 
     def __new__(cls, context: ConnectorContext) -> CamConnectorBase:
         role = context.config.role

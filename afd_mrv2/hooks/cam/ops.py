@@ -57,7 +57,8 @@ class DeviceHomeStream:
             raise PluginError(
                 f"the fence against home stream {self.name!r} needs an accelerator stream, got {caller.name!r}"
             )
-        return caller.native
+        native: torch.Stream = caller.native
+        return native
 
     def wait_for_caller(self, caller: Stream) -> None:
         self.native.wait_stream(self._caller(caller))
@@ -197,22 +198,23 @@ def torch_opset(
     it; evidence written for another software stack is ignored (named in basis).
     """
     resolved = resolve_torch_ops(namespace, known)
-    missing = [f"{namespace}.{n}" for n, fn in resolved.items() if fn is None]
+    found = {n: fn for n, fn in resolved.items() if fn is not None}
+    missing = [f"{namespace}.{n}" for n in resolved if n not in found]
     if missing:
         raise PluginError(f"operators not registered with torch: {', '.join(missing)}; {install_hint}")
     ops = {}
     applies = evidence is not None and evidence.applies_to(environment)
-    for name, fn in resolved.items():
+    for name, fn in found.items():
         qualname = f"{namespace}.{name}"
         stream, basis = known[name]
         home = None
-        entry = evidence.get(qualname) if evidence is not None else None
-        if entry is not None and applies:
-            stream, home, basis = entry.stream, entry.home, f"probe evidence: {entry.detail or stream.value}"
-        elif entry is not None:
-            basis = f"{basis} (evidence ignored: written for {dict(evidence.environment)})"
+        if evidence is not None and (entry := evidence.get(qualname)) is not None:
+            if applies:
+                stream, home, basis = entry.stream, entry.home, f"probe evidence: {entry.detail or stream.value}"
+            else:
+                basis = f"{basis} (evidence ignored: written for {dict(evidence.environment)})"
         capability = OpCapability(qualname, True, stream, basis, home)
-        ops[name] = BoundOp(capability, fn, default_home_stream() if stream is StreamBehaviour.FOREIGN else None)  # type: ignore[arg-type]
+        ops[name] = BoundOp(capability, fn, default_home_stream() if stream is StreamBehaviour.FOREIGN else None)
     return OpSet(f"torch.ops.{namespace}", ops)
 
 
@@ -235,7 +237,7 @@ def installed_versions(*distributions: str) -> dict[str, str]:
     """Versions of torch and of the named distributions that are installed."""
     from importlib import metadata
 
-    versions = {"torch": torch.__version__}
+    versions: dict[str, str] = {"torch": torch.__version__}
     for name in distributions or EVIDENCE_DISTRIBUTIONS:
         try:
             versions[name] = metadata.version(name)

@@ -78,7 +78,8 @@ class AttentionSide(Side):
         """The input slot: [max_tokens, H], where compute sums the FFN partials it reads."""
         if work.inputs.state is None:
             work.inputs.state = torch.empty(self.capacity, self.shape.hidden_size)
-        return work.inputs.state
+        combined: torch.Tensor = work.inputs.state
+        return combined
 
     def _outputs(self, work: Work) -> _Outputs:
         if work.outputs.state is None:
@@ -87,7 +88,8 @@ class AttentionSide(Side):
                 headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
                 staging=[torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8) for _ in range(n)],
             )
-        return work.outputs.state
+        outputs: _Outputs = work.outputs.state
+        return outputs
 
     def _inbox(self, stage: int) -> _Inbox:
         with self._inbox_lock:
@@ -231,26 +233,37 @@ class AttentionSide(Side):
     def _check_result(self, item: object, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The owner's compute must return (hidden [T, H] fp32, ids [T, k], weights [T, k])."""
         shape = self.shape
-        ok = isinstance(result, tuple) and len(result) == 3 and all(isinstance(t, torch.Tensor) for t in result)
-        if ok:
-            hidden, ids, weights = result  # type: ignore[misc]
-            tokens = hidden.shape[0] if hidden.dim() == 2 else -1
-            ok = (
-                hidden.shape == (tokens, shape.hidden_size)
-                and hidden.dtype == torch.float32
-                and ids.shape == weights.shape == (tokens, shape.top_k)
-                and weights.dtype == torch.float32
-                and not ids.is_floating_point()
-                and 0 <= tokens <= self.capacity
-                and (ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < shape.num_experts))
-            )
-        if not ok:
+        triple = _tensor_triple(result)
+        if triple is None or not self._result_fits(*triple):
             raise TypeError(
                 f"attention compute for {item} must return None or (hidden [T, {shape.hidden_size}] float32, "
                 f"topk_ids [T, {shape.top_k}] integer, topk_weights [T, {shape.top_k}] float32) with "
                 f"T <= {self.capacity} (max_tokens) and ids in 0..{shape.num_experts - 1}; got {_describe(result)}"
             )
+        hidden, ids, weights = triple
         return hidden.contiguous(), ids, weights.contiguous()
+
+    def _result_fits(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+        shape = self.shape
+        tokens = hidden.shape[0] if hidden.dim() == 2 else -1
+        return (
+            hidden.shape == (tokens, shape.hidden_size)
+            and hidden.dtype == torch.float32
+            and ids.shape == weights.shape == (tokens, shape.top_k)
+            and weights.dtype == torch.float32
+            and not ids.is_floating_point()
+            and 0 <= tokens <= self.capacity
+            and (ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < shape.num_experts))
+        )
+
+
+def _tensor_triple(value: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``value`` when it is a tuple of three tensors, else None."""
+    if isinstance(value, tuple) and len(value) == 3:
+        a, b, c = value
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(c, torch.Tensor):
+            return a, b, c
+    return None
 
 
 def _describe(value: object) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
@@ -58,7 +58,8 @@ class P2pOptions:
     link: LinkModel | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.send_timeout_s is None:
+        # typed float for its readers, the field holds its default None (or a null key) until here
+        if cast(float | None, self.send_timeout_s) is None:
             object.__setattr__(self, "send_timeout_s", self.recv_timeout_s)
         if self.sim_latency_us is not None or self.sim_bandwidth_gbps is not None:
             latency = (self.sim_latency_us or 0.0) * 1e-6

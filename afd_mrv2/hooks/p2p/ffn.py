@@ -71,14 +71,16 @@ class FfnSide(Side):
                 topk_weights=torch.empty(n * cap, shape.top_k),
                 scales=None if self.layout.quant is None else torch.empty(n * cap),
             )
-        return work.inputs.state
+        inputs: _Inputs = work.inputs.state
+        return inputs
 
     def _outgoing(self, work: Work) -> list[torch.Tensor]:
         """The output slot: per attention rank, uint8 [header + max_tokens * H * 4]."""
         if work.outputs.state is None:
             size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
             work.outputs.state = [torch.empty(size, dtype=torch.uint8) for _ in self.peers]
-        return work.outputs.state
+        outgoing: list[torch.Tensor] = work.outputs.state
+        return outgoing
 
     # ------------------------------------------------------------------ phases
 
@@ -135,7 +137,7 @@ class FfnSide(Side):
                 if slot.scales is not None:
                     slot.scales[total : total + n].copy_(self.layout.scales(slot.staging[a], n))
             total += n
-        output = None
+        output: torch.Tensor | None = None
         if total:
             payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
             if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
@@ -149,7 +151,8 @@ class FfnSide(Side):
             message = outgoing[a]
             wire.item_header(wire.KIND_COMBINE, self.link.rank, peer, item, n).write(wire.header_view(message))
             if n:
-                wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])  # type: ignore[index]
+                assert output is not None  # n rows: total > 0, so compute ran and returned a tensor
+                wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])
 
     def on_send(self, work: Work) -> None:
         item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)

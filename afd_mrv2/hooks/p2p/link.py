@@ -295,14 +295,14 @@ class PeerLink:
         connections too; naming the earliest loss names the root cause.
         """
         lost = [
-            (p.done_at, peer, p)
+            (p.done_at, peer, p.error)
             for peer, p in self._control.items()
             if p.done.is_set() and p.error is not None and (peers is None or peer in peers)
         ]
         if lost:
-            done_at, peer, pending = min(lost, key=lambda entry: entry[0])
+            done_at, peer, error = min(lost, key=lambda entry: entry[0])
             if done_at <= before:
-                raise self._lost(peer, "its control channel", pending.error) from pending.error  # type: ignore[arg-type]
+                raise self._lost(peer, "its control channel", error) from error
 
     def _lost(self, peer: int, what: str, error: BaseException) -> PeerLost:
         detail = str(error).split(". This is typically", 1)[0].strip()
