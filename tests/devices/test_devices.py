@@ -99,7 +99,7 @@ def test_close_abandons_a_thread_stuck_in_work_and_says_what_it_was_doing(backen
     time.sleep(0.05)
     start = time.monotonic()
     report = backend.close(time.monotonic() + 0.2)
-    assert time.monotonic() - start < 0.6
+    assert time.monotonic() - start < 0.2 + 1.0  # the deadline, not the stuck work (never), give or take load
     assert report.abandoned_streams == {"recv": "recv"}
     never.set()
 

@@ -150,7 +150,8 @@ def test_close_abandons_a_receive_that_never_returns() -> None:
     start = time.monotonic()
     report = executor.close(0.5)
     elapsed = time.monotonic() - start
-    assert elapsed < 0.5 + 0.5, elapsed
+    # its own deadline (0.5 s), not the configured close_timeout_s (2 s): the slack is the machine's load
+    assert elapsed < 0.5 + 1.0, elapsed
     assert report.abandoned == [WorkItem(0, 0, 2), WorkItem(0, 0, 3)]
     assert report.abandoned_streams == {"recv": "recv of layer=0 stage=0 seq=2"}
     assert isinstance(report.error, PipelineAborted)
@@ -166,7 +167,7 @@ def test_close_cancels_a_cooperative_blocked_receive_without_abandoning_threads(
     executor.submit(WorkItem(0, 0, 1))
     start = time.monotonic()
     report = executor.close(0.3)
-    assert time.monotonic() - start < 0.8
+    assert time.monotonic() - start < 0.3 + 1.0  # within its deadline, not close_timeout_s (2 s), give or take load
     assert report.abandoned == [WorkItem(0, 0, 1)]
     assert report.abandoned_streams == {}
     assert not stream_threads()
