@@ -54,11 +54,11 @@ def _body_defs(body: Iterable[ast.stmt]) -> Iterable[ast.stmt]:
 
 def _find(tree: ast.Module, qualname: str) -> tuple[ast.AST | None, bool]:
     """The node for ``qualname`` and whether it is a method (first parameter bound)."""
-    node: ast.AST = tree
+    node: ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef = tree
     parent_is_class = False
     for part in qualname.split("."):
         found = None
-        for child in _body_defs(node.body):  # type: ignore[attr-defined]
+        for child in _body_defs(node.body):
             if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == part:
                 found = child  # the last definition wins, as at run time
         if found is None:

@@ -131,7 +131,8 @@ def run_rank(
         res[OPS_RESOURCE] = ops
     res.setdefault("hccl_groups", tuple(f"afd{s}" for s in range(spec.num_stages)))
     res.setdefault("cam_group", "afd_async_cam")
-    stages, outputs = (), {}
+    stages: tuple[Stage, ...] = ()
+    outputs: dict[int, torch.Tensor] = {}
     layers = model.spec.num_layers
     if role == "attention":
         stages = spec.stages(rank)

@@ -49,7 +49,7 @@ def require_npus(count: int = 2) -> None:
         raise NoNpu(
             f"torch_npu does not import ({type(exc).__name__}: {exc}); is CANN installed and sourced?"
         ) from None
-    npu = torch.npu  # type: ignore[attr-defined]
+    npu = torch.npu  # type: ignore[attr-defined]  # torch_npu adds torch.npu at import; torch declares no such attribute
     available = npu.device_count() if npu.is_available() else 0
     if available < count:
         raise NoNpu(f"the probe needs {count} NPUs (one attention rank, one FFN rank); torch.npu sees {available}")
@@ -62,7 +62,7 @@ class _Rank:
         import torch.distributed as dist
 
         self.rank, self.dist, self.window_s = rank, dist, window_s
-        self.npu = torch.npu  # type: ignore[attr-defined]
+        self.npu = torch.npu  # type: ignore[attr-defined]  # torch_npu adds torch.npu at import; torch declares no such attribute
         self.npu.set_device(rank)
         self.device = torch.device(f"npu:{rank}")
         dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)

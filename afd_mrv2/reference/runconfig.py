@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from afd_mrv2 import envs
 from afd_mrv2.hooks.quant import QUANT_MODES
@@ -163,5 +164,6 @@ class RunConfig:
         raw["observers"] = tuple(raw.get("observers", ()))
         return cls(**raw, model=ModelSpec(**model), batch=BatchSpec(**batch))
 
-    def with_(self, **changes: object) -> RunConfig:
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` (field name -> value; ``dataclasses.replace`` refuses an unknown name)."""
+        return replace(self, **changes)

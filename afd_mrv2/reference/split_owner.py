@@ -81,10 +81,10 @@ class SplitAttentionOwner(AttentionOwner):
         if decision.split:
             if planned is None:
                 raise ValueError(f"batch {batch}: the group decided to split, but this rank has no plan")
-            plan = planned
+            plan: SplitBatch | None = planned
         else:
             rows = round_up(decision.dp_max_tokens, self.tp_size) if sp else decision.dp_max_tokens
-            plan = plan_batch(lengths, split=self.split, seed=batch, unsplit=(rows, decision.why))  # type: ignore[assignment]
+            plan = plan_batch(lengths, split=self.split, seed=batch, unsplit=(rows, decision.why))
         assert plan is not None
         self.layouts[batch] = step_layouts(
             plan.stages,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -76,7 +77,9 @@ def decide_batches(
             out[b] = decide_split(bool(mine[0]), mine[1], mine[2], exchange, name_of=name_of)
         else:
             rows = [row(p // cfg.attention_tp, b) for p in range(cfg.attention_processes)]
-            out[b] = decide_split(
-                bool(rows[0][0]), rows[0][1], rows[0][2], lambda _values, rows=rows: rows, name_of=name_of
-            )
+
+            def derived(_values: Sequence[int], rows: list[list[int]] = rows) -> list[list[int]]:
+                return rows
+
+            out[b] = decide_split(bool(rows[0][0]), rows[0][1], rows[0][2], derived, name_of=name_of)
     return out

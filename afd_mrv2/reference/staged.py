@@ -21,6 +21,7 @@ from afd_mrv2.reference.spec import ModelSpec
 from afd_mrv2.reference.weights import Weights
 from afd_mrv2.stages import Stage, StageMetadata, build_stage_metadata, merge_tokens, plan_stages, split_tokens
 from afd_mrv2.stages.layout import unsplit_stage
+from afd_mrv2.stages.metadata import IntLike
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def plan_batch(
         return None
     layout = KvLayout.allocate(lengths, block_size=block_size, seed=seed)
     positions = [torch.arange(n) for n in lengths]
-    parent = {
+    parent: dict[str, IntLike] = {
         "query_start_loc": list(accumulate(lengths, initial=0)),
         "seq_lens": list(lengths),
         "positions": torch.cat(positions),

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from typing import Any
 
 import torch
@@ -130,7 +131,7 @@ class _Session:
                     layout=cfg.layout,
                     tp_size=tp,
                     tp_rank=link.index % tp,
-                    tp_gather=(lambda t, g=group: all_gather(t, g)) if group is not None else None,
+                    tp_gather=partial(all_gather, group=group) if group is not None else None,
                     decisions=decisions,
                     name=f"attention dp {dp} tp {link.index % tp} (global rank {link.rank})",
                     log=layout_log if layout_log_enabled() else None,
