@@ -44,7 +44,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "WORLD_SIZE set) each process runs one rank instead."
         ),
     )
-    topo = parser.add_argument_group("topology and schedule")
+    _topology_options(parser.add_argument_group("topology and schedule"))
+    _model_options(parser.add_argument_group("model"))
+    _link_options(parser.add_argument_group("link and faults"))
+    _plugin_options(parser.add_argument_group("plugins"))
+    parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.set_defaults(handler=run)
+
+
+def _topology_options(topo: argparse._ArgumentGroup) -> None:
+    """Ranks, micro-batches and the async-MoE split; then the batches and schedule (:func:`_schedule_options`)."""
     topo.add_argument("--attention", type=int, default=2, metavar="A", help="attention ranks (default 2)")
     topo.add_argument(
         "--ffn",
@@ -101,13 +111,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "into stage shards and restored after the last layer) or tp (plain TP: replicated residual, sharded only "
         "at the CAM boundary, the FFN output all-gathered) (default tp)",
     )
+    _schedule_options(topo)
+
+
+def _schedule_options(topo: argparse._ArgumentGroup) -> None:
+    """Request lengths, batches, buffers and routing."""
     topo.add_argument("--min-len", type=int, default=16, help="shortest request, tokens (default 16)")
     topo.add_argument("--max-len", type=int, default=32, help="longest request, tokens (default 32)")
     topo.add_argument("--batches", type=int, default=3, help="measured batches per mode (default 3)")
     topo.add_argument("--warmup", type=int, default=1, help="warm-up batches per mode (default 1)")
     add_buffer_options(topo, default="3", what="run multistream with", retired=("--depth",))
     topo.add_argument("--routing", choices=ROUTINGS, default="balanced", help="routing scenario (default balanced)")
-    model = parser.add_argument_group("model")
+
+
+def _model_options(model: argparse._ArgumentGroup) -> None:
+    """The tiny MoE model."""
     model.add_argument("--hidden", type=int, default=ModelSpec.hidden_size, help="hidden size (default %(default)s)")
     model.add_argument(
         "--experts",
@@ -123,7 +141,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="routed and shared expert width (default %(default)s)",
     )
     model.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default %(default)s)")
-    link = parser.add_argument_group("link and faults")
+
+
+def _link_options(link: argparse._ArgumentGroup) -> None:
+    """The link, its simulated cost, deadlines and quantisation."""
     link.add_argument("--link", choices=LINKS, default="gloo", help="gloo, or gloo plus a simulated link cost")
     link.add_argument(
         "--sim-latency-us", type=float, default=None, help="simulated latency per transfer (default: balanced)"
@@ -140,12 +161,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     link.add_argument(
         "--grace-s", type=float, default=10.0, help="launcher: seconds the others get after a failure (default 10)"
     )
-    plugins = parser.add_argument_group("plugins")
+
+
+def _plugin_options(plugins: argparse._ArgumentGroup) -> None:
+    """The connector and observers."""
     plugins.add_argument(
         "--connector",
         default="torch_p2p",
         help="installed connector to run (default torch_p2p; a third-party one must take torch_p2p's "
-        "resources and compute signature, e.g. a subclass)",
+        "context fields and compute signature, e.g. a subclass)",
     )
     plugins.add_argument(
         "--observer",
@@ -154,9 +178,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="NAME",
         help="installed observer to wrap every rank's phases (repeatable)",
     )
-    parser.add_argument("--out", default="out/afd-run", help="output directory (default out/afd-run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.set_defaults(handler=run)
 
 
 def _batch_layout(args: argparse.Namespace) -> tuple[int, int]:
