@@ -120,7 +120,7 @@ def test_the_former_worker_name_still_resolves_with_a_deprecation_warning() -> N
     deprecated = r"AfdCPUWorker is deprecated; use afd_mrv2\.mrv2\.attention\.worker\.AfdWorker"
     # resolving needs a vLLM runtime this venv lacks (refused), but the warning comes first
     with pytest.warns(DeprecationWarning, match=deprecated), pytest.raises(CompatRefused):
-        worker_module.AfdCPUWorker  # noqa: B018
+        worker_module.AfdCPUWorker  # noqa: B018 - reading the deprecated name is what must warn
 
 
 @pytest.mark.parametrize(

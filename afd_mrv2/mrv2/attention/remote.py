@@ -7,6 +7,7 @@ See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.remote".
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -60,6 +61,11 @@ def check_vllm_path(config: AfdConfig) -> None:
     """Refuse, in one line naming the key, what the vLLM MoE seam cannot do: the admission check
     ``router-on-attention`` (:mod:`afd_mrv2.admission`; ``admit`` already runs it in every vLLM process)."""
     run(Subject(config), names=("router-on-attention",))
+
+
+def _lost(topology: Topology, failover: AttentionFailover) -> set[int]:
+    """The FFN ranks the connector no longer routes to (the rejoiner watches the store for their comeback)."""
+    return set(range(topology.num_ffn)) - set(failover.live)
 
 
 def _identity(item: WorkItem, routed: Any) -> Any:
@@ -261,8 +267,7 @@ class RemoteExperts:
         route_around_missing(link, failover)
         rejoiner = None
         if config.rendezvous == "external" and config.expert_replicas > 1 and failover is not None:
-            lost = lambda: set(range(topology.num_ffn)) - set(failover.live)  # noqa: E731
-            rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost)
+            rejoiner = Rejoiner(store, topology, config.rank, me, joined, functools.partial(_lost, topology, failover))
         return _Session(link, plugins, backend, executor, exchange, failover, rejoiner)
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:
