@@ -1,6 +1,7 @@
 """The vLLM general plugin: ``[project.entry-points."vllm.general_plugins"] afd_mrv2``.
 
-``register()`` installs the ``RoutedExperts`` replacement where vLLM is importable, and never raises.
+``register()`` installs the ``RoutedExperts`` replacement where vLLM is importable, except on a platform
+that registers its own (vLLM-Ascend: :data:`PLATFORMS_WITH_OWN_MOE_LAYER`), and never raises.
 
 See docs/internals/vllm-roles.md, "afd_mrv2.vllm_plugin".
 """
@@ -11,6 +12,7 @@ import importlib.util
 import logging
 from collections.abc import Mapping
 
+from afd_mrv2.compat.detect import detect_runtime
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.validation import Gate, connector_capability, required_capabilities, validate
 
@@ -19,9 +21,26 @@ __all__ = ["Gate", "connector_capability", "register", "required_capabilities", 
 log = logging.getLogger(__name__)
 
 
+#: platforms (:attr:`afd_mrv2.compat.detect.Runtime.platform`) whose worker registers its own
+#: ``RoutedExperts`` after vLLM loaded the general plugins: vllm-ascend's ``NPUWorker.__init__``
+#: calls ``register_ascend_customop`` (``AscendRoutedExperts``, or ``AscendRoutedExperts310``),
+#: and ``register_oot`` asserts on a name registered twice.  There afd-mrv2 registers none.
+PLATFORMS_WITH_OWN_MOE_LAYER = frozenset({"ascend"})
+
+
+def _platform_with_own_moe_layer() -> str | None:
+    """The detected platform when it registers its own ``RoutedExperts`` (then afd-mrv2 registers none)."""
+    platform = detect_runtime().platform
+    return platform if platform in PLATFORMS_WITH_OWN_MOE_LAYER else None
+
+
 def _register_moe_seam() -> None:
     if importlib.util.find_spec("vllm") is None:
         return  # no vLLM here: nothing to register
+    owner = _platform_with_own_moe_layer()
+    if owner is not None:  # decided before any vLLM import: the process stays the platform's
+        log.info("afd-mrv2: the %s platform registers its own RoutedExperts; afd-mrv2 registers none", owner)
+        return
     try:
         from afd_mrv2.mrv2.attention.experts import register_routed_experts
     except ImportError as exc:  # a vLLM without the seam this release needs
