@@ -107,19 +107,28 @@ def add_buffer_options(
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``only`` (a command name) just that command's parser is built, so that running
+    one command imports only its module (``compat`` and ``serve`` import no torch)."""
     parser = argparse.ArgumentParser(
         prog="afd-mrv2",
         description="Attention-FFN Disaggregation on one shared multi-stream pipeline.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS.values():
-        importlib.import_module(module).register(sub)
+    for name, module in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module).register(sub)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The command ``argv`` runs, when its first word names one (else the whole parser decides: help, errors)."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except AfdError as exc:

@@ -21,7 +21,7 @@ from afd_mrv2 import envs
 from afd_mrv2.cli import add_buffer_options, add_command, add_retired_spelling
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
-from afd_mrv2.hooks.quant import QUANT_MODES
+from afd_mrv2.hooks.quant_modes import QUANT_MODES
 from afd_mrv2.plugins import check_plugins
 from afd_mrv2.reference.runconfig import LINKS, RunConfig
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-#: the accepted values of a connector's ``quant`` option
-QUANT_MODES = ("w8a8",)
 W8A8 = "w8a8"
 INT8_MAX = 127
 

@@ -6,9 +6,10 @@ See docs/internals/reference.md, "afd_mrv2.reference.buffer_report".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from afd_mrv2.pipeline.executor import Executor
+if TYPE_CHECKING:
+    from afd_mrv2.pipeline.executor import Executor
 
 
 def buffer_block(executor: Executor) -> dict[str, Any]:

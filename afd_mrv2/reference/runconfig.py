@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from afd_mrv2 import envs
-from afd_mrv2.hooks.quant import QUANT_MODES
+from afd_mrv2.hooks.quant_modes import QUANT_MODES
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
 from afd_mrv2.stages import NUM_STAGES, SPLITS
 from afd_mrv2.stages.layout import LAYOUTS

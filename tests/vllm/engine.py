@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# run as a script (python tests/vllm/engine.py): its folder is sys.path[0], the repo root (scripts/) is not
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.serving import PROMPTS
 

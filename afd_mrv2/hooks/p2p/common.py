@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.p2p.wire import DispatchLayout
-from afd_mrv2.hooks.quant import QUANT_MODES
+from afd_mrv2.hooks.quant_modes import QUANT_MODES
 from afd_mrv2.hooks.simlink import LinkModel, simulate_transfer
 from afd_mrv2.options import integer, number, one_of, option, parse_section
 from afd_mrv2.work import Work
