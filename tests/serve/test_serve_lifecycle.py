@@ -154,13 +154,13 @@ def test_a_killed_engine_of_two_fails_only_its_requests_and_the_endpoint_serves_
     error, never a hang); the endpoint routes every later request to the survivor, and serve keeps running
     until told to stop (this changed: serve used to stop every role).  ``--no-restart-attention``: the
     engine stays lost."""
-    serve, _ = start_serve(2, 1, {"token_delay": 0.05, "grandchild": True}, "--no-restart-attention")
+    serve, _ = start_serve(2, 1, {"token_delay": 0.025, "grandchild": True}, "--no-restart-attention")
     url = serve.wait_ready()
     base = url.removesuffix("/v1")
     pids = serve.pids()
     plain, plain_threads = _in_flight(url, 4, stream=False)
     streamed, stream_threads = _in_flight(url, 4, stream=True)
-    time.sleep(1.0)  # mid-generation: 200 tokens take 10 s
+    time.sleep(1.0)  # mid-generation: 200 tokens take 5 s
     t0 = time.monotonic()
     os.kill(pids["attention 1"], signal.SIGKILL)
     for t in plain_threads + stream_threads:
