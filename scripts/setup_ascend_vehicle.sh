@@ -40,7 +40,9 @@ PY
 mkdir -p "$CACHE"
 if [ ! -f "$CACHE/$ASCEND/vllm_ascend/utils.py" ]; then
     if ! echo "$ASCEND_SHA256  $CACHE/$ASCEND.tar.gz" | sha256sum -c --status 2>/dev/null; then
-        url=$(curl -fsS -H 'Accept: application/vnd.pypi.simple.v1+json' https://pypi.org/simple/vllm-ascend/ |
+        # the index pip uses by default (pip's own constant), its simple API page of the project
+        index=$(python3 -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')
+        url=$(curl -fsS -H 'Accept: application/vnd.pypi.simple.v1+json' "$index/vllm-ascend/" |
             python3 -c "import json, sys; print(next(f['url'] for f in json.load(sys.stdin)['files'] if f['filename'] == '$ASCEND.tar.gz'))")
         curl -fsS -o "$CACHE/$ASCEND.tar.gz" "$url"
         echo "$ASCEND_SHA256  $CACHE/$ASCEND.tar.gz" | sha256sum -c --status

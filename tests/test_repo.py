@@ -13,14 +13,15 @@ def readme_commands() -> list[str]:
 
 
 def test_ci_runs_exactly_the_readme_test_command_then_the_vllm_integration_command() -> None:
-    main_job, tests, integration = readme_commands()[:3]
+    main_job, tests, integration, ascend = readme_commands()[:4]
     assert tests.endswith("python -m pytest")
     assert integration.startswith("scripts/setup_vllm_cpu.sh && ")
     assert integration.endswith(" -m 'vllm_runtime and not vllm_full' tests/vllm")  # the reduced matrix
+    assert ascend.startswith("scripts/setup_ascend_vehicle.sh && ") and ascend.endswith(" tests/ascend_vehicle")
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
     # each command stops CI on failure (set -e does not stop inside an && chain)
     commands = [line.removesuffix(" || exit 1") for line in ci_lines if line.endswith(" || exit 1")]
-    assert commands == ['cd "$(dirname "$0")/.."', tests, integration]
+    assert commands == ['cd "$(dirname "$0")/.."', tests, integration, ascend]
     assert "set -e" not in (ROOT / ".ci/run").read_text().replace("`set -e`", "")
     setup = main_job.rsplit("&&", 1)[0]
     assert tests.startswith(setup + "&&")  # the same set-up, then the checks and the tests
