@@ -18,7 +18,8 @@ from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
 from afd_mrv2.mrv2.ffn.server import LEFT_BETWEEN_STEPS
 from afd_mrv2.procs import free_port
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, _reference, afd, start_ffn
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, afd, start_ffn
+from tests.mrv2.test_vllm_path import checked_forward as forward
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = {"num_attention_ranks": 2, "num_ffn_ranks": 1}
@@ -38,15 +39,6 @@ for layer in LAYERS:
 print("served", flush=True)
 time.sleep(600)
 """
-
-
-def forward(remote: RemoteExperts, gen: torch.Generator, tokens: int) -> None:
-    for ordinal, layer in enumerate(LAYERS):
-        x = torch.randn(tokens, SHAPE.hidden_size, generator=gen)
-        weights = torch.rand(tokens, SHAPE.top_k, generator=gen)
-        ids = torch.randint(0, SHAPE.num_experts, (tokens, SHAPE.top_k), generator=gen, dtype=torch.int32)
-        out = remote.exchange(layer, x, weights, ids)
-        torch.testing.assert_close(out, _reference(ordinal, x, weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_a_dead_engine_ends_only_its_loop_and_the_ffn_rank_serves_the_other_on(one_torch_thread: None) -> None:

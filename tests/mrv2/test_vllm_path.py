@@ -176,7 +176,7 @@ def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() 
     assert got_ids.tolist() == [[3, 3]] and got_w.tolist() == [[0.5, 0.0]]
 
 
-def _checked_forward(remote: RemoteExperts, gen: torch.Generator, tokens: int) -> None:
+def checked_forward(remote: RemoteExperts, gen: torch.Generator, tokens: int) -> None:
     """One forward of ``tokens`` through every MoE layer, each output checked against the reference."""
     for ordinal, layer in enumerate(LAYERS):
         x = torch.randn(tokens, SHAPE.hidden_size, generator=gen)
@@ -196,7 +196,7 @@ def _engine(
         for n, tokens in enumerate(forwards):
             if a == 1 and n == 1:  # idle while rank 0 runs all its forwards
                 assert rank1_may_go_on.wait(60), "attention rank 0 never finished"
-            _checked_forward(remote, gen, tokens)
+            checked_forward(remote, gen, tokens)
         if a == 0:
             rank1_may_go_on.set()
     except BaseException as exc:  # noqa: BLE001 - re-raised by the test thread
