@@ -18,21 +18,42 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tests.procs import afd, gone, running, workers
+from tests.procs import Proc, afd, gone, running, workers
 
 # Long enough to be mid-run when the fault comes, small enough to start fast.
 LONG = ["--hidden", "64", "--expert-size", "128", "--batches", "400", "--warmup", "0"]
 
 
-def wait_all_gone(pids: list[int], timeout_s: float) -> float:
+def wait_all_gone(pids: list[int], timeout_s: float, *, context: Callable[[], str] = str) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if all(gone(pid) for pid in pids):
             return time.monotonic() - start
         time.sleep(0.02)
-    raise AssertionError(f"processes {[p for p in pids if not gone(p)]} still alive after {timeout_s} s")
+    alive = [p for p in pids if not gone(p)]
+    raise AssertionError(f"processes {alive} still alive after {timeout_s} s: {_states(alive)}{context()}")
+
+
+def _launcher_state(proc: Proc) -> str:
+    """Whether the launcher still runs, and the last lines it (and its workers) wrote."""
+    tail = "\n".join(proc.stderr.splitlines()[-15:])
+    return f"\nlauncher exit status {proc.popen.poll()}; stderr (tail):\n{tail}"
+
+
+def _states(pids: list[int]) -> str:
+    """Each live process's scheduler state and kernel wait channel (why it did not end), from /proc."""
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError as exc:
+            stat, wchan = "?", str(exc)
+        out.append(f"{pid} state {stat} wchan {wchan}")
+    return "; ".join(out)
 
 
 def failure_line(err: list[str], name: str) -> tuple[int, str]:
@@ -103,7 +124,7 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
         pids = [w["pid"] for w in workers(tmp_path)]
         assert not any(gone(pid) for pid in pids)
         proc.popen.send_signal(signal.SIGINT)
-        elapsed = wait_all_gone(pids, 30.0)
+        elapsed = wait_all_gone(pids, 30.0, context=lambda: _launcher_state(proc))
         print(f"\nall {len(pids)} workers gone {elapsed:.2f} s after SIGINT")
         assert proc.wait(30) == 130
     assert "interrupted: stopping the workers" in proc.stderr
