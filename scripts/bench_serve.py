@@ -3,7 +3,7 @@
 
     .venv-vllm/bin/python scripts/bench_serve.py MODEL [--clients 64] [--tokens 64] [--requests 64] [--rounds 3]
         [--attention A --ffn F] [--ubatches N] [--afd JSON] [--depth D] [--plain-cores LIST] [--no-trace]
-        [--stop-grace S] [--engine-core-nice N] [--json OUT] [--logs DIR] [-- ENGINE ARGS]
+        [--stop-grace-s S] [--engine-core-nice N] [--json OUT] [--logs DIR] [-- ENGINE ARGS]
 
 Three sides, all on vLLM's Model Runner V2 (on CPU through the test-only triton stand-in
 ``tests/vllm/triton_cpu_standin``, eager), the same checkpoint and engine arguments (default
@@ -83,7 +83,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs",
 #: What plain vLLM logs when it runs Model Runner V2.
 V2_LOG = "Using V2 Model Runner"
 SIDES = ("plain", "blocking", "ubatch")
-#: serve --stop-grace: a vLLM Attention engine on a loaded 2-core machine takes several seconds to exit, and
+#: serve --stop-grace-s: a vLLM Attention engine on a loaded 2-core machine takes several seconds to exit, and
 #: an FFN role reports only after its engines are gone (serve's default 5 s grace SIGKILLs it first).
 STOP_GRACE_S = 60.0
 OVERLAP_SUMS = ("steps", "round_trips", "round_trip_total_ms", "hidden_total_ms", "computes", "compute_total_ms")
@@ -109,7 +109,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--plain-cores", metavar="LIST", help="cores for plain vLLM, e.g. 0,1 (default: all)")
     parser.add_argument("--no-trace", action="store_true", help="no afd.multistream.trace (no FFN overlap figures)")
     parser.add_argument(
-        "--stop-grace", type=float, default=STOP_GRACE_S, metavar="S", help="serve --stop-grace (default %(default)g)"
+        "--stop-grace-s",
+        "--stop-grace",  # the spelling before afd-mrv2 0.3.0 (serve's flag then), still accepted
+        dest="stop_grace",
+        type=float,
+        default=STOP_GRACE_S,
+        metavar="S",
+        help="serve --stop-grace-s (default %(default)g)",
     )
     parser.add_argument(
         "--engine-core-nice",
@@ -131,7 +137,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.engine_core_nice is not None and not 1 <= args.engine_core_nice <= 19:
         raise UsageError(f"--engine-core-nice: expected an integer 1..19, got {args.engine_core_nice}")
     if args.stop_grace <= 0:
-        raise UsageError(f"--stop-grace: expected seconds > 0, got {args.stop_grace:g}")
+        raise UsageError(f"--stop-grace-s: expected seconds > 0, got {args.stop_grace:g}")
     if args.afd is not None:
         try:
             args.afd = json.loads(args.afd)
