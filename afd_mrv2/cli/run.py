@@ -253,16 +253,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from afd_mrv2.reference.worker import run_worker
-
     worker_config = envs.run_config()
     if worker_config is not None:  # a worker started by the local launcher
-        return run_worker(RunConfig.from_json(worker_config), as_json=args.json)
+        return _run_worker(RunConfig.from_json(worker_config), as_json=args.json)
     cfg = config_from_args(args)
     # resolve the plugins and check their hook API versions before any process or link exists
     check_plugins(parse_afd_config({"connector": cfg.connector, "observers": list(cfg.observers), "role": "attention"}))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun or by hand: one rank
-        return run_worker(cfg, as_json=args.json)
+        return _run_worker(cfg, as_json=args.json)
     from afd_mrv2.reference.launcher import launch
 
     return launch(cfg, as_json=args.json, grace_s=args.grace_s)
+
+
+def _run_worker(cfg: RunConfig, *, as_json: bool) -> int:
+    """One rank of the run, in this process (imports torch; the launcher itself never does)."""
+    from afd_mrv2.reference.worker import run_worker
+
+    return run_worker(cfg, as_json=as_json)

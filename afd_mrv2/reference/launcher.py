@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from afd_mrv2 import envs
 from afd_mrv2.procs import free_port
-from afd_mrv2.reference.report import render
+from afd_mrv2.reference.progress import progress
 from afd_mrv2.reference.runconfig import CONFIG_ENV, RunConfig
-from afd_mrv2.reference.worker import LAUNCHER_ENV, progress
 
 _POLL_S = 0.05
 _TERM_GRACE_S = 2.0
@@ -68,7 +68,7 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
                 LOCAL_RANK=str(rank),
                 LOCAL_WORLD_SIZE=str(topology.world_size),
                 OMP_NUM_THREADS="1",
-                **{LAUNCHER_ENV: str(os.getpid()), CONFIG_ENV: cfg.to_json()},
+                **{envs.LAUNCHER.name: str(os.getpid()), CONFIG_ENV: cfg.to_json()},
             )
             proc = subprocess.Popen([sys.executable, "-m", "afd_mrv2.cli", "run"], env=env, start_new_session=True)
             workers.append(_Worker(rank, topology.describe(rank), proc))
@@ -98,6 +98,8 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
         progress(f"every worker exited 0 but rank 0 wrote no {result}")
         return 1
     report = json.loads(result.read_text())
+    from afd_mrv2.reference.report import render  # imports torch: only once there is a report to render
+
     print(render(report, as_json=as_json), flush=True)
     return 0 if report["ok"] else 1
 

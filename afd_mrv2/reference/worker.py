@@ -34,6 +34,7 @@ from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 from afd_mrv2.reference.forward import reference_forward
 from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
+from afd_mrv2.reference.progress import progress
 from afd_mrv2.reference.quant_check import MoeCheck
 from afd_mrv2.reference.runconfig import RunConfig
 from afd_mrv2.reference.split_owner import SplitAttentionOwner
@@ -43,17 +44,6 @@ from afd_mrv2.stages.layout import layout_log_enabled
 from afd_mrv2.topology import ATTENTION
 
 LAUNCHER_ENV = envs.LAUNCHER.name  # the launcher's pid, set in the workers it starts
-
-
-def progress(message: str) -> None:
-    """A progress line on stderr (stdout stays machine-readable).
-
-    One ``os.write`` per message: workers share the launcher's stderr, and
-    ``print`` writes the text and the newline separately, so lines of two
-    processes failing at the same moment would interleave.
-    """
-    sys.stderr.flush()
-    os.write(2, f"afd-mrv2 run: {message}\n".encode("utf-8", "replace"))
 
 
 def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:

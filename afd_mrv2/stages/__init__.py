@@ -10,9 +10,17 @@ is cut into stages, is :mod:`afd_mrv2.mrv2.attention.ubatch_runner` and ``afd.ub
 
 from __future__ import annotations
 
-from afd_mrv2.stages.metadata import PAD_SLOT_ID, StageMetadata, build_stage_metadata, merge_tokens, split_tokens
+from typing import TYPE_CHECKING, Any
+
 from afd_mrv2.stages.pairing import PairingError, PendingFifo, attention_items, ffn_items
 from afd_mrv2.stages.planner import NUM_STAGES, SPLITS, Stage, plan_stages
+
+if TYPE_CHECKING:
+    from afd_mrv2.stages.metadata import PAD_SLOT_ID, StageMetadata, build_stage_metadata, merge_tokens, split_tokens
+
+#: the names of :mod:`afd_mrv2.stages.metadata`, which imports torch: loaded on first use, so that a process
+#: that only plans (the ``afd-mrv2 run`` launcher, serve) never imports torch through this package
+_METADATA = ("PAD_SLOT_ID", "StageMetadata", "build_stage_metadata", "merge_tokens", "split_tokens")
 
 __all__ = [
     "NUM_STAGES",
@@ -29,3 +37,11 @@ __all__ = [
     "plan_stages",
     "split_tokens",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _METADATA:
+        from afd_mrv2.stages import metadata
+
+        return getattr(metadata, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

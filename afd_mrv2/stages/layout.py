@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from afd_mrv2 import envs
 from afd_mrv2.stages.planner import Stage
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUTS = ("sp", "tp")
 
@@ -193,6 +195,8 @@ def gather_shards(
     parts = all_gather(shard.contiguous())
     if len(parts) != layout.tp_size:
         raise ValueError(f"all_gather returned {len(parts)} shards for tp_size {layout.tp_size}")
+    import torch  # here, not at import: the planner and launcher use this module without tensors
+
     return torch.cat(parts)
 
 
