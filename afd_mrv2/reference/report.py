@@ -221,7 +221,7 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
         f"{split['policy']} split of {report['requests_per_batch']} request{'s' if report['requests_per_batch'] != 1 else ''} "
         "per batch into 2 stages"
         if split
-        else f"{report['stages']} stages x {report['requests_per_stage']} requests"
+        else f"{report['stages']} micro-batches x {report['requests_per_stage']} requests"
     )
     attention = f"{report['num_attention_ranks']} attention"
     if report.get("attention_tp", 1) > 1:

@@ -58,7 +58,7 @@ def draw_timeline(path: str | Path, ranks: list[dict[str, Any]], report: dict[st
     axes[-1].set_xlabel("ms since the first measured phase of the mode")
     fig.legend(handles=[Patch(color=c, label=p) for p, c in COLOURS.items()], loc="upper right", ncol=3, fontsize=8)
     fig.suptitle(
-        f"afd-mrv2 run: {report['topology']}, {report['layers']} layers, {report['stages']} stages, "
+        f"afd-mrv2 run: {report['topology']}, {report['layers']} layers, {report['stages']} micro-batches, "
         f"routing {report['routing']}, link {report['link']['kind']}",
         fontsize=10,
         x=0.01,
