@@ -30,38 +30,8 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
     """Summarise the per-rank results gathered on rank 0."""
     spec = cfg.routed_model
     attention = [r for r in ranks if r["role"] == ATTENTION]
-    ffn = [r for r in ranks if r["role"] != ATTENTION]
-    modes = []
-    for i, head in enumerate(ranks[0]["modes"]):
-        per_layer_ms = head["wall_s"] * 1e3 / (cfg.batches * spec.num_layers)
-        diffs = [r["modes"][i]["max_abs_diff"] for r in attention]
-        modes.append(
-            {
-                "mode": head["label"],
-                "pipelined": head["pipelined"],
-                "depth": head["depth"],
-                "per_layer_ms": per_layer_ms,
-                "wall_ms": head["wall_s"] * 1e3,
-                "cpu_cores_busy": sum(r["modes"][i]["cpu_s"] for r in ranks) / head["wall_s"],
-                "machine_load_average": head["load_average"],
-                "cpu_ms_per_layer_by_rank": {
-                    r["name"]: r["modes"][i]["cpu_s"] * 1e3 / (cfg.batches * spec.num_layers) for r in ranks
-                },
-                "overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in ffn]),
-                "hidden_comm_fraction": _mean([r["modes"][i]["metrics"]["hidden_comm_fraction"] for r in ffn]),
-                "attention_overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in attention]),
-                "max_abs_diff": max(diffs),
-                "max_abs_diff_by_rank": {r["name"]: r["modes"][i]["max_abs_diff"] for r in attention},
-                "tokens_per_ffn_rank": [r["modes"][i]["ffn_tokens"] for r in ffn],
-                "buffers": _buffers(ranks, i),
-            }
-        )
-    for mode in modes:
-        mode["speedup"] = modes[0]["per_layer_ms"] / mode["per_layer_ms"]
+    modes = _mode_rows(cfg, ranks)
     headline = modes[1] if len(modes) > 1 else modes[0]
-    expert_tokens = [sum(r["modes"][0]["expert_tokens"][e] for r in attention) for e in range(spec.num_experts)]
-    routed = sum(r["modes"][0]["routed_tokens"] for r in attention) or 1
-    hot = max(range(spec.num_experts), key=lambda e: expert_tokens[e])
     max_diff = max(m["max_abs_diff"] for m in modes)
     quant = summarize(cfg.quant, [m for r in attention for m in r["modes"]]) if cfg.quant else None
     tolerance = cfg.tolerance if quant is None else quant["max_bound"]
@@ -95,15 +65,55 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
         "tolerance": tolerance,
         "ok": ok,
         "quant": quant,
-        "routing_stats": {
-            "tokens_per_layer": routed // spec.num_layers,
-            "expert_share": [t / routed for t in expert_tokens],
-            "hot_expert": hot,
-            "hot_expert_share": expert_tokens[hot] / routed,
-            "tokens_per_ffn_rank": modes[0]["tokens_per_ffn_rank"],
-        },
+        "routing_stats": _routing_stats(cfg, attention, modes[0]["tokens_per_ffn_rank"]),
         "trace": None,
         "timeline": None,
+    }
+
+
+def _mode_rows(cfg: RunConfig, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per mode (serialized first): time per layer, cores busy, overlap, diffs, buffers, speedup."""
+    layer_runs = cfg.batches * cfg.routed_model.num_layers
+    attention = [r for r in ranks if r["role"] == ATTENTION]
+    ffn = [r for r in ranks if r["role"] != ATTENTION]
+    modes = []
+    for i, head in enumerate(ranks[0]["modes"]):
+        modes.append(
+            {
+                "mode": head["label"],
+                "pipelined": head["pipelined"],
+                "depth": head["depth"],
+                "per_layer_ms": head["wall_s"] * 1e3 / layer_runs,
+                "wall_ms": head["wall_s"] * 1e3,
+                "cpu_cores_busy": sum(r["modes"][i]["cpu_s"] for r in ranks) / head["wall_s"],
+                "machine_load_average": head["load_average"],
+                "cpu_ms_per_layer_by_rank": {r["name"]: r["modes"][i]["cpu_s"] * 1e3 / layer_runs for r in ranks},
+                "overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in ffn]),
+                "hidden_comm_fraction": _mean([r["modes"][i]["metrics"]["hidden_comm_fraction"] for r in ffn]),
+                "attention_overlap_efficiency": _mean([r["modes"][i]["metrics"]["efficiency"] for r in attention]),
+                "max_abs_diff": max(r["modes"][i]["max_abs_diff"] for r in attention),
+                "max_abs_diff_by_rank": {r["name"]: r["modes"][i]["max_abs_diff"] for r in attention},
+                "tokens_per_ffn_rank": [r["modes"][i]["ffn_tokens"] for r in ffn],
+                "buffers": _buffers(ranks, i),
+            }
+        )
+    for mode in modes:
+        mode["speedup"] = modes[0]["per_layer_ms"] / mode["per_layer_ms"]
+    return modes
+
+
+def _routing_stats(cfg: RunConfig, attention: list[dict[str, Any]], tokens_per_ffn_rank: list[int]) -> dict[str, Any]:
+    """How the first mode's tokens were routed: per layer, each expert's share, the hottest expert."""
+    spec = cfg.routed_model
+    expert_tokens = [sum(r["modes"][0]["expert_tokens"][e] for r in attention) for e in range(spec.num_experts)]
+    routed = sum(r["modes"][0]["routed_tokens"] for r in attention) or 1
+    hot = max(range(spec.num_experts), key=lambda e: expert_tokens[e])
+    return {
+        "tokens_per_layer": routed // spec.num_layers,
+        "expert_share": [t / routed for t in expert_tokens],
+        "hot_expert": hot,
+        "hot_expert_share": expert_tokens[hot] / routed,
+        "tokens_per_ffn_rank": tokens_per_ffn_rank,
     }
 
 
