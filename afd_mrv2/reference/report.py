@@ -220,6 +220,31 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
     """The report as one JSON object, or as a readable table."""
     if as_json:
         return json.dumps(report)
+    split = report.get("split")
+    lines = [_headline(report), ""]
+    if split:
+        lines += [*_split_lines(split, warmup=report["warmup_batches"]), ""]
+    lines.append(_modes_table(report["modes"]))
+    stats = report["routing_stats"]
+    verdict = "OK" if report["ok"] else "FAILED"
+    lines += [
+        "",
+        *_diff_lines(report, verdict),
+        f"routing: hottest expert {stats['hot_expert']} selected by {stats['hot_expert_share']:.0%} of tokens; "
+        f"tokens per FFN rank {stats['tokens_per_ffn_rank']}",
+        "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute;",
+        "buffers = input + output buffers / the largest rank's buffer bytes (tensor storages, after the run);",
+        f"  per rank, {_bytes_by_rank(report['modes'][-1])}",
+        f"cores busy = CPU time of all ranks / wall time; this machine has {os.cpu_count()} cores and a 1-minute "
+        f"load average of {report['modes'][-1]['machine_load_average']:.1f} (when they are all busy, overlap cannot help)",
+        f"trace:    {report['trace']}  (open in https://ui.perfetto.dev)",
+        f"timeline: {report['timeline'] or report.get('timeline_note')}",
+    ]
+    return "\n".join(lines)
+
+
+def _headline(report: dict[str, Any]) -> str:
+    """The first line: ranks, link, layers, how batches are cut, batches, routing."""
     link = report["link"]
     link_text = (
         f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo"
@@ -236,13 +261,14 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
     attention = f"{report['num_attention_ranks']} attention"
     if report.get("attention_tp", 1) > 1:
         attention = f"{report['attention_dp']} attention DP x {report['attention_tp']} TP ({report['layout']} layout)"
-    lines = [
+    return (
         f"AFD run: {attention} + {report['num_ffn_ranks']} FFN ranks ({link_text}), "
-        f"{report['layers']} layers, {batching}, {report['batches']} batches, routing {report['routing']}",
-        "",
-    ]
-    if split:
-        lines += [*_split_lines(split, warmup=report["warmup_batches"]), ""]
+        f"{report['layers']} layers, {batching}, {report['batches']} batches, routing {report['routing']}"
+    )
+
+
+def _modes_table(modes: list[dict[str, Any]]) -> str:
+    """One row per mode: buffers, time per layer, speedup, overlap, cores busy, max |diff|."""
     headers = [
         "mode",
         "buffers (in+out)",
@@ -264,25 +290,9 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
             m["cpu_cores_busy"],
             f"{m['max_abs_diff']:.2e}",
         ]
-        for m in report["modes"]
+        for m in modes
     ]
-    lines.append(format_table(headers, rows))
-    stats = report["routing_stats"]
-    verdict = "OK" if report["ok"] else "FAILED"
-    lines += [
-        "",
-        *_diff_lines(report, verdict),
-        f"routing: hottest expert {stats['hot_expert']} selected by {stats['hot_expert_share']:.0%} of tokens; "
-        f"tokens per FFN rank {stats['tokens_per_ffn_rank']}",
-        "overlap eff = flow-shop lower bound / makespan (FFN ranks); hidden comm = recv+send time under compute;",
-        "buffers = input + output buffers / the largest rank's buffer bytes (tensor storages, after the run);",
-        f"  per rank, {_bytes_by_rank(report['modes'][-1])}",
-        f"cores busy = CPU time of all ranks / wall time; this machine has {os.cpu_count()} cores and a 1-minute "
-        f"load average of {report['modes'][-1]['machine_load_average']:.1f} (when they are all busy, overlap cannot help)",
-        f"trace:    {report['trace']}  (open in https://ui.perfetto.dev)",
-        f"timeline: {report['timeline'] or report.get('timeline_note')}",
-    ]
-    return "\n".join(lines)
+    return format_table(headers, rows)
 
 
 def _diff_lines(report: dict[str, Any], verdict: str) -> list[str]:
