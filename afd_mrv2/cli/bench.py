@@ -83,6 +83,24 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cells": [c.as_dict() for c in cells], "summary": summary, "chart": chart}))
         return 0
+    print(_cells_table(cells))
+    print("buffers = input + output buffers / the bytes they held (tensor storages, measured after the run)")
+    print()
+    print(f"model vs measured: median |error| {summary['median_model_error']:.1%} over {len(cells)} cells")
+    for name, s in summary["scenarios"].items():
+        chose = "auto chose" if s["auto_decided"] else "auto undecided, ran at"
+        print(
+            f"{name}: best fixed {s['best_buffers']} ({s['best_ms']:.1f} ms; fewest buffer bytes within 2% of the "
+            f"fastest); model chooses {s['model_buffers']}; "
+            f"{chose} {s['auto_buffers']} ({s['auto_ms']:.1f} ms, {s['auto_vs_best']:.2f}x best)"
+        )
+    if chart:
+        print(f"chart: {chart}")
+    return 0
+
+
+def _cells_table(cells: Sequence[Cell]) -> str:
+    """One row per (scenario, mode) cell: makespan, its bound, efficiency, hidden comm, speedup, the model."""
     headers = [
         "scenario",
         "mode",
@@ -110,20 +128,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         for c in cells
     ]
-    print(format_table(headers, rows))
-    print("buffers = input + output buffers / the bytes they held (tensor storages, measured after the run)")
-    print()
-    print(f"model vs measured: median |error| {summary['median_model_error']:.1%} over {len(cells)} cells")
-    for name, s in summary["scenarios"].items():
-        chose = "auto chose" if s["auto_decided"] else "auto undecided, ran at"
-        print(
-            f"{name}: best fixed {s['best_buffers']} ({s['best_ms']:.1f} ms; fewest buffer bytes within 2% of the "
-            f"fastest); model chooses {s['model_buffers']}; "
-            f"{chose} {s['auto_buffers']} ({s['auto_ms']:.1f} ms, {s['auto_vs_best']:.2f}x best)"
-        )
-    if chart:
-        print(f"chart: {chart}")
-    return 0
+    return format_table(headers, rows)
 
 
 def write_chart_path(cells: Sequence[Cell], path: str) -> Path:
