@@ -127,9 +127,9 @@ def shape_for(
     )
 
 
-def config_json(shape: ModelShape) -> dict[str, object]:
-    """The Hugging Face ``config.json`` of ``shape``."""
-    common: dict[str, object] = {
+def _common_config(shape: ModelShape) -> dict[str, object]:
+    """The ``config.json`` keys every architecture here shares."""
+    return {
         "vocab_size": VOCAB,
         "hidden_size": shape.hidden,
         "num_hidden_layers": shape.layers,
@@ -146,6 +146,11 @@ def config_json(shape: ModelShape) -> dict[str, object]:
         "intermediate_size": shape.intermediate,
         "num_experts_per_tok": shape.top_k,
     }
+
+
+def config_json(shape: ModelShape) -> dict[str, object]:
+    """The Hugging Face ``config.json`` of ``shape``."""
+    common = _common_config(shape)
     if shape.arch == "mixtral":
         return {
             "architectures": ["MixtralForCausalLM"],

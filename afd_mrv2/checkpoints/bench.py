@@ -157,15 +157,7 @@ def measure_layer_compute(
         raise ConfigError("--kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
     if load.seqs < 2:
         raise ValueError(f"a bench load needs at least 2 sequences, got {load.seqs}")
-    note = ""
-    use_vllm = False
-    if kernels != "torch":
-        why = bench_vllm.available()
-        if why is not None and kernels == "vllm":
-            raise ConfigError("--kernels", f"vllm: {why}")
-        use_vllm, note = why is None, why or ""
-        if use_vllm and shape.arch == "deepseek_v2":
-            note = "MLA attention is the torch emulation"
+    use_vllm, note = _vllm_kernels(shape, kernels)
     generator = torch.Generator().manual_seed(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -205,6 +197,19 @@ def measure_layer_compute(
         kernels=used,
         kernels_note=note,
     )
+
+
+def _vllm_kernels(shape: ModelShape, kernels: str) -> tuple[bool, str]:
+    """Whether vLLM's CPU kernels are used for ``kernels`` (``torch``, ``vllm``, ``auto``), and the note saying
+    why not (or which part stays the torch emulation)."""
+    if kernels == "torch":
+        return False, ""
+    why = bench_vllm.available()
+    if why is not None and kernels == "vllm":
+        raise ConfigError("--kernels", f"vllm: {why}")
+    if why is None and shape.arch == "deepseek_v2":
+        return True, "MLA attention is the torch emulation"
+    return why is None, why or ""
 
 
 def _time_pair(full: Callable[[], object], half: Callable[[], object], repeats: int) -> tuple[float, float]:

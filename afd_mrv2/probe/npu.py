@@ -232,22 +232,14 @@ def _camasync(me: _Rank, ops: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         )
         return out
 
-    found: dict[str, Any] = {
-        "async_dispatch_send": {},
-        "async_dispatch_recv": {},
-        "async_combine_send": {},
-        "async_combine_recv": {},
-    }
     dispatch = _escape(me, 0, dispatch_send, dispatch_recv)  # the receiver keeps both payloads for the combines
     combine = _escape(me, 1, combine_send, combine_recv)
-    found["async_dispatch_send"], found["async_dispatch_recv"] = (
-        {"send": dispatch.get("send")},
-        {"recv": dispatch.get("recv")},
-    )
-    found["async_combine_send"], found["async_combine_recv"] = (
-        {"send": combine.get("send")},
-        {"recv": combine.get("recv")},
-    )
+    found: dict[str, dict[str, Any]] = {
+        "async_dispatch_send": {"send": dispatch.get("send")},
+        "async_dispatch_recv": {"recv": dispatch.get("recv")},
+        "async_combine_send": {"send": combine.get("send")},
+        "async_combine_recv": {"recv": combine.get("recv")},
+    }
     if me.rank == 0:  # two dispatches in flight (layers 5 and 6), then their combines
         dispatch_send(5, 31), dispatch_send(6, 32)
         outs = [combine_recv(), combine_recv()]
