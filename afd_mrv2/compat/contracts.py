@@ -8,100 +8,38 @@ See docs/internals/compat.md, "afd_mrv2.compat.contracts".
 from __future__ import annotations
 
 import ast
-import re
-import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from afd_mrv2.compat.detect import VLLM_PROVIDERS, vllm_platform
+from afd_mrv2.compat.detect import stack_platform
 from afd_mrv2.compat.seam_check import Violation, check_seam, module_paths
 from afd_mrv2.compat.seams import ALL_SEAMS, Seam
+from afd_mrv2.compat.sources import (
+    DirectorySource,
+    Source,
+    StackSource,
+    WheelSource,
+    open_source,
+    open_sources,
+    vllm_provider,
+)
+from afd_mrv2.compat.table import PAIRS, RuntimePair
+from afd_mrv2.compat.versions import spec_matches
 
 __all__ = [
     "ContractReport",
     "DirectorySource",
     "Source",
+    "StackSource",
     "Violation",
     "WheelSource",
     "check_contracts",
     "check_seam",
     "open_source",
+    "open_sources",
 ]
 
 _TOP = {"vllm": "vllm", "vllm-ascend": "vllm_ascend"}
-
-
-class Source:
-    """Read-only access to ``.py`` files by path relative to the import root."""
-
-    label: str
-
-    def read(self, relpath: str) -> str | None:
-        raise NotImplementedError
-
-    def has_package(self, name: str) -> bool:
-        return self.read(f"{name}/__init__.py") is not None
-
-    def dist_version(self, distribution: str) -> str | None:
-        """The version in ``<name>-<version>.dist-info`` if the source carries one."""
-        return None
-
-
-class DirectorySource(Source):
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.label = str(root)
-
-    def read(self, relpath: str) -> str | None:
-        path = self.root / relpath
-        return path.read_text(encoding="utf-8") if path.is_file() else None
-
-    def dist_version(self, distribution: str) -> str | None:
-        stem = distribution.replace("-", "_")
-        for info in sorted(self.root.glob(f"{stem}-*.dist-info")):
-            return info.name[len(stem) + 1 : -len(".dist-info")]
-        return None
-
-
-class WheelSource(Source):
-    def __init__(self, path: Path) -> None:
-        self.label = str(path)
-        self._zip = zipfile.ZipFile(path)
-        self._names = set(self._zip.namelist())
-
-    def read(self, relpath: str) -> str | None:
-        if relpath not in self._names:
-            return None
-        return self._zip.read(relpath).decode("utf-8")
-
-    def dist_version(self, distribution: str) -> str | None:
-        stem = distribution.replace("-", "_")
-        pattern = re.compile(rf"^{re.escape(stem)}-([^/]+)\.dist-info/METADATA$")
-        for name in sorted(self._names):
-            match = pattern.match(name)
-            if match:
-                return match.group(1)
-        return None
-
-
-def vllm_provider(source: Source) -> tuple[str, str] | None:
-    """``(distribution, version)`` of the dist-info that shipped ``vllm`` in ``source``, if it carries one."""
-    for dist in VLLM_PROVIDERS:
-        version = source.dist_version(dist)
-        if version:
-            return dist, version
-    return None
-
-
-def open_source(path: str | Path) -> Source:
-    """A :class:`Source` for a wheel file or a directory; ValueError for anything else."""
-    path = Path(path)
-    if path.is_file() and zipfile.is_zipfile(path):
-        return WheelSource(path)
-    if path.is_dir():
-        return DirectorySource(path)
-    raise ValueError(f"{path}: not a wheel (zip) or a directory")
 
 
 @dataclass
@@ -113,9 +51,13 @@ class ContractReport:
     capabilities_missing: dict[str, list[str]] = field(default_factory=dict)  # capability -> messages
     versions: dict[str, str] = field(default_factory=dict)
     providers: dict[str, str] = field(default_factory=dict)  # package -> distribution that ships it
-    platform: str | None = None  # the vLLM platform of the source (None: unknown, every seam checked)
+    platform: str | None = None  # the platform of the source (None: unknown, every seam checked)
     skipped: list[str] = field(default_factory=list)  # seams for other platforms
+    blocked: dict[str, list[str]] = field(default_factory=dict)  # capability -> upstream facts that withhold it
+    unblocked: dict[str, list[str]] = field(default_factory=dict)  # capability -> blocking facts now gone
     _missing: dict[str, list[Violation]] = field(default_factory=dict, repr=False)
+    _blockers: dict[str, list[Seam]] = field(default_factory=dict, repr=False)
+    _gone: dict[str, list[Violation]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -135,22 +77,51 @@ class ContractReport:
                 {"symbol": v.seam.symbol, "parameter": v.parameter, "message": v.message} for v in self.violations
             ],
             "capabilities_missing": self.capabilities_missing,
+            "blocked": self.blocked,
+            "unblocked": self.unblocked,
         }
 
+    def record(self, seam: Seam, found: list[Violation]) -> None:
+        """File one checked seam's violations: a blocking fact, a capability not offered, or a violation."""
+        if seam.blocks is not None:
+            if found:
+                self.unblocked.setdefault(seam.blocks, []).extend(str(v) for v in found)
+                self._gone.setdefault(seam.blocks, []).extend(found)
+            else:
+                self.blocked.setdefault(seam.blocks, []).append(seam.symbol)
+                self._blockers.setdefault(seam.blocks, []).append(seam)
+        elif found and seam.capability is not None:
+            self.capabilities_missing.setdefault(seam.capability, []).extend(str(v) for v in found)
+            self._missing.setdefault(seam.capability, []).extend(found)
+        else:
+            self.violations += found
 
-def check_contracts(source: Source, seams: Iterable[Seam] = ALL_SEAMS) -> ContractReport:
-    """Check every seam whose distribution's package is in ``source`` (and that applies to its platform)."""
-    report = ContractReport(source=source.label)
-    trees: dict[str, ast.Module | None] = {}
+
+def _identify(source: Source, report: ContractReport) -> dict[str, bool]:
+    """Which distributions' packages ``source`` holds; fills the report's versions, providers and platform."""
     present = {dist: source.has_package(top) for dist, top in _TOP.items()}
     report.absent = sorted(d for d, here in present.items() if not here)
     provider = vllm_provider(source) if present["vllm"] else None
     if provider is not None:
         report.providers["vllm"], report.versions["vllm"] = provider
-        report.platform = vllm_platform(*provider)
     version = source.dist_version("vllm-ascend") if present["vllm-ascend"] else None
     if version:
         report.versions["vllm-ascend"] = version
+    distribution, vllm = provider if provider is not None else (None, None)
+    # vllm_ascend without its metadata (a stand-in, a bare copy): the platform is unknown, every seam is checked
+    unknown = present["vllm-ascend"] and not version
+    report.platform = None if unknown else stack_platform(distribution, vllm, vllm_ascend=version)
+    return present
+
+
+def check_contracts(
+    source: Source, seams: Iterable[Seam] = ALL_SEAMS, *, pairs: tuple[RuntimePair, ...] = PAIRS
+) -> ContractReport:
+    """Check every seam whose distribution's package is in ``source`` (and that applies to its platform), then
+    the claims of the table rows (``pairs``) that describe the release."""
+    report = ContractReport(source=source.label)
+    trees: dict[str, ast.Module | None] = {}
+    present = _identify(source, report)
     for seam in seams:
         if not present.get(seam.distribution, False):
             continue
@@ -162,30 +133,51 @@ def check_contracts(source: Source, seams: Iterable[Seam] = ALL_SEAMS) -> Contra
             text = next((t for p in module_paths(seam.module) if (t := source.read(p)) is not None), None)
             trees[seam.module] = ast.parse(text, filename=seam.module) if text is not None else None
         tree = trees[seam.module]
-        found = [Violation(seam, f"module {seam.module} is missing")] if tree is None else check_seam(seam, tree)
-        if found and seam.capability is not None:
-            report.capabilities_missing.setdefault(seam.capability, []).extend(str(v) for v in found)
-            report._missing.setdefault(seam.capability, []).extend(found)
-        else:
-            report.violations += found
-    _check_table_claims(report)
+        report.record(
+            seam, [Violation(seam, f"module {seam.module} is missing")] if tree is None else check_seam(seam, tree)
+        )
+    for row in claimed_rows(report, pairs):
+        report.violations += _row_claim_violations(row, report)
     return report
 
 
-def _check_table_claims(report: ContractReport) -> None:
-    """A table row may not claim a capability whose seams this very release lacks."""
-    from afd_mrv2.compat.table import PAIRS
-    from afd_mrv2.compat.versions import spec_matches
+def claimed_rows(report: ContractReport, pairs: tuple[RuntimePair, ...] = PAIRS) -> list[RuntimePair]:
+    """The accepted table rows that describe the release in the report (by its dist-info/egg-info versions)."""
+    versions = report.versions
+    return [
+        row
+        for row in pairs
+        if row.status.accepted
+        and row.distribution == report.providers.get("vllm")
+        and row.platform == report.platform
+        and spec_matches(row.vllm, versions.get("vllm"))
+        and (row.vllm_ascend is None or spec_matches(row.vllm_ascend, versions.get("vllm-ascend")))
+    ]
 
-    version, provider = report.versions.get("vllm"), report.providers.get("vllm")
-    for row in PAIRS:
-        if row.vllm_ascend is not None or not row.status.accepted or row.distribution != provider:
-            continue
-        if row.platform != report.platform or not spec_matches(row.vllm, version):
-            continue
-        for capability, found in report._missing.items():
-            if capability in row.capabilities:
-                report.violations += [
-                    Violation(v.seam, f"table row {row.name} grants {capability!r} but: {v.message}", v.parameter)
-                    for v in found
-                ]
+
+def _row_claim_violations(row: RuntimePair, report: ContractReport) -> list[Violation]:
+    """A row may not grant a capability whose seams this release lacks or that an upstream fact blocks, nor
+    withhold one citing a blocking fact the release no longer has."""
+    out: list[Violation] = []
+    for capability, found in report._missing.items():
+        if capability in row.capabilities:
+            out += [
+                Violation(v.seam, f"table row {row.name} grants {capability!r} but: {v.message}", v.parameter)
+                for v in found
+            ]
+    for capability, blockers in report._blockers.items():
+        if capability in row.capabilities:
+            out += [
+                Violation(s, f"table row {row.name} grants {capability!r} but upstream blocks it: {s.why}")
+                for s in blockers
+            ]
+    withheld = dict(row.withheld)
+    for capability, gone in report._gone.items():
+        if capability in withheld:
+            out += [
+                Violation(
+                    v.seam, f"table row {row.name} withholds {capability!r} citing it, but: {v.message}", v.parameter
+                )
+                for v in gone
+            ]
+    return out

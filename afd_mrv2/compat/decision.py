@@ -107,12 +107,12 @@ class Decision:
 
 
 def _row_matches_versions(row: RuntimePair, runtime: Runtime) -> bool:
-    if not spec_matches(row.vllm, runtime.vllm):
-        return False
+    """Whether ``row`` is the runtime's row: a CUDA/CPU row by its vLLM version, an Ascend row by its
+    vLLM-Ascend version (the vLLM it pins is then checked as part of its stack, named when it differs)."""
     if row.distribution != runtime.vllm_distribution or row.platform != runtime.platform:
         return False
     if row.vllm_ascend is None:
-        return runtime.vllm_ascend is None
+        return runtime.vllm_ascend is None and spec_matches(row.vllm, runtime.vllm)
     return spec_matches(row.vllm_ascend, runtime.vllm_ascend)
 
 
@@ -126,6 +126,7 @@ def _stack_mismatches(row: RuntimePair, runtime: Runtime) -> list[str]:
         elif spec and not spec_matches(spec, value):
             problems.append(f"{name} {value or '(not installed)'} does not satisfy {spec} required by {row.name}")
 
+    check("vllm", row.vllm, runtime.vllm)
     check("torch", row.torch, runtime.torch)
     check("torch_npu", row.torch_npu, runtime.torch_npu)
     check("python", row.python, runtime.python)
@@ -177,15 +178,20 @@ def _apply_override(status: str, runtime: Runtime, reasons: list[str], forced: s
 
 
 def _missing_capabilities(row: RuntimePair | None, required: tuple[str, ...], granted: frozenset[str]) -> str | None:
-    """The reason naming the required capabilities ``row`` does not grant, or None when all are granted."""
+    """The one line naming the required capabilities ``row`` does not grant (with the row's reason for each
+    it withholds), or None when all are granted."""
     missing = [c for c in required if c not in granted]
     if not missing:
         return None
     where = row.name if row is not None else "this pair"
-    return (
+    line = (
         f"required capabilit{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} not granted by {where} "
         f"(granted: {', '.join(sorted(granted)) or 'none'})"
     )
+    whys = [(c, why) for c in missing if row is not None and (why := row.withheld_reason(c))]
+    if len(missing) == 1 and whys:
+        return f"{line}: {whys[0][1]}"
+    return line + "".join(f"; {c}: {why}" for c, why in whys)
 
 
 def decide(

@@ -31,6 +31,15 @@ def vllm_platform(distribution: str, version: str | None = None) -> str:
     return VLLM_PROVIDERS.get(distribution, "cuda")
 
 
+def stack_platform(distribution: str | None, version: str | None, *, vllm_ascend: str | None) -> str | None:
+    """``ascend`` wherever vLLM-Ascend's metadata says it is there (installed, or a tree holding ``vllm_ascend``
+    with its dist-info, egg-info or sdist PKG-INFO), else what the vLLM ``distribution`` is built for; None
+    when neither is known."""
+    if vllm_ascend is not None:
+        return "ascend"
+    return None if distribution is None else vllm_platform(distribution, version)
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What is installed.  None: not installed (or, for CANN, no install-info file found)."""
@@ -56,7 +65,7 @@ class Runtime:
     @property
     def platform(self) -> str:
         if self.vllm_ascend is not None:
-            return "ascend"
+            return "ascend"  # the rule of stack_platform, for an installed stack (vLLM assumed present)
         return vllm_platform(self.vllm_distribution or "vllm", self.vllm)
 
     def key(self) -> str:

@@ -1,4 +1,9 @@
-"""One upstream seam, declared as data (see :mod:`afd_mrv2.compat.seams` for the lists)."""
+"""One upstream seam, declared as data (see :mod:`afd_mrv2.compat.seams` for the lists).
+
+A seam with ``blocks`` is the opposite of a reliance: an upstream fact that keeps a
+capability from a table row (the row's ``withheld`` line cites it); see
+docs/internals/compat.md, "Blocking seams".
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ class Seam:
     decorators: tuple[str, ...] = ()  # decorator names, e.g. ("property",)
     self_reads: tuple[str, ...] | None = None  # the only self attributes the body may read (None: unchecked)
     runnable: bool = False  # the module has an ``if __name__ == "__main__":`` block (``python -m``)
+    statements: tuple[str, ...] = ()  # simple statements the body must hold, as ast.unparse writes them
+    entries: tuple[tuple[str, str], ...] = ()  # dict-literal items the body must hold: (string key, value source)
+    blocks: str | None = None  # a capability this upstream fact keeps a table row from granting
 
     @property
     def symbol(self) -> str:

@@ -9,6 +9,8 @@ method may read.  afd-mrv2's micro-batch runner sets the attributes upstream's
 ``UBatchRunner.prepare``/``run`` read instead of calling upstream's constructor,
 so a method that starts reading one more attribute is a violation naming it.
 ``names`` on a class seam: names its body must bind (methods, fields, enum members).
+``statements``: simple statements (``ast.unparse`` text; an ``assert`` also without its
+message) and ``entries``: ``key: value`` items of dict literals, anywhere in the body.
 """
 
 from __future__ import annotations
@@ -217,12 +219,52 @@ def _decorator_names(node: ast.AST) -> list[str]:
     return out
 
 
+_COMPOUND: tuple[type[ast.stmt], ...] = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For)
+_COMPOUND += (ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.Match)
+
+
+def _statements(node: ast.AST) -> set[str]:
+    """The simple statements anywhere in ``node`` as ``ast.unparse`` writes them; an assert also without its message."""
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.stmt) and not isinstance(sub, _COMPOUND):
+            out.add(ast.unparse(sub))
+            if isinstance(sub, ast.Assert):
+                out.add(f"assert {ast.unparse(sub.test)}")
+    return out
+
+
+def _entries(node: ast.AST) -> set[tuple[str, str]]:
+    """``(key, value source)`` of every string-keyed item of a dict literal anywhere in ``node``."""
+    return {
+        (key.value, ast.unparse(value))
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Dict)
+        for key, value in zip(sub.keys, sub.values, strict=True)
+        if isinstance(key, ast.Constant) and isinstance(key.value, str)
+    }
+
+
+def _check_body_text(seam: Seam, node: ast.AST) -> list[Violation]:
+    """The statements and dict-literal entries the seam expects anywhere in ``node``."""
+    out: list[Violation] = []
+    if seam.statements:
+        held = _statements(node)
+        out += [Violation(seam, f"no longer runs `{s}`", s) for s in seam.statements if s not in held]
+    if seam.entries:
+        items = _entries(node)
+        for key, value in seam.entries:
+            if (key, value) not in items:
+                out.append(Violation(seam, f"no longer maps {key!r} to {value}", key))
+    return out
+
+
 def _check_module(seam: Seam, tree: ast.Module) -> list[Violation]:
     bound = _module_names(tree)
     out = [Violation(seam, f"module-level name {n!r} is missing", n) for n in seam.names if n not in bound]
     if seam.runnable and not _has_main_guard(tree):
         out.append(Violation(seam, 'has no `if __name__ == "__main__":` block (python -m no longer runs it)'))
-    return out
+    return out + _check_body_text(seam, tree)
 
 
 def _check_constant(seam: Seam, tree: ast.Module, name: str, expected: object) -> list[Violation]:
@@ -271,7 +313,7 @@ def _check_class(seam: Seam, node: ast.ClassDef) -> list[Violation]:
 
 def _check_definition(seam: Seam, node: ast.AST, bound: bool) -> list[Violation]:
     """Violations of a seam on a class, function or method definition."""
-    out = _check_references(seam, node)
+    out = _check_references(seam, node) + _check_body_text(seam, node)
     if seam.params is not None:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return [Violation(seam, "expected a function or method")]

@@ -1,18 +1,19 @@
 """The upstream seams afd-mrv2 relies on, declared as data.
 
 :class:`Seam` and the lists :data:`SEAMS`, :data:`STEP_SEAMS`, :data:`UBATCH_SEAMS`,
-:data:`MOE_SEAMS`, :data:`VLLM_PATH_SEAMS`, checked from source by :mod:`afd_mrv2.compat.contracts`.
+:data:`MOE_SEAMS`, :data:`VLLM_PATH_SEAMS`, :data:`~afd_mrv2.compat.ascend_seams.ASCEND_SEAMS`,
+checked from source by :mod:`afd_mrv2.compat.contracts`.
 
 See docs/internals/compat.md, "afd_mrv2.compat.seams".
 """
 
 from __future__ import annotations
 
+from afd_mrv2.compat.ascend_seams import ASCEND_SEAMS
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.compat.seam import Seam
 from afd_mrv2.compat.ubatch_seams import RUNNER, UBATCH_SEAMS, UBATCHING
 
-ASCEND_RUNNER = "vllm_ascend.worker.v2.model_runner"
 MRV2 = "mrv2"
 #: Where a vLLM release keeps its OpenAI server's ``make_arg_parser``: one of the two is offered (never granted
 #: by a table row: the pre-flight uses whichever the installed vLLM has).
@@ -104,53 +105,6 @@ SEAMS: tuple[Seam, ...] = (
         params=(),
         assigns=("device",),
         capability="worker_runner_factory",
-    ),
-    Seam(
-        "vllm-ascend",
-        ASCEND_RUNNER,
-        "NPUModelRunner",
-        "the Ascend Attention runner subclasses it",
-        bases=("GPUModelRunner",),
-    ),
-    Seam(
-        "vllm-ascend",
-        ASCEND_RUNNER,
-        "NPUModelRunner.__init__",
-        "constructed by the worker",
-        params=("vllm_config", "device"),
-    ),
-    Seam(
-        "vllm-ascend",
-        ASCEND_RUNNER,
-        "NPUModelRunner.initialize_kv_cache",
-        "overridden (with *args/**kwargs: vllm-ascend drops is_profiling) to install micro-batching after it",
-        params=("kv_cache_config",),
-    ),
-    Seam(
-        "vllm-ascend",
-        "vllm_ascend.worker.worker",
-        "NPUWorker",
-        "AfdWorker on Ascend subclasses it (afd_mrv2.mrv2.attention.worker.afd_init_device_worker_class)",
-        capability=MRV2,
-    ),
-    Seam(
-        "vllm-ascend",
-        "vllm_ascend.worker.worker",
-        "NPUWorker.__init__",
-        "AfdWorker's init_device reads self.use_v2_model_runner, assigned here",
-        assigns=("use_v2_model_runner",),
-        capability=MRV2,
-    ),
-    Seam(
-        "vllm-ascend",
-        "vllm_ascend.worker.worker",
-        "NPUWorker.init_device",
-        "builds the runner inline (V2: vllm_ascend.worker.v2.model_runner.NPUModelRunner): AfdWorker overrides "
-        "it, runs it, then replaces self.model_runner by the Attention runner built from (vllm_config, self.device)",
-        params=(),
-        assigns=("device", "model_runner"),
-        uses=("use_v2_model_runner",),
-        capability=MRV2,
     ),
 )
 
@@ -367,5 +321,6 @@ VLLM_PATH_SEAMS: tuple[Seam, ...] = (
     *MODEL_LAYER_SEAMS,
 )
 
-#: Every seam: the V2-runner seams above, then the vLLM path's.
-ALL_SEAMS: tuple[Seam, ...] = SEAMS + STEP_SEAMS + UBATCH_SEAMS + MOE_SEAMS + VLLM_PATH_SEAMS
+#: Every seam: the V2-runner seams above, then the vLLM path's, then vLLM-Ascend's (checked only where a tree
+#: holds vllm_ascend).
+ALL_SEAMS: tuple[Seam, ...] = SEAMS + STEP_SEAMS + UBATCH_SEAMS + MOE_SEAMS + VLLM_PATH_SEAMS + ASCEND_SEAMS

