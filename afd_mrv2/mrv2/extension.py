@@ -15,11 +15,13 @@ import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.models.utils import extract_layer_index
 
+from afd_mrv2.compat.detect import detect_runtime
 from afd_mrv2.mrv2.attention.remote import attached
 from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
 from afd_mrv2.mrv2.deployment import admit, check_layers
 from afd_mrv2.mrv2.ffn.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.ffn.server import ExpertsFn, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.platforms.ffn import ffn_adapter
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.topology import Topology
 from afd_mrv2.validation import afd_section
@@ -82,16 +84,24 @@ class AfdWorkerExtension:
         check_layers(config, self.vllm_config, layers)  # the MODEL checks, on the layers vLLM really built
         moe = layers[0].moe_config
         topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
+        held = topology.held_by(config.rank)
+        adapter = ffn_adapter(detect_runtime().platform)  # the platform table: None where forward_modular serves
+        if adapter is not None:
+            adapter.check_held(held, moe.num_experts)
         loaded_bytes = self.afd_routed_expert_bytes()  # the peak: vLLM's loader loaded every expert
         for layer in layers:  # this FFN rank holds only its experts
-            keep_experts(layer, topology.held_by(config.rank))
+            keep_experts(layer, held)
+        compute = [
+            _modular(layer) if adapter is None else adapter.routed_experts_fn(layer, self.vllm_config)
+            for layer in layers
+        ]
         first = next(layers[0].parameters())
         # started by ffn_role: end with that process while serving (mrv2.leader)
         watch = watch_role_leader(leader_pid(self.vllm_config.additional_config))
         try:
             report = serve_ffn(
                 config,
-                [_modular(layer) for layer in layers],
+                compute,
                 MoeShape(moe.hidden_dim, moe.experts_per_token, moe.num_experts),
                 max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
                 dtype=self.vllm_config.model_config.dtype,

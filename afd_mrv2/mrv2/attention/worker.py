@@ -7,13 +7,17 @@ See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.worker".
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from afd_mrv2.items import ATTENTION
+from afd_mrv2.mrv2.platforms.attention import AttentionAdapter, attention_adapter
 from afd_mrv2.mrv2.upstream import Upstream, load_upstream
 from afd_mrv2.validation import Gate, afd_section
+
+log = logging.getLogger(__name__)
 
 
 def _attention_role(vllm_config: Any) -> bool:
@@ -38,13 +42,19 @@ def afd_worker_class(base_worker: type, upstream: Upstream, *, gate: Gate | None
 
 
 def afd_init_device_worker_class(
-    base_worker: type, upstream: Callable[[], Upstream], *, gate: Gate | None = None
+    base_worker: type,
+    upstream: Callable[[], Upstream],
+    *,
+    gate: Gate | None = None,
+    adapter: AttentionAdapter | None = None,
 ) -> type:
     """``base_worker`` (vLLM's ``CPUWorker``, vLLM-Ascend's ``NPUWorker``) whose ``init_device`` installs the
     Attention runner under the V2 runner; see docs/internals/vllm-roles.md.
 
     ``upstream`` is called only when the composition is built (the V2 runner's modules
-    import Triton, which a V1 CPU worker must not need).
+    import Triton, which a V1 CPU worker must not need).  ``adapter``: the platform's
+    (:mod:`afd_mrv2.mrv2.platforms.attention`), whose layer is installed once ``base_worker.__init__``
+    registered the platform's ops, before the model is built, on the Attention role only.
     """
     from afd_mrv2.mrv2.attention.runner import attention_runner_class
 
@@ -54,7 +64,16 @@ def afd_init_device_worker_class(
             runner_cls = attention_runner_class(upstream(), gate=gate)
             self.model_runner = runner_cls(self.vllm_config, self.device)
 
-    cls: type[Any] = type("AfdWorker", (base_worker,), {"__module__": __name__, "init_device": init_device})
+    namespace: dict[str, Any] = {"__module__": __name__, "init_device": init_device}
+    if adapter is not None:
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            super(cls, self).__init__(*args, **kwargs)  # the platform registers its ops here
+            if _attention_role(self.vllm_config):
+                log.info("afd-mrv2: the Attention role's routed-experts layer: %s", adapter.install_attention_layer())
+
+        namespace["__init__"] = __init__
+    cls: type[Any] = type("AfdWorker", (base_worker,), namespace)
     return cls
 
 
@@ -84,14 +103,15 @@ def _afd_worker() -> type:
     if not decision.accepted:
         raise CompatRefused(decision)
     platform = decision.platform
+    adapter = attention_adapter(platform)  # the platform table: None where the general plugin's layer serves
     if platform == "cpu":
         from vllm.v1.worker.cpu_worker import CPUWorker
 
-        return afd_init_device_worker_class(CPUWorker, lambda: load_upstream("cpu"))
+        return afd_init_device_worker_class(CPUWorker, lambda: load_upstream("cpu"), adapter=adapter)
     if platform == "ascend":
         from vllm_ascend.worker.worker import NPUWorker
 
-        return afd_init_device_worker_class(NPUWorker, lambda: load_upstream("ascend"))
+        return afd_init_device_worker_class(NPUWorker, lambda: load_upstream("ascend"), adapter=adapter)
     decision = check_runtime(("mrv2", "worker_runner_factory"))
     if not decision.accepted:
         raise CompatRefused(decision)

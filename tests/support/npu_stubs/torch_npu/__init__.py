@@ -28,6 +28,11 @@ if not hasattr(torch, "npu"):
 if not hasattr(torch.distributed, "is_hccl_available"):
     torch.distributed.is_hccl_available = lambda: False
 
+# the real torch_npu adds Tensor.npu() (a copy onto the NPU); the vehicle's only device is the CPU, so here it
+# returns the tensor where it is (vllm-ascend's AscendRoutedExperts.init_eplb calls it on a load counter)
+if not hasattr(torch.Tensor, "npu"):
+    torch.Tensor.npu = lambda self, *args, **kwargs: self  # type: ignore[attr-defined]
+
 __getattr__ = placeholder_getattr("torch_npu")
 # compiled bindings and op plugins (torch_npu._C._distributed_c10d, torch_npu.op_plugin.atb._atb_ops,
 # torch_npu.profiler, ...): each a placeholder module unless a file here stands in for it
