@@ -8,9 +8,8 @@ the seam does not name has a default (else afd-mrv2's calls would break).
 method may read.  afd-mrv2's micro-batch runner sets the attributes upstream's
 ``UBatchRunner.prepare``/``run`` read instead of calling upstream's constructor,
 so a method that starts reading one more attribute is a violation naming it.
-``names`` on a class seam: names its body must bind (methods, fields, enum members).
-``statements``: simple statements (``ast.unparse`` text; an ``assert`` also without its
-message) and ``entries``: ``key: value`` items of dict literals, anywhere in the body.
+``names`` on a class seam: names its body must bind (methods, fields, enum members);
+``statements`` and ``entries``: see docs/internals/compat.md, "afd_mrv2.compat.seams".
 """
 
 from __future__ import annotations
