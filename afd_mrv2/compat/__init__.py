@@ -4,7 +4,8 @@
 * :mod:`~afd_mrv2.compat.detect`: what is installed, from metadata only;
 * :mod:`~afd_mrv2.compat.decision`: accept (granting capabilities) or refuse, with the override;
 * :mod:`~afd_mrv2.compat.seams` / :mod:`~afd_mrv2.compat.contracts`: the upstream symbols the
-  shim relies on, checked statically against a wheel or an installed distribution.
+  shim relies on (vLLM-Ascend's in ``ascend_seams``), checked statically against a wheel, an
+  installed distribution or an unpacked sdist, alone or stacked (``sources``).
 
 Nothing in this package imports vllm, vllm_ascend, torch_npu or torch.
 """
