@@ -354,6 +354,16 @@ ASCEND_FORWARD_SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm-ascend",
         CONTEXT,
+        "_ExtraForwardContextProxy",
+        "the FFN role sets _EXTRA_CTX.moe_comm_type and .moe_comm_method, and forward_impl reads in_profile_run: "
+        "the proxy accepts only the names its extra_attrs lists",
+        names=("extra_attrs",),
+        literals=("moe_comm_type", "moe_comm_method", "in_profile_run"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm-ascend",
+        CONTEXT,
         "_ExtraForwardContextProxy.__setattr__",
         "under the V2 runner the proxy stores into the forward context's additional_kwargs",
         uses=("check_extra_attr", "additional_kwargs"),

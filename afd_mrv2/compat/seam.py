@@ -30,6 +30,7 @@ class Seam:
     runnable: bool = False  # the module has an ``if __name__ == "__main__":`` block (``python -m``)
     statements: tuple[str, ...] = ()  # simple statements the body must hold, as ast.unparse writes them
     entries: tuple[tuple[str, str], ...] = ()  # dict-literal items the body must hold: (string key, value source)
+    literals: tuple[str, ...] = ()  # string constants the body must hold (e.g. the names an allow-list tuple holds)
     blocks: str | None = None  # a capability this upstream fact keeps a table row from granting
 
     @property

@@ -9,7 +9,7 @@ method may read.  afd-mrv2's micro-batch runner sets the attributes upstream's
 ``UBatchRunner.prepare``/``run`` read instead of calling upstream's constructor,
 so a method that starts reading one more attribute is a violation naming it.
 ``names`` on a class seam: names its body must bind (methods, fields, enum members);
-``statements`` and ``entries``: see docs/internals/compat.md, "afd_mrv2.compat.seams".
+``statements``, ``entries``, ``literals``: see docs/internals/compat.md, "afd_mrv2.compat.seams".
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def _entries(node: ast.AST) -> set[tuple[str, str]]:
 
 
 def _check_body_text(seam: Seam, node: ast.AST) -> list[Violation]:
-    """The statements and dict-literal entries the seam expects anywhere in ``node``."""
+    """The statements, dict-literal entries and string constants the seam expects anywhere in ``node``."""
     out: list[Violation] = []
     if seam.statements:
         held = _statements(node)
@@ -255,6 +255,9 @@ def _check_body_text(seam: Seam, node: ast.AST) -> list[Violation]:
         for key, value in seam.entries:
             if (key, value) not in items:
                 out.append(Violation(seam, f"no longer maps {key!r} to {value}", key))
+    if seam.literals:
+        held = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        out += [Violation(seam, f"no longer holds the string {s!r}", s) for s in seam.literals if s not in held]
     return out
 
 

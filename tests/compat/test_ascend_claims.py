@@ -48,9 +48,10 @@ def _write(root: Path, module: str, text: str) -> None:
     path.write_text(text)
 
 
-def test_statements_and_dict_entries(tmp_path: Path) -> None:
+def test_statements_dict_entries_and_literals(tmp_path: Path) -> None:
     """``statements``: simple statements as ast.unparse writes them (an assert also without its message);
-    ``entries``: string-keyed dict-literal items, anywhere in the definition (or the module)."""
+    ``entries``: string-keyed dict-literal items; ``literals``: string constants; anywhere in the definition
+    (or the module)."""
     _sdist_tree(tmp_path)
     _write(
         tmp_path,
@@ -63,7 +64,9 @@ def test_statements_and_dict_entries(tmp_path: Path) -> None:
         "        CustomOp.register_oot(_decorated_op_cls=cls, name=name)\n"
         "def prepare(ubatch_idx=0):\n"
         "    assert ubatch_idx == 0, 'no DBO'\n"
-        "patched.initialize = initialize\n",
+        "patched.initialize = initialize\n"
+        "class Proxy:\n"
+        "    extra_attrs = ('moe_comm_type', 'moe_comm_method')\n",
     )
     held = [
         Seam("vllm-ascend", "vllm_ascend.mod", "register", "a", entries=(("RoutedExperts", "Experts310"),)),
@@ -77,6 +80,7 @@ def test_statements_and_dict_entries(tmp_path: Path) -> None:
         Seam("vllm-ascend", "vllm_ascend.mod", "prepare", "c", statements=("assert ubatch_idx == 0",)),
         Seam("vllm-ascend", "vllm_ascend.mod", "prepare", "d", statements=("assert ubatch_idx == 0, 'no DBO'",)),
         Seam("vllm-ascend", "vllm_ascend.mod", "", "e", statements=("patched.initialize = initialize",)),
+        Seam("vllm-ascend", "vllm_ascend.mod", "Proxy", "f", literals=("moe_comm_type", "moe_comm_method")),
     ]
     assert check_contracts(DirectorySource(tmp_path), held).violations == []
     drifted = [
@@ -84,6 +88,7 @@ def test_statements_and_dict_entries(tmp_path: Path) -> None:
         Seam("vllm-ascend", "vllm_ascend.mod", "register", "g", statements=("CustomOp.register_oot(cls)",)),
         Seam("vllm-ascend", "vllm_ascend.mod", "prepare", "h", statements=("assert ubatch_idx < 2",)),
         Seam("vllm-ascend", "vllm_ascend.mod", "register", "i", statements=("assert ubatch_idx == 0",)),
+        Seam("vllm-ascend", "vllm_ascend.mod", "Proxy", "j", literals=("in_profile_run",)),
     ]
     report = check_contracts(DirectorySource(tmp_path), drifted)
     assert [(v.seam.why, v.message) for v in report.violations] == [
@@ -91,6 +96,7 @@ def test_statements_and_dict_entries(tmp_path: Path) -> None:
         ("g", "no longer runs `CustomOp.register_oot(cls)`"),
         ("h", "no longer runs `assert ubatch_idx < 2`"),
         ("i", "no longer runs `assert ubatch_idx == 0`"),  # in another definition: not this one's
+        ("j", "no longer holds the string 'in_profile_run'"),
     ]
 
 
