@@ -34,6 +34,9 @@ FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
 #: The most restarts of one role rank in one serve run.
 MAX_RESTARTS = 3
+#: An FFN rank that exits 0 by itself ended its session because its Attention engines were gone: the
+#: cause to report is that engine, whose exit its own watcher notices within a poll.  Wait this long for it.
+OWN_END_SETTLE_S = 3 * POLL_S
 
 
 class Supervisor:
@@ -61,6 +64,7 @@ class Supervisor:
         self.signal: int | None = None
         self._stop = asyncio.Event()
         self._kill_now = asyncio.Event()
+        self._settling = False
 
     def _say(self, text: str) -> None:
         print(f"[serve] {text}", file=self.log, flush=True)
@@ -74,8 +78,20 @@ class Supervisor:
             return
         if role.spec.role == FFN and self._fail_over(role):
             return
+        if role.spec.role == FFN and role.returncode == 0:
+            if not self._settling:  # its own end: report the Attention engine whose loss caused it, if one went
+                self._settling = True
+                asyncio.get_running_loop().call_later(OWN_END_SETTLE_S, self._settle, role)
+            return
         self.death = role
         self._stop.set()
+
+    def _settle(self, role: RoleProcess) -> None:
+        """An FFN rank's own end, reported as the death when no other exit was noticed meanwhile."""
+        self._settling = False
+        if not self.stopping and self.death is None:
+            self.death = role
+            self._stop.set()
 
     def _degrade(self, role: RoleProcess) -> bool:
         """One of several Attention engines died: take it out of the endpoint's rotation and serve on with

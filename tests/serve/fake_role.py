@@ -9,7 +9,11 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 * ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
 * ``report_term``: on SIGTERM print ``term <ROLE> <RANK>``, then exit 0;
 * ``exit_after`` (s): exit with code 3 after this long;
-* ``token_delay`` (s, default 0.05): delay between streamed tokens.
+* ``token_delay`` (s, default 0.05): delay between streamed tokens;
+* ``ffn_own_end`` (default true): an FFN fake ends by itself (prints ``afd-mrv2 ffn: done {}``, exits 0)
+  once every Attention fake of its serve is gone, as a real FFN rank ends its session when its
+  Attention engines are; false: it runs until signalled.  Attention fakes announce their pids as
+  ``fake-attention-<rank>.pid`` in ``$AFD_MRV2_STATS_DIR`` (the run directory serve gives every role).
 
 An Attention fake serves ``/health``, ``/v1/models`` and ``/v1/completions`` (a JSON body,
 or SSE chunks with ``"stream": true``) with aiohttp; the completion names the rank and pid.
@@ -23,6 +27,7 @@ Every fake prints ``pid <ROLE> <RANK> <PID>`` (and ``grandchild <PID>``) so test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,7 +39,11 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from afd_mrv2.procs import alive
+
 MARKER = "afd-mrv2 ffn: ready"
+POLL_S = 0.05
+BACKGROUND: set[asyncio.Future[None]] = set()  # holds the tasks that run until the process exits
 
 
 def _opt(argv: list[str], name: str) -> str | None:
@@ -111,6 +120,24 @@ def attention_app(rank: int, behaviour: dict[str, object]) -> web.Application:
     return app
 
 
+def _attention_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for path in run_dir.glob("fake-attention-*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(path.read_text()))
+    return pids
+
+
+async def end_with_attention(run_dir: Path) -> None:
+    """Exit 0 once every Attention fake that announced itself is gone (a real FFN rank's own end)."""
+    while True:
+        pids = _attention_pids(run_dir)
+        if pids and not any(alive(pid) for pid in pids):
+            print("afd-mrv2 ffn: done {}", flush=True)
+            os._exit(0)
+        await asyncio.sleep(POLL_S)
+
+
 async def main(argv: list[str]) -> None:
     role, rank = argv[0], int(argv[1])
     behaviour = json.loads(os.environ.get("FAKE_ROLE", "{}"))
@@ -129,7 +156,10 @@ async def main(argv: list[str]) -> None:
         child = subprocess.Popen(["sleep", "600"])
         print(f"grandchild {child.pid}", flush=True)
     await asyncio.sleep(float(behaviour.get("ready_delay", 0.2)))
+    run_dir = os.environ.get("AFD_MRV2_STATS_DIR")
     if role == "ffn":
+        if behaviour.get("ffn_own_end", True) and run_dir:
+            BACKGROUND.add(asyncio.ensure_future(end_with_attention(Path(run_dir))))
         ready_file = _opt(argv, "--ready-file")
         if behaviour.get("ffn_ready", "line") == "file" and ready_file:
             Path(ready_file).write_text("ready\n")
@@ -140,6 +170,8 @@ async def main(argv: list[str]) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
         print(f"listening on {_opt(argv, '--port')}", flush=True)
+        if run_dir:
+            Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))
     if "grandchild_dies_after" in behaviour:  # like vLLM's EngineCore dying under its API server
         await asyncio.sleep(float(behaviour["grandchild_dies_after"]))
         child.kill()

@@ -78,7 +78,7 @@ def test_stop_order_attention_engines_first_then_ffn_ranks(start_serve):
     FFN_OWN_END_S to end by themselves before their SIGTERM (these fakes never do)."""
     from afd_mrv2.serve.supervisor import FFN_OWN_END_S
 
-    serve, _ = start_serve(2, 1, {"report_term": True})
+    serve, _ = start_serve(2, 1, {"report_term": True, "ffn_own_end": False})
     serve.wait_ready()
     t0 = time.monotonic()
     serve.signal(signal.SIGTERM)
