@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.harness.client import Greedy, body, compare, greedy, prompts, run_requests
+from afd_mrv2.harness.host import ServerError, check_model
+from afd_mrv2.harness.servers import PlainServer, ServeServer, ServeTopology
 from afd_mrv2.serve.ports import free_port_block
-
-from .client import Greedy, body, compare, greedy, prompts, run_requests
-from .host import ServerError, check_model
-from .servers import PlainServer, ServeServer, ServeTopology
 
 #: The repository (the runners' test-only harness files live under tests/).
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""tests/vllm's view of the one serving harness (scripts/serving): real ``afd-mrv2 serve`` and plain
+"""tests/vllm's view of the one serving harness (afd_mrv2.harness, through scripts/serving): real ``afd-mrv2 serve`` and plain
 vLLM OpenAI servers with the tests' defaults, and what only the tests need.
 
 * :class:`Serve`: ``afd-mrv2 serve MODEL --attention 1 --ffn 1 --port P [FLAGS] -- ENGINE ARGS``;

@@ -8,9 +8,8 @@
   (checked: each in state ``T``), :meth:`Child.processes`: each process by role and kind
   (``APIServer``, ``EngineCore``, ``Worker``, ...).
 
-Every child runs in a session of its own (so Ctrl-C in the terminal reaches only the caller,
-which stops them) and gets ``PR_SET_PDEATHSIG`` (SIGTERM) so it does not outlive a caller that was
-itself killed.  Use the servers as context managers, or call ``stop()`` in a ``finally``.
+Every child runs in a session of its own (Ctrl-C reaches only the caller, which stops them) with
+``PR_SET_PDEATHSIG`` (SIGTERM): it never outlives its caller.  Use them as context managers.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@
 * :func:`complete`: ``POST /v1/completions``; an error is a status, never an exception
   or a hang (status -1 when the connection failed or was cut); :func:`stream`: the same,
   streamed, as the ``data:`` events; :func:`complete_all` / :func:`run_requests`: many at once;
-* :func:`greedy`: the token ids and logprobs of an answer asked with ``logprobs: 1,
-  return_token_ids: true``; :func:`compare`: two lists of such answers, side by side;
+* :func:`greedy`: token ids and logprobs of an answer; :func:`compare`: two lists of them, side by side;
 * :data:`PROMPTS` / :func:`prompts`: the fixed prompts the equivalence checks send;
 * :func:`collective_rpc` / :func:`engine_steps`: a vLLM server's ``POST /collective_rpc`` (needs
   :data:`DEV_MODE`) and its engine-step count (``vllm:iteration_tokens_total``, ``GET /metrics``);
