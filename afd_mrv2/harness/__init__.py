@@ -52,6 +52,7 @@ from .servers import (
     ServeServer,
     ServeTopology,
     ffn_reports,
+    greedy_round,
     wait_health,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
     "engine_steps",
     "ffn_reports",
     "greedy",
+    "greedy_round",
     "guarded",
     "load_average",
     "parse_cpu_list",

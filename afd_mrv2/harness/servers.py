@@ -30,7 +30,7 @@ from typing import Any
 
 from afd_mrv2.procs import die_with_parent, stat_fields
 
-from .client import LineReader
+from .client import Greedy, LineReader, body, greedy, prompts, run_requests
 from .host import BIND_ENV, ServerError, kind, tree
 
 #: Engine arguments both sides get unless the caller says otherwise (fp32: exact comparisons).
@@ -376,3 +376,14 @@ def ffn_reports(log_text: str) -> list[FfnDone]:
                 report = {"unparsed": line.split(FFN_DONE, 1)[1]}
             found.append(FfnDone(rank, report))
     return sorted(found, key=lambda d: d.rank)
+
+
+def greedy_round(server: PlainServer | ServeServer, model: Path, completions: int, tokens: int) -> list[Greedy]:
+    """``completions`` greedy requests of ``tokens`` tokens, all at once; :class:`ServerError` if any is
+    not answered."""
+    payloads = [body(model, p, tokens, logprobs=1, return_token_ids=True) for p in prompts(completions)]
+    result = run_requests(server.url, payloads, completions)
+    server.track()
+    if result.failures:
+        raise ServerError(f"{len(result.failures)}/{completions} requests failed: {result.failures[0]}")
+    return [greedy(a) for _, a in result.answers]  # type: ignore[arg-type]

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from afd_mrv2.harness.client import Greedy, body, compare, greedy, prompts, run_requests
+from afd_mrv2.harness.client import Greedy, compare
 from afd_mrv2.harness.host import ServerError, check_model
 from afd_mrv2.harness.servers import PlainServer, ServeServer, ServeTopology
+from afd_mrv2.harness.servers import greedy_round as harness_greedy_round
 from afd_mrv2.serve.ports import free_port_block
 
 #: The repository (the runners' test-only harness files live under tests/).
@@ -109,13 +110,8 @@ def make_model(folder: Path, arch: str) -> Path:
 
 
 def greedy_round(server: PlainServer | ServeServer, model: Path) -> list[Greedy]:
-    """The 32 greedy requests, all at once; :class:`ServerError` if any is not answered."""
-    payloads = [body(model, p, TOKENS, logprobs=1, return_token_ids=True) for p in prompts(COMPLETIONS)]
-    result = run_requests(server.url, payloads, COMPLETIONS)
-    server.track()
-    if result.failures:
-        raise ServerError(f"{len(result.failures)}/{COMPLETIONS} requests failed: {result.failures[0]}")
-    return [greedy(a) for _, a in result.answers]  # type: ignore[arg-type]
+    """The :data:`COMPLETIONS` greedy requests of :data:`TOKENS` tokens, all at once."""
+    return harness_greedy_round(server, model, COMPLETIONS, TOKENS)
 
 
 def runner_used(log: str, runner: Runner) -> str | None:

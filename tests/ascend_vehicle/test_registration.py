@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.probe.ascend import registration_verdict
+from afd_mrv2.probe.ascend_registration import parse
 from tests.ascend_vehicle.conftest import STUBS
 
 pytestmark = pytest.mark.ascend_vehicle
@@ -41,9 +43,9 @@ def run(ascend_src: Path, order: str, additional_config: dict[str, object], plug
         text=True,
         timeout=120,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("VEHICLE ")]
-    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("VEHICLE ") :])
+    found = parse(proc.stdout)
+    assert proc.returncode == 0 and found, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +81,13 @@ def test_registering_routed_experts_first_kills_the_worker(ascend_src: Path) -> 
     out = run(ascend_src, "legacy,ascend", {})
     assert out["failed"] == {"step": "ascend", "type": "AssertionError", "message": "Duplicate op name: RoutedExperts"}
     assert out["registry"]["RoutedExperts"] == "afd_mrv2.mrv2.attention.experts.AfdRoutedExperts"
+
+
+def test_the_probes_registration_check_passes_in_a_workers_order(ascend_src: Path) -> None:
+    """``afd-mrv2 probe ascend``'s registration row, computed from its own child on the vehicle: vLLM-Ascend
+    registers its layer, then afd-mrv2's Attention adapter replaces the entry, built over that class."""
+    out = run(ascend_src, "plugins,ascend,afd", {})
+    row = registration_verdict(out, "")
+    assert row.status == "pass", row
+    assert row.measured["over"] == "vllm_ascend.ops.fused_moe.routed_experts.AscendRoutedExperts"
+    assert out["registry"]["MoERunner"] == "vllm_ascend.ops.fused_moe.fused_moe.AscendMoERunner"
