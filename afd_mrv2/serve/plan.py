@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_mrv2 import envs
-from afd_mrv2.admission import Stage, Subject, run
+from afd_mrv2.admission import AFD_KEY, Stage, Subject, own_keys_in_env, place_own_keys, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
@@ -247,7 +247,7 @@ def _with_flags(afd: Mapping[str, Any], key: str, **flags: Any) -> dict[str, Any
 
 def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, Any]:
     """The ``afd`` section every role shares: the extra args' section, then ``--afd``, then the flags."""
-    base = from_extra.get("afd", {})
+    base = from_extra.get(AFD_KEY, {})
     if not isinstance(base, dict):
         raise ConfigError("afd", f"expected a mapping, got {type(base).__name__}")
     afd = dict(base)
@@ -274,6 +274,17 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     afd.setdefault("host", HOST)
     afd.setdefault("port", opts.port + opts.attention + 1)
     return afd
+
+
+def _check_own_keys_unset() -> None:
+    """Refuse ``$AFD_MRV2_ADDITIONAL_CONFIG`` in serve's own environment: every role's process inherits serve's
+    environment over the one serve gives it, so one value would reach every role, where serve hands each role
+    its own ``afd`` section (in the variable itself on vLLM-Ascend)."""
+    if envs.additional_config() is not None:
+        raise AfdError(
+            f"{envs.ADDITIONAL_CONFIG.name} is set in serve's environment: serve hands each role its own afd "
+            f"section; unset it and pass the section with --afd or --additional-config after --"
+        )
 
 
 def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
@@ -315,6 +326,8 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
+    _check_own_keys_unset()
+    in_env = own_keys_in_env()  # on vLLM-Ascend afd-mrv2's keys travel in each role's environment
     for role in (ATTENTION, FFN):  # the CONFIG admission checks each role's process will run
         run(Subject({**afd, "role": role}), (Stage.CONFIG,))
     # created by the supervisor when it starts (nothing is written before the checks passed)
@@ -327,7 +340,8 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         for rank in range(count):
             section = {**afd, "role": role, RANK_KEY: rank}
             parse_afd_config(section)  # rank below its role's count
-            env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir}  # where the role writes its live figures (/metrics)
+            additional, own_env = place_own_keys(from_extra, {AFD_KEY: section}, in_env=in_env)
+            env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
             if role == ATTENTION and opts.ubatches is not None:
                 env[envs.V2_MODEL_RUNNER.name] = "1"
             if bind[role][rank]:
@@ -339,7 +353,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
                 role=role,
                 rank=rank,
                 port=port,
-                additional_config=json.dumps({**from_extra, "afd": section}, sort_keys=True),
+                additional_config=json.dumps(additional, sort_keys=True),
                 extra=extra,
                 ready_file=ready,
                 ubatches=opts.ubatches if role == ATTENTION else None,

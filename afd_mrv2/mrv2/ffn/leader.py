@@ -12,9 +12,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from afd_mrv2.admission import LEADER_KEY, own_keys
 from afd_mrv2.procs import alive
-
-LEADER_KEY = "afd_mrv2_ffn_leader_pid"
 
 
 def leader_alive(pid: int) -> bool:
@@ -66,8 +65,9 @@ def end_with_leader(pid: int) -> None:
 
 
 def leader_pid(additional_config: Mapping[str, Any] | None) -> int | None:
-    """The FFN role process's pid from the engine's ``additional_config``, or None (not started by ffn_role)."""
-    value = (additional_config or {}).get(LEADER_KEY)
+    """The FFN role process's pid among the engine's own keys (its ``additional_config``, or
+    ``$AFD_MRV2_ADDITIONAL_CONFIG``: :func:`afd_mrv2.admission.own_keys`), or None (not started by ffn_role)."""
+    value = own_keys(additional_config).get(LEADER_KEY)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 

@@ -11,16 +11,27 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
+from afd_mrv2 import envs
+from afd_mrv2.admission import AFD_KEY, LEADER_KEY, own_keys, place_own_keys
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
-from afd_mrv2.mrv2.ffn.leader import LEADER_KEY
 from afd_mrv2.mrv2.ffn.server import ffn_serving_config
 from afd_mrv2.options import json_object
 
 __all__ = ["main", "vllm_engine_kwargs"]
+
+
+def _engine_additional_config(additional: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The engine's ``additional_config``; afd-mrv2's ``own`` keys go into it, or, on a platform whose
+    ``additional_config`` refuses them (vLLM-Ascend), into this process's ``$AFD_MRV2_ADDITIONAL_CONFIG``,
+    which the engine's processes inherit (:func:`afd_mrv2.admission.place_own_keys`)."""
+    config, env = place_own_keys(additional, own)
+    os.environ.update(env)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,23 +49,29 @@ def main(argv: list[str] | None = None) -> int:
         engine_args.update(json_object(args.engine_args, "--engine-args"))
         additional = dict(engine_args.pop("additional_config", None) or {})
         if args.afd is not None:
-            additional["afd"] = json_object(args.afd, "--afd")
-        if not isinstance(additional.get("afd"), dict):
-            raise AfdError("--afd: the afd section is required (--afd JSON or --additional-config in VLLM ARGS)")
-        ffn_serving_config(additional["afd"])  # fail before any engine exists (the FFN role's own checks)
+            additional[AFD_KEY] = json_object(args.afd, "--afd")
+        own = own_keys(additional)  # additional_config's, and $AFD_MRV2_ADDITIONAL_CONFIG's (serve's on Ascend)
+        if not isinstance(own.get(AFD_KEY), dict):
+            raise AfdError(
+                "--afd: the afd section is required (--afd JSON, --additional-config in VLLM ARGS, "
+                f"or ${envs.ADDITIONAL_CONFIG.name})"
+            )
+        ffn_serving_config(own[AFD_KEY])  # fail before any engine exists (the FFN role's own checks)
         other = engine_args.pop("worker_extension_cls", WORKER_EXTENSION)
         if other != WORKER_EXTENSION:
             raise AfdError(f"--worker-extension-cls: the FFN role needs {WORKER_EXTENSION}, got {other}")
         engine_args = {**FFN_ENGINE_DEFAULTS, **engine_args}
         engine_args.pop("model", None)
         # the support matrix on the VllmConfig these arguments make, before the engine (and any link) exists
-        admit(engine_config(args.model, engine_args, additional), model=True)  # the one admission call
+        config = engine_config(args.model, engine_args, _engine_additional_config(additional, own))
+        admit(config, model=True)  # the one admission call
     except AfdError as exc:
         print(f"afd-mrv2 ffn: {exc}", file=sys.stderr)
         return 2
     from vllm import LLM
 
-    additional[LEADER_KEY] = os.getpid()  # the serving worker ends with this process (mrv2.leader)
+    own[LEADER_KEY] = os.getpid()  # the serving worker ends with this process (mrv2.leader)
+    additional = _engine_additional_config(additional, own)
     llm = LLM(model=args.model, additional_config=additional, worker_extension_cls=WORKER_EXTENSION, **engine_args)
     print(f"afd-mrv2 ffn: ready pid={os.getpid()}", flush=True)
     (report,) = llm.collective_rpc("afd_ffn_serve")
