@@ -22,11 +22,12 @@ EXIT_NO_NPU = 3
 
 
 DESCRIPTION = (
-    "Probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
+    "npu: probe the Ascend CAM operators (afd_ascend.a2e/e2a, umdk_cam_op_lib.async_*) on two local NPUs: "
     "are they present, do they run on the caller's current stream, are two in-flight transfers safe, "
     "does stage identity survive the wire, and do serialized and multistream runs of a toy MoE agree.  "
     "Writes the evidence document (schema afd-mrv2/evidence/v1; docs/ascend-deployment.md); without an NPU, "
-    "the same document with every check skipped, and exit 3."
+    "the same document with every check skipped, and exit 3.  ascend: AFD on vLLM-Ascend (afd-mrv2 probe "
+    "ascend --help)."
 )
 
 
@@ -40,7 +41,7 @@ ASCEND_DESCRIPTION = (
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    summary = "probe the CAM operators on the hardware and write an evidence file"
+    summary = "on Ascend hardware: probe the CAM operators (npu) or AFD on vLLM-Ascend (ascend); write evidence"
     parser = add_command(sub, "probe", summary, DESCRIPTION)
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     npu = targets.add_parser("npu", help="run on two local Ascend NPUs (needs torch_npu and CANN)")
