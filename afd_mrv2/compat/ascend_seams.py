@@ -427,6 +427,40 @@ ASCEND_UBATCH_SEAMS: tuple[Seam, ...] = (
     ),
 )
 
+#: What ``afd-mrv2 probe ascend``'s registration child (afd_mrv2/probe/ascend_registration.py) runs: a worker's
+#: start-up steps in one fresh process, under a current VllmConfig.
+ASCEND_PROBE_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        "vllm.config",
+        "",
+        "the probe's registration child builds a VllmConfig and makes it current around a worker's steps",
+        names=("VllmConfig", "set_current_vllm_config"),
+        platforms=ASCEND,
+    ),
+    Seam(
+        "vllm",
+        "vllm.plugins",
+        "load_general_plugins",
+        "the probe's registration child loads the general plugins as WorkerWrapperBase.init_worker does",
+        params=(),
+        platforms=ASCEND,
+    ),
+    Seam(
+        "vllm",
+        "vllm.platforms",
+        "",
+        "the probe's registration child reports the platform vLLM resolved (vLLM-Ascend's NPUPlatform)",
+        names=("current_platform",),
+        platforms=ASCEND,
+    ),
+)
+
 ASCEND_SEAMS: tuple[Seam, ...] = (
-    ASCEND_RUNNER_SEAMS + ASCEND_REGISTRY_SEAMS + ASCEND_EXPERTS_SEAMS + ASCEND_FORWARD_SEAMS + ASCEND_UBATCH_SEAMS
+    ASCEND_RUNNER_SEAMS
+    + ASCEND_REGISTRY_SEAMS
+    + ASCEND_EXPERTS_SEAMS
+    + ASCEND_FORWARD_SEAMS
+    + ASCEND_UBATCH_SEAMS
+    + ASCEND_PROBE_SEAMS
 )
