@@ -48,7 +48,7 @@ from serving import (
     write_json,
 )
 
-from afd_mrv2.serve.ports import free_port_block
+from afd_mrv2.ports import free_port_block
 from afd_mrv2.table import format_table
 
 PROG = "bench_replicas"

@@ -68,7 +68,7 @@ from serving import (
 )
 from serving.matrix import STANDIN
 
-from afd_mrv2.serve.ports import free_port_block
+from afd_mrv2.ports import free_port_block
 from afd_mrv2.table import format_table
 
 PROG = "bench_serve"

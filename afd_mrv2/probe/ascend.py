@@ -135,7 +135,7 @@ def _ffn_items(reports: list[Any]) -> int:
 def compare_with_plain(label: str, model: Path, spec: ProbeSpec) -> list[Check]:
     """Plain vLLM-Ascend, then ``afd-mrv2 serve`` 1A1F, on ``model``: the two identity rows."""
     from afd_mrv2.harness import PlainServer, ServerError, ServeServer, ServeTopology, greedy_round
-    from afd_mrv2.serve.ports import free_port_block
+    from afd_mrv2.ports import free_port_block
 
     try:
         plain_server = PlainServer(model, free_port_block(1), spec.logs / f"{label}-plain.log", spec.engine_args, "all")

@@ -22,6 +22,7 @@ from afd_mrv2.admission import Stage, Subject, checkpoint_facts, run
 from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.ports import check_ports_free
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
@@ -33,7 +34,6 @@ from afd_mrv2.serve.plan import (
     check_model_folder,
     split_additional_config,
 )
-from afd_mrv2.serve.ports import check_ports_free
 from afd_mrv2.serve.supervisor import Supervisor
 
 #: Decides, before anything starts, whether this runtime may serve ``plan``; raises AfdError if not.

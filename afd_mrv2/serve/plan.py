@@ -31,7 +31,7 @@ from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.options import json_object
 from afd_mrv2.placement import Placement
-from afd_mrv2.serve.ports import HOST
+from afd_mrv2.ports import HOST
 
 DEFAULT_PORT = 8000
 DEFAULT_CONNECTOR = "torch_p2p"

@@ -18,9 +18,9 @@ from typing import Any, TextIO
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.live_stats import read_stats
+from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.metrics import Health, RoleState
 from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
-from afd_mrv2.serve.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit

@@ -14,7 +14,7 @@ from afd_mrv2.harness.client import Greedy, compare
 from afd_mrv2.harness.host import ServerError, check_model
 from afd_mrv2.harness.servers import PlainServer, ServeServer, ServeTopology
 from afd_mrv2.harness.servers import greedy_round as harness_greedy_round
-from afd_mrv2.serve.ports import free_port_block
+from afd_mrv2.ports import free_port_block
 
 #: The repository (the runners' test-only harness files live under tests/).
 REPO = Path(__file__).resolve().parents[2]

@@ -162,7 +162,10 @@ def test_every_upstream_name_the_vllm_path_code_imports_is_a_seam() -> None:
     ``names``.  The same for ``afd-mrv2 probe ascend``'s registration child, which runs a worker's steps."""
     declared = {s.symbol for s in ALL_SEAMS}
     module_names = {(s.module, n) for s in ALL_SEAMS if not s.qualname for n in s.names}
-    files = [*sorted((ROOT / "afd_mrv2" / "mrv2").rglob("*.py")), ROOT / "afd_mrv2" / "probe" / "ascend_registration.py"]
+    files = [
+        *sorted((ROOT / "afd_mrv2" / "mrv2").rglob("*.py")),
+        ROOT / "afd_mrv2" / "probe" / "ascend_registration.py",
+    ]
     walked = {p.relative_to(ROOT).as_posix() for p in files}
     assert {"afd_mrv2/mrv2/platforms/ascend/attention.py", "afd_mrv2/mrv2/platforms/ascend/ffn.py"} <= walked
     missing = []

@@ -20,7 +20,7 @@ import pytest
 
 from afd_mrv2.cli import main as cli_main
 from afd_mrv2.hooks.cam.evidence import Report, validate
-from afd_mrv2.serve.ports import free_port_block
+from afd_mrv2.ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "e2e_matrix.py"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.ports import free_port_block as free_port_block  # re-exported for the serve tests
 from afd_mrv2.procs import alive
-from afd_mrv2.serve.ports import free_port_block as free_port_block  # re-exported for the serve tests
 
 HARNESS = str(Path(__file__).with_name("serve_harness.py"))
 READY = "afd-mrv2 serve: ready at"

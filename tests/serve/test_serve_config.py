@@ -13,10 +13,10 @@ import pytest
 from afd_mrv2.cli import serve as serve_cli
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
+from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
 from afd_mrv2.serve import roles as roles_module
 from afd_mrv2.serve.plan import RANK_KEY, cpu_binds
-from afd_mrv2.serve.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.supervisor import Supervisor
 from tests.serve.conftest import free_port_block
 

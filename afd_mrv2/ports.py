@@ -1,4 +1,4 @@
-"""The loopback ports serve binds: which are free now, and which the kernel may hand out meanwhile."""
+"""The loopback ports serve (and the harness) bind: which are free now, and which the kernel may hand out meanwhile."""
 
 from __future__ import annotations
 
