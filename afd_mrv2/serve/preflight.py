@@ -14,11 +14,13 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from afd_mrv2.admission import ModelFacts, Stage, Subject, run
+from afd_mrv2 import envs
+from afd_mrv2.admission import AFD_KEY, ModelFacts, Stage, Subject, place_own_keys, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import FFN
@@ -97,6 +99,23 @@ class ModelLayers:
         return self.facts
 
 
+@contextlib.contextmanager
+def own_keys_of(section: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The ``additional_config`` a role's engine gets with ``section``, and meanwhile this process's
+    ``$AFD_MRV2_ADDITIONAL_CONFIG`` as that role's process has it (set on vLLM-Ascend, unset elsewhere:
+    :func:`~afd_mrv2.admission.place_own_keys`), whatever the variable held before (another role's section)."""
+    name = envs.ADDITIONAL_CONFIG.name
+    additional_config, env = place_own_keys({}, {AFD_KEY: dict(section)})
+    saved = os.environ.pop(name, None)
+    os.environ.update(env)
+    try:
+        yield additional_config
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def check_role_arguments(
     model: str, section: Mapping[str, Any], vllm_args: list[str], layers: ModelLayers
 ) -> Deployment:
@@ -110,8 +129,9 @@ def check_role_arguments(
     kwargs = vllm_engine_kwargs(vllm_args, prog="afd-mrv2 serve") if vllm_args else {}
     if config.role == FFN:
         kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
-    vllm_config = engine_config(model, kwargs, {"afd": dict(section)})
-    deployment = deployment_of(vllm_config)
+    with own_keys_of(section) as additional_config:
+        vllm_config = engine_config(model, kwargs, additional_config)
+        deployment = deployment_of(vllm_config)
     run(Subject(config, deployment=deployment), (Stage.VLLM_CONFIG,))
     layers.remember(kwargs, vllm_config)
     return deployment

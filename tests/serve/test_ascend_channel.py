@@ -135,3 +135,23 @@ def test_the_ffn_roles_engine_gets_its_keys_where_the_platform_takes_them(
     else:
         assert additional == {"enable_kv_nz": False, **own} and VAR not in os.environ
     assert own_keys(additional) == own  # what the engine's afd_section / leader_pid read
+
+
+@pytest.mark.parametrize("platform", ["ascend", "cpu"], indirect=True)
+def test_the_pre_flight_builds_each_roles_config_as_that_roles_process_gets_it(
+    platform: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve's pre-flight child checks every role in one process, which may have inherited another role's
+    variable: each check sees exactly its own role's keys, and the variable is as before afterwards."""
+    from afd_mrv2.serve.preflight import own_keys_of
+
+    attention, ffn = {"role": "attention", "rank": 0}, {"role": "ffn", "rank": 0}
+    monkeypatch.setenv(VAR, json.dumps({"afd": attention}))  # what the child inherits from the Attention role
+    with own_keys_of(ffn) as additional:
+        seen = (additional, os.environ.get(VAR))
+        assert afd_section(additional) == ffn
+    if platform == "ascend":
+        assert seen == ({}, json.dumps({"afd": ffn}, sort_keys=True))
+    else:
+        assert seen == ({"afd": ffn}, None)
+    assert os.environ[VAR] == json.dumps({"afd": attention})
