@@ -6,6 +6,7 @@ See docs/internals/reference.md, "afd_mrv2.reference.launcher".
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -56,6 +57,7 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     progress(f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
     workers: list[_Worker] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <launcher>`: its stacks on stderr
     started = time.monotonic()
     try:
         for rank in range(topology.world_size):

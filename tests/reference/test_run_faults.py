@@ -14,6 +14,7 @@ so a loaded machine makes them slower, never red.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,9 +39,18 @@ def wait_all_gone(pids: list[int], timeout_s: float, *, context: Callable[[], st
 
 
 def _launcher_state(proc: Proc) -> str:
-    """Whether the launcher still runs, and the last lines it (and its workers) wrote."""
-    tail = "\n".join(proc.stderr.splitlines()[-15:])
-    return f"\nlauncher exit status {proc.popen.poll()}; stderr (tail):\n{tail}"
+    """Whether the launcher still runs (then its threads' kernel waits and, from its SIGUSR1 faulthandler, its
+    Python stacks), and the last lines it (and its workers) wrote."""
+    running = proc.popen.poll() is None
+    threads = ""
+    if running:
+        tasks = sorted(Path(f"/proc/{proc.popen.pid}/task").glob("*"))
+        threads = f"; its threads: {_states([int(t.name) for t in tasks])}"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+    tail = "\n".join(proc.stderr.splitlines()[-40:])
+    return f"\nlauncher exit status {proc.popen.poll()}{threads}; stderr (tail):\n{tail}"
 
 
 def _states(pids: list[int]) -> str:
