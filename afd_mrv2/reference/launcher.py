@@ -56,7 +56,9 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     port = free_port()
     progress(f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
     workers: list[_Worker] = []
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too, explicitly: a launcher started in the background by a shell without job control inherits
+    # SIGINT ignored, and would then let `kill -INT` pass (serve's supervisor handles both the same way)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <launcher>`: its stacks on stderr
     started = time.monotonic()
     try:
@@ -83,7 +85,8 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
         return 130
     finally:
         _terminate(workers)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     _write_status(out, workers)
     failed = [w for w in workers if w.returncode != 0]
     if failed:

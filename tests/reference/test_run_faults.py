@@ -18,9 +18,12 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.procs import Proc, afd, gone, running, workers
 
@@ -126,8 +129,13 @@ def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path) -> 
         )
 
 
-def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
-    proc = afd("run", "--out", str(tmp_path), *LONG)
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_to_the_launcher_stops_every_worker(tmp_path: Path, inherited: str) -> None:
+    """``ignored``: started as a shell without job control starts a background job, SIGINT ignored (POSIX);
+    the launcher handles it all the same (this once made the test fail whenever pytest itself ran in the
+    background)."""
+    run = [sys.executable, "-m", "afd_mrv2.cli", "run", "--out", str(tmp_path), *LONG]
+    proc = Proc(["bash", "-c", 'trap "" INT; exec "$@"', "bash", *run]) if inherited == "ignored" else Proc(run)
     with running(proc, out_dir=tmp_path):
         assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
         time.sleep(0.5)
