@@ -121,7 +121,6 @@ def attention_layer_class(registered: type, method_factory: MethodFactory = remo
         "__module__": __name__,
         "__doc__": f"{registered.__qualname__} whose routed compute is the AFD transfer (afd-mrv2).",
         "_afd_method": None,
-        "_afd_over": registered,
         "__init__": __init__,
         "_get_quant_method": _get_quant_method,
     }
@@ -139,8 +138,8 @@ def install_attention_layer() -> str:
     Call after ``register_ascend_customop`` (``NPUWorker.__init__``) and before the model is built.
     """
     current = op_registry_oot.get(NAME)
-    over = getattr(current, "_afd_over", None)
-    if over is not None and current is attention_layer_class(over):
+    over = current.__bases__[0] if isinstance(current, type) and current.__bases__ else None
+    if _qualified(over) in REGISTERED and current is attention_layer_class(over):
         return f"already installed over {_qualified(over)}"
     if _qualified(current) not in REGISTERED:
         found = "nothing" if current is None else _qualified(current)
