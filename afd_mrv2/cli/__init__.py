@@ -31,6 +31,7 @@ COMMANDS = {
     "compat": "afd_mrv2.cli.compat",
     "probe": "afd_mrv2.cli.probe",
     "make-model": "afd_mrv2.cli.make_model",
+    "plan": "afd_mrv2.cli.plan",
     "serve": "afd_mrv2.cli.serve",
 }
 
