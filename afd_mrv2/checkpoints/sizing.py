@@ -110,6 +110,11 @@ def _load_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def _mtp(config: Mapping[str, Any]) -> int:
+    """The multi-token-prediction layers ``config`` declares (DeepSeek-V3: 1), which plan leaves out."""
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
 def _count(name: str, info: Mapping[str, Any], parameters: bool) -> int:
     """A tensor's bytes, or its elements when counting ``parameters`` (quantization scales then count 0)."""
     if not parameters:
@@ -142,7 +147,15 @@ def _from_headers(folder: Path, files: list[Path], config: Mapping[str, Any], pa
     source = f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})"
     width = "parameters" if parameters else "+".join(sorted(dtypes))
     return ModelBytes(
-        folder.name, config["model_type"], source, width, moe_layers(config), kinds, tuple(per_expert), mtp
+        folder.name,
+        config["model_type"],
+        source,
+        width,
+        moe_layers(config),
+        kinds,
+        tuple(per_expert),
+        mtp,
+        _mtp(config),
     )
 
 
@@ -152,16 +165,19 @@ def size_checkpoint(model: str | Path, *, parameters: bool = False) -> ModelByte
     path = Path(model)
     folder = path.parent if path.name == "config.json" else path
     config = _load_config(folder)
-    kinds, expert = kinds_from_config(config, parameters=parameters)  # also checks the architecture and the widths
+    try:  # also checks the architecture and the widths
+        kinds, expert = kinds_from_config(config, parameters=parameters)
+    except (KeyError, TypeError) as exc:
+        what = f"it has no {exc} key" if isinstance(exc, KeyError) else str(exc)
+        raise ConfigError(str(folder / "config.json"), f"cannot size this {config.get('model_type')}: {what}") from None
     files = sorted(folder.glob("*.safetensors")) if path.is_dir() else []
     if files:
         return _from_headers(folder, files, config, parameters)
     per_expert = (expert * moe_layers(config),) * num_experts(config)
     label = widths(config, parameters=parameters).label
     name = folder.resolve().name
-    mtp_layers = int(config.get("num_nextn_predict_layers") or 0)
     return ModelBytes(
-        name, config["model_type"], "config.json", label, moe_layers(config), kinds, per_expert, 0, mtp_layers
+        name, config["model_type"], "config.json", label, moe_layers(config), kinds, per_expert, 0, _mtp(config)
     )
 
 

@@ -84,7 +84,8 @@ def _check_fit(plans: list[RolePlan], memory: int, fit: str) -> None:
         need = p.experts_only if fit == "experts-only" else p.today_peak
         if need > memory:
             name = f"{p.role} {'ranks' if len(p.ranks) > 1 else 'rank'} {_ranks(p)}"
-            over.append(f"{name} need {gib(need)} each, {gib(need - memory)} over")
+            needs = f"needs {gib(need)}" if len(p.ranks) == 1 else f"need {gib(need)} each"
+            over.append(f"{name} {needs}, {gib(need - memory)} over")
     if over:
         layout = "experts only" if fit == "experts-only" else "today, load peak"
         raise AfdError(f"plan does not fit --device-memory {gib(memory)} ({layout}): {'; '.join(over)}")
