@@ -59,7 +59,8 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     # SIGINT too, explicitly: a launcher started in the background by a shell without job control inherits
     # SIGINT ignored, and would then let `kill -INT` pass (serve's supervisor handles both the same way)
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <launcher>`: its stacks on stderr
+    # `kill -USR1 <launcher>`: every thread's stack on fd 2 (sys.stderr may be a capture without a descriptor)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     started = time.monotonic()
     try:
         for rank in range(topology.world_size):
@@ -87,6 +88,7 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
         _terminate(workers)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        faulthandler.unregister(signal.SIGUSR1)
     _write_status(out, workers)
     failed = [w for w in workers if w.returncode != 0]
     if failed:
