@@ -1,7 +1,8 @@
 """The vLLM general plugin: ``[project.entry-points."vllm.general_plugins"] afd_mrv2``.
 
 ``register()`` installs the ``RoutedExperts`` replacement where vLLM is importable, except on a platform
-that registers its own (vLLM-Ascend: :data:`PLATFORMS_WITH_OWN_MOE_LAYER`), and never raises.
+that registers its own (vLLM-Ascend: :data:`PLATFORMS_WITH_OWN_MOE_LAYER`), and the ``afd`` load format
+(:mod:`afd_mrv2.mrv2.loader`) wherever the replacement is; it never raises.
 
 See docs/internals/vllm-roles.md, "afd_mrv2.vllm_plugin".
 """
@@ -49,8 +50,14 @@ def _register_moe_seam() -> None:
     outcome = register_routed_experts()
     if outcome.startswith("owned by"):
         log.warning("afd-mrv2: RoutedExperts is already replaced (%s); AFD is off in this process", outcome)
-    else:
-        log.debug("afd-mrv2: RoutedExperts replacement %s", outcome)
+        return
+    log.debug("afd-mrv2: RoutedExperts replacement %s", outcome)
+    try:
+        from afd_mrv2.mrv2.loader import register_afd_load_format
+    except ImportError as exc:  # a vLLM without the loader seams: every expert tensor is read, none is held
+        log.warning("afd-mrv2: vLLM's model-loader seam is not available (%s); no load format 'afd'", exc)
+        return
+    log.debug("afd-mrv2: load format 'afd' %s", register_afd_load_format())
 
 
 def register(additional_config: Mapping[str, object] | None = None) -> AfdConfig | None:

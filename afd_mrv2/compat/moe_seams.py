@@ -27,6 +27,183 @@ _RUNNER_READS = (
     "is_monolithic",
 )
 
+EXPERT_MAP = f"{FUSED_MOE}.expert_map_manager"
+LOADER = "vllm.model_executor.model_loader"
+
+#: The held set (afd_mrv2/mrv2/held.py) and what the Attention role's layer reads for its refusals.
+HELD_SEAMS: tuple[Seam, ...] = (
+    Seam("vllm", EXPERT_MAP, "ExpertMapManager", "HeldExpertMap subclasses it", capability=MOE),
+    Seam(
+        "vllm",
+        EXPERT_MAP,
+        "ExpertMapManager.__init__",
+        "HeldExpertMap is built from the factory's manager's attributes (no EPLB, no redundant experts); "
+        "__init__ calls _calculate_expert_maps",
+        params=(
+            "max_num_batched_tokens",
+            "top_k",
+            "global_num_experts",
+            "num_redundant_experts",
+            "num_expert_group",
+            "moe_parallel_config",
+            "placement_strategy",
+            "enable_eplb",
+        ),
+        assigns=(
+            "max_num_batched_tokens",
+            "top_k",
+            "global_num_experts",
+            "moe_parallel_config",
+            "num_fused_shared_experts",
+        ),
+        uses=("_calculate_expert_maps",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        EXPERT_MAP,
+        "ExpertMapManager._calculate_expert_maps",
+        "overridden by HeldExpertMap: the held set's local count, int32 map (-1 elsewhere), no mask",
+        params=(),
+        assigns=("_local_num_experts", "_expert_map", "_expert_mask"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        EXPERT_MAP,
+        "ExpertMapManager.map_global_to_local",
+        "the loader's global -> local id: reads the map HeldExpertMap computed",
+        params=("global_id",),
+        uses=("_expert_map",),
+        capability=MOE,
+    ),
+    *(
+        Seam(
+            "vllm",
+            EXPERT_MAP,
+            f"ExpertMapManager.{name}",
+            "HeldExpertMap reads it",
+            params=(),
+            decorators=("property",),
+            capability=MOE,
+        )
+        for name in ("placement_strategy", "local_num_experts")
+    ),
+    Seam(
+        "vllm",
+        ROUTED,
+        "RoutedExperts._map_global_expert_id_to_local_expert_id",
+        "weight_loader's id mapping goes through the layer's manager",
+        params=("expert_id",),
+        uses=("expert_map_manager", "map_global_to_local"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{FUSED_MOE}.layer",
+        "FusedMoEFactory",
+        "builds the routed-experts class (afd-mrv2's, through the registry) with the manager as a keyword",
+        uses=("routed_experts_cls", "expert_map_manager"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{FUSED_MOE}.config",
+        "FusedMoEParallelConfig",
+        "the Attention role refuses EPLB and EP across ranks",
+        fields=("ep_size", "use_ep", "enable_eplb"),
+        capability=MOE,
+    ),
+)
+
+#: The ``afd`` load format (afd_mrv2/mrv2/loader.py) over upstream's local-expert filter.
+LOADER_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        LOADER,
+        "register_model_loader",
+        "the general plugin registers AfdModelLoader as load format 'afd'",
+        params=("load_format",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader",
+        "AfdModelLoader subclasses it",
+        bases=("BaseModelLoader",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader.__init__",
+        "AfdModelLoader hands it a copy of the load config (safetensors, lazy)",
+        params=("load_config",),
+        assigns=("local_expert_ids",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader.load_weights",
+        "overridden (held set read from the model first); calls _init_ep_weight_filter before reading",
+        params=("model", "model_config"),
+        uses=("_init_ep_weight_filter", "get_all_weights"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader._init_ep_weight_filter",
+        "overridden: local_expert_ids is the model's held set (Attention: empty)",
+        params=("model_config",),
+        assigns=("local_expert_ids",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader._prepare_weights",
+        "picks file patterns by load_format: the reason the base gets load_format='safetensors'",
+        uses=("load_format",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.default_loader",
+        "DefaultModelLoader._get_weights_iterator",
+        "hands local_expert_ids to the safetensors iterator",
+        uses=("local_expert_ids", "safetensors_weights_iterator"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.weight_utils",
+        "safetensors_weights_iterator",
+        "the lazy path asks should_skip_weight before reading a tensor",
+        params=("hf_weights_files", "use_tqdm_on_load", "safetensors_load_strategy", "local_expert_ids"),
+        uses=("should_skip_weight",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        f"{LOADER}.ep_weight_filter",
+        "should_skip_weight",
+        "skips a per-expert weight whose id is not in the set (scales are kept)",
+        params=("weight_name", "local_expert_ids"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.load",
+        "LoadConfig",
+        "AfdModelLoader reads and rewrites these",
+        fields=("load_format", "safetensors_load_strategy", "model_loader_extra_config"),
+        capability=MOE,
+    ),
+)
+
 MOE_SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm",
@@ -67,17 +244,20 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         ROUTED,
         "RoutedExperts.__init__",
-        "the replacement is built with upstream's arguments; __init__ asks _get_quant_method, then create_weights",
+        "the replacement is built with upstream's arguments (the Attention role swaps expert_map_manager for an "
+        "empty HeldExpertMap first); __init__ asks _get_quant_method, then create_weights (the stand-in's "
+        "allocates 0 experts whatever num_experts says)",
         params=("layer_name", "params_dtype", "moe_config", "quant_config", "expert_map_manager"),
-        assigns=("quant_method",),
-        uses=("_get_quant_method", "create_weights", "weight_loader"),
+        assigns=("quant_method", "expert_map_manager"),
+        uses=("_get_quant_method", "create_weights", "weight_loader", "num_local_experts"),
         capability=MOE,
     ),
     Seam(
         "vllm",
         ROUTED,
         "RoutedExperts._get_quant_method",
-        "the one method AfdRoutedExperts overrides (stand-in quant method on the Attention role)",
+        "AfdRoutedExperts overrides it: on the Attention role upstream's method (super()) is built and wrapped "
+        "by the stand-in",
         params=("prefix", "quant_config", "moe_config"),
         capability=MOE,
     ),
@@ -85,15 +265,18 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         ROUTED,
         "RoutedExperts.weight_loader",
-        "the stand-in's parameters take its place with a loader that discards the checkpoint data",
+        "the loader of the Attention role's 0-expert parameters: an expert the layer's map gives -1 is "
+        "skipped (return False), which is every expert under the empty held set",
         params=("param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
+        uses=("_map_global_expert_id_to_local_expert_id",),
         capability=MOE,
     ),
     Seam(
         "vllm",
         ROUTED,
         "RoutedExperts.load_weights",
-        "calls param.weight_loader per expert: the stand-in's loader must accept it",
+        "calls param.weight_loader per expert, and refuses a checkpoint name whose parameter the layer lacks: "
+        "the real method's create_weights (0 experts) makes every name it would",
         params=("weights",),
         uses=("weight_loader",),
         capability=MOE,
@@ -137,7 +320,7 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         METHOD,
         "FusedMoEMethodBase.create_weights",
-        "overridden: the Attention role creates empty, discarding w13_weight/w2_weight",
+        "the stand-in's delegates to the real method's with num_experts=0 (keywords as upstream passes them)",
         params=("layer", "num_experts", "hidden_size", "intermediate_size_per_partition", "params_dtype"),
         capability=MOE,
     ),
@@ -241,8 +424,9 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         f"{FUSED_MOE}.config",
         "FusedMoEConfig",
-        "the Attention role sizes its transfers from it; has_bias decides the stand-in's bias parameters",
-        fields=("num_experts", "experts_per_token", "hidden_dim", "has_bias"),
+        "the Attention role sizes its transfers from it; has_bias decides the placeholder biases; the refusals "
+        "read moe_parallel_config",
+        fields=("num_experts", "experts_per_token", "hidden_dim", "has_bias", "moe_parallel_config"),
         capability=MOE,
     ),
     Seam(
@@ -257,10 +441,12 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "vllm",
         "vllm.model_executor.utils",
         "set_weight_attrs",
-        "attaches the discarding loader",
+        "attaches the discarding loader to the placeholders of a layer without a held set (vLLM-Ascend's)",
         params=("weight", "weight_attrs"),
         capability=MOE,
     ),
+    *HELD_SEAMS,
+    *LOADER_SEAMS,
     Seam(
         "vllm",
         "vllm.config.vllm",

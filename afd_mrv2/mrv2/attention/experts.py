@@ -8,19 +8,24 @@ See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.experts".
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import maybe_get_oot_by_class
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.models.utils import extract_layer_index
 
+from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.attention.remote import attach
 from afd_mrv2.mrv2.attention.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.deployment import admit
+from afd_mrv2.mrv2.held import HeldExpertMap
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.upstream import load_handoff
 
@@ -30,19 +35,62 @@ log = logging.getLogger(__name__)
 class AfdRoutedExperts(RoutedExperts):
     """vLLM's ``RoutedExperts``, except on the AFD Attention role; see docs/internals/vllm-roles.md."""
 
+    def __init__(
+        self,
+        layer_name: str,
+        params_dtype: torch.dtype,
+        moe_config: FusedMoEConfig,
+        quant_config: QuantizationConfig | None,
+        expert_map_manager: ExpertMapManager,
+        **kwargs: Any,
+    ) -> None:
+        # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
+        config = admit(get_current_vllm_config())  # section, plugins, runtime pair, support matrix: before any link
+        self.afd_attention = config if config is not None and config.role == ATTENTION else None
+        if self.afd_attention is not None:  # the empty held set: every expert maps to -1, skipped on load
+            _refuse_held_set(layer_name, moe_config, expert_map_manager)
+            expert_map_manager = HeldExpertMap(expert_map_manager, held=())
+            # moe_config keeps the factory's num_local_experts: the real method is built as on plain vLLM (its
+            # backend choice included); the stand-in's create_weights allocates 0 experts whatever it says
+        super().__init__(layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs)
+
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
     ) -> FusedMoEMethodBase:
-        vllm_config = get_current_vllm_config()
-        # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
-        config = admit(vllm_config)  # section, plugins, runtime pair, support matrix: before any link
-        if config is None or config.role != ATTENTION:
+        config = self.afd_attention
+        if config is None:
             return super()._get_quant_method(prefix, quant_config, moe_config)
+        try:  # the method this checkpoint's experts would use: its create_weights names the placeholders
+            real = super()._get_quant_method(prefix, quant_config, moe_config)
+        except (NotImplementedError, ValueError, RuntimeError) as exc:
+            raise ConfigError(
+                "afd.role",
+                f"{prefix}: the Attention role builds the checkpoint's routed-experts quant method for its "
+                f"parameter names, and it cannot be built here ({type(exc).__name__}: {exc})",
+            ) from exc
+        vllm_config = get_current_vllm_config()
         remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, handoff=load_handoff())
         layer_index = extract_layer_index(prefix)
         shape = MoeShape(moe_config.hidden_dim, moe_config.experts_per_token, moe_config.num_experts)
         remote.add_layer(layer_index, shape)
-        return RemoteExpertsMethod(moe_config, layer_index)
+        return RemoteExpertsMethod(moe_config, layer_index, real)
+
+
+def _refuse_held_set(layer_name: str, moe_config: FusedMoEConfig, manager: ExpertMapManager) -> None:
+    """One line for what a held set cannot express: EPLB, EP across ranks, fused shared experts."""
+    parallel = moe_config.moe_parallel_config
+    refused = (
+        "EPLB (enable_eplb)" if parallel.enable_eplb else None,
+        f"expert parallelism across {parallel.ep_size} ranks" if parallel.use_ep and parallel.ep_size > 1 else None,
+        f"{manager.num_fused_shared_experts} fused shared experts" if manager.num_fused_shared_experts else None,
+    )
+    reasons = [r for r in refused if r is not None]
+    if reasons:
+        raise ConfigError(
+            "afd.role",
+            f"the Attention role holds no routed expert, but {layer_name} asks for {' and '.join(reasons)}; "
+            "run the Attention engine without it",
+        )
 
 
 def register_routed_experts() -> str:

@@ -17,7 +17,8 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from afd_mrv2.mrv2.attention import remote  # registers the afd_mrv2::remote_routed_experts op
 
-#: Parameter names upstream's unquantized method creates (biases only when ``moe.has_bias``).
+#: The placeholders of a layer without a held set (``real`` None: vLLM-Ascend's layer, which keeps every
+#: expert local): upstream's unquantized names (biases only when ``moe.has_bias``), loaded by discarding.
 WEIGHT_NAMES = ("w13_weight", "w2_weight")
 BIAS_NAMES = ("w13_bias", "w2_bias")
 
@@ -36,11 +37,19 @@ def discard_weight(
 
 
 class WeightlessExpertsMethod(FusedMoEMethodBase):
-    """A quant method whose layer holds 0-element placeholders instead of expert weights."""
+    """A quant method whose layer holds no routed-expert storage.
 
-    def __init__(self, moe: FusedMoEConfig, layer_index: int) -> None:
+    With ``real`` (the method upstream would have used, ``RoutedExperts._get_quant_method``) on a layer whose
+    held set is empty: ``real.create_weights`` with ``num_experts=0`` registers every parameter name, dtype
+    and attribute a checkpoint of it carries (scales included), and upstream's loader skips each expert
+    (it maps to -1).  Without: :data:`WEIGHT_NAMES` placeholders whose loader discards.  Nothing else of
+    ``real`` is used.
+    """
+
+    def __init__(self, moe: FusedMoEConfig, layer_index: int, real: FusedMoEMethodBase | None = None) -> None:
         super().__init__(moe)
         self.layer_index = layer_index
+        self.real = real
 
     def create_weights(
         self,
@@ -51,12 +60,21 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        del num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs
-        names = WEIGHT_NAMES + (BIAS_NAMES if self.moe.has_bias else ())
-        for name in names:
-            placeholder = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
-            set_weight_attrs(placeholder, {"weight_loader": discard_weight})
-            layer.register_parameter(name, placeholder)
+        del num_experts  # 0 whatever the layer was told: this process holds no routed expert
+        if self.real is None:
+            for name in WEIGHT_NAMES + (BIAS_NAMES if self.moe.has_bias else ()):
+                placeholder = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+                set_weight_attrs(placeholder, {"weight_loader": discard_weight})
+                layer.register_parameter(name, placeholder)
+            return
+        self.real.create_weights(
+            layer=layer,
+            num_experts=0,
+            hidden_size=hidden_size,
+            intermediate_size_per_partition=intermediate_size_per_partition,
+            params_dtype=params_dtype,
+            **extra_weight_attrs,
+        )
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
         del layer

@@ -1,0 +1,187 @@
+"""RFC 0006 item 3: an Attention engine reads and allocates no routed expert, and loads quantized checkpoints.
+
+Run: ``.venv-vllm/bin/python -m pytest -q -p no:xdist -m vllm_runtime tests/vllm/test_attention_weights.py``.
+
+Each case is one subprocess (tests/vllm/attention_load.py: vLLM builds the model as an engine's worker does,
+world of 1 over gloo; a fresh vLLM per case) on the make-model tiny Qwen2-MoE (2 MoE layers, 8 experts) or
+a copy of it quantized here: FP8 with 128x128 block scales (``weight_scale_inv``, DeepSeek-V3's layout), and
+W8A8 int8 (compressed-tensors, channel-wise weights, dynamic per-token activations) on the routed experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.vllm.harness import make_model
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("attention_load.py")
+PROJ = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+EXPERT_PROJ = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as float8_e4m3fn with one float32 ``weight_scale_inv`` per 128x128 block (value = q * s)."""
+    n, k = weight.shape
+    rows, cols = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(rows * BLOCK, cols * BLOCK)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(rows, BLOCK, cols, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).view(rows * BLOCK, cols * BLOCK)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _int8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as int8 with one float32 scale per output channel (``[N, 1]``)."""
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return (weight.float() / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+def _quantized_copy(src: Path, dst: Path, quantize: Any, names: re.Pattern[str], config: dict[str, Any]) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if names.search(name) and tensor.dim() == 2:
+            q, scale = quantize(tensor)
+            out[name] = q
+            out[name[: -len("weight")] + config["_scale"]] = scale
+        else:
+            out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = config["quantization_config"]
+    cfg["torch_dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+FP8 = {
+    "_scale": "weight_scale_inv",
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    },
+}
+W8A8 = {
+    "_scale": "weight_scale",
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {
+            "experts": {
+                "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": [],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("attention-weights")
+    base = make_model(folder / "bf", "qwen2_moe")
+    return {
+        "unquantized": base,
+        "fp8_block": _quantized_copy(base, folder / "fp8", _fp8_block, PROJ, dict(FP8)),
+        "w8a8": _quantized_copy(base, folder / "w8a8", _int8_channel, EXPERT_PROJ, dict(W8A8)),
+    }
+
+
+def _run(model: Path, mode: str, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / f"{mode}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "VLLM_PLUGINS": ""}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model), mode, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+#: per checkpoint, the scale suffix of its experts (the afd loader still reads those: upstream's filter keeps
+#: scales, RFC 0006 section 1 (b)) and the real quant method vLLM builds for its routed experts
+SCALE = {"unquantized": None, "fp8_block": "weight_scale_inv", "w8a8": "weight_scale"}
+REAL = {
+    "unquantized": "UnquantizedFusedMoEMethod",
+    "fp8_block": "Fp8MoEMethod",
+    "w8a8": "CompressedTensorsW8A8Int8MoEMethod",
+}
+
+
+@pytest.mark.parametrize("kind", ["unquantized", "fp8_block", "w8a8"])
+def test_attention_layer_has_the_real_methods_parameters_with_0_experts_and_reads_no_expert_weight(
+    kind: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    plain = _run(checkpoints[kind], "plain", tmp_path)
+    afd = _run(checkpoints[kind], "afd", tmp_path)
+    assert plain["quant_method"] == REAL[kind] and plain["local_num_experts"] == [8, 8], plain["quant_method"]
+    assert (afd["quant_method"], afd["real_method"]) == ("RemoteExpertsMethod", REAL[kind])
+    assert afd["layer_class"] == "AfdRoutedExperts" and afd["registered_loader"] == "AfdModelLoader"
+    assert afd["loaded"] is True, afd.get("traceback")
+    # every parameter name the real method's create_weights makes, its dtype and trailing shape, 0 elements
+    assert afd["params"].keys() == plain["params"].keys() == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
+    for layer, params in plain["params"].items():
+        assert afd["params"][layer].keys() == params.keys(), layer
+        for name, (shape, dtype, _) in params.items():
+            assert afd["params"][layer][name] == [[0, *shape[1:]], dtype, 0], (layer, name)
+    if SCALE[kind] is not None:
+        assert {f"w13_{SCALE[kind]}", f"w2_{SCALE[kind]}"} <= plain["params"]["model.layers.0.mlp.experts"].keys()
+    assert afd["local_num_experts"] == [0, 0] and afd["expert_map"] == [-1] * 8
+    assert afd["routed_expert_bytes"] == 0 and plain["routed_expert_bytes"] > 0
+    # what the loader materialised: no routed-expert weight; only the experts' scales (kept by upstream's filter)
+    assert afd["loader_local_expert_ids"] == [] and afd["expert_weights_yielded"] == []
+    assert all(n.endswith(f".{SCALE[kind]}") for n in afd["expert_tensors_yielded"]), afd["expert_tensors_yielded"]
+    assert len(afd["expert_tensors_yielded"]) == (0 if SCALE[kind] is None else 48)
+    on_disk = list(load_file(str(checkpoints[kind] / "model.safetensors")))
+    expert_weights = [n for n in on_disk if EXPERT_PROJ.search(n)]
+    assert len(expert_weights) == 48 and afd["tensors_yielded"] == len(on_disk) - 48
+
+
+def test_fp8_block_checkpoint_fails_with_the_placeholders_the_attention_layer_had(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Pinned: the stand-in built without the real method (only w13_weight/w2_weight, as before RFC 0006 item 3,
+    and as vLLM-Ascend's layer still gets it) cannot load a checkpoint whose experts carry scales."""
+    report = _run(checkpoints["fp8_block"], "placeholders", tmp_path)
+    assert report["loaded"] is False
+    assert report["error"] == (
+        "AttributeError: Layer model.layers.0.mlp.experts has no parameter 'w2_weight_scale_inv' for checkpoint "
+        "weight 'model.layers.0.mlp.experts.0.down_proj.weight_scale_inv'"
+    )
+    assert report["params"]["model.layers.0.mlp.experts"] == {
+        "w13_weight": [[0], "torch.bfloat16", 0],
+        "w2_weight": [[0], "torch.bfloat16", 0],
+    }
