@@ -382,18 +382,13 @@ def _routed_experts(subject: Subject) -> None:
         )
 
 
-def _expert_shards(subject: Subject) -> None:
+def _expert_placement(subject: Subject) -> None:
+    """The model's routed experts placed on the FFN ranks: ``afd.placement``'s table places as many experts as
+    the model has, or the ring has at least one expert for every FFN rank (any ``E``, balanced blocks)."""
     model = subject.model
     if model is None or model.num_experts <= 0:
         return
-    experts, ffn = model.num_experts, subject.config.num_ffn_ranks
-    if experts % ffn:
-        fits = ", ".join(str(f) for f in range(1, experts + 1) if experts % f == 0)
-        raise ConfigError(
-            "afd.num_ffn_ranks",
-            f"the model's {experts} routed experts do not shard evenly over {ffn} FFN ranks "
-            f"(serve --ffn); use one of {fits}",
-        )
+    subject.config.placement_for(model.num_experts)
 
 
 #: Every admission check, in the order they run (the first refusal wins).
@@ -438,7 +433,12 @@ CHECKS: tuple[Check, ...] = (
         "the MoE layers the model builds, else its config's routed-expert count",
         _routed_experts,
     ),
-    Check("expert-shards", Stage.MODEL, "the routed-expert count; afd.num_ffn_ranks", _expert_shards),
+    Check(
+        "expert-placement",
+        Stage.MODEL,
+        "the routed-expert count; afd.num_ffn_ranks, afd.expert_replicas, afd.placement",
+        _expert_placement,
+    ),
 )
 NAMES = frozenset(check.name for check in CHECKS)
 

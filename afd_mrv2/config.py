@@ -9,7 +9,7 @@ See docs/internals/hooks-api.md, "afd_mrv2.config".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from afd_mrv2.errors import ConfigError
@@ -28,6 +28,7 @@ from afd_mrv2.options import (
     section,
     subset_of,
 )
+from afd_mrv2.placement import Placement, PlacementError
 
 ROLES = (ATTENTION, FFN)
 #: Who hosts the AFD rendezvous store on ``host:port``: FFN rank 0, or someone else (``afd-mrv2 serve``'s
@@ -202,6 +203,27 @@ class UBatchConfig:
         return self.num_ubatches if self.enabled and num_tokens >= max(threshold, self.num_ubatches) else 1
 
 
+def _is_table(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(h, (list, tuple)) and all(type(f) is int for f in h) for h in value
+    )
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The ``afd.placement`` section: which FFN ranks hold each routed expert.
+
+    holders
+        One list per expert, its FFN ranks, primary first (``[[0], [0, 1], [1]]``): 1..F distinct
+        ranks each, every FFN rank holding at least one expert, as many lists as the model's routed
+        experts.  Absent section: the ring with ``expert_replicas`` (balanced contiguous blocks).
+    """
+
+    holders: tuple[tuple[int, ...], ...] = option(
+        Check("a list of lists of FFN ranks (integers)", _is_table, lambda v, key: tuple(tuple(h) for h in v))
+    )
+
+
 @dataclass(frozen=True)
 class AfdConfig:
     """The whole ``afd`` section of ``additional_config``.
@@ -219,7 +241,9 @@ class AfdConfig:
     attention rank; a connector that pairs ranks checks its own rule).  ``expert_replicas``
     (1..``num_ffn_ranks``, default 1): on how many FFN ranks every routed expert lives
     (:class:`~afd_mrv2.placement.Placement`); with 2 or more, the loss of an FFN rank is
-    survived by failover to the other holders (torch_p2p on the vLLM path).  ``rendezvous``
+    survived by failover to the other holders (torch_p2p on the vLLM path).  ``placement``
+    (:class:`PlacementConfig`): any table of holders instead of that ring (``expert_replicas`` is then
+    its most holders of an expert).  ``rendezvous``
     (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
     ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
     and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``connector_extra_config``
@@ -232,6 +256,14 @@ class AfdConfig:
     num_attention_ranks: int = option(integer(1, 1 << 16), 1)
     num_ffn_ranks: int = option(integer(1, 1 << 16), 1)
     expert_replicas: int = option(integer(1, 1 << 16), 1)
+    placement: PlacementConfig | None = option(
+        Check(
+            'a mapping {"holders": [[f, ...], ...]}',
+            lambda v: isinstance(v, Mapping),
+            lambda v, key: parse_section(PlacementConfig, v, key),
+        ),
+        None,
+    )
     rendezvous: str = option(one_of(RENDEZVOUS), "ffn0")
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
@@ -242,6 +274,22 @@ class AfdConfig:
     multistream: MultistreamConfig = section(MultistreamConfig)
     async_moe: AsyncMoeConfig = section(AsyncMoeConfig)
     ubatch: UBatchConfig = section(UBatchConfig)
+
+    def placement_for(self, num_experts: int, *, key: str = "afd") -> Placement:
+        """The placement of the model's ``num_experts`` routed experts: ``placement``'s table (its expert count
+        must be the model's), else the ring; :class:`ConfigError` naming the key otherwise."""
+        if self.placement is None:
+            try:
+                return Placement.ring(num_experts, self.num_ffn_ranks, self.expert_replicas)
+            except PlacementError as exc:
+                raise ConfigError(f"{key}.num_ffn_ranks", str(exc)) from None
+        table = Placement.from_table(self.placement.holders, self.num_ffn_ranks)
+        if table.num_experts != num_experts:
+            raise ConfigError(
+                f"{key}.placement.holders",
+                f"the table places {table.num_experts} experts, the model has {num_experts} routed experts",
+            )
+        return table
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -268,6 +316,8 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
             f"{key}.expert_replicas",
             f"expected an integer in 1..{config.num_ffn_ranks} (num_ffn_ranks), got {config.expert_replicas}",
         )
+    if config.placement is not None:
+        config = _with_table(config, key)
     if config.async_moe.enabled and not config.compute_gate_on_attention:
         raise ConfigError(
             f"{key}.async_moe.enabled",
@@ -278,6 +328,22 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _with_table(config: AfdConfig, key: str) -> AfdConfig:
+    """``config`` with ``expert_replicas`` set to its table's most holders (1 or that count may be given)."""
+    assert config.placement is not None
+    try:
+        table = Placement.from_table(config.placement.holders, config.num_ffn_ranks)
+    except PlacementError as exc:
+        raise ConfigError(f"{key}.placement.holders", str(exc)) from None
+    if config.expert_replicas not in (1, table.replicas):
+        raise ConfigError(
+            f"{key}.expert_replicas",
+            f"{config.expert_replicas} disagrees with {key}.placement (the table's most holders of an expert: "
+            f"{table.replicas}); leave it out",
+        )
+    return replace(config, expert_replicas=table.replicas)
 
 
 def _thaw(value: Any) -> Any:

@@ -22,6 +22,13 @@ class Topology:
     num_ffn: int
     num_experts: int
     expert_replicas: int = 1
+    #: the placement table (``afd.placement``); empty: the ring of ``expert_replicas``
+    holders: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def over(cls, num_attention: int, placement: Placement) -> Topology:
+        """``num_attention`` Attention ranks and the FFN ranks, experts and table of ``placement``."""
+        return cls(num_attention, placement.num_ffn, placement.num_experts, placement.replicas, placement.holders)
 
     def __post_init__(self) -> None:
         """Refuses no attention rank here, and the FFN ranks, experts and replicas as :class:`Placement` does."""
@@ -31,8 +38,8 @@ class Topology:
 
     @cached_property
     def placement(self) -> Placement:
-        """The expert-to-holders table (``expert_replicas`` holders per expert)."""
-        return Placement(self.num_experts, self.num_ffn, self.expert_replicas)
+        """The expert-to-holders table: ``holders``, else the ring with ``expert_replicas`` holders per expert."""
+        return Placement(self.num_experts, self.num_ffn, self.expert_replicas, self.holders)
 
     @property
     def world_size(self) -> int:
@@ -40,7 +47,8 @@ class Topology:
 
     @property
     def experts_per_ffn(self) -> int:
-        return self.num_experts // self.num_ffn
+        """The most experts any FFN rank is the primary holder of (``E / F`` when F divides E, on the ring)."""
+        return max(len(self.placement.primary(f)) for f in range(self.num_ffn))
 
     def role_of(self, global_rank: int) -> tuple[str, int]:
         """``(role, index within the role)`` of a global rank."""
@@ -65,18 +73,24 @@ class Topology:
         return [self.global_rank(ATTENTION, a) for a in range(self.num_attention)]
 
     def experts_of(self, ffn_index: int) -> range:
-        """The routed experts FFN rank ``ffn_index`` is the primary holder of (its block)."""
-        per = self.experts_per_ffn
-        return range(ffn_index * per, (ffn_index + 1) * per)
+        """The routed experts FFN rank ``ffn_index`` is the primary holder of (its block); a table whose primaries
+        of that rank are not one block is refused (use :meth:`held_by`)."""
+        primary = self.placement.primary(ffn_index)
+        block = range(primary[0], primary[-1] + 1) if primary else range(0)
+        if tuple(block) != primary:
+            raise PlacementError(
+                f"FFN rank {ffn_index}'s primary experts {Placement.ranges(primary)} are not one block"
+            )
+        return block
 
     def held_by(self, ffn_index: int) -> tuple[int, ...]:
-        """The routed experts FFN rank ``ffn_index`` keeps (ascending): its block and, with replicas,
+        """The routed experts FFN rank ``ffn_index`` keeps (ascending): on the ring its block and, with replicas,
         the ``R-1`` blocks before it around the ring."""
         return self.placement.held_by(ffn_index)
 
     def primary_of(self, expert: int) -> int:
         """The FFN rank whose block routed expert ``expert`` is in: its primary holder."""
-        return expert // self.experts_per_ffn
+        return self.placement.holders[expert][0]
 
     def owner_of(self, expert: int) -> int:
         """Deprecated since 0.3.0 (an *owner* is what runs an executor): :meth:`primary_of`."""
@@ -94,4 +108,5 @@ class Topology:
 
     def __str__(self) -> str:
         replicas = f", {self.expert_replicas} replicas" if self.expert_replicas > 1 else ""
+        replicas += "" if not self.holders or self.placement.is_ring else f", placement {self.placement.stamp.short}"
         return f"{self.num_attention}A{self.num_ffn}F, {self.num_experts} experts{replicas}"

@@ -55,7 +55,7 @@ def test_the_checks_are_one_ordered_list_grouped_by_stage() -> None:
         *(rule.name for rule in RULES),  # the support matrix, in its own order
         "seam-native-ubatching",
         "routed-experts",
-        "expert-shards",
+        "expert-placement",
     ]
     assert len(set(names)) == len(names) == 17
     stages = [check.stage for check in CHECKS]
@@ -159,9 +159,23 @@ def test_the_model_is_moe_by_the_layers_it_builds_not_by_its_config_keys() -> No
     )
     assert "\n" not in str(info.value)
     run(Subject(ffn, model=ModelFacts(("Qwen2MoeForCausalLM",), 8, moe_layers=1, layers=2)), (Stage.MODEL,))
-    with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: the model's 3 routed experts do not shard evenly"):
-        run(Subject(ffn, model=ModelFacts(("X",), 3, moe_layers=2, layers=2)), (Stage.MODEL,))
+    run(Subject(ffn, model=ModelFacts(("X",), 3, moe_layers=2, layers=2)), (Stage.MODEL,))  # 2 + 1: balanced blocks
     run(Subject(ffn, model=None), (Stage.MODEL,))  # nothing decides the model here: its roles check it
+
+
+def test_the_placement_places_the_models_experts() -> None:
+    """expert-placement: the ring needs an expert per FFN rank; a table places exactly the model's experts."""
+    base = {"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 3}
+    with pytest.raises(ConfigError) as few:
+        run(Subject(base, model=ModelFacts(("X",), 2, moe_layers=1)), (Stage.MODEL,), names=("expert-placement",))
+    assert str(few.value) == (
+        "afd.num_ffn_ranks: num_experts (2) must be at least the FFN ranks (3): every FFN rank holds an expert"
+    )
+    table = {**base, "placement": {"holders": [[0], [1, 2], [2]]}}
+    run(Subject(table, model=ModelFacts(("X",), 3, moe_layers=1)), (Stage.MODEL,))
+    with pytest.raises(ConfigError) as other:
+        run(Subject(table, model=ModelFacts(("X",), 8, moe_layers=1)), (Stage.MODEL,))
+    assert str(other.value) == "afd.placement.holders: the table places 3 experts, the model has 8 routed experts"
 
 
 # ------------------------------------------------------------------ afd-mrv2's own keys: additional_config and the env

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_mrv2.config import MultistreamConfig, parse_afd_config, parse_multistream
+from afd_mrv2.config import MultistreamConfig, PlacementConfig, parse_afd_config, parse_multistream
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.hooks.cam.options import CamAsyncOptions, CamP2POptions
 from afd_mrv2.hooks.p2p import P2pOptions, parse_options
 from afd_mrv2.hooks.simlink import LinkModel, SimLinkOptions
 from afd_mrv2.options import TEXT, accepted_keys, integer, number, one_of, option, parse_section
+from afd_mrv2.placement import Placement
 
 
 def test_defaults_are_the_serialized_fallback() -> None:
@@ -173,7 +174,18 @@ def test_fuzzed_multistream_only_raises_config_error(raw: object) -> None:
 
 
 afd_keys = st.sampled_from(
-    ["connector", "role", "num_attention_ranks", "num_ffn_ranks", "port", "observers", "async", "multistream", "zz"]
+    [
+        "connector",
+        "role",
+        "num_attention_ranks",
+        "num_ffn_ranks",
+        "port",
+        "observers",
+        "async",
+        "multistream",
+        "placement",
+        "zz",
+    ]
 )
 
 
@@ -262,3 +274,59 @@ def test_expert_replicas_and_rendezvous() -> None:
     assert parse_afd_config({"connector": "x", "role": "attention", "rendezvous": "external"}).rendezvous == "external"
     with pytest.raises(ConfigError, match=r"^afd\.rendezvous: "):
         parse_afd_config({"connector": "x", "role": "attention", "rendezvous": "serve"})
+
+
+# ----------------------------------------------------------------- afd.placement
+
+
+FFN2 = {"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2}
+
+
+def test_placement_absent_is_the_ring_with_expert_replicas() -> None:
+    config = parse_afd_config({**FFN2, "expert_replicas": 2})
+    assert config.placement is None
+    assert config.placement_for(5) == Placement.ring(5, 2, 2)
+    assert config.placement_for(5).held_by(0) == (0, 1, 2, 3, 4) and config.placement_for(5).primary(0) == (0, 1, 2)
+
+
+def test_placement_table_parses_to_its_holders_and_sets_expert_replicas() -> None:
+    config = parse_afd_config({**FFN2, "placement": {"holders": [[1], [0, 1], [0]]}})
+    assert config.placement == PlacementConfig(((1,), (0, 1), (0,)))
+    assert config.expert_replicas == 2  # the most holders of an expert
+    assert config.placement_for(3) == Placement.from_table([[1], [0, 1], [0]], 2)
+    assert parse_afd_config({**FFN2, "placement": {"holders": [[1], [0]]}, "expert_replicas": 1}).expert_replicas == 1
+    assert parse_afd_config({**FFN2, "placement": None}).placement is None
+    hash(config)
+
+
+@pytest.mark.parametrize(
+    ("placement", "extra", "message"),
+    [
+        ([[0], [1]], {}, r"^afd\.placement: expected a mapping"),
+        ({}, {}, r"^afd\.placement\.holders: required key is missing$"),
+        ({"holders": [[0], [1]], "kind": "x"}, {}, r"^afd\.placement\.kind: unknown key; accepted keys: holders$"),
+        ({"holders": [[0], ["1"]]}, {}, r"^afd\.placement\.holders: expected a list of lists of FFN ranks"),
+        ({"holders": [[0], [True]]}, {}, r"^afd\.placement\.holders: expected a list of lists of FFN ranks"),
+        ({"holders": [[0], [2]]}, {}, r"^afd\.placement\.holders: expert 1: holders \[2\] must be 1\.\.2 distinct"),
+        ({"holders": [[0], [0]]}, {}, r"^afd\.placement\.holders: FFN rank\(s\) 1 hold no expert"),
+        ({"holders": []}, {}, r"^afd\.placement\.holders: the placement table lists no expert$"),
+        (
+            {"holders": [[0], [1]]},
+            {"expert_replicas": 2},
+            r"^afd\.expert_replicas: 2 disagrees with afd\.placement \(the table's most holders of an expert: 1\); "
+            r"leave it out$",
+        ),
+    ],
+)
+def test_a_bad_placement_is_one_line_naming_the_key(placement: object, extra: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as refused:
+        parse_afd_config({**FFN2, **extra, "placement": placement})
+    assert "\n" not in str(refused.value)
+
+
+def test_the_table_must_place_the_models_experts() -> None:
+    config = parse_afd_config({**FFN2, "placement": {"holders": [[0], [1]]}})
+    with pytest.raises(ConfigError, match=r"^afd\.placement\.holders: the table places 2 experts, the model has 4"):
+        config.placement_for(4)
+    with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: num_experts \(1\) must be at least the FFN ranks"):
+        parse_afd_config(FFN2).placement_for(1)

@@ -44,8 +44,7 @@ def test_free_topologies(a: int, f: int, e: int) -> None:
 @pytest.mark.parametrize(
     ("a", "f", "e", "needle"),
     [
-        (2, 2, 3, r"num_experts \(3\) must be a multiple of the FFN ranks \(2\)"),
-        (1, 3, 2, r"num_experts \(2\) must be a multiple of the FFN ranks \(3\)"),
+        (1, 3, 2, r"num_experts \(2\) must be at least the FFN ranks \(3\): every FFN rank holds an expert"),
         (0, 1, 2, "need at least one attention rank, got 0A1F"),
         (1, 0, 2, "need at least one FFN rank, got 0"),
     ],
@@ -57,7 +56,7 @@ def test_invalid_topologies(a: int, f: int, e: int, needle: str) -> None:
     assert isinstance(refused.value, ValueError) and isinstance(refused.value, AfdError)
 
 
-@pytest.mark.parametrize(("f", "e", "r"), [(2, 3, 1), (2, 4, 3), (2, 4, 0), (0, 4, 1)])
+@pytest.mark.parametrize(("f", "e", "r"), [(3, 2, 1), (2, 4, 3), (2, 4, 0), (0, 4, 1)])
 def test_topology_refuses_exactly_what_placement_refuses_with_the_same_words(f: int, e: int, r: int) -> None:
     """Topology delegates its checks on FFN ranks, experts and replicas to Placement: one check, one message."""
     with pytest.raises(PlacementError) as by_placement:
@@ -65,6 +64,20 @@ def test_topology_refuses_exactly_what_placement_refuses_with_the_same_words(f: 
     with pytest.raises(PlacementError) as by_topology:
         Topology(1, f, e, r)
     assert str(by_topology.value) == str(by_placement.value)
+
+
+def test_e_not_divisible_by_f_gives_balanced_blocks_and_a_table_is_carried_as_given() -> None:
+    topo = Topology(1, 3, 10)
+    assert [topo.experts_of(f) for f in range(3)] == [range(0, 4), range(4, 7), range(7, 10)]
+    assert [topo.primary_of(e) for e in range(10)] == [0] * 4 + [1] * 3 + [2] * 3 and topo.experts_per_ffn == 4
+    table = Placement.from_table([[1], [0, 1], [0]], 2)
+    over = Topology.over(2, table)
+    assert over.placement == table and (over.num_ffn, over.num_experts, over.expert_replicas) == (2, 3, 2)
+    assert over.held_by(0) == (1, 2) and over.primary_of(0) == 1
+    assert str(over) == f"2A2F, 3 experts, 2 replicas, placement {table.stamp.short}"
+    with pytest.raises(PlacementError, match=r"FFN rank 1's primary experts 0,2 are not one block"):
+        Topology.over(1, Placement.from_table([[1], [0], [1]], 2)).experts_of(1)
+    assert Topology.over(1, Placement.ring(8, 2)) == Topology(1, 2, 8, 1, Placement.ring(8, 2).holders)
 
 
 def test_owner_of_is_the_deprecated_name_of_primary_of() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from afd_mrv2 import envs
-from afd_mrv2.admission import AFD_KEY, Stage, Subject, own_keys_in_env, place_own_keys, run
+from afd_mrv2.admission import AFD_KEY, Stage, Subject, checkpoint_facts, own_keys_in_env, place_own_keys, run
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.items import ATTENTION, FFN
@@ -194,13 +194,18 @@ class Plan:
 
     @property
     def expert_replicas(self) -> int:
-        return int(self.afd.get("expert_replicas", 1))
+        """The most FFN ranks holding one expert (``afd.expert_replicas``, or the table's)."""
+        return self.placement.replicas
 
     @property
     def placement(self) -> Placement:
-        """Where the experts live: per FFN rank, by expert where the count is known, else by block (E = F)."""
+        """Where the experts live: the table in every role's section (resolved where the expert count is
+        known), else the ring by block (E = F)."""
+        table = self.afd.get("placement")
+        if isinstance(table, Mapping):
+            return Placement.from_table(table["holders"], self.options.ffn)
         ffn = self.options.ffn
-        return Placement(self.num_experts or ffn, ffn, self.expert_replicas)
+        return Placement.ring(self.num_experts or ffn, ffn, int(self.afd.get("expert_replicas", 1)))
 
     def of(self, role: str) -> tuple[RoleSpec, ...]:
         return tuple(r for r in self.roles if r.role == role)
@@ -330,6 +335,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
     in_env = own_keys_in_env()  # on vLLM-Ascend afd-mrv2's keys travel in each role's environment
     for role in (ATTENTION, FFN):  # the CONFIG admission checks each role's process will run
         run(Subject({**afd, "role": role}), (Stage.CONFIG,))
+    num_experts = _resolve_placement(afd, opts.model)
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     specs: list[RoleSpec] = []
@@ -360,4 +366,16 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
             )
             build = commands.attention if role == ATTENTION else commands.ffn
             specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env))
-    return Plan(opts, tuple(specs), run_dir, afd)
+    return Plan(opts, tuple(specs), run_dir, afd, num_experts)
+
+
+def _resolve_placement(afd: dict[str, Any], model: str) -> int | None:
+    """Where the model's ``config.json`` gives its routed-expert count: write the resolved placement table
+    (``afd.placement``, the ring's by default) into ``afd``, the section every role gets; returns the count
+    (None: unknown here, each role resolves the same table from its model, and the pairs' handshake checks)."""
+    facts = checkpoint_facts(model)
+    if facts is None or facts.num_experts <= 0:
+        return None
+    config = parse_afd_config({**afd, "role": FFN})
+    afd["placement"] = config.placement_for(facts.num_experts).table()
+    return facts.num_experts

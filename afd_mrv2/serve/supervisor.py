@@ -285,16 +285,21 @@ class Supervisor:
             )
 
     def _say_placement(self) -> None:
-        """Where the experts live, one line per FFN rank (only where there is more than one FFN rank)."""
+        """Where the experts live: the table's summary and digest (what every pair checks at its handshake),
+        then one line per FFN rank; by block where the expert count is unknown here (more than one FFN rank)."""
         placement = self.plan.placement
+        if "placement" in self.plan.afd:
+            self._say(f"placement: {placement.summary} ({placement.stamp.short})")
+            for line in placement.describe():
+                self._say(f"placement: {line}")
+            return
         if placement.num_ffn < 2:
             return
-        unit = "experts" if self.plan.num_experts else "expert blocks"
         self._say(
-            f"placement: {placement.num_experts} {unit} on {placement.num_ffn} FFN ranks, {placement.replicas} each"
+            f"placement: {placement.num_experts} expert blocks on {placement.num_ffn} FFN ranks, {placement.replicas} each"
         )
         for line in placement.describe():
-            self._say(f"placement: {line if self.plan.num_experts else line.replace('experts', 'blocks')}")
+            self._say(f"placement: {line.replace('experts', 'blocks')}")
 
     def _reason(self) -> str:
         if self.death is not None:

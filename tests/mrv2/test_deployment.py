@@ -239,7 +239,7 @@ class _Experts:
         return self.experts
 
 
-def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> None:
+def test_check_experts_refuses_dense_models_and_fewer_experts_than_ffn_ranks_in_one_line() -> None:
     from afd_mrv2.mrv2.deployment import check_experts
 
     def ffn(f: int) -> AfdConfig:
@@ -249,13 +249,13 @@ def test_check_experts_refuses_dense_models_and_uneven_shards_in_one_line() -> N
     with pytest.raises(ConfigError) as dense:
         check_experts(ffn(1), _Experts(0, ["LlamaForCausalLM"]))
     assert str(dense.value).startswith("afd: the model (LlamaForCausalLM) has no routed-experts layer")
-    with pytest.raises(ConfigError) as uneven:
-        check_experts(ffn(3), _Experts(8, ["MixtralForCausalLM"]))
-    assert str(uneven.value) == (
-        "afd.num_ffn_ranks: the model's 8 routed experts do not shard evenly over 3 FFN ranks (serve --ffn); "
-        "use one of 1, 2, 4, 8"
+    assert check_experts(ffn(3), _Experts(8, ["MixtralForCausalLM"])) == 8  # balanced blocks of 3, 3, 2
+    with pytest.raises(ConfigError) as few:
+        check_experts(ffn(3), _Experts(2, ["MixtralForCausalLM"]))
+    assert str(few.value) == (
+        "afd.num_ffn_ranks: num_experts (2) must be at least the FFN ranks (3): every FFN rank holds an expert"
     )
-    assert "\n" not in str(dense.value) + str(uneven.value)
+    assert "\n" not in str(dense.value) + str(few.value)
 
 
 @pytest.mark.parametrize(
@@ -276,12 +276,12 @@ def test_the_checkpoint_expert_count_is_read_as_vllm_reads_it_or_left_undecided(
     facts = checkpoint_facts(str(tmp_path))
     assert (facts.num_experts if facts is not None else None) == experts
     assert facts is None or facts.moe_layers is None  # config.json alone never says which layers are MoE
-    ffn7 = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 7})  # divides none
+    ffn = parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 65})  # more than any count
     if experts is None:
-        run(Subject(ffn7, model=facts), (Stage.MODEL,))  # undecided: no refusal here
+        run(Subject(ffn, model=facts), (Stage.MODEL,))  # undecided: no refusal here
     else:
-        with pytest.raises(ConfigError, match="no routed-experts layer" if experts == 0 else "do not shard evenly"):
-            run(Subject(ffn7, model=facts), (Stage.MODEL,))
+        with pytest.raises(ConfigError, match="no routed-experts layer" if experts == 0 else "must be at least the FF"):
+            run(Subject(ffn, model=facts), (Stage.MODEL,))
     assert checkpoint_facts(str(tmp_path / "missing")) is None
 
 
@@ -315,10 +315,10 @@ def test_the_layers_a_process_built_decide_moe_not_the_config_count() -> None:
     )
     with pytest.raises(ConfigError, match=r"^afd: .* its config gives 8 routed experts, but none of the 2 layers"):
         check_layers(ffn2, config, [])
-    with pytest.raises(ConfigError, match=r"^afd\.num_ffn_ranks: the model's 6 routed experts"):
-        check_layers(
-            parse_afd_config({"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 4}), config, [_moe_layer(6)]
-        )
+    table = {"connector": "torch_p2p", "role": "ffn", "num_ffn_ranks": 2, "placement": {"holders": [[0], [1]] * 4}}
+    check_layers(parse_afd_config(table), config, [_moe_layer(8)])
+    with pytest.raises(ConfigError, match=r"^afd\.placement\.holders: the table places 8 experts, the model has 6"):
+        check_layers(parse_afd_config(table), config, [_moe_layer(6)])
 
 
 def test_admit_runs_the_stages_a_process_knows_in_order() -> None:

@@ -1,10 +1,13 @@
 """The rendezvous store's key layout, incarnations, lost marks, stop key and pair handshake
-(:class:`~afd_mrv2.mrv2.transport.store.RendezvousStore`), on an in-process store."""
+(:class:`~afd_mrv2.mrv2.transport.store.RendezvousStore`), on an in-process store; the placement check of
+the handshake between two processes on a real TCPStore."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -14,7 +17,11 @@ import torch.distributed as dist
 
 from afd_mrv2.hooks.p2p import Pair
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.transport.store import PREFIX, RendezvousStore, pair_name
+from afd_mrv2.mrv2.transport.store import PREFIX, PlacementMismatch, RendezvousStore, pair_name
+from afd_mrv2.placement import Placement
+from afd_mrv2.procs import free_port
+
+RING = Placement.ring(8, 2)
 
 
 @pytest.fixture
@@ -52,7 +59,7 @@ def test_a_side_gives_up_on_a_pair_whose_peer_never_says_hello(raw: dist.Store) 
         looks[0] += 1
         return looks[0] > 3
 
-    assert store.join_pair(FFN, (0, 1), (1, 1), give_up=give_up) is None
+    assert store.join_pair(FFN, (0, 1), (1, 1), placement=RING.stamp, give_up=give_up) is None
     assert raw.check([f"{PREFIX}/a0.1-f1.1/hello/ffn"]) and not raw.check([f"{PREFIX}/a0.1-f1.1/hello/attention"])
 
 
@@ -62,7 +69,7 @@ def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it
 
     def join(role: str) -> None:
         try:
-            joined[role] = store.join_pair(role, (0, 1), (1, 2), idle_timeout_s=30)
+            joined[role] = store.join_pair(role, (0, 1), (1, 2), placement=RING.stamp, idle_timeout_s=30)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             joined[role] = exc
 
@@ -80,3 +87,55 @@ def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it
     ffn.group.recv([got], ffn.peer, 7).wait()
     send.wait()
     assert torch.equal(sent, got)
+
+
+#: The FFN side of a pair, in a process of its own: FFN rank 1 (its first incarnation) on the store at PORT
+#: joins the pair with Attention rank 0's first incarnation holding the ring of 8 experts with REPLICAS holders.
+FFN_SIDE = """
+import sys
+from afd_mrv2.items import FFN
+from afd_mrv2.mrv2.transport.store import RendezvousStore
+from afd_mrv2.placement import Placement
+port, replicas = int(sys.argv[1]), int(sys.argv[2])
+store = RendezvousStore.connect("127.0.0.1", port, master=False, timeout_s=60)
+store.register(FFN, 1)
+try:
+    pair = store.join_pair(FFN, (0, 1), (1, 1), placement=Placement.ring(8, 2, replicas).stamp, idle_timeout_s=30)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+else:
+    print("joined", pair.name, flush=True)
+"""
+
+
+def _pair_across_processes(replicas_on_ffn: int) -> tuple[object, str, str]:
+    """(what the Attention side's join_pair gave, the FFN process's one line, the FFN process's label)."""
+    port = free_port()
+    store = RendezvousStore.connect("127.0.0.1", port, master=True, timeout_s=60)
+    store.register(ATTENTION, 0)
+    ffn = subprocess.Popen(
+        [sys.executable, "-c", FFN_SIDE, str(port), str(replicas_on_ffn)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        joined: object = store.join_pair(ATTENTION, (0, 1), (1, 1), placement=RING.stamp, idle_timeout_s=30)
+    except PlacementMismatch as exc:
+        joined = exc
+    out, _ = ffn.communicate(timeout=120)
+    return joined, out.strip(), f"pid {ffn.pid} on {socket.gethostname()}"
+
+
+def test_a_pair_whose_sides_hold_different_tables_fails_on_both_sides_in_one_line_naming_both() -> None:
+    joined, ffn_line, ffn_label = _pair_across_processes(replicas_on_ffn=2)
+    other = Placement.ring(8, 2, 2)
+    expected = (
+        f"placement mismatch on pair a0.1-f1.1: attention rank 0 (pid {os.getpid()} on {socket.gethostname()}) "
+        f"holds {RING.stamp.short} (ring, 8 experts on 2 FFN ranks, 1 replica); "
+        f"FFN rank 1 ({ffn_label}) holds {other.stamp.short} (ring, 8 experts on 2 FFN ranks, 2 replicas)"
+    )
+    assert isinstance(joined, PlacementMismatch) and str(joined) == expected
+    assert ffn_line == f"PlacementMismatch {expected}"  # the FFN side raised the same line
+
+
+def test_a_pair_whose_sides_hold_the_same_table_joins() -> None:
+    joined, ffn_line, _ = _pair_across_processes(replicas_on_ffn=1)
+    assert isinstance(joined, Pair) and joined.name == "a0.1-f1.1" and ffn_line == "joined a0.1-f1.1"

@@ -13,6 +13,7 @@ import pytest
 from afd_mrv2.cli import serve as serve_cli
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError, ConfigError
+from afd_mrv2.placement import Placement
 from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
 from afd_mrv2.serve import roles as roles_module
@@ -353,3 +354,60 @@ def test_serve_warns_when_a_port_bound_after_the_ffn_ranks_is_ephemeral(tmp_path
     quiet = io.StringIO()
     Supervisor(safe, out=io.StringIO(), log=quiet)._warn_ephemeral()
     assert quiet.getvalue() == ""
+
+
+# ------------------------------------------------------------------ the placement table
+
+
+def _model(tmp_path, experts: int) -> str:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": experts})
+    )
+    return str(tmp_path)
+
+
+def test_the_plan_writes_the_resolved_table_into_every_roles_section(tmp_path) -> None:
+    """config.json gives 10 experts: every role's section (and its --additional-config) carries the same table,
+    the ring with balanced blocks; each role's parsed section places the model's experts by it."""
+    plan = build_plan(ServeOptions(_model(tmp_path, 10), 2, 3, port=free_port_block(4), expert_replicas=2))
+    ring = Placement.ring(10, 3, 2)
+    assert plan.num_experts == 10 and plan.placement == ring and plan.expert_replicas == 2
+    for spec in plan.roles:
+        assert spec.afd["placement"] == ring.table()
+        additional = json.loads(spec.argv[spec.argv.index("--additional-config") + 1])
+        assert additional["afd"]["placement"] == ring.table()
+        assert parse_afd_config(spec.afd).placement_for(10) == ring
+
+
+def test_a_given_table_travels_as_given_and_must_place_the_models_experts(tmp_path) -> None:
+    table = {"holders": [[1], [0, 1], [0]]}
+    afd = json.dumps({"placement": table})
+    plan = build_plan(ServeOptions(_model(tmp_path, 3), 1, 2, port=free_port_block(3), afd_json=afd))
+    assert all(spec.afd["placement"] == table for spec in plan.roles) and plan.expert_replicas == 2
+    with pytest.raises(ConfigError, match=r"^afd\.placement\.holders: the table places 3 experts, the model has 8"):
+        build_plan(ServeOptions(_model(tmp_path, 8), 1, 2, port=free_port_block(3), afd_json=afd))
+
+
+def test_without_an_expert_count_the_sections_carry_no_table(tmp_path) -> None:
+    plan = build_plan(ServeOptions(str(tmp_path / "no-such-model"), 1, 2, port=free_port_block(3)))
+    assert plan.num_experts is None and all("placement" not in spec.afd for spec in plan.roles)
+
+
+def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> None:
+    plan = build_plan(ServeOptions(_model(tmp_path, 10), 1, 3, port=free_port_block(3)))
+    log = io.StringIO()
+    Supervisor(plan, out=io.StringIO(), log=log)._say_placement()
+    ring = Placement.ring(10, 3)
+    assert log.getvalue().splitlines() == [
+        f"[serve] placement: ring, 10 experts on 3 FFN ranks, 1 replica ({ring.stamp.short})",
+        "[serve] placement: FFN rank 0: experts 0-3 (4; primary 0-3)",
+        "[serve] placement: FFN rank 1: experts 4-6 (3; primary 4-6)",
+        "[serve] placement: FFN rank 2: experts 7-9 (3; primary 7-9)",
+    ]
+    one = build_plan(ServeOptions(_model(tmp_path, 4), 1, 1, port=free_port_block(3)))
+    log = io.StringIO()
+    Supervisor(one, out=io.StringIO(), log=log)._say_placement()  # one FFN rank: the table, with its digest
+    assert (
+        log.getvalue().splitlines()[0]
+        == f"[serve] placement: ring, 4 experts on 1 FFN rank, 1 replica ({Placement.ring(4, 1).stamp.short})"
+    )

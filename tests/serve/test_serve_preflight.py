@@ -56,10 +56,13 @@ def test_the_gate_refuses_what_config_json_decides_before_its_child_starts(tmp_p
         raise AssertionError("the vLLM child was started")
 
     monkeypatch.setattr(app, "DeploymentCheck", no_child)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
-    with pytest.raises(ConfigError) as uneven:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2}))
+    with pytest.raises(ConfigError) as few:  # the plan resolves the placement: it refuses first
         app.runtime_gate(build_plan(ServeOptions(str(tmp_path), 1, 3, port=free_port_block(4))))
-    assert str(uneven.value).startswith("afd.num_ffn_ranks: the model's 8 routed experts do not shard evenly over 3")
+    assert str(few.value).startswith("afd.num_ffn_ranks: num_experts (2) must be at least the FFN ranks (3)")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
+    uneven = build_plan(ServeOptions(str(tmp_path), 1, 3, port=free_port_block(4)))  # E % F != 0: 3, 3, 2 experts
+    assert [uneven.placement.held_by(f) for f in range(3)] == [(0, 1, 2), (3, 4, 5), (6, 7)]
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
     with pytest.raises(ConfigError, match=r"^afd: the model \(LlamaForCausalLM\) has no routed-experts layer"):
         app.runtime_gate(build_plan(ServeOptions(str(tmp_path), 1, 1, port=free_port_block(3))))

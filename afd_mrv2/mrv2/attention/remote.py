@@ -141,7 +141,7 @@ class RemoteExperts:
 
     def _topology(self, moe: MoeShape) -> Topology:
         config = self.config
-        return Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
+        return Topology.over(config.num_attention_ranks, config.placement_for(moe.num_experts))
 
     @property
     def num_layers(self) -> int:

@@ -26,7 +26,7 @@ from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.shape import MoeShape
-from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, RendezvousStore
+from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, PlacementMismatch, RendezvousStore
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import FfnContext, load_plugins
@@ -210,9 +210,7 @@ class FfnServer:
         self.index = index
         self.local_experts_only = local_experts_only
         self.grace_s = grace_s
-        self.topology = Topology(
-            config.num_attention_ranks, config.num_ffn_ranks, shape.num_experts, config.expert_replicas
-        )
+        self.topology = Topology.over(config.num_attention_ranks, config.placement_for(shape.num_experts))
         self.me = self.topology.global_rank(FFN, index)
         self.block = self.topology.held_by(index)
         #: with ``afd.rendezvous: external``: serve each Attention rank's next incarnation too, until stop
@@ -290,6 +288,10 @@ class FfnServer:
         answering (its host is gone: serve stopped) ends the wait for the next one."""
         try:
             self._attend_incarnations(a)
+        except PlacementMismatch as exc:  # the tables differ: the session ends, the line on both sides
+            self.report.waiting_ended(a, str(exc))
+            self._own_fault.set()
+            raise
         except (RuntimeError, OSError) as exc:
             self.report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
 
@@ -314,7 +316,11 @@ class FfnServer:
         """A link on the pair with incarnation ``i`` of Attention rank ``a``, None when the session ended
         or a newer incarnation came first."""
         pair = self.store.join_pair(
-            FFN, (a, i), (self.index, self.incarnation), give_up=functools.partial(self._moved_on, a, i)
+            FFN,
+            (a, i),
+            (self.index, self.incarnation),
+            placement=self.topology.placement.stamp,
+            give_up=functools.partial(self._moved_on, a, i),
         )
         if pair is None:
             return None

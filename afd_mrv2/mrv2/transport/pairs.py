@@ -11,6 +11,7 @@ import time
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.transport.store import POLL_S, PREFIX, RendezvousStore
+from afd_mrv2.placement import PlacementStamp
 from afd_mrv2.topology import FFN, Topology
 
 
@@ -21,7 +22,7 @@ def open_attention_link(
     registers before it serves; waits up to ``connect_timeout_s`` for one that has not yet, following a
     restarted one).  An FFN rank whose latest incarnation is marked lost
     (:meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.mark_lost`) gets no pair: the link has none with
-    it until a rejoin.  Returns the link, this incarnation, and each FFN rank's incarnation joined (or
+    it until a rejoin.  Each pair's handshake compares the two sides' placement tables (``topology``'s here).  Returns the link, this incarnation, and each FFN rank's incarnation joined (or
     skipped as lost)."""
     me = store.register(ATTENTION, index)
     deadline = time.monotonic() + connect_timeout_s
@@ -29,7 +30,7 @@ def open_attention_link(
     joined: dict[int, int] = {}
     labels = {topology.global_rank(ATTENTION, index): store.label(ATTENTION, index, me)}
     for f in range(topology.num_ffn):
-        joined[f], pair = _join_ffn(store, (index, me), f, deadline, connect_timeout_s)
+        joined[f], pair = _join_ffn(store, (index, me), f, topology.placement.stamp, deadline, connect_timeout_s)
         if pair is not None:
             peer = topology.global_rank(FFN, f)
             pairs[peer], labels[peer] = pair, store.label(FFN, f, joined[f])
@@ -37,7 +38,12 @@ def open_attention_link(
 
 
 def _join_ffn(
-    store: RendezvousStore, attention: tuple[int, int], f: int, deadline: float, connect_timeout_s: float
+    store: RendezvousStore,
+    attention: tuple[int, int],
+    f: int,
+    placement: PlacementStamp,
+    deadline: float,
+    connect_timeout_s: float,
 ) -> tuple[int, Pair | None]:
     """(FFN rank ``f``'s incarnation, the pair joined with it), or (that incarnation, None) when it is marked
     lost; follows a newer incarnation that registers meanwhile."""
@@ -57,7 +63,7 @@ def _join_ffn(
         def newer(j: int = j) -> bool:
             return store.latest(FFN, f) != j or time.monotonic() > deadline
 
-        pair = store.join_pair(ATTENTION, attention, (f, j), give_up=newer)
+        pair = store.join_pair(ATTENTION, attention, (f, j), placement=placement, give_up=newer)
         if pair is not None:
             return j, pair
 

@@ -21,7 +21,7 @@ from afd_mrv2.api import AttentionFailover
 from afd_mrv2.errors import PipelineError
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.transport.store import RendezvousStore
+from afd_mrv2.mrv2.transport.store import PlacementMismatch, RendezvousStore
 from afd_mrv2.topology import Topology
 
 #: How often the store is looked at for a restarted FFN rank.
@@ -70,6 +70,7 @@ class Rejoiner:
         self.lost = lost
         self._ready: queue.SimpleQueue[Comeback] = queue.SimpleQueue()
         self._closed = threading.Event()
+        self._mismatch: PlacementMismatch | None = None  # raised by take(): the restarted rank's table differs
         self._thread = threading.Thread(target=self._watch, name=f"afd-rejoin-attention{index}", daemon=True)
         self._thread.start()
 
@@ -84,7 +85,16 @@ class Rejoiner:
                     def moved_on(f: int = f, latest: int = latest) -> bool:
                         return self._closed.is_set() or self.store.latest(FFN, f) != latest
 
-                    pair = self.store.join_pair(ATTENTION, (self.index, self.me), (f, latest), give_up=moved_on)
+                    pair = self.store.join_pair(
+                        ATTENTION,
+                        (self.index, self.me),
+                        (f, latest),
+                        placement=self.topology.placement.stamp,
+                        give_up=moved_on,
+                    )
+                except PlacementMismatch as exc:  # no retry can fix it: the model's thread raises it (take)
+                    self._mismatch = exc
+                    return
                 except Exception:  # noqa: BLE001 - the store is gone (serve stops) or gloo failed: look again later
                     continue
                 if pair is not None:
@@ -92,7 +102,10 @@ class Rejoiner:
                     self._ready.put(Comeback(f, pair, self.store.label(FFN, f, latest)))
 
     def take(self) -> list[Comeback]:
-        """The pairs joined since the last call (call it between two steps)."""
+        """The pairs joined since the last call (call it between two steps); a restarted FFN rank whose placement
+        table differs from this side's raises :class:`~afd_mrv2.mrv2.transport.store.PlacementMismatch` here."""
+        if self._mismatch is not None:
+            raise self._mismatch
         out = []
         while True:
             try:

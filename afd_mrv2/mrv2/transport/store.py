@@ -8,6 +8,7 @@ server) and serve's supervisor (:mod:`afd_mrv2.serve.rendezvous`) go through its
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import time
@@ -16,8 +17,10 @@ from typing import final
 
 import torch.distributed as dist
 
+from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.p2p import Pair
-from afd_mrv2.items import ATTENTION
+from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.placement import PlacementStamp
 
 #: Every key of the store lives under this prefix.
 PREFIX = "afd_mrv2/p2p"
@@ -26,6 +29,10 @@ PREFIX = "afd_mrv2/p2p"
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 #: How often a side waiting for its peer's hello (or a newer incarnation) looks again.
 POLL_S = 0.05
+
+
+class PlacementMismatch(AfdError):
+    """The two sides of a pair hold different placement tables: raised on both sides, one line naming both."""
 
 
 def _rank_name(role: str, index: int) -> str:
@@ -50,6 +57,8 @@ class RendezvousStore:
     * ``{rank}.{incarnation}/label``: that process's ``pid N on HOST``, for messages;
     * ``{rank}/lost``: the rank's incarnation serve last saw lost (:meth:`mark_lost`, :meth:`lost_incarnation`);
     * ``stop``: the deployment is stopping (:meth:`request_stop`);
+    * ``{pair}/placement/{attention|ffn}``: that side's placement stamp, JSON (:meth:`join_pair`), set
+      before its hello;
     * ``{pair}/hello/{attention|ffn}``: a side of a pair is there (:meth:`join_pair`);
     * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys).
 
@@ -118,27 +127,55 @@ class RendezvousStore:
         attention: tuple[int, int],
         ffn: tuple[int, int],
         *,
+        placement: PlacementStamp,
         give_up: Callable[[], bool] = lambda: False,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> Pair | None:
         """Join the pair of Attention rank ``attention = (index, incarnation)`` and FFN rank ``ffn`` as ``role``.
 
-        A handshake before gloo's rendezvous: say hello, wait (polling, so that it can give up) for the
-        peer's hello, None when ``give_up()`` turns true first; then gloo's rendezvous of the two, which
-        completes at once.  The Attention rank is rank 0 of the pair.
+        A handshake before gloo's rendezvous: write this side's ``placement`` stamp, say hello, wait (polling,
+        so that it can give up) for the peer's hello, None when ``give_up()`` turns true first; then compare
+        the stamps (:class:`PlacementMismatch` on both sides when they differ, one line naming both) and run
+        gloo's rendezvous of the two, which completes at once.  The Attention rank is rank 0 of the pair.
         """
         name = pair_name(*attention, *ffn)
         mine, theirs = ("attention", "ffn") if role == ATTENTION else ("ffn", "attention")
+        self._store.set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
         self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
         hello = f"{PREFIX}/{name}/hello/{theirs}"
         while not self._store.check([hello]):
             if give_up():
                 return None
             time.sleep(POLL_S)
+        digest, summary = json.loads(self._store.get(f"{PREFIX}/{name}/placement/{theirs}").decode())
+        peer = PlacementStamp(digest, summary)
+        if peer != placement:
+            stamps = (placement, peer) if role == ATTENTION else (peer, placement)
+            raise PlacementMismatch(self._mismatch(name, attention, ffn, *stamps))
         me = 0 if role == ATTENTION else 1
         gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
         group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
         return Pair(group, me, 1 - me, name)
+
+    def _mismatch(
+        self,
+        name: str,
+        attention: tuple[int, int],
+        ffn: tuple[int, int],
+        on_attention: PlacementStamp,
+        on_ffn: PlacementStamp,
+    ) -> str:
+        """``placement mismatch on pair a0.1-f1.1: attention rank 0 (pid N on HOST) holds sha256:... (...);
+        FFN rank 1 (pid M on HOST) holds sha256:... (...)``."""
+        sides = [
+            f"{who} rank {index} ({self.label(role, index, incarnation) or f'incarnation {incarnation}'}) holds "
+            f"{stamp.short} ({stamp.summary})"
+            for who, role, (index, incarnation), stamp in (
+                ("attention", ATTENTION, attention, on_attention),
+                ("FFN", FFN, ffn, on_ffn),
+            )
+        ]
+        return f"placement mismatch on pair {name}: {'; '.join(sides)}"
 
     # ------------------------------------------------------------------ the key layout
 
