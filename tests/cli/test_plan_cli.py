@@ -72,7 +72,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(capsys: pytest.CaptureF
     [
         (["--ffn", "0"], "need at least one FFN rank, got 0"),
         (["--ffn", "4", "--expert-replicas", "5"], "expert_replicas must be in 1..4 (the FFN ranks), got 5"),
-        (["--ffn", "3"], "num_experts (256) must be a multiple of the FFN ranks (3)"),
+        (["--ffn", "300"], "num_experts (256) must be at least the FFN ranks (300)"),
         (["--ffn", "2", "--attention", "0"], "--attention: expected an integer >= 1, got 0"),
         (["--ffn", "2", "--device-memory", "lots"], "--device-memory: expected a size such as 64GiB"),
         (["--ffn", "2", "--fit", "later"], "--fit: expected one of today, experts-only, got 'later'"),

@@ -139,3 +139,36 @@ def test_a_pair_whose_sides_hold_different_tables_fails_on_both_sides_in_one_lin
 def test_a_pair_whose_sides_hold_the_same_table_joins() -> None:
     joined, ffn_line, _ = _pair_across_processes(replicas_on_ffn=1)
     assert isinstance(joined, Pair) and joined.name == "a0.1-f1.1" and ffn_line == "joined a0.1-f1.1"
+
+
+def test_a_restarted_ffn_rank_with_another_table_is_raised_by_the_rejoiner_at_the_step_boundary() -> None:
+    """The rejoiner's thread meets the mismatch; no retry can fix it, so the model's thread raises it (take)."""
+    from afd_mrv2.mrv2.transport.rejoin import Rejoiner
+    from afd_mrv2.topology import Topology
+
+    store = RendezvousStore(dist.HashStore())
+    me = store.register(ATTENTION, 0)
+    store.register(FFN, 1)  # the first incarnation, lost
+    store.register(FFN, 1)  # the restarted one, holding another table
+    ffn_side: dict[str, BaseException] = {}
+
+    def restarted() -> None:
+        try:
+            store.join_pair(FFN, (0, me), (1, 2), placement=Placement.ring(8, 2, 2).stamp, idle_timeout_s=30)
+        except PlacementMismatch as exc:
+            ffn_side["raised"] = exc
+
+    thread = threading.Thread(target=restarted, daemon=True)
+    thread.start()
+    rejoiner = Rejoiner(store, Topology(1, 2, 8), 0, me, {0: 1, 1: 1}, lambda: {1})
+    try:
+        thread.join(60)
+        with pytest.raises(PlacementMismatch, match=r"^placement mismatch on pair a0\.1-f1\.2: attention rank 0 "):
+            for _ in range(600):  # the watch looks every 0.5 s
+                rejoiner.take()
+                threading.Event().wait(0.05)
+    finally:
+        rejoiner.close()
+    assert str(ffn_side["raised"]).endswith(
+        "holds " + Placement.ring(8, 2, 2).stamp.short + " (ring, 8 experts on 2 FFN ranks, 2 replicas)"
+    )

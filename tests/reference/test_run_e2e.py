@@ -188,8 +188,8 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path: Path, capsys: pyt
     """In this process (``afd-mrv2 run``'s exit status as ``main`` returns it): nothing to start, nothing started."""
     from afd_mrv2.cli import main
 
-    assert main(["run", "--attention", "3", "--ffn", "2", "--experts", "5", "--out", str(tmp_path)]) == 2
-    assert "num_experts (5) must be a multiple of the FFN ranks (2)" in capsys.readouterr().err
+    assert main(["run", "--attention", "3", "--ffn", "3", "--experts", "2", "--out", str(tmp_path)]) == 2
+    assert "num_experts (2) must be at least the FFN ranks (3)" in capsys.readouterr().err
     assert not (tmp_path / "workers.json").exists()
 
 
