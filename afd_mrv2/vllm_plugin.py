@@ -35,6 +35,11 @@ def _platform_with_own_moe_layer() -> str | None:
     return platform if platform in PLATFORMS_WITH_OWN_MOE_LAYER else None
 
 
+def replaces_routed_experts() -> bool:
+    """Whether afd-mrv2's plugin registers its ``RoutedExperts`` and the ``afd`` load format on this platform."""
+    return _platform_with_own_moe_layer() is None
+
+
 def _register_moe_seam() -> None:
     if importlib.util.find_spec("vllm") is None:
         return  # no vLLM here: nothing to register

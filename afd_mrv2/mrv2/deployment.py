@@ -169,7 +169,7 @@ def model_facts(model_config: Any) -> ModelFacts:
 
 def check_experts(config: AfdConfig, model_config: Any) -> int:
     """The ``MODEL`` admission checks on ``model_config``'s routed-expert count (a model without routed experts,
-    or whose routed experts do not shard evenly over ``afd.num_ffn_ranks``).  Returns the count."""
+    or whose placement over ``afd.num_ffn_ranks`` fails: ``afd.placement``).  Returns the count."""
     facts = model_facts(model_config)
     run(Subject(config, model=facts), (Stage.MODEL,))
     return facts.num_experts

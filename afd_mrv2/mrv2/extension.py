@@ -87,7 +87,7 @@ class AfdWorkerExtension:
         layers = routed_experts_layers(self.model_runner.get_model())
         check_layers(config, self.vllm_config, layers)  # the MODEL checks, on the layers vLLM really built
         moe = layers[0].moe_config
-        topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, moe.num_experts, config.expert_replicas)
+        topology = Topology.over(config.num_attention_ranks, config.placement_for(moe.num_experts))
         held = topology.held_by(config.rank)
         adapter = ffn_adapter(detect_runtime().platform)  # the platform table: None where forward_modular serves
         if adapter is not None:

@@ -120,7 +120,7 @@ def runtime_gate(plan: Plan) -> None:
     """The gate of the vLLM roles: the admission checks serve's own process cannot run without a runtime.
 
     At once: the model folder exists, and the ``MODEL`` admission checks on its ``config.json`` where that
-    decides (:func:`~afd_mrv2.admission.checkpoint_facts`: a dense model, an uneven expert shard, in a
+    decides (:func:`~afd_mrv2.admission.checkpoint_facts`: a dense model, an impossible placement, in a
     second); then the child starts (:class:`DeploymentCheck`: the ``VLLM_CONFIG`` checks on each role's
     real ``VllmConfig``, the ``MODEL`` checks on the layers vLLM builds; it imports vLLM for seconds),
     :func:`check_runtime_pair` runs meanwhile, and the child's answer ends the gate."""

@@ -80,6 +80,9 @@ class RoleContext:
 RoleCommand = Callable[[RoleContext], list[str]]
 
 
+LOAD_FORMAT = "--load-format"
+
+
 def attention_command(ctx: RoleContext) -> list[str]:
     """One Attention rank: an independent vLLM OpenAI server (DP=1) on its own loopback port."""
     return [
@@ -97,8 +100,20 @@ def attention_command(ctx: RoleContext) -> list[str]:
         WORKER_EXTENSION_FLAG,
         WORKER_EXTENSION,
         *ubatch_engine_args(ctx),
+        *load_format_args(ctx),
         *ctx.extra,
     ]
+
+
+def load_format_args(ctx: RoleContext) -> list[str]:
+    """``--load-format afd``: the Attention engine reads no routed-expert tensor (docs/vllm.md), unless the extra
+    arguments choose a format, or the platform keeps its own MoE layer (vLLM-Ascend: afd-mrv2 registers no
+    layer and no load format there)."""
+    if any(arg == LOAD_FORMAT or arg.startswith(f"{LOAD_FORMAT}=") for arg in ctx.extra):
+        return []
+    from afd_mrv2.vllm_plugin import replaces_routed_experts
+
+    return [LOAD_FORMAT, "afd"] if replaces_routed_experts() else []
 
 
 def ubatch_engine_args(ctx: RoleContext) -> list[str]:

@@ -277,6 +277,8 @@ def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_
                 "--worker-cls",
                 "afd_mrv2.mrv2.attention.worker.AfdWorker",
                 "--enforce-eager",
+                "--load-format",
+                "afd",
                 "--dtype",
                 "float32",
             ]
@@ -411,3 +413,22 @@ def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> N
         log.getvalue().splitlines()[0]
         == f"[serve] placement: ring, 4 experts on 1 FFN rank, 1 replica ({Placement.ring(4, 1).stamp.short})"
     )
+
+
+def test_attention_engines_load_with_the_afd_format_unless_told_otherwise_or_on_vllm_ascend(monkeypatch) -> None:
+    """The Attention engine reads no routed-expert tensor (``--load-format afd``); a format in the extra
+    arguments wins; on vLLM-Ascend afd-mrv2 registers no load format, so none is passed."""
+    from afd_mrv2 import vllm_plugin
+    from afd_mrv2.compat import Runtime
+
+    def attention_argv(*extra: str) -> list[str]:
+        return list(build_plan(ServeOptions("/models/m", 1, 1, extra=extra)).of("attention")[0].argv)
+
+    argv = attention_argv()
+    assert argv[argv.index("--load-format") + 1] == "afd" and argv.count("--load-format") == 1
+    assert "--load-format" not in build_plan(ServeOptions("/models/m", 1, 1)).of("ffn")[0].argv
+    assert attention_argv("--load-format", "dummy").count("--load-format") == 1
+    assert "afd" not in attention_argv("--load-format=pt")
+    ascend = Runtime("3.11.7", "0.30.0", "0.30.0rc2", "2.10.0", "2.10.0.post4", "9.2.0")
+    monkeypatch.setattr(vllm_plugin, "detect_runtime", lambda: ascend)
+    assert "--load-format" not in attention_argv()

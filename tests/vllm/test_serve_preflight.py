@@ -62,11 +62,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 CASES = {  # model, serve arguments, arguments after --, what the one line must say
-    "ffn-3-of-8-experts": (
+    "ffn-9-for-8-experts": (  # 8 experts on 3 FFN ranks is placed now (3, 3, 2); 9 ranks leave one empty
         "mixtral",
-        ["--ffn", "3"],
+        ["--ffn", "9"],
         [],
-        "afd.num_ffn_ranks: the model's 8 routed experts do not shard evenly over 3 FFN ranks",
+        "afd.num_ffn_ranks: num_experts (8) must be at least the FFN ranks (9): every FFN rank holds an expert",
     ),
     "dense-model": ("dense", ["--ffn", "1"], [], "afd: the model (MistralForCausalLM) has no routed-experts layer"),
     "not-a-vllm-argument": (
