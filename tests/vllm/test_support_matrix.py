@@ -375,5 +375,7 @@ def test_ffn_worker_and_moe_layer_refuse_before_touching_anything(model: Path) -
     worker = SimpleNamespace(vllm_config=config, model_runner=None)  # no model: it must not be reached
     with pytest.raises(ConfigError, match=r"^afd\.multistream\.enabled: .* active for role ffn"):
         AfdWorkerExtension.afd_ffn_serve(worker)  # type: ignore[arg-type]
+    layer = SimpleNamespace()  # admission runs first in the layer's __init__: nothing of it is touched
     with set_current_vllm_config(config), pytest.raises(ConfigError, match=r"^afd\.multistream\.enabled: "):
-        AfdRoutedExperts._get_quant_method(None, "model.layers.0.block_sparse_moe.experts", None, None)  # type: ignore[arg-type]
+        AfdRoutedExperts.__init__(layer, "model.layers.0.block_sparse_moe.experts", None, None, None, None)  # type: ignore[arg-type]
+    assert vars(layer) == {}
