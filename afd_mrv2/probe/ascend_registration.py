@@ -43,7 +43,9 @@ STEPS: Mapping[str, Step] = {"plugins": _plugins, "ascend": _ascend, "afd": _afd
 
 
 def _qualname(cls: object) -> str | None:
-    return None if cls is None else f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
+    if cls is None:
+        return None
+    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
 
 
 def run_steps(order: str, additional_config: str, steps: Mapping[str, Step] = STEPS) -> dict[str, object]:
@@ -67,7 +69,8 @@ def run_steps(order: str, additional_config: str, steps: Mapping[str, Step] = ST
 
     out["registry"] = {key: _qualname(cls) for key, cls in sorted(op_registry_oot.items())}
     routed = op_registry_oot.get("RoutedExperts")
-    out["routed_experts_bases"] = [_qualname(base) for base in getattr(routed, "__mro__", ())[1:3]]
+    bases = routed.__mro__[1:3] if isinstance(routed, type) else ()
+    out["routed_experts_bases"] = [_qualname(base) for base in bases]
     out["platform"] = _qualname(type(current_platform))
     return out
 

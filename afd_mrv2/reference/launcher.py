@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -56,39 +57,20 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     port = free_port()
     progress(f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
     workers: list[_Worker] = []
-    # SIGINT too, explicitly: a launcher started in the background by a shell without job control inherits
-    # SIGINT ignored, and would then let `kill -INT` pass (serve's supervisor handles both the same way)
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # `kill -USR1 <launcher>`: every thread's stack on fd 2 (sys.stderr may be a capture without a descriptor)
-    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
     started = time.monotonic()
-    try:
-        for rank in range(topology.world_size):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(topology.world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(topology.world_size),
-                OMP_NUM_THREADS="1",
-                **{envs.LAUNCHER.name: str(os.getpid()), CONFIG_ENV: cfg.to_json()},
-            )
-            proc = subprocess.Popen([sys.executable, "-m", "afd_mrv2.cli", "run"], env=env, start_new_session=True)
-            workers.append(_Worker(rank, topology.describe(rank), proc))
-        _write_status(out, workers)
-        _supervise(workers, grace_s)
-    except KeyboardInterrupt:
-        progress("interrupted: stopping the workers")
-        _terminate(workers)
-        _write_status(out, workers)
-        return 130
-    finally:
-        _terminate(workers)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        faulthandler.unregister(signal.SIGUSR1)
+    with _signals_handled():
+        try:
+            for rank in range(topology.world_size):
+                workers.append(_start_worker(cfg, rank, port))
+            _write_status(out, workers)
+            _supervise(workers, grace_s)
+        except KeyboardInterrupt:
+            progress("interrupted: stopping the workers")
+            _terminate(workers)
+            _write_status(out, workers)
+            return 130
+        finally:
+            _terminate(workers)
     _write_status(out, workers)
     failed = [w for w in workers if w.returncode != 0]
     if failed:
@@ -109,6 +91,42 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
 
     print(render(report, as_json=as_json), flush=True)
     return 0 if report["ok"] else 1
+
+
+@contextlib.contextmanager
+def _signals_handled() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, and SIGUSR1 prints every thread's stack, while the block runs.
+
+    SIGINT explicitly: a launcher started in the background by a shell without job control inherits SIGINT
+    ignored, and would then let ``kill -INT`` pass (serve's supervisor handles both the same way).  The
+    stacks go to fd 2: ``sys.stderr`` may be a capture without a descriptor (in-process callers).
+    """
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        faulthandler.unregister(signal.SIGUSR1)
+
+
+def _start_worker(cfg: RunConfig, rank: int, port: int) -> _Worker:
+    """Rank ``rank`` of ``cfg`` as a process in a session of its own, told its rank and rendezvous by env."""
+    world = str(cfg.topology.world_size)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=world,
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=world,
+        OMP_NUM_THREADS="1",
+        **{envs.LAUNCHER.name: str(os.getpid()), CONFIG_ENV: cfg.to_json()},
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "afd_mrv2.cli", "run"], env=env, start_new_session=True)
+    return _Worker(rank, cfg.topology.describe(rank), proc)
 
 
 def _supervise(workers: list[_Worker], grace_s: float) -> None:

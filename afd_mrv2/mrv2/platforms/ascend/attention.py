@@ -32,9 +32,6 @@ REGISTERED = (
     "vllm_ascend.ops.fused_moe.routed_experts.AscendRoutedExperts",
     "vllm_ascend._310p.fused_moe.fused_moe.AscendRoutedExperts310",
 )
-#: the MoE layout sizes (``FusedMoEConfig`` properties) the transfer's answer is right for: it is the whole
-#: routed output, which the Ascend path would sum again across these groups (RFC 0005 §3, "open points")
-UNIT_SIZES = ("tp_size", "dp_size", "ep_size", "pcp_size")
 
 
 class AscendRemoteExpertsMethod(RemoteExpertsMethod):
@@ -63,8 +60,15 @@ class AscendRemoteExpertsMethod(RemoteExpertsMethod):
 
 
 def check_unit_layout(moe_config: Any) -> None:
-    """Refuse a MoE layout whose groups the Ascend path would reduce the transfer's whole answer over."""
-    over = {name: int(getattr(moe_config, name)) for name in UNIT_SIZES if int(getattr(moe_config, name)) != 1}
+    """Refuse a MoE layout whose groups the Ascend path would reduce the transfer's whole answer over: the
+    ``FusedMoEConfig`` sizes must be 1, since the answer is the whole routed output (RFC 0005 §3, "open points")."""
+    sizes = {
+        "tp_size": moe_config.tp_size,
+        "dp_size": moe_config.dp_size,
+        "ep_size": moe_config.ep_size,
+        "pcp_size": moe_config.pcp_size,
+    }
+    over = {name: int(size) for name, size in sizes.items() if int(size) != 1}
     if over:
         got = ", ".join(f"{name}={size}" for name, size in over.items())
         raise ConfigError(
