@@ -4,104 +4,29 @@ Run: ``.venv-vllm/bin/python -m pytest -q -p no:xdist -m vllm_runtime tests/vllm
 
 Each case is one subprocess (tests/vllm/attention_load.py: vLLM builds the model as an engine's worker does,
 world of 1 over gloo; a fresh vLLM per case) on the make-model tiny Qwen2-MoE (2 MoE layers, 8 experts) or
-a copy of it quantized here: FP8 with 128x128 block scales (``weight_scale_inv``, DeepSeek-V3's layout), and
-W8A8 int8 (compressed-tensors, channel-wise weights, dynamic per-token activations) on the routed experts.
+a copy of it quantized by afd_mrv2.checkpoints.quantize: ``fp8_block`` (128x128 block scales,
+``weight_scale_inv``, DeepSeek-V3's layout) and ``w8a8`` (compressed-tensors int8 on the routed experts).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from afd_mrv2.checkpoints.quantize import EXPERT_PROJ, quantize_checkpoint
 from tests.vllm.harness import make_model
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("attention_load.py")
-PROJ = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
-EXPERT_PROJ = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-BLOCK = 128
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-
-
-def _fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` as float8_e4m3fn with one float32 ``weight_scale_inv`` per 128x128 block (value = q * s)."""
-    n, k = weight.shape
-    rows, cols = -(-n // BLOCK), -(-k // BLOCK)
-    padded = torch.zeros(rows * BLOCK, cols * BLOCK)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(rows, BLOCK, cols, BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).view(rows * BLOCK, cols * BLOCK)[:n, :k]
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def _int8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` as int8 with one float32 scale per output channel (``[N, 1]``)."""
-    scale = (weight.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-    return (weight.float() / scale).round().clamp(-128, 127).to(torch.int8), scale
-
-
-def _quantized_copy(src: Path, dst: Path, quantize: Any, names: re.Pattern[str], config: dict[str, Any]) -> Path:
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if names.search(name) and tensor.dim() == 2:
-            q, scale = quantize(tensor)
-            out[name] = q
-            out[name[: -len("weight")] + config["_scale"]] = scale
-        else:
-            out[name] = tensor
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = config["quantization_config"]
-    cfg["torch_dtype"] = "bfloat16"
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    return dst
-
-
-FP8 = {
-    "_scale": "weight_scale_inv",
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
-    },
-}
-W8A8 = {
-    "_scale": "weight_scale",
-    "quantization_config": {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {
-            "experts": {
-                "targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "token",
-                    "dynamic": True,
-                },
-            }
-        },
-        "ignore": [],
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +35,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = make_model(folder / "bf", "qwen2_moe")
     return {
         "unquantized": base,
-        "fp8_block": _quantized_copy(base, folder / "fp8", _fp8_block, PROJ, dict(FP8)),
-        "w8a8": _quantized_copy(base, folder / "w8a8", _int8_channel, EXPERT_PROJ, dict(W8A8)),
+        "fp8_block": quantize_checkpoint(base, folder / "fp8", "fp8_block"),
+        "w8a8": quantize_checkpoint(base, folder / "w8a8", "w8a8"),
     }
 
 
