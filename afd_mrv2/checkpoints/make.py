@@ -9,9 +9,21 @@ from pathlib import Path
 import torch
 
 from afd_mrv2.checkpoints.archs import STD, VOCAB, ModelShape, config_json, is_norm, weight_shapes
+from afd_mrv2.checkpoints.residency import expert_tensor
 from afd_mrv2.errors import ConfigError
 
-__all__ = ["STD", "Written", "draw_weights", "make_checkpoint", "write_tokenizer"]
+__all__ = [
+    "EXPERTS_FILE",
+    "INDEX_FILE",
+    "REST_FILE",
+    "SINGLE_FILE",
+    "STD",
+    "Written",
+    "draw_weights",
+    "make_checkpoint",
+    "save_weights",
+    "write_tokenizer",
+]
 CORPUS = (
     "the quick brown fox jumps over the lazy dog",
     "hello world, this is a tiny model for attention ffn disaggregation",
@@ -19,6 +31,13 @@ CORPUS = (
     "mixture of experts routes tokens to experts",
 )
 SPECIAL = ("<s>", "</s>", "<pad>")
+SINGLE_FILE = "model.safetensors"
+#: ``--expert-shard``'s two files and the index naming each tensor's file
+EXPERTS_FILE, REST_FILE, INDEX_FILE = (
+    "model-experts.safetensors",
+    "model-rest.safetensors",
+    "model.safetensors.index.json",
+)
 
 
 def draw_weights(shape: ModelShape) -> dict[str, torch.Tensor]:
@@ -70,17 +89,38 @@ class Written:
     files: tuple[str, ...]
 
 
-def make_checkpoint(folder: str | Path, shape: ModelShape, *, overwrite: bool = False) -> Written:
-    """Write the checkpoint of ``shape`` into ``folder``; returns a summary (parameters, files)."""
+def save_weights(folder: Path, weights: dict[str, torch.Tensor], *, expert_shard: bool) -> None:
+    """:data:`SINGLE_FILE`, or with ``expert_shard`` the routed experts' tensors in :data:`EXPERTS_FILE`,
+    the others in :data:`REST_FILE` and a standard :data:`INDEX_FILE` (``weight_map``, ``total_size``)."""
     from safetensors.torch import save_file
 
+    stale = (SINGLE_FILE,) if expert_shard else (EXPERTS_FILE, REST_FILE, INDEX_FILE)
+    for name in stale:  # the other layout's files, left by an --overwrite
+        (folder / name).unlink(missing_ok=True)
+    if not expert_shard:
+        save_file(weights, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    files = {name: EXPERTS_FILE if expert_tensor(name) is not None else REST_FILE for name in weights}
+    for file in (EXPERTS_FILE, REST_FILE):
+        part = {name: t for name, t in weights.items() if files[name] == file}
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(files.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
+
+
+def make_checkpoint(
+    folder: str | Path, shape: ModelShape, *, overwrite: bool = False, expert_shard: bool = False
+) -> Written:
+    """Write the checkpoint of ``shape`` into ``folder`` (``expert_shard``: see :func:`save_weights`);
+    returns a summary (parameters, files)."""
     shape.check()
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise ConfigError("DIR", f"{folder} exists and is not empty (pass --overwrite to replace its files)")
     folder.mkdir(parents=True, exist_ok=True)
     weights = draw_weights(shape)
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(folder, weights, expert_shard=expert_shard)
     vocab = write_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps(config_json(shape), indent=1) + "\n")
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}) + "\n")

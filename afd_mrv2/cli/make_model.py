@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "write a seeded MoE checkpoint (config, tokenizer, safetensors) into DIR: tiny, or sized for benchmarks",
         (
             "Writes config.json, generation_config.json, a locally trained tokenizer (tokenizer.json) and "
-            "model.safetensors with weights drawn from N(0, 0.08) (norms are ones) by a seeded generator: "
+            "model.safetensors (with --expert-shard: the routed experts and the rest in two shards and an index) "
+            "with weights drawn from N(0, 0.08) (norms are ones) by a seeded generator: "
             "the same arguments give the same bytes.  The model depends on its routed-expert output, so "
             "comparing AFD with plain vLLM on it is meaningful.  --size tiny (the default) is the small "
             "checkpoint the equivalence tests use; --size bench is sized so that micro-batching pays: it "
@@ -62,6 +63,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "or auto (default: vllm where vLLM is installed, else torch)"
         ),
     )
+    parser.add_argument(
+        "--expert-shard",
+        action="store_true",
+        help=(
+            "write the routed experts' tensors in model-experts.safetensors and all others in "
+            "model-rest.safetensors, with a model.safetensors.index.json (same weights; vLLM loads it unchanged)"
+        ),
+    )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
     parser.add_argument("--json", action="store_true", help="print the summary (and the measurement) as JSON")
     parser.set_defaults(handler=run)
@@ -86,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         intermediate=args.intermediate,
         seed=args.seed,
     )
-    written = make_checkpoint(args.dir, shape, overwrite=args.overwrite)
+    written = make_checkpoint(args.dir, shape, overwrite=args.overwrite, expert_shard=args.expert_shard)
     measured = None
     if args.measure or (args.measure is None and args.size == "bench"):
         from afd_mrv2.checkpoints.bench import measure_layer_compute

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,56 @@ def test_same_arguments_same_bytes_other_seed_other_weights(tmp_path: Path) -> N
     c = make(tmp_path / "c", "--arch", "mixtral", "--seed", "1")
     assert digest(a) == digest(b) != digest(c)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_shard_partitions_the_same_tensors_with_a_standard_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str
+) -> None:
+    plain = load_file(str(make(tmp_path / "plain", "--arch", arch) / "model.safetensors"))
+    capsys.readouterr()
+    folder = make(tmp_path / "sharded", "--arch", arch, "--expert-shard")
+    shards = ["model-experts.safetensors", "model-rest.safetensors", "model.safetensors.index.json"]
+    assert {p.name for p in folder.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        *shards,
+    }
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(
+            "config.json, generation_config.json, " + ", ".join(shards) + ", tokenizer.json, tokenizer_config.json"
+        )
+    )
+    experts = load_file(str(folder / "model-experts.safetensors"))
+    rest = load_file(str(folder / "model-rest.safetensors"))
+    assert not set(experts) & set(rest) and set(experts) | set(rest) == set(plain)
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    assert experts and all(re.search(rf"\.{moe}\.experts\.\d+\.", n) for n in experts)
+    assert not any(".experts." in n and "shared_expert" not in n for n in rest)
+    assert any("shared_expert" in n for n in rest) == (arch != "mixtral")
+    assert all(torch.equal(t, plain[n]) for n, t in {**experts, **rest}.items())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        **{n: "model-experts.safetensors" for n in experts},
+        **{n: "model-rest.safetensors" for n in rest},
+    }
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in plain.values())
+
+
+def test_overwrite_switches_layout_and_leaves_no_stale_weights(tmp_path: Path) -> None:
+    folder = make(tmp_path, "--arch", "qwen2_moe", "--expert-shard")
+    assert main(["make-model", str(folder), "--arch", "qwen2_moe", "--overwrite"]) == 0
+    assert sorted(p.name for p in folder.glob("model*")) == ["model.safetensors"]
+    assert main(["make-model", str(folder), "--arch", "qwen2_moe", "--overwrite", "--expert-shard"]) == 0
+    assert sorted(p.name for p in folder.glob("model*")) == [
+        "model-experts.safetensors",
+        "model-rest.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 @pytest.mark.parametrize(
