@@ -1,8 +1,9 @@
 """The vLLM general plugin: ``[project.entry-points."vllm.general_plugins"] afd_mrv2``.
 
 ``register()`` installs the ``RoutedExperts`` replacement where vLLM is importable, except on a platform
-that registers its own (vLLM-Ascend: :data:`PLATFORMS_WITH_OWN_MOE_LAYER`), and the ``afd`` load format
-(:mod:`afd_mrv2.mrv2.loader`) wherever the replacement is; it never raises.
+that registers its own (vLLM-Ascend: :data:`PLATFORMS_WITH_OWN_MOE_LAYER`), and, wherever the replacement is,
+the ``afd`` load format (:mod:`afd_mrv2.mrv2.loader`) and the FFN role's experts-only model
+(:mod:`afd_mrv2.mrv2.ffn.model`); it never raises.
 
 See docs/internals/vllm-roles.md, "afd_mrv2.vllm_plugin".
 """
@@ -13,37 +14,27 @@ import importlib.util
 import logging
 from collections.abc import Mapping
 
-from afd_mrv2.compat.detect import detect_runtime
+from afd_mrv2.compat.detect import PLATFORMS_WITH_OWN_MOE_LAYER, platform_with_own_moe_layer, replaces_routed_experts
 from afd_mrv2.config import AfdConfig
 from afd_mrv2.validation import Gate, connector_capability, required_capabilities, validate
 
-__all__ = ["Gate", "connector_capability", "register", "required_capabilities", "validate"]
+__all__ = [
+    "PLATFORMS_WITH_OWN_MOE_LAYER",
+    "Gate",
+    "connector_capability",
+    "register",
+    "replaces_routed_experts",
+    "required_capabilities",
+    "validate",
+]
 
 log = logging.getLogger(__name__)
-
-
-#: platforms (:attr:`afd_mrv2.compat.detect.Runtime.platform`) whose worker registers its own
-#: ``RoutedExperts`` after vLLM loaded the general plugins: vllm-ascend's ``NPUWorker.__init__``
-#: calls ``register_ascend_customop`` (``AscendRoutedExperts``, or ``AscendRoutedExperts310``),
-#: and ``register_oot`` asserts on a name registered twice.  There afd-mrv2 registers none.
-PLATFORMS_WITH_OWN_MOE_LAYER = frozenset({"ascend"})
-
-
-def _platform_with_own_moe_layer() -> str | None:
-    """The detected platform when it registers its own ``RoutedExperts`` (then afd-mrv2 registers none)."""
-    platform = detect_runtime().platform
-    return platform if platform in PLATFORMS_WITH_OWN_MOE_LAYER else None
-
-
-def replaces_routed_experts() -> bool:
-    """Whether afd-mrv2's plugin registers its ``RoutedExperts`` and the ``afd`` load format on this platform."""
-    return _platform_with_own_moe_layer() is None
 
 
 def _register_moe_seam() -> None:
     if importlib.util.find_spec("vllm") is None:
         return  # no vLLM here: nothing to register
-    owner = _platform_with_own_moe_layer()
+    owner = platform_with_own_moe_layer()
     if owner is not None:  # decided before any vLLM import: the process stays the platform's
         log.info("afd-mrv2: the %s platform registers its own RoutedExperts; afd-mrv2 registers none", owner)
         return
@@ -63,6 +54,12 @@ def _register_moe_seam() -> None:
         log.warning("afd-mrv2: vLLM's model-loader seam is not available (%s); no load format 'afd'", exc)
         return
     log.debug("afd-mrv2: load format 'afd' %s", register_afd_load_format())
+    try:
+        from afd_mrv2.mrv2.ffn.model import register_ffn_model
+    except ImportError as exc:  # a vLLM without FusedMoEFactory: the FFN role builds the checkpoint's whole model
+        log.warning("afd-mrv2: the FFN role's experts-only model is not available (%s)", exc)
+        return
+    log.debug("afd-mrv2: FFN experts-only model %s", register_ffn_model())
 
 
 def register(additional_config: Mapping[str, object] | None = None) -> AfdConfig | None:

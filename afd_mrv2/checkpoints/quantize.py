@@ -6,12 +6,10 @@
   float8_e4m3fn with one float32 ``weight_scale_inv`` per 128x128 block (value = q * s; DeepSeek-V3's layout);
 * ``w8a8``: compressed-tensors int8 on the routed experts' projections: channel-wise weights (float32
   ``weight_scale`` ``[N, 1]``), dynamic per-token int8 activations;
-* ``w4a16``: compressed-tensors ``pack-quantized`` int4 on the routed experts' projections: symmetric, one
-  float32 ``weight_scale`` per 128 input columns, eight values (q + 8) per int32 ``weight_packed``, low bits
-  first, and ``weight_shape`` ``[N, K]``; activations stay unquantized.
+* ``w4a16``: compressed-tensors ``pack-quantized`` int4 on the routed experts (one float32 ``weight_scale``
+  per 128 input columns, eight values q + 8 per int32 ``weight_packed``, low bits first; unquantized activations).
 
-Every other tensor is copied unchanged, each into the file it came from; ``model.safetensors.index.json`` is
-rewritten when present, and config.json gets the scheme's ``quantization_config`` (``torch_dtype`` bfloat16).
+Other tensors are copied unchanged, each into its file; the index and config.json are rewritten.
 """
 
 from __future__ import annotations

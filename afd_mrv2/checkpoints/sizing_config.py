@@ -11,12 +11,27 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Any
 
+from afd_mrv2.architectures import (
+    ARCH_TYPES,
+    DEEPSEEK_TYPES,
+    expert_intermediate,
+    moe_layers,
+    num_experts,
+)
 from afd_mrv2.errors import ConfigError
 
+__all__ = [
+    "ARCH_TYPES",
+    "KINDS",
+    "Widths",
+    "expert_intermediate",
+    "kinds_from_config",
+    "moe_layers",
+    "num_experts",
+    "widths",
+]
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-QWEN_TYPES = ("qwen2_moe", "qwen3_moe")
-ARCH_TYPES = (*DEEPSEEK_TYPES, *QWEN_TYPES, "mixtral")
 #: the kinds every count is split into (``mtp``, the multi-token-prediction layers, is counted apart and held by no role)
 KINDS = (
     "routed_experts",
@@ -99,32 +114,6 @@ def _gqa_attention(c: Mapping[str, Any], w: Widths, *, bias: bool, qk_norm: bool
     if qk_norm:
         out += w.plain(2 * dim)
     return out
-
-
-def _is_moe_layer(c: Mapping[str, Any], layer: int) -> bool:
-    if c["model_type"] in DEEPSEEK_TYPES:
-        first, freq = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
-        return layer >= first and layer % freq == 0
-    if c["model_type"] in QWEN_TYPES:
-        step, dense = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
-        return layer not in dense and (layer + 1) % step == 0
-    return True
-
-
-def moe_layers(config: Mapping[str, Any]) -> int:
-    """How many of the decoder layers are MoE layers (MTP layers beyond ``num_hidden_layers`` not counted)."""
-    return sum(_is_moe_layer(config, i) for i in range(config["num_hidden_layers"]))
-
-
-def num_experts(config: Mapping[str, Any]) -> int:
-    """The routed experts of each MoE layer."""
-    key = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}
-    return int(config[key.get(config["model_type"], "n_routed_experts")])
-
-
-def expert_intermediate(config: Mapping[str, Any]) -> int:
-    """Each routed expert's intermediate size."""
-    return int(config["intermediate_size" if config["model_type"] == "mixtral" else "moe_intermediate_size"])
 
 
 def _layer_parts(c: Mapping[str, Any], w: Widths) -> dict[str, int]:

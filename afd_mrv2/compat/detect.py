@@ -152,3 +152,22 @@ def detect_runtime(
         cann_source=source,
         vllm_distributions=tuple(dist for dist, _ in found),
     )
+
+
+#: platforms (:attr:`Runtime.platform`) whose worker registers its own ``RoutedExperts`` after vLLM loaded
+#: the general plugins: vllm-ascend's ``NPUWorker.__init__`` calls ``register_ascend_customop``
+#: (``AscendRoutedExperts``, or ``AscendRoutedExperts310``), and ``register_oot`` asserts on a name
+#: registered twice.  There afd-mrv2 registers none (no layer, no ``afd`` load format, no experts-only model).
+PLATFORMS_WITH_OWN_MOE_LAYER = frozenset({"ascend"})
+
+
+def platform_with_own_moe_layer(runtime: Runtime | None = None) -> str | None:
+    """The platform of ``runtime`` (default: detected) when it registers its own ``RoutedExperts``, else None."""
+    platform = (runtime or detect_runtime()).platform
+    return platform if platform in PLATFORMS_WITH_OWN_MOE_LAYER else None
+
+
+def replaces_routed_experts(runtime: Runtime | None = None) -> bool:
+    """Whether afd-mrv2's plugin registers its ``RoutedExperts``, the ``afd`` load format and the FFN role's
+    experts-only model on this platform."""
+    return platform_with_own_moe_layer(runtime) is None

@@ -1,6 +1,6 @@
 """vLLM engine arguments as the AFD role processes receive them, and the ``VllmConfig`` they make.
 
-:func:`vllm_engine_kwargs`, :data:`FFN_ENGINE_DEFAULTS`, :func:`engine_config`.
+:func:`vllm_engine_kwargs`, :func:`ffn_engine_defaults`, :func:`engine_config`.
 
 See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.engine_args".
 """
@@ -14,6 +14,19 @@ from typing import Any
 
 #: The FFN engine runs no model forward of its own beyond vLLM's start-up: eager unless told otherwise.
 FFN_ENGINE_DEFAULTS: Mapping[str, Any] = {"enforce_eager": True}
+#: Where afd-mrv2 registers its layer, loader and model (not vLLM-Ascend): the FFN engine builds the experts-only
+#: model (``afd_mrv2.mrv2.ffn.model``, no KV cache), reads only its held experts (``--load-format afd``), and
+#: schedules one sequence (it serves through ``collective_rpc``, never through vLLM's scheduler).
+FFN_EXPERTS_ONLY_DEFAULTS: Mapping[str, Any] = {
+    "hf_overrides": {"architectures": ["AfdFfnExperts"]},
+    "load_format": "afd",
+    "max_num_seqs": 1,
+}
+
+
+def ffn_engine_defaults(*, experts_only: bool) -> dict[str, Any]:
+    """The FFN engine's default arguments (a user's own arguments win over each)."""
+    return {**FFN_ENGINE_DEFAULTS, **(FFN_EXPERTS_ONLY_DEFAULTS if experts_only else {})}
 
 
 def vllm_engine_kwargs(vllm_args: list[str], *, prog: str = "afd-mrv2 ffn") -> dict[str, Any]:

@@ -17,11 +17,13 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from afd_mrv2 import envs
 from afd_mrv2.compat.detect import detect_runtime
+from afd_mrv2.mrv2.attention.experts import AfdRoutedExperts
 from afd_mrv2.mrv2.attention.remote import attached
 from afd_mrv2.mrv2.attention.runner import AfdAttentionRunnerMixin, runner_info
 from afd_mrv2.mrv2.deployment import admit, check_layers
 from afd_mrv2.mrv2.ffn.leader import leader_pid, watch_role_leader
 from afd_mrv2.mrv2.ffn.server import ExpertsFn, ffn_serving_config, serve_ffn
+from afd_mrv2.mrv2.memory import current_memory
 from afd_mrv2.mrv2.platforms.ffn import ffn_adapter
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.topology import Topology
@@ -34,30 +36,6 @@ def routed_experts_layers(model: torch.nn.Module) -> list[RoutedExperts]:
     return [layers[index] for index in sorted(layers)]
 
 
-def keep_experts(layer: RoutedExperts, held: Sequence[int]) -> None:
-    """Keep only the routed experts ``held`` (ascending) of ``layer``: each parameter whose leading
-    dimension is the global expert count (weights, biases, scales) is cut to those experts, in order.
-
-    Kernel-neutral: vLLM's modular kernel reads the local expert count from the
-    weights (``w1.shape[0]``), and :func:`~afd_mrv2.mrv2.ffn.server.local_routing`
-    maps the ids onto the kept experts' positions.  Each parameter's storage is replaced in place
-    (``Tensor.set_``), so objects that hold the parameter (the quant config holds
-    the biases) see the cut tensor.
-    """
-    total = layer.moe_config.num_experts
-    if list(held) == list(range(total)):
-        return
-    for name, param in layer.named_parameters(recurse=False):
-        if param.dim() and param.shape[0] == total:
-            index = torch.tensor(list(held), dtype=torch.long, device=param.device)
-            with torch.no_grad():  # in place: the Parameter object (and who holds it) stays the same
-                param.set_(param.detach().index_select(0, index).contiguous())
-        elif param.numel():
-            raise RuntimeError(
-                f"{layer.layer_name}.{name}: shape {list(param.shape)} is not per expert; cannot shard it"
-            )
-
-
 def _modular(layer: RoutedExperts) -> ExpertsFn:
     def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = layer.forward_modular(x, topk_weights, topk_ids)
@@ -66,6 +44,20 @@ def _modular(layer: RoutedExperts) -> ExpertsFn:
         return out
 
     return run
+
+
+def _check_held_layers(layers: Sequence[RoutedExperts], held: Sequence[int]) -> None:
+    """Every layer holds exactly ``held``, as ``afd.placement`` gives this rank: the layers were built with its
+    held set (afd-mrv2's ``RoutedExperts``), or hold every expert where this rank holds them all (a platform
+    whose own layer keeps every expert, which its adapter admits only for a whole share)."""
+    for layer in layers:
+        built = layer.afd_held if isinstance(layer, AfdRoutedExperts) else None
+        total = layer.moe_config.num_experts
+        if tuple(built if built is not None else range(total)) != tuple(held):
+            raise RuntimeError(
+                f"{layer.layer_name}: holds experts {list(built) if built is not None else 'all'}, but afd.placement "
+                f"gives this FFN rank {list(held)}"
+            )
 
 
 class AfdWorkerExtension:
@@ -92,9 +84,7 @@ class AfdWorkerExtension:
         adapter = ffn_adapter(detect_runtime().platform)  # the platform table: None where forward_modular serves
         if adapter is not None:
             adapter.check_held(held, moe.num_experts)
-        loaded_bytes = self.afd_routed_expert_bytes()  # the peak: vLLM's loader loaded every expert
-        for layer in layers:  # this FFN rank holds only its experts
-            keep_experts(layer, held)
+        _check_held_layers(layers, held)
         compute = [
             _modular(layer) if adapter is None else adapter.routed_experts_fn(layer, self.vllm_config)
             for layer in layers
@@ -119,7 +109,8 @@ class AfdWorkerExtension:
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
         summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()
-        summary["routed_expert_bytes_peak"] = loaded_bytes
+        memory = current_memory()
+        summary["memory"] = None if memory is None else memory.as_dict()
         return summary
 
     def afd_routed_expert_bytes(self) -> int:

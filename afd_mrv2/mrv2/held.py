@@ -1,4 +1,5 @@
-"""The routed experts a process holds: :class:`HeldExpertMap`, and :func:`held_experts` of a built model.
+"""The routed experts a process holds: :func:`role_held_set`, :class:`HeldExpertMap`, and :func:`held_experts`
+of a built model.
 
 A routed-experts layer built with a :class:`HeldExpertMap` allocates exactly ``held`` (global ids, in
 local order) and upstream's ``weight_loader`` skips every other expert; the ``afd`` load format reads
@@ -12,6 +13,18 @@ from collections.abc import Sequence
 import torch
 from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+from afd_mrv2.config import AfdConfig
+from afd_mrv2.items import ATTENTION
+from afd_mrv2.topology import Topology
+
+
+def role_held_set(config: AfdConfig, num_experts: int) -> tuple[int, ...]:
+    """The global ids of the routed experts a role's layers hold, ascending: none on the Attention role, and
+    ``afd.placement``'s share of the FFN rank ``config.rank`` (the ring with replicas by default)."""
+    if config.role == ATTENTION:
+        return ()
+    return Topology.over(config.num_attention_ranks, config.placement_for(num_experts)).held_by(config.rank)
 
 
 class HeldExpertMap(ExpertMapManager):

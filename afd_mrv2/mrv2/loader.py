@@ -3,7 +3,8 @@
 :class:`AfdModelLoader` is vLLM's ``DefaultModelLoader`` (lazy safetensors) whose local-expert filter
 is the union of the model's held sets (:func:`afd_mrv2.mrv2.held.held_experts`): on the Attention role
 the empty set, so no routed-expert weight tensor is read.  A model without held sets loads as with
-``--load-format safetensors``.  Registered by the general plugin (:func:`register_afd_load_format`).
+``--load-format safetensors``.  It counts the bytes it reads and the model then holds, by kind
+(:func:`afd_mrv2.mrv2.memory.current_memory`).  Registered by the general plugin (:func:`register_afd_load_format`).
 See docs/rfc/0006-per-role-weights.md, section 1 (b).
 """
 
@@ -18,6 +19,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.mrv2.held import held_experts
+from afd_mrv2.mrv2.memory import count_read, record_load
 
 LOAD_FORMAT = "afd"
 #: the only safetensors strategy that filters before reading (eager/prefetch read every byte first)
@@ -55,6 +57,15 @@ class AfdModelLoader(DefaultModelLoader):
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         self.held = held_experts(model)  # decided by the layers, as they were built for this role
         super().load_weights(model, model_config)
+
+    def load_model(self, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        model: torch.nn.Module = super().load_model(vllm_config, model_config, *args, **kwargs)
+        record_load(model)  # after the quant method's processing: what the process holds
+        return model
+
+    def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Any:
+        """Upstream's iterator, each tensor's bytes counted by kind as it is read (:mod:`afd_mrv2.mrv2.memory`)."""
+        return count_read(super().get_all_weights(model_config, model))
 
     def _init_ep_weight_filter(self, model_config: Any) -> None:
         if self.held is None:

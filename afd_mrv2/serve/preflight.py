@@ -21,11 +21,12 @@ from typing import Any
 
 from afd_mrv2 import envs
 from afd_mrv2.admission import AFD_KEY, ModelFacts, Stage, Subject, place_own_keys, run
+from afd_mrv2.compat.detect import replaces_routed_experts
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import FFN
 from afd_mrv2.mrv2.deployment import LAYOUT_ARGS, built_model_facts, deployment_of, model_facts
-from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs, vllm_serve_parser
+from afd_mrv2.mrv2.engine_args import engine_config, ffn_engine_defaults, vllm_engine_kwargs, vllm_serve_parser
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.support_matrix import Deployment
 
@@ -123,12 +124,12 @@ def check_role_arguments(
     arguments make; ``layers`` remembers them for the ``MODEL`` checks (:func:`check_model`).
 
     ``vllm_args``: the engine arguments in ``vllm serve`` syntax; the FFN role gets
-    :data:`~afd_mrv2.mrv2.engine_args.FFN_ENGINE_DEFAULTS` under them, as its process does.
+    :func:`~afd_mrv2.mrv2.engine_args.ffn_engine_defaults` under them, as its process does.
     """
     config = parse_afd_config(section)
     kwargs = vllm_engine_kwargs(vllm_args, prog="afd-mrv2 serve") if vllm_args else {}
     if config.role == FFN:
-        kwargs = {**FFN_ENGINE_DEFAULTS, **kwargs}
+        kwargs = {**ffn_engine_defaults(experts_only=replaces_routed_experts()), **kwargs}
     with own_keys_of(section) as additional_config:
         vllm_config = engine_config(model, kwargs, additional_config)
         deployment = deployment_of(vllm_config)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_mrv2 import vllm_plugin
-from afd_mrv2.compat.detect import Runtime
+from afd_mrv2.compat.detect import Runtime, platform_with_own_moe_layer, replaces_routed_experts
 
 
 def _runtime(vllm_ascend: str | None, distribution: str) -> Runtime:
@@ -21,8 +20,6 @@ def _runtime(vllm_ascend: str | None, distribution: str) -> Runtime:
     ],
     ids=["ascend", "cpu", "cuda"],
 )
-def test_only_a_platform_with_its_own_moe_layer_keeps_afd_mrv2_out(
-    monkeypatch: pytest.MonkeyPatch, runtime: Runtime, owner: str | None
-) -> None:
-    monkeypatch.setattr(vllm_plugin, "detect_runtime", lambda: runtime)
-    assert vllm_plugin._platform_with_own_moe_layer() == owner
+def test_only_a_platform_with_its_own_moe_layer_keeps_afd_mrv2_out(runtime: Runtime, owner: str | None) -> None:
+    assert platform_with_own_moe_layer(runtime) == owner
+    assert replaces_routed_experts(runtime) is (owner is None)

@@ -41,7 +41,7 @@ import pytest
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.mrv2.deployment import check_vllm_deployment, deployment_of
-from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config
+from afd_mrv2.mrv2.engine_args import engine_config, ffn_engine_defaults
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import BASE_ENV, ENGINE, ENGINE_ARGS, cores, make_model, v2_env
 
@@ -92,7 +92,7 @@ def kept_environment() -> Iterator[None]:
 
 def real_config(model: Path, afd: dict[str, Any], **engine: Any) -> Any:
     """The VllmConfig vLLM builds for this role's engine arguments (the FFN role's defaults included)."""
-    kwargs = {**ENGINE_ARGS, **(FFN_ENGINE_DEFAULTS if afd["role"] == "ffn" else {}), **engine}
+    kwargs = {**ENGINE_ARGS, **(ffn_engine_defaults(experts_only=True) if afd["role"] == "ffn" else {}), **engine}
     with kept_environment():
         return engine_config(str(model), kwargs, {"afd": afd})
 

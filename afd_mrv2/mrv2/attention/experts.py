@@ -25,7 +25,7 @@ from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.attention.remote import attach
 from afd_mrv2.mrv2.attention.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.deployment import admit
-from afd_mrv2.mrv2.held import HeldExpertMap
+from afd_mrv2.mrv2.held import HeldExpertMap, role_held_set
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.upstream import load_handoff
 
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class AfdRoutedExperts(RoutedExperts):
-    """vLLM's ``RoutedExperts``, except on the AFD Attention role; see docs/internals/vllm-roles.md."""
+    """vLLM's ``RoutedExperts`` holding the role's experts (none on the Attention role, where the layer's method
+    sends to the FFN ranks; ``afd.placement``'s share on an FFN rank); see docs/internals/vllm-roles.md."""
 
     def __init__(
         self,
@@ -47,12 +48,26 @@ class AfdRoutedExperts(RoutedExperts):
         # config, connector and runtime pair (moe_seam; mrv2 too under the V2 runner), before anything is built
         config = admit(get_current_vllm_config())  # section, plugins, runtime pair, support matrix: before any link
         self.afd_attention = config if config is not None and config.role == ATTENTION else None
-        if self.afd_attention is not None:  # the empty held set: every expert maps to -1, skipped on load
-            _refuse_held_set(layer_name, moe_config, expert_map_manager)
-            expert_map_manager = HeldExpertMap(expert_map_manager, held=())
-            # moe_config keeps the factory's num_local_experts: the real method is built as on plain vLLM (its
-            # backend choice included); the stand-in's create_weights allocates 0 experts whatever it says
+        #: the global ids of the experts this layer holds (None: no afd section, upstream's layer)
+        self.afd_held: tuple[int, ...] | None = None
+        if config is not None:  # a held set: every other expert maps to -1, is never allocated, and is skipped on load
+            _refuse_held_set(layer_name, config.role, moe_config, expert_map_manager)
+            self.afd_held = role_held_set(config, moe_config.num_experts)
+            expert_map_manager = HeldExpertMap(expert_map_manager, held=self.afd_held)
+            if self.afd_attention is None:  # FFN rank: the real method allocates exactly its held experts
+                moe_config.num_local_experts = len(self.afd_held)
+            # the Attention role's moe_config keeps the factory's num_local_experts: the real method is built as
+            # on plain vLLM (its backend choice included); the stand-in's create_weights allocates 0 experts
         super().__init__(layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs)
+
+    @property
+    def expert_map(self) -> torch.Tensor | None:
+        """None on an FFN rank: its kernel sees local ids (the FFN server maps global ids onto the held experts'
+        positions), so a kernel that honours ``expert_map`` must not translate them a second time."""
+        if self.afd_held is not None and self.afd_attention is None:
+            return None
+        expert_map: torch.Tensor | None = super().expert_map
+        return expert_map
 
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
@@ -76,7 +91,7 @@ class AfdRoutedExperts(RoutedExperts):
         return RemoteExpertsMethod(moe_config, layer_index, real)
 
 
-def _refuse_held_set(layer_name: str, moe_config: FusedMoEConfig, manager: ExpertMapManager) -> None:
+def _refuse_held_set(layer_name: str, role: str, moe_config: FusedMoEConfig, manager: ExpertMapManager) -> None:
     """One line for what a held set cannot express: EPLB, EP across ranks, fused shared experts."""
     parallel = moe_config.moe_parallel_config
     refused = (
@@ -86,10 +101,11 @@ def _refuse_held_set(layer_name: str, moe_config: FusedMoEConfig, manager: Exper
     )
     reasons = [r for r in refused if r is not None]
     if reasons:
+        holds = "holds no routed expert" if role == ATTENTION else "holds the routed experts afd.placement gives it"
         raise ConfigError(
             "afd.role",
-            f"the Attention role holds no routed expert, but {layer_name} asks for {' and '.join(reasons)}; "
-            "run the Attention engine without it",
+            f"the {role} role {holds}, but {layer_name} asks for {' and '.join(reasons)}; "
+            f"run the {role} engine without it",
         )
 
 

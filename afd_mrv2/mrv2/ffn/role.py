@@ -15,10 +15,11 @@ from typing import Any
 
 from afd_mrv2 import envs
 from afd_mrv2.admission import AFD_KEY, LEADER_KEY, own_keys, place_own_keys
+from afd_mrv2.compat.detect import replaces_routed_experts
 from afd_mrv2.errors import AfdError
 from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.mrv2.deployment import admit
-from afd_mrv2.mrv2.engine_args import FFN_ENGINE_DEFAULTS, engine_config, vllm_engine_kwargs
+from afd_mrv2.mrv2.engine_args import engine_config, ffn_engine_defaults, vllm_engine_kwargs
 from afd_mrv2.mrv2.ffn.server import ffn_serving_config
 from afd_mrv2.options import json_object
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         other = engine_args.pop("worker_extension_cls", WORKER_EXTENSION)
         if other != WORKER_EXTENSION:
             raise AfdError(f"--worker-extension-cls: the FFN role needs {WORKER_EXTENSION}, got {other}")
-        engine_args = {**FFN_ENGINE_DEFAULTS, **engine_args}
+        engine_args = {**ffn_engine_defaults(experts_only=replaces_routed_experts()), **engine_args}
         engine_args.pop("model", None)
         # the support matrix on the VllmConfig these arguments make, before the engine (and any link) exists
         config = engine_config(args.model, engine_args, _engine_additional_config(additional, own))
