@@ -32,9 +32,11 @@ WRITE_EVERY_S = 1.0
 ROUND_TRIP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 #: The version of the documents :func:`encode` writes and :func:`decode` accepts: a change of a record's
 #: fields is a new version.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The document key that carries :data:`SCHEMA_VERSION`.
 SCHEMA_KEY = "schema"
+#: The kinds :class:`MemoryFigures` counts bytes by (``afd_mrv2.mrv2.memory``): routed experts, everything else.
+MEMORY_KINDS = ("routed_experts", "other")
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,36 @@ class FailoverFigures:
 
 @final
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryFigures:
+    """What a role process read from its checkpoint and holds (``afd_mrv2.mrv2.memory``), by kind:
+    ``routed_experts`` and ``other``."""
+
+    read_bytes: Mapping[str, int]
+    """Bytes of the checkpoint tensors its loader read, by kind."""
+    resident_bytes: Mapping[str, int]
+    """Bytes of its model's parameters after loading, by kind."""
+    peak_rss_bytes: int
+    """Its peak resident set size (``VmHWM``) when the record was made."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "read_bytes": dict(sorted(self.read_bytes.items())),
+            "resident_bytes": dict(sorted(self.resident_bytes.items())),
+            "peak_rss_bytes": self.peak_rss_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> MemoryFigures:
+        d = _exact(doc, where, cls)
+        return cls(
+            read_bytes=_bytes_by_kind(d["read_bytes"], f"{where}.read_bytes"),
+            resident_bytes=_bytes_by_kind(d["resident_bytes"], f"{where}.resident_bytes"),
+            peak_rss_bytes=_int(d["peak_rss_bytes"], f"{where}.peak_rss_bytes"),
+        )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AttentionFigures:
     """What an Attention engine counted (``RemoteExperts.live_stats``), all since its process started."""
 
@@ -161,6 +193,8 @@ class AttentionFigures:
     """Of :attr:`round_trip_total_s`, the seconds under another micro-batch's compute."""
     failover: FailoverFigures | None
     """The connector's failover record, None where it keeps none."""
+    memory: MemoryFigures | None
+    """What the engine read and holds, None where it did not load with the ``afd`` load format."""
 
     @property
     def hidden_fraction(self) -> float:
@@ -183,6 +217,7 @@ class AttentionFigures:
             "round_trip_total_s": self.round_trip_total_s,
             "hidden_total_s": self.hidden_total_s,
             "failover": None if self.failover is None else self.failover.as_dict(),
+            "memory": _memory_doc(self.memory),
         }
 
     @classmethod
@@ -196,6 +231,7 @@ class AttentionFigures:
             round_trip_total_s=_float(d["round_trip_total_s"], f"{where}.round_trip_total_s"),
             hidden_total_s=_float(d["hidden_total_s"], f"{where}.hidden_total_s"),
             failover=None if failover is None else FailoverFigures.from_dict(failover, f"{where}.failover"),
+            memory=_memory(d["memory"], f"{where}.memory"),
         )
 
 
@@ -216,6 +252,8 @@ class FfnFigures:
     """Shares re-sent here after an Attention engine lost another FFN rank holding the same experts."""
     up_s: float
     """Seconds since the rank started serving."""
+    memory: MemoryFigures | None
+    """What the rank read and holds, None where it did not load with the ``afd`` load format."""
 
     @property
     def busy_fraction(self) -> float:
@@ -230,6 +268,7 @@ class FfnFigures:
             "busy_s": self.busy_s,
             "redispatched": self.redispatched,
             "up_s": self.up_s,
+            "memory": _memory_doc(self.memory),
         }
 
     @classmethod
@@ -242,6 +281,7 @@ class FfnFigures:
             busy_s=_float(d["busy_s"], f"{where}.busy_s"),
             redispatched=_int(d["redispatched"], f"{where}.redispatched"),
             up_s=_float(d["up_s"], f"{where}.up_s"),
+            memory=_memory(d["memory"], f"{where}.memory"),
         )
 
 
@@ -298,8 +338,8 @@ def decode(role: str, doc: object, *, where: str = "live figures") -> Written:
 # -- the file transport ------------------------------------------------------------------------------
 
 #: What a role hands :class:`StatsWriter`: a function building its record now.  A dict (the record's
-#: document without ``schema``, ``at``, ``pid``) is converted on write, with a DeprecationWarning, for
-#: one more version.
+#: document without ``schema``, ``at``, ``pid``; without ``memory``: None) is converted on write, with a
+#: DeprecationWarning, for one more version.
 Build = Callable[[], Figures | dict[str, Any]]
 
 
@@ -361,7 +401,7 @@ class StatsWriter:
         record = RECORDS.get(role)
         if record is None:
             raise FiguresError(f"{path.name}: no live figures for role {role!r}; accepted: {sorted(RECORDS)}")
-        return record.from_dict(built, path.name)
+        return record.from_dict({"memory": None, **built}, path.name)  # a schema-1 builder has no memory
 
 
 def read_stats(folder: str | Path) -> dict[tuple[str, int], Written]:
@@ -478,6 +518,23 @@ def _ranks(value: object, where: str) -> dict[int, Any]:
 
 def _times(value: object, where: str) -> dict[int, float]:
     return {rank: _float(t, f"{where}.{rank}") for rank, t in _ranks(value, where).items()}
+
+
+def _bytes_by_kind(value: object, where: str) -> dict[str, int]:
+    """A document's ``{kind: bytes}``, with exactly the :data:`MEMORY_KINDS`."""
+    if not isinstance(value, Mapping):
+        raise FiguresError(f"{where}: expected an object of kind -> bytes, got {type(value).__name__}")
+    if set(value) != set(MEMORY_KINDS):
+        raise FiguresError(f"{where}: kinds {sorted(map(str, value))}, accepted: {sorted(MEMORY_KINDS)}")
+    return {kind: _int(value[kind], f"{where}.{kind}") for kind in MEMORY_KINDS}
+
+
+def _memory(value: object, where: str) -> MemoryFigures | None:
+    return None if value is None else MemoryFigures.from_dict(value, where)
+
+
+def _memory_doc(memory: MemoryFigures | None) -> dict[str, Any] | None:
+    return None if memory is None else memory.as_dict()
 
 
 def _by_rank(times: Mapping[int, float]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from afd_mrv2.live_stats import (
     FiguresError,
     Histogram,
     LostRank,
+    MemoryFigures,
     StatsWriter,
     Written,
     decode,
@@ -29,12 +31,20 @@ from afd_mrv2.live_stats import (
 )
 
 #: The keys serve's /metrics and /afd/status read before the records (the documents' keys then).
-ATTENTION_KEYS = {"calls", "tokens", "round_trip_seconds", "round_trip_total_s", "hidden_total_s", "failover"}
-FFN_KEYS = {"items", "redispatched", "computed", "tokens", "busy_s", "up_s"}
+#: Schema 2 added ``memory``.
+ATTENTION_KEYS = {"calls", "tokens", "round_trip_seconds", "round_trip_total_s", "hidden_total_s", "failover", "memory"}
+FFN_KEYS = {"items", "redispatched", "computed", "tokens", "busy_s", "up_s", "memory"}
 FAILOVER_KEYS = {"failovers", "lost", "first_resend_at", "resent_items", "resent_rows", "rejoins", "rejoined_at"}
 
 
-def attention_figures(failover: FailoverFigures | None = None) -> AttentionFigures:
+MEMORY = MemoryFigures(
+    read_bytes={"routed_experts": 0, "other": 1_000},
+    resident_bytes={"routed_experts": 0, "other": 900},
+    peak_rss_bytes=4_096_000,
+)
+
+
+def attention_figures(failover: FailoverFigures | None = None, memory: MemoryFigures | None = None) -> AttentionFigures:
     hist = Histogram()
     for seconds in (0.0007, 0.02, 20.0):  # the last above every bound: counted, in no bucket
         hist.observe(seconds)
@@ -45,6 +55,7 @@ def attention_figures(failover: FailoverFigures | None = None) -> AttentionFigur
         round_trip_total_s=0.75,
         hidden_total_s=0.25,
         failover=failover,
+        memory=memory,
     )
 
 
@@ -60,12 +71,18 @@ def failover_figures() -> FailoverFigures:
     )
 
 
-FFN = FfnFigures(items=10, computed=8, tokens=70, busy_s=0.5, redispatched=2, up_s=2.0)
+FFN = FfnFigures(items=10, computed=8, tokens=70, busy_s=0.5, redispatched=2, up_s=2.0, memory=None)
+FFN_MEMORY = replace(FFN, memory=replace(MEMORY, read_bytes={"routed_experts": 6_000, "other": 0}))
 
 
 @pytest.mark.parametrize(
     ("role", "figures"),
-    [("attention", attention_figures()), ("attention", attention_figures(failover_figures())), ("ffn", FFN)],
+    [
+        ("attention", attention_figures()),
+        ("attention", attention_figures(failover_figures(), MEMORY)),
+        ("ffn", FFN),
+        ("ffn", FFN_MEMORY),
+    ],
 )
 def test_a_record_survives_the_codec_and_json_and_keeps_the_keys_serve_read(role: str, figures: Any) -> None:
     written = Written(figures=figures, at=1700000000.123, pid=42)
@@ -78,6 +95,14 @@ def test_a_record_survives_the_codec_and_json_and_keeps_the_keys_serve_read(role
             "2": {"at": 100.125, "reason": "peer closed"}
         }
         assert doc["round_trip_seconds"]["counts"][:3] == [0, 1, 1] and doc["round_trip_seconds"]["count"] == 3
+    if figures.memory is None:
+        assert doc["memory"] is None
+    else:
+        assert doc["memory"] == {
+            "read_bytes": dict(sorted(figures.memory.read_bytes.items())),
+            "resident_bytes": dict(sorted(figures.memory.resident_bytes.items())),
+            "peak_rss_bytes": 4_096_000,
+        }
 
 
 def test_derived_fractions_are_the_shares_serve_shows() -> None:
@@ -86,14 +111,18 @@ def test_derived_fractions_are_the_shares_serve_shows() -> None:
     with_failover = attention_figures(failover_figures())
     assert with_failover.failovers == 1 and with_failover.resent_items == 4
     assert FFN.busy_fraction == 0.25
-    idle = FfnFigures(items=0, computed=0, tokens=0, busy_s=0.0, redispatched=0, up_s=0.0)
+    idle = FfnFigures(items=0, computed=0, tokens=0, busy_s=0.0, redispatched=0, up_s=0.0, memory=None)
     assert idle.busy_fraction == 0.0  # nothing measured yet: 0, never a division by zero
 
 
 def ffn_doc(**change: Any) -> dict[str, Any]:
-    doc = encode(Written(figures=FFN, at=1.0, pid=7))
+    doc = encode(Written(figures=FFN_MEMORY, at=1.0, pid=7))
     doc.update(change)
     return doc
+
+
+def memory_doc(**change: Any) -> dict[str, Any]:
+    return ffn_doc(memory={**MEMORY.as_dict(), **change})
 
 
 @pytest.mark.parametrize(
@@ -101,12 +130,32 @@ def ffn_doc(**change: Any) -> dict[str, Any]:
     [
         ("ffn", {k: v for k, v in ffn_doc().items() if k != "busy_s"}, "ffn-0.json: missing ['busy_s']"),
         ("ffn", ffn_doc(busy=1.0), "ffn-0.json: unknown ['busy']; accepted: ['busy_s', 'computed'"),
-        ("ffn", ffn_doc(schema=2), "ffn-0.json.schema: 2, accepted: 1"),
-        ("ffn", {k: v for k, v in ffn_doc().items() if k != SCHEMA_KEY}, "ffn-0.json.schema: None, accepted: 1"),
+        ("ffn", ffn_doc(schema=1), "ffn-0.json.schema: 1, accepted: 2"),  # schema 1 had no memory
+        ("ffn", {k: v for k, v in ffn_doc().items() if k != SCHEMA_KEY}, "ffn-0.json.schema: None, accepted: 2"),
+        ("ffn", {k: v for k, v in ffn_doc().items() if k != "memory"}, "ffn-0.json: missing ['memory']"),
         ("ffn", {k: v for k, v in ffn_doc().items() if k != "pid"}, "ffn-0.json: missing ['pid']"),
         ("ffn", ffn_doc(items=True), "ffn-0.json.items: expected an integer, got True"),
         ("ffn", ffn_doc(busy_s="0.5"), "ffn-0.json.busy_s: expected a number, got '0.5'"),
         ("ffn", [1, 2], "ffn-0.json: expected an object, got list"),
+        ("ffn", ffn_doc(memory=[]), "ffn-0.json.memory: expected an object, got list"),
+        ("ffn", ffn_doc(memory={"read_bytes": {}}), "ffn-0.json.memory: missing ['resident_bytes', 'peak_rss_bytes']"),
+        ("ffn", memory_doc(peak_rss_bytes=1.5), "ffn-0.json.memory.peak_rss_bytes: expected an integer, got 1.5"),
+        ("ffn", memory_doc(read_bytes=7), "ffn-0.json.memory.read_bytes: expected an object of kind -> bytes, got int"),
+        (
+            "ffn",
+            memory_doc(read_bytes={"routed_experts": 1}),
+            "ffn-0.json.memory.read_bytes: kinds ['routed_experts'], accepted: ['other', 'routed_experts']",
+        ),
+        (
+            "ffn",
+            memory_doc(resident_bytes={"routed_experts": 1, "other": 2, "kv": 3}),
+            "ffn-0.json.memory.resident_bytes: kinds ['kv', 'other', 'routed_experts'], accepted:",
+        ),
+        (
+            "ffn",
+            memory_doc(resident_bytes={"routed_experts": "1", "other": 2}),
+            "ffn-0.json.memory.resident_bytes.routed_experts: expected an integer, got '1'",
+        ),
         ("router", ffn_doc(), "ffn-0.json: no live figures for role 'router'; accepted: ['attention', 'ffn']"),
     ],
 )
@@ -152,7 +201,42 @@ def test_a_failover_log_document_is_the_failover_record() -> None:
     assert figures.as_dict() == log.as_dict()
 
 
-def test_the_attention_side_builds_its_record_from_what_it_measured(tmp_path: Path, monkeypatch: Any) -> None:
+@pytest.fixture
+def afd_load(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A function recording an ``afd`` load in this process (:mod:`afd_mrv2.mrv2.memory`, restored after the
+    test): the loader's counted read of two tensors, then the resident parameters (vLLM's routed-experts
+    layer class, which the real count needs, is not here: the count is given)."""
+    import torch
+
+    from afd_mrv2.mrv2 import memory
+
+    monkeypatch.setattr(memory, "_load", None)
+    monkeypatch.setattr(memory, "parameter_bytes", lambda model: {"routed_experts": 256, "other": 64})
+
+    def load() -> None:
+        weights = [
+            ("model.layers.0.mlp.experts.3.w1.weight", torch.zeros(8, 8, dtype=torch.bfloat16)),  # 128 bytes
+            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 4)),  # 64 bytes
+        ]
+        assert [name for name, _ in memory.count_read(weights)] == [name for name, _ in weights]
+        memory.record_load(torch.nn.Linear(1, 1))
+
+    return load
+
+
+def check_memory(figures: MemoryFigures | None) -> None:
+    """``figures`` are what :func:`afd_load` recorded, with this process's peak RSS."""
+    from afd_mrv2.procs import peak_rss_bytes
+
+    assert figures is not None
+    assert figures.read_bytes == {"routed_experts": 128, "other": 64}
+    assert figures.resident_bytes == {"routed_experts": 256, "other": 64}
+    assert 0 < figures.peak_rss_bytes <= peak_rss_bytes()
+
+
+def test_the_attention_side_builds_its_record_from_what_it_measured(
+    tmp_path: Path, monkeypatch: Any, afd_load: Any
+) -> None:
     from afd_mrv2.config import parse_afd_config
     from afd_mrv2.live_stats import STATS_DIR_ENV
     from afd_mrv2.mrv2.attention.remote import RemoteExperts
@@ -167,15 +251,21 @@ def test_the_attention_side_builds_its_record_from_what_it_measured(tmp_path: Pa
     experts.tokens[8] += 2
     figures = experts.live_stats()
     assert figures.calls == 2 and figures.tokens == 16 and figures.failover is None
+    assert figures.memory is None  # no afd load in this process
     assert figures.round_trip_total_s == pytest.approx(0.001) and figures.hidden_fraction == pytest.approx(0.4)
     assert figures.round_trip_seconds.count == 1 and figures.round_trip_seconds.counts[1] == 1  # le 0.001
     experts._live.maybe_write(force=True)
     assert read_stats(tmp_path)[("attention", 0)].figures == figures
+    afd_load()
+    figures = experts.live_stats()
+    check_memory(figures.memory)
+    experts._live.maybe_write(force=True)
+    assert read_stats(tmp_path)[("attention", 0)].figures == figures
 
 
-def test_the_ffn_record_is_what_the_servers_old_dict_said() -> None:
+def test_the_ffn_record_is_what_the_servers_old_dict_said(afd_load: Any) -> None:
     """``FfnReport.figures`` gives the record serve_ffn's closure built as a dict from ``live()`` plus its
-    ``redispatched`` and ``up_s``."""
+    ``redispatched`` and ``up_s``, and what the rank's ``afd`` load read and holds."""
     from afd_mrv2.items import WorkItem
     from afd_mrv2.mrv2.ffn.report import FfnReport
 
@@ -185,11 +275,13 @@ def test_the_ffn_record_is_what_the_servers_old_dict_said() -> None:
     report.record(tokens=5, seconds=0.25)
     report.record(tokens=3, seconds=0.125)
     figures = report.figures(redispatched=1, up_s=3.5)
-    assert figures == FfnFigures(items=3, computed=2, tokens=8, busy_s=0.375, redispatched=1, up_s=3.5)
+    assert figures == FfnFigures(items=3, computed=2, tokens=8, busy_s=0.375, redispatched=1, up_s=3.5, memory=None)
+    afd_load()
+    check_memory(report.figures(redispatched=1, up_s=3.5).memory)
 
 
 def test_a_writer_building_a_dict_still_writes_the_record_with_a_deprecation(tmp_path: Path) -> None:
-    old = dict(FFN.as_dict())
+    old = {k: v for k, v in FFN.as_dict().items() if k != "memory"}  # a schema-1 builder's dict
     writer = StatsWriter(tmp_path / "ffn-3.json", lambda: old, every_s=0.0)
     with pytest.warns(DeprecationWarning, match="return an AttentionFigures or FfnFigures"):
         writer.maybe_write()
@@ -212,5 +304,5 @@ def test_read_stats_leaves_out_a_refused_document_and_logs_it_once(
         assert set(read_stats(tmp_path)) == {("ffn", 0)}
         assert set(read_stats(tmp_path)) == {("ffn", 0)}
     refused = [r.getMessage() for r in caplog.records if "ffn-1.json" in r.getMessage()]
-    assert refused == ["afd-mrv2 serve: live figures left out: ffn-1.json.schema: 99, accepted: 1 (another afd-mrv2?)"]
+    assert refused == ["afd-mrv2 serve: live figures left out: ffn-1.json.schema: 99, accepted: 2 (another afd-mrv2?)"]
     assert read_stats(tmp_path / "missing") == {}

@@ -56,6 +56,12 @@ AFD_METRICS: dict[str, tuple[str, str]] = {
         "gauge",
         "Share of each Attention engine's round-trip time that ran under another micro-batch's compute.",
     ),
+    "afd_role_read_bytes": (
+        "gauge",
+        "Bytes of checkpoint tensors each role rank read at load, by kind (routed_experts, other).",
+    ),
+    "afd_role_resident_bytes": ("gauge", "Bytes of each role rank's model parameters after load, by kind."),
+    "afd_role_peak_rss_bytes": ("gauge", "Peak resident set size of each role rank's worker process (VmHWM)."),
 }
 
 
@@ -185,7 +191,30 @@ def _health_families(health: Health) -> list[Metric]:
                 buckets = [(repr(float(b)), float(c)) for b, c in zip(hist.buckets, hist.counts, strict=True)]
                 buckets.append(("+Inf", float(hist.count)))
                 round_trip.add_metric(label, buckets, float(hist.sum))
-    return [failovers, replicas, restarts, items, tokens, redispatched, busy, att_failovers, resent, hidden, round_trip]
+    counts = [failovers, replicas, restarts, items, tokens, redispatched, busy, att_failovers, resent, hidden]
+    return [*counts, round_trip, *_memory_families(health.figures)]
+
+
+def _memory_families(figures: Mapping[tuple[str, int], Written]) -> list[Metric]:
+    """What each role rank read and holds, by kind, and its peak RSS: one sample set per role rank whose
+    record has memory figures (a role that did not load with the ``afd`` load format has none)."""
+
+    def family(name: str, labels: list[str]) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, AFD_METRICS[name][1], labels=labels)
+
+    read = family("afd_role_read_bytes", ["role", "rank", "kind"])
+    resident = family("afd_role_resident_bytes", ["role", "rank", "kind"])
+    peak = family("afd_role_peak_rss_bytes", ["role", "rank"])
+    for (role, rank), written in sorted(figures.items()):
+        memory = written.figures.memory
+        if memory is None:
+            continue
+        for kind, n in sorted(memory.read_bytes.items()):
+            read.add_metric([role, str(rank), kind], float(n))
+        for kind, n in sorted(memory.resident_bytes.items()):
+            resident.add_metric([role, str(rank), kind], float(n))
+        peak.add_metric([role, str(rank)], float(memory.peak_rss_bytes))
+    return [read, resident, peak]
 
 
 def _ranks(roles: Sequence[RoleState], role: str, *, live: bool) -> list[int]:

@@ -68,13 +68,16 @@ def test_afd_metrics_count_live_roles_and_endpoint_requests() -> None:
 def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> None:
     """What each role process writes (its typed record, through the live-stats files) is read back and shown
     per rank: the FFN ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip
-    histogram and hidden fraction.  ``/afd/status`` shows each record as the file holds it, less its schema."""
+    histogram and hidden fraction; each role rank's memory figures where it has them.  ``/afd/status`` shows
+    each record as the file holds it, less its schema."""
     from afd_mrv2.live_stats import (
         SCHEMA_KEY,
+        SCHEMA_VERSION,
         AttentionFigures,
         FailoverFigures,
         FfnFigures,
         Histogram,
+        MemoryFigures,
         StatsWriter,
         read_stats,
     )
@@ -98,9 +101,14 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
         round_trip_total_s=2.0,
         hidden_total_s=0.5,
         failover=failover,
+        memory=MemoryFigures(
+            read_bytes={"routed_experts": 0, "other": 5_000},
+            resident_bytes={"routed_experts": 0, "other": 4_000},
+            peak_rss_bytes=9_000_000,
+        ),
     )
     StatsWriter(tmp_path / "attention-0.json", lambda: attention).maybe_write()
-    ffn = FfnFigures(items=40, computed=38, tokens=300, busy_s=1.0, redispatched=3, up_s=4.0)
+    ffn = FfnFigures(items=40, computed=38, tokens=300, busy_s=1.0, redispatched=3, up_s=4.0, memory=None)
     StatsWriter(tmp_path / "ffn-0.json", lambda: ffn).maybe_write()
     (tmp_path / "ffn-1.json").write_text("{half a docu")  # unreadable: left out, never an error
     figures = read_stats(tmp_path)
@@ -122,12 +130,21 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
     assert got[("afd_attention_round_trip_seconds_sum", engine0)] == 0.306
     assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "0.005")))] == 2
     assert got[("afd_attention_round_trip_seconds_bucket", (("engine", "0"), ("le", "+Inf")))] == 3
+    attention0 = (("rank", "0"), ("role", "attention"))
+    assert got[("afd_role_read_bytes", (("kind", "other"), *attention0))] == 5_000
+    assert got[("afd_role_read_bytes", (("kind", "routed_experts"), *attention0))] == 0
+    assert got[("afd_role_resident_bytes", (("kind", "other"), *attention0))] == 4_000
+    assert got[("afd_role_resident_bytes", (("kind", "routed_experts"), *attention0))] == 0
+    assert got[("afd_role_peak_rss_bytes", attention0)] == 9_000_000
+    memory_names = {"afd_role_read_bytes", "afd_role_resident_bytes", "afd_role_peak_rss_bytes"}
+    memory_samples = {key for key in got if key[0] in memory_names}
+    assert len(memory_samples) == 5  # the FFN rank without memory figures has none (no zeros)
     doc = metrics.status(1, 2, [], [], True, None, health)
     assert doc["topology"]["expert_replicas"] == 2 and doc["failovers"] == 1
     assert doc["placement"] == ["FFN rank 0: experts 0-7"] and doc["figures"]["ffn 0"]["items"] == 40
     for role in ("ffn", "attention"):  # the status shows the file's document (its keys in the file's order)
         written = json.loads((tmp_path / f"{role}-0.json").read_text())
-        assert written.pop(SCHEMA_KEY) == 1
+        assert written.pop(SCHEMA_KEY) == SCHEMA_VERSION
         assert doc["figures"][f"{role} 0"] == written and json.dumps(doc["figures"][f"{role} 0"]) == json.dumps(written)
     assert set(doc["figures"]["ffn 0"]) == {
         "items",
@@ -136,10 +153,17 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
         "busy_s",
         "redispatched",
         "up_s",
+        "memory",
         "at",
         "pid",
     }
     assert doc["figures"]["attention 0"]["failover"]["first_resend_at"] == {"1": 12.5}
+    assert doc["figures"]["ffn 0"]["memory"] is None
+    assert doc["figures"]["attention 0"]["memory"] == {
+        "peak_rss_bytes": 9_000_000,
+        "read_bytes": {"other": 5_000, "routed_experts": 0},
+        "resident_bytes": {"other": 4_000, "routed_experts": 0},
+    }
 
 
 def get(url: str) -> tuple[int, str, str]:

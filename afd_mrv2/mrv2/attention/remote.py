@@ -30,6 +30,7 @@ from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, St
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
+from afd_mrv2.mrv2.memory import current_memory
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening
 from afd_mrv2.mrv2.transport.rejoin import Rejoiner, route_around_missing
@@ -219,6 +220,7 @@ class RemoteExperts:
             round_trip_total_s=round_trip_s,
             hidden_total_s=hidden_s,
             failover=None if failover is None else FailoverFigures.from_dict(failover, "failover"),
+            memory=current_memory(),
         )
 
     def _log_layout(self, tokens: int, stages: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from afd_mrv2.items import WorkItem
 from afd_mrv2.live_stats import FfnFigures
+from afd_mrv2.mrv2.memory import current_memory
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.metrics import busy_ns, covered_ns, hidden_comm_fraction, makespan_ns
 from afd_mrv2.pipeline.trace import Trace
@@ -65,7 +66,8 @@ class FfnReport:
 
     def figures(self, *, redispatched: int, up_s: float) -> FfnFigures:
         """The live figures serve's ``/metrics`` shows (:mod:`afd_mrv2.live_stats`): the running counts, with
-        the re-sends the rank's connectors served (``redispatched``) and its time serving (``up_s``)."""
+        the re-sends the rank's connectors served (``redispatched``), its time serving (``up_s``) and what it
+        read and holds (:func:`~afd_mrv2.mrv2.memory.current_memory`)."""
         with self._lock:
             return FfnFigures(
                 items=sum(self.items_by_stage_count.values()),
@@ -74,6 +76,7 @@ class FfnReport:
                 busy_s=round(self.busy_s, 6),
                 redispatched=redispatched,
                 up_s=up_s,
+                memory=current_memory(),
             )
 
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
