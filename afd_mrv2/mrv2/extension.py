@@ -109,6 +109,8 @@ class AfdWorkerExtension:
         summary = report.as_dict()
         summary["quant_methods"] = sorted({type(layer.quant_method).__name__ for layer in layers})
         summary["routed_expert_bytes"] = self.afd_routed_expert_bytes()
+        summary["model_class"] = type(self.model_runner.get_model()).__name__
+        summary["kv_cache_blocks"] = self.vllm_config.cache_config.num_gpu_blocks
         memory = current_memory()
         summary["memory"] = None if memory is None else memory.as_dict()
         return summary

@@ -8,6 +8,7 @@ another format reports no figures (None).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -43,11 +44,11 @@ _load: _Load | None = None
 def count_read(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights``, counting each tensor's bytes by kind as the loader reads it (a new load starts from 0)."""
     global _load
-    load = _Load()
+    read = dict.fromkeys(KINDS, 0)
     with _lock:
-        _load = load
+        _load = _Load(read)  # the same dict: the figures grow as the loader reads
     for name, tensor in weights:
-        load.read[kind_of(name)] += tensor.numel() * tensor.element_size()
+        read[kind_of(name)] += tensor.numel() * tensor.element_size()
         yield name, tensor
 
 
@@ -64,9 +65,10 @@ def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def record_load(model: torch.nn.Module) -> None:
     """After the load: the parameters ``model`` holds (after the quant method's processing)."""
+    global _load
     with _lock:
         if _load is not None:
-            _load.resident = parameter_bytes(model)
+            _load = dataclasses.replace(_load, resident=parameter_bytes(model))
 
 
 def current_memory() -> MemoryFigures | None:

@@ -418,8 +418,7 @@ def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> N
 def test_attention_engines_load_with_the_afd_format_unless_told_otherwise_or_on_vllm_ascend(monkeypatch) -> None:
     """The Attention engine reads no routed-expert tensor (``--load-format afd``); a format in the extra
     arguments wins; on vLLM-Ascend afd-mrv2 registers no load format, so none is passed."""
-    from afd_mrv2 import vllm_plugin
-    from afd_mrv2.compat import Runtime
+    from afd_mrv2.compat import Runtime, detect
 
     def attention_argv(*extra: str) -> list[str]:
         return list(build_plan(ServeOptions("/models/m", 1, 1, extra=extra)).of("attention")[0].argv)
@@ -430,5 +429,5 @@ def test_attention_engines_load_with_the_afd_format_unless_told_otherwise_or_on_
     assert attention_argv("--load-format", "dummy").count("--load-format") == 1
     assert "afd" not in attention_argv("--load-format=pt")
     ascend = Runtime("3.11.7", "0.30.0", "0.30.0rc2", "2.10.0", "2.10.0.post4", "9.2.0")
-    monkeypatch.setattr(vllm_plugin, "detect_runtime", lambda: ascend)
+    monkeypatch.setattr(detect, "detect_runtime", lambda: ascend)
     assert "--load-format" not in attention_argv()

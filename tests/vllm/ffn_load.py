@@ -78,7 +78,9 @@ def load(model_dir: str, spec: dict[str, Any], port: int) -> dict[str, Any]:
         "mode": mode,
         "model_class": type(model).__name__,
         "spec": spec,
-        "held": [list(m.afd_held) if isinstance(m, AfdRoutedExperts) and m.afd_held is not None else None for m in layers],
+        "held": [
+            list(m.afd_held) if isinstance(m, AfdRoutedExperts) and m.afd_held is not None else None for m in layers
+        ],
         "local_num_experts": [m.local_num_experts for m in layers],
         "expert_map_visible": [m.expert_map is not None for m in layers],
         "parameters": {n: [list(p.shape), str(p.dtype)] for n, p in model.named_parameters()},

@@ -214,11 +214,14 @@ def assert_identical(result: dict[str, Any], max_logprob_diff: float = 1e-5) -> 
 
 def assert_experts_on_ffn_and_every_call_served(runs: dict[str, Any]) -> None:
     """From inside the worker processes (collective_rpc): the Attention engine holds no routed-expert
-    bytes, the FFN role exactly plain vLLM's, and every MoE call of the Attention engine (warm-up
-    included) was one FFN item, whole forwards only."""
+    bytes, the FFN role exactly plain vLLM's and nothing else (its experts-only model, no KV cache beyond
+    the scheduler's null block), and every MoE call of the Attention engine (warm-up included) was one FFN
+    item, whole forwards only."""
     afd, ffn = runs["afd"], runs["ffn"]
     assert afd["routed_expert_bytes"] == 0
     assert ffn["routed_expert_bytes"] == runs["plain"]["routed_expert_bytes"] > 0
+    assert ffn["model_class"] == "AfdFfnExperts" and ffn["kv_cache_blocks"] == 1, ffn
+    assert ffn["memory"]["resident_bytes"] == {"routed_experts": ffn["routed_expert_bytes"], "other": 0}, ffn
     stats = afd["afd_stats"]
     assert stats is not None and stats["calls"] > 0
     assert ffn["items"] == stats["calls"]

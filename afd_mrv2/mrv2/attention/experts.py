@@ -7,6 +7,7 @@ See docs/internals/vllm-roles.md, "afd_mrv2.mrv2.attention.experts".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -54,8 +55,9 @@ class AfdRoutedExperts(RoutedExperts):
             _refuse_held_set(layer_name, config.role, moe_config, expert_map_manager)
             self.afd_held = role_held_set(config, moe_config.num_experts)
             expert_map_manager = HeldExpertMap(expert_map_manager, held=self.afd_held)
-            if self.afd_attention is None:  # FFN rank: the real method allocates exactly its held experts
-                moe_config.num_local_experts = len(self.afd_held)
+            if self.afd_attention is None:  # FFN rank: the real method allocates exactly its held experts (the
+                # layer's own copy of the config: the factory's object, which its runner keeps, stays upstream's)
+                moe_config = dataclasses.replace(moe_config, num_local_experts=len(self.afd_held))
             # the Attention role's moe_config keeps the factory's num_local_experts: the real method is built as
             # on plain vLLM (its backend choice included); the stand-in's create_weights allocates 0 experts
         super().__init__(layer_name, params_dtype, moe_config, quant_config, expert_map_manager, **kwargs)
