@@ -14,7 +14,7 @@ Both sides run Model Runner V2 with one micro-batch (``--ubatches 1``: every MoE
 trip; on CPU through the test-only triton stand-in), start together, then alternate rounds with the other
 side's processes stopped (SIGSTOP, checked), as scripts/bench_serve.py does (its round and summary code).
 Prints per round tok/s and forward ms, per side the medians, the ratio of the second side to the first,
-and each FFN rank's routed-expert bytes in steady state and at the peak (from its ``done`` report).
+and each FFN rank's routed-expert bytes held and read, and its peak RSS (from its ``done`` report).
 Exit 0 after a run, 1 when a server or request failed, 2 for bad input.
 """
 
@@ -142,8 +142,9 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
     memory = {
         name: {
             str(rank): {
-                "steady_bytes": report.get("routed_expert_bytes"),
-                "peak_bytes": report.get("routed_expert_bytes_peak"),
+                "held_bytes": report.get("routed_expert_bytes"),
+                "read_bytes": ((report.get("memory") or {}).get("read_bytes") or {}).get("routed_experts"),
+                "peak_rss_bytes": (report.get("memory") or {}).get("peak_rss_bytes"),
             }
             for rank, report in sorted(reports[name].items())
         }
@@ -186,10 +187,10 @@ def report(result: dict[str, Any]) -> None:
         print(f"{key}: {value:.3f}" if value is not None else f"{key}: n/a")
     for name, ranks in result["expert_memory"].items():
         for rank, m in ranks.items():
-            steady, peak = m["steady_bytes"], m["peak_bytes"]
+            shown = {k: "n/a" if v is None else f"{v:,}" for k, v in m.items()}
             print(
-                f"{name} FFN rank {rank}: routed-expert bytes steady {steady if steady is not None else 'n/a'}, "
-                f"peak {peak if peak is not None else 'n/a'}"
+                f"{name} FFN rank {rank}: routed-expert bytes held {shown['held_bytes']}, read {shown['read_bytes']}; "
+                f"peak RSS {shown['peak_rss_bytes']} B"
             )
     print(f"load average start {result['load_average']['start']}, end {result['load_average']['end']}")
 

@@ -40,13 +40,13 @@ def test_report_prints_medians_the_ratio_and_the_expert_bytes(capsys: pytest.Cap
         },
         "ratios": {"R2/R1 tok_s": 0.98, "R2/R1 forward_ms": 1.05},
         "expert_memory": {
-            "R1": {"0": {"steady_bytes": 100, "peak_bytes": 200}},
-            "R2": {"0": {"steady_bytes": 200, "peak_bytes": 200}},
+            "R1": {"0": {"held_bytes": 1000, "read_bytes": 1000, "peak_rss_bytes": 5000}},
+            "R2": {"0": {"held_bytes": 2000, "read_bytes": 2000, "peak_rss_bytes": None}},
         },
         "load_average": {"start": (1.0, 1.0, 1.0), "end": (2.0, 1.0, 1.0)},
     }
     replicas.report(result)
     out = capsys.readouterr().out
     assert "R2/R1 tok_s: 0.980" in out and "R2/R1 forward_ms: 1.050" in out
-    assert "R1 FFN rank 0: routed-expert bytes steady 100, peak 200" in out
-    assert "R2 FFN rank 0: routed-expert bytes steady 200, peak 200" in out
+    assert "R1 FFN rank 0: routed-expert bytes held 1,000, read 1,000; peak RSS 5,000 B" in out
+    assert "R2 FFN rank 0: routed-expert bytes held 2,000, read 2,000; peak RSS n/a B" in out

@@ -1,8 +1,10 @@
-"""``afd-mrv2 serve`` with several Attention engines and FFN ranks (2A1F, 2A2F, 1A2F) on real vLLM.
+"""``afd-mrv2 serve`` with one or several Attention engines and FFN ranks (1A1F, 2A1F, 2A2F, 1A2F, 1A3F) on real
+vLLM.
 
 Mixtral-style checkpoint, V1 CPU runner, 2A1F serialized, 2A2F with ``--depth auto``
 (multistream on every role) and 1A2F serialized (more FFN ranks than Attention engines: a
-free topology, the experts sharded over both FFN ranks); plain vLLM (afd-mrv2 installed, no ``afd``
+free topology, the experts sharded over both FFN ranks), 1A1F and 1A3F (8 experts on 3 FFN ranks: E not
+divisible by F, balanced blocks of 3, 3 and 2); plain vLLM (afd-mrv2 installed, no ``afd``
 section) answers the same 32 greedy completions of 16 tokens twice (the plain-vs-plain
 figure), each topology once, all sent concurrently.  The proxy spreads the requests over
 two independent engines, so their batches differ from plain vLLM's single engine: the
@@ -12,7 +14,8 @@ From inside the processes (vLLM's ``collective_rpc``, over HTTP with
 ``VLLM_SERVER_DEV_MODE=1``; the FFN ranks' ``afd-mrv2 ffn: done`` reports):
 
 * each Attention engine holds 0 routed-expert parameter bytes; the FFN ranks together
-  hold exactly plain vLLM's (2F: each rank keeps its half of the experts);
+  hold exactly plain vLLM's (each rank its share of the experts, read and allocated alone: its memory
+  figures say so, with no other parameter byte and one KV block, the scheduler's null block);
 * every FFN rank served exactly (MoE layers x forwards) items of every Attention engine:
   the engine's own count of routed-expert calls, warm-up included;
 * with 2A, both engines served requests (the proxy balances), each on its own clock.
@@ -37,7 +40,7 @@ pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeo
 #: (Attention engines, FFN ranks, serve's --depth): 2A2F runs multistream with depth auto on every
 #: role (what grants ``multistream_ffn`` on the CPU test vehicle), 2A1F serialized (the default),
 #: 1A2F serialized (F > A: no rank pairing, every FFN rank serves the one engine)
-TOPOLOGIES = [(2, 1, None), (2, 2, "auto"), (1, 2, None)]
+TOPOLOGIES = [(2, 1, None), (2, 2, "auto"), (1, 2, None), (1, 1, None), (1, 3, None)]
 TOKENS = 16
 #: 32 prompts: the 16 of tests/vllm/engine.py and each once more with a suffix
 PROMPTS_32 = [*PROMPTS, *(f"{p} and then" for p in PROMPTS)]
@@ -133,6 +136,11 @@ def test_from_inside_weights_live_only_on_the_ffn_ranks_and_every_item_was_serve
     assert sorted(reports) == list(range(f)), "every FFN rank ends its session and reports"
     assert sum(r["routed_expert_bytes"] for r in reports.values()) == plain["routed_expert_bytes"]
     for rank, report in reports.items():
+        memory = report["memory"]
+        held = report["routed_expert_bytes"]
+        assert report["model_class"] == "AfdFfnExperts" and report["kv_cache_blocks"] == 1, (rank, report)
+        assert memory["resident_bytes"] == {"routed_experts": held, "other": 0}, (rank, memory)
+        assert memory["read_bytes"]["routed_experts"] == held, (rank, memory)
         served_items = {int(k): n for k, n in report["items_per_attention"].items()}
         assert served_items == {i: stats[i]["calls"] for i in range(a)}, (rank, served_items)
         pipelined = {info["pipelined"] for info in report["executors"].values()}
