@@ -1,9 +1,10 @@
-"""Each role's weight bytes for a checkpoint and an (A, F, R) deployment, reading no weights.
+"""Each role's weight bytes, held and read at start, for a checkpoint and an (A, F, R) deployment, reading no weights.
 
 :func:`size_checkpoint` counts each kind of weight from the safetensors headers (exact) where the
 folder has ``*.safetensors``, else from ``config.json`` alone (:mod:`afd_mrv2.checkpoints.sizing_config`);
 :func:`plan_roles` splits them over the roles (an Attention engine holds everything but the routed
-experts; an FFN rank its experts, ``Placement.held_by``).  Multi-token-prediction layers are left out.
+experts; an FFN rank only its experts, ``Placement.held_by``) and counts what each reads: every tensor
+but the routed-expert weights it does not hold.  Multi-token-prediction layers are left out.
 See docs/serve.md, "Sizing a deployment: afd-mrv2 plan".
 """
 
@@ -18,7 +19,14 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from afd_mrv2.checkpoints.sizing_config import KINDS, kinds_from_config, moe_layers, num_experts, widths
+from afd_mrv2.checkpoints.sizing_config import (
+    KINDS,
+    expert_intermediate,
+    kinds_from_config,
+    moe_layers,
+    num_experts,
+    widths,
+)
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.placement import Placement
 
@@ -26,6 +34,9 @@ __all__ = ["KINDS", "ModelBytes", "RolePlan", "kind_of", "plan_roles", "read_hea
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+#: the routed-expert tensors vLLM's expert filter skips when their expert is not held; it reads every other one
+#: (the scales), ``vllm.model_executor.model_loader.ep_weight_filter.should_skip_weight``
+FILTERED_SUFFIXES = (".weight", ".weight_packed")
 #: quantization scales (fp8: ``weight_scale_inv``, per-tensor ``weight_scale`` / ``input_scale``)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 _ROUTER = re.compile(r"\.(?:mlp|block_sparse_moe)\.gate\.(?:weight|e_score_correction_bias)$")
@@ -34,7 +45,8 @@ _ROUTER = re.compile(r"\.(?:mlp|block_sparse_moe)\.gate\.(?:weight|e_score_corre
 @dataclass(frozen=True)
 class ModelBytes:
     """A checkpoint's weight bytes: ``kinds`` over the whole model (MTP layers apart, in ``mtp``),
-    ``expert_bytes[e]`` routed expert ``e``'s bytes summed over the MoE layers."""
+    ``expert_bytes[e]`` routed expert ``e``'s bytes summed over the MoE layers, ``expert_scale_bytes[e]`` the
+    part of them every role reads (its scales: tensors not ending in :data:`FILTERED_SUFFIXES`)."""
 
     model: str
     arch: str
@@ -43,6 +55,7 @@ class ModelBytes:
     moe_layers: int
     kinds: Mapping[str, int]
     expert_bytes: tuple[int, ...]
+    expert_scale_bytes: tuple[int, ...]
     mtp: int = 0
     mtp_layers: int = 0
 
@@ -57,17 +70,17 @@ class ModelBytes:
 
 @dataclass(frozen=True)
 class RolePlan:
-    """What each of the ``ranks`` of one role holds: ``experts`` routed experts (``routed_bytes``), and in all
-    ``experts_only`` bytes once each role loads only what it holds (issue 26), ``today`` in steady state and
-    ``today_peak`` while loading (an FFN rank loads the whole model today, then drops the experts it does not hold)."""
+    """Each of the ``ranks`` of one role: ``experts`` routed experts (``routed_bytes``); ``weights`` the bytes it
+    holds (an Attention engine everything but the routed experts, an FFN rank its routed experts and nothing
+    else); ``reads`` the bytes it reads at start (every tensor but the routed-expert weights it does not hold:
+    an FFN rank reads and drops the rest, every role reads every routed expert's scales)."""
 
     role: str
     ranks: tuple[int, ...]
     experts: int
     routed_bytes: int
-    experts_only: int
-    today: int
-    today_peak: int
+    weights: int
+    reads: int
 
 
 def read_header(path: Path) -> dict[str, Any]:
@@ -127,7 +140,7 @@ def _count(name: str, info: Mapping[str, Any], parameters: bool) -> int:
 
 def _from_headers(folder: Path, files: list[Path], config: Mapping[str, Any], parameters: bool) -> ModelBytes:
     layers, experts = config["num_hidden_layers"], num_experts(config)
-    kinds, per_expert, mtp, dtypes = dict.fromkeys(KINDS, 0), [0] * experts, 0, set()
+    kinds, per_expert, scales, mtp, dtypes = dict.fromkeys(KINDS, 0), [0] * experts, [0] * experts, 0, set()
     for path in files:
         for name, info in read_header(path).items():
             if name == "__metadata__":
@@ -142,6 +155,7 @@ def _from_headers(folder: Path, files: list[Path], config: Mapping[str, Any], pa
             index = _EXPERT.search(name)
             if kind == "routed_experts" and index and int(index.group(1)) < experts:
                 per_expert[int(index.group(1))] += size
+                scales[int(index.group(1))] += 0 if name.endswith(FILTERED_SUFFIXES) else size
     if sum(per_expert) != kinds["routed_experts"]:
         raise ConfigError("MODEL", f"{folder}: routed-expert tensors without a per-expert index are not sized here")
     source = f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})"
@@ -154,6 +168,7 @@ def _from_headers(folder: Path, files: list[Path], config: Mapping[str, Any], pa
         moe_layers(config),
         kinds,
         tuple(per_expert),
+        tuple(scales),
         mtp,
         _mtp(config),
     )
@@ -173,32 +188,31 @@ def size_checkpoint(model: str | Path, *, parameters: bool = False) -> ModelByte
     files = sorted(folder.glob("*.safetensors")) if path.is_dir() else []
     if files:
         return _from_headers(folder, files, config, parameters)
-    per_expert = (expert * moe_layers(config),) * num_experts(config)
-    label = widths(config, parameters=parameters).label
+    w, layers = widths(config, parameters=parameters), moe_layers(config)
+    scale = expert - 3 * config["hidden_size"] * expert_intermediate(config) * (w.linear if w.quantized else w.base)
+    per_expert, scales = (expert * layers,) * num_experts(config), (scale * layers,) * num_experts(config)
     name = folder.resolve().name
     return ModelBytes(
-        name, config["model_type"], "config.json", label, moe_layers(config), kinds, per_expert, 0, _mtp(config)
+        name, config["model_type"], "config.json", w.label, layers, kinds, per_expert, scales, 0, _mtp(config)
     )
 
 
 def plan_roles(sizes: ModelBytes, attention: int, ffn: int, replicas: int = 1) -> list[RolePlan]:
-    """One entry per Attention engine (all alike: one entry, ``ranks`` 0..A-1) and one per run of FFN ranks
-    holding the same bytes."""
+    """One entry for the Attention engines (all alike: ``ranks`` 0..A-1) and one per run of FFN ranks holding
+    and reading the same bytes."""
     if attention < 1:
         raise ConfigError("--attention", f"expected an integer >= 1, got {attention}")
     placement = Placement(sizes.num_experts, ffn, replicas)
-    routed, total = sizes.kinds["routed_experts"], sizes.total
-    rest = total - routed
-    out = [RolePlan("attention", tuple(range(attention)), 0, 0, rest, rest, rest)]
+    rest, scales = sizes.total - sizes.kinds["routed_experts"], sum(sizes.expert_scale_bytes)
+    out = [RolePlan("attention", tuple(range(attention)), 0, 0, rest, rest + scales)]
     for rank in range(ffn):
         held = placement.held_by(rank)
         mine = sum(sizes.expert_bytes[e] for e in held)
+        reads = rest + mine + scales - sum(sizes.expert_scale_bytes[e] for e in held)
+        plan = RolePlan("ffn", (rank,), len(held), mine, mine, reads)
         last = out[-1]
-        ranks = (
-            (*last.ranks, rank) if (last.role, last.experts, last.routed_bytes) == ("ffn", len(held), mine) else None
-        )
-        if ranks is None:
-            out.append(RolePlan("ffn", (rank,), len(held), mine, mine, rest + mine, total))
-        else:
-            out[-1] = RolePlan("ffn", ranks, len(held), mine, mine, rest + mine, total)
+        if (last.role, last.experts, last.weights, last.reads) == ("ffn", len(held), mine, reads):
+            plan = RolePlan("ffn", (*last.ranks, rank), len(held), mine, mine, reads)
+            out.pop()
+        out.append(plan)
     return out

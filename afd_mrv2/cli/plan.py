@@ -1,4 +1,4 @@
-"""``afd-mrv2 plan MODEL --attention A --ffn F``: each role's weight bytes, reading no weights.
+"""``afd-mrv2 plan MODEL --attention A --ffn F``: each role's weight bytes, held and read at start, reading no weights.
 
 See docs/serve.md, "Sizing a deployment: afd-mrv2 plan".
 """
@@ -19,11 +19,10 @@ if TYPE_CHECKING:
 GIB = 1024**3
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS.update({"kib": 1024, "mib": 1024**2, "gib": GIB, "tib": 1024**4, "k": 1024, "m": 1024**2, "g": GIB})
-FITS = ("today", "experts-only")
 NOTE = (
-    "today: an FFN rank loads the whole model ('today peak'), then drops the routed experts it does not hold "
-    "('today'); 'experts only' is what it holds once each FFN rank loads only its experts (planned). "
-    "An Attention engine holds no routed expert."
+    "weights each: what each rank holds (an Attention engine: everything but the routed experts; an FFN rank: its "
+    "routed experts, nothing else). reads at start: what it reads from the checkpoint, every tensor but the "
+    "routed-expert weights it does not hold (an FFN rank drops all but its experts)."
 )
 
 
@@ -37,7 +36,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "config.json) from the safetensors headers where the folder has *.safetensors (exact), else from "
             "config.json alone (its dtype, or fp8 with float32 block scales where its quantization_config says "
             "so), and splits them over the roles: an Attention engine holds everything but the routed experts, "
-            "an FFN rank the experts its placement gives it.  Multi-token-prediction layers are left out."
+            "an FFN rank only the experts its placement gives it; it also prints what each reads at start "
+            "(every tensor but the routed-expert weights it does not hold).  Multi-token-prediction layers are "
+            "left out."
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder (or its config.json)")
@@ -48,13 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--device-memory",
         default=None,
         metavar="SIZE",
-        help="refuse a plan some role of which does not fit SIZE per device (64GiB, 80GB, 512MiB or bytes)",
-    )
-    parser.add_argument(
-        "--fit",
-        default="today",
-        metavar="{" + ",".join(FITS) + "}",
-        help="what --device-memory is checked against: today's load peak (default) or the experts-only layout",
+        help="refuse a plan some role of which holds more weights than SIZE per device (64GiB, 80GB, 512MiB or bytes)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (exact bytes)")
     parser.set_defaults(handler=run)
@@ -78,17 +73,15 @@ def _ranks(plan: RolePlan) -> str:
     return Placement.ranges(plan.ranks)
 
 
-def _check_fit(plans: list[RolePlan], memory: int, fit: str) -> None:
+def _check_fit(plans: list[RolePlan], memory: int) -> None:
     over = []
     for p in plans:
-        need = p.experts_only if fit == "experts-only" else p.today_peak
-        if need > memory:
+        if p.weights > memory:
             name = f"{p.role} {'ranks' if len(p.ranks) > 1 else 'rank'} {_ranks(p)}"
-            needs = f"needs {gib(need)}" if len(p.ranks) == 1 else f"need {gib(need)} each"
-            over.append(f"{name} {needs}, {gib(need - memory)} over")
+            needs = f"needs {gib(p.weights)}" if len(p.ranks) == 1 else f"need {gib(p.weights)} each"
+            over.append(f"{name} {needs}, {gib(p.weights - memory)} over")
     if over:
-        layout = "experts only" if fit == "experts-only" else "today, load peak"
-        raise AfdError(f"plan does not fit --device-memory {gib(memory)} ({layout}): {'; '.join(over)}")
+        raise AfdError(f"plan does not fit --device-memory {gib(memory)} (weights held): {'; '.join(over)}")
 
 
 def _as_json(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, plans: list[RolePlan]) -> str:
@@ -98,9 +91,8 @@ def _as_json(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, pl
             "ranks": list(p.ranks),
             "experts_each": p.experts,
             "routed_expert_bytes": p.routed_bytes,
-            "experts_only_bytes": p.experts_only,
-            "today_bytes": p.today,
-            "today_peak_bytes": p.today_peak,
+            "weight_bytes": p.weights,
+            "read_bytes": p.reads,
         }
         for p in plans
     ]
@@ -114,6 +106,7 @@ def _as_json(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, pl
             "moe_layers": sizes.moe_layers,
             "num_experts": sizes.num_experts,
             "total_bytes": sizes.total,
+            "routed_expert_scale_bytes": sum(sizes.expert_scale_bytes),
             "mtp_layers_left_out": sizes.mtp_layers,
             "mtp_bytes_left_out": sizes.mtp,
             "kinds": dict(sizes.kinds),
@@ -130,7 +123,7 @@ def _text(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, plans
 
     total = sizes.total
     kinds = [(k.replace("_", " "), f"{v:,}", gib(v), f"{100 * v / total:.2f}%") for k, v in sizes.kinds.items() if v]
-    roles = [(p.role, _ranks(p), p.experts, gib(p.experts_only), gib(p.today), gib(p.today_peak)) for p in plans]
+    roles = [(p.role, _ranks(p), p.experts, gib(p.weights), gib(p.reads)) for p in plans]
     mtp = ""
     if sizes.mtp_layers or sizes.mtp:
         mtp = f" ({sizes.mtp_layers} MTP layer{'s' * (sizes.mtp_layers != 1)} left out{': ' + gib(sizes.mtp) if sizes.mtp else ''})"
@@ -143,22 +136,29 @@ def _text(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, plans
         [
             head,
             format_table(["kind", "bytes", "GiB", "share"], kinds),
-            format_table(["role", "ranks", "experts each", "experts only", "today", "today peak"], roles),
-            NOTE,
+            format_table(["role", "ranks", "experts each", "weights each", "reads at start"], roles),
+            NOTE + _scales_note(sizes),
         ]
+    )
+
+
+def _scales_note(sizes: ModelBytes) -> str:
+    scales = sum(sizes.expert_scale_bytes)
+    return (
+        f" Each role reads every routed expert's scales ({gib(scales)} in all), keeping those of the experts it holds."
+        if scales
+        else ""
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from afd_mrv2.checkpoints.sizing import plan_roles, size_checkpoint
 
-    if args.fit not in FITS:
-        raise ConfigError("--fit", f"expected one of {', '.join(FITS)}, got {args.fit!r}")
     memory = None if args.device_memory is None else parse_size(args.device_memory)
     sizes = size_checkpoint(args.model)
     params = size_checkpoint(args.model, parameters=True)
     plans = plan_roles(sizes, args.attention, args.ffn, args.expert_replicas)
     if memory is not None:
-        _check_fit(plans, memory, args.fit)
+        _check_fit(plans, memory)
     print(_as_json(sizes, params, args, plans) if args.json else _text(sizes, params, args, plans))
     return 0

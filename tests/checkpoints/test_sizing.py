@@ -1,14 +1,16 @@
 """``afd_mrv2.checkpoints.sizing``: each kind's and each role's weight bytes, reading no weights.
 
 On the real config.json of DeepSeek-V3, Qwen3-235B-A22B and Kimi-K2-Instruct (tests/data/configs): the
-routed-expert bytes of each FFN rank by the closed formula, and the parameter count against the
-published totals; on checkpoints written here: the safetensors-header count against the real tensors'
-bytes, and the config.json count against the header count (fp8 with block scales and an MTP layer too).
+routed-expert bytes each FFN rank holds and reads by the closed formula, and the parameter count against
+the published totals; on checkpoints written here: the safetensors-header count against the real tensors'
+bytes, the config.json count against the header count (fp8 with block scales and an MTP layer too), and
+each role's bytes read against the header tensors vLLM's expert filter lets through.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from math import ceil
 from pathlib import Path
 
@@ -36,10 +38,14 @@ EXPERTS = {
 CARD_PARAMETERS = {"DeepSeek-V3": 671e9, "Qwen3-235B-A22B": 235e9, "Kimi-K2-Instruct": 1026.5e9}
 
 
+def expert_scales(hidden: int, inter: int, block: int | None) -> int:
+    """One routed expert's float32 block scales in one layer (gate, up and down; none unquantized)."""
+    return 0 if block is None else 3 * ceil(hidden / block) * ceil(inter / block) * 4
+
+
 def expert_bytes(hidden: int, inter: int, width: int, block: int | None) -> int:
     """One routed expert in one layer: gate, up and down, plus float32 scales per block when fp8."""
-    scales = 0 if block is None else 3 * ceil(hidden / block) * ceil(inter / block) * 4
-    return 3 * hidden * inter * width + scales
+    return 3 * hidden * inter * width + expert_scales(hidden, inter, block)
 
 
 @pytest.mark.parametrize("model", sorted(EXPERTS))
@@ -49,22 +55,26 @@ def test_each_ffn_rank_holds_the_formulas_routed_expert_bytes(model: str, ffn: i
     sizes = size_checkpoint(CONFIGS / model)
     assert (sizes.source, sizes.moe_layers, sizes.num_experts) == ("config.json", layers, experts)
     assert sizes.kinds["routed_experts"] == layers * experts * expert_bytes(hidden, inter, width, block)
+    scales = layers * expert_scales(hidden, inter, block)  # one expert's, over the MoE layers
+    assert sizes.expert_scale_bytes == (scales,) * experts
     plans = plan_roles(sizes, 2, ffn, replicas)
     attention, ffns = plans[0], plans[1:]
+    rest = sizes.total - sizes.kinds["routed_experts"]
     assert (attention.role, attention.ranks, attention.routed_bytes) == ("attention", (0, 1), 0)
-    assert attention.experts_only == sizes.total - sizes.kinds["routed_experts"]
+    assert (attention.weights, attention.reads) == (rest, rest + experts * scales)
     assert [r for p in ffns for r in p.ranks] == list(range(ffn))
+    held = experts * replicas // ffn
     for p in ffns:
-        expected = layers * experts * expert_bytes(hidden, inter, width, block) * replicas // ffn
-        assert (p.experts, p.routed_bytes, p.experts_only) == (experts * replicas // ffn, expected, expected)
-        assert (p.today, p.today_peak) == (attention.experts_only + expected, sizes.total)
+        weights = layers * experts * 3 * hidden * inter * width * replicas // ffn  # MoE layers x E x 3hI x dtype x R/F
+        assert (p.role, p.experts, p.routed_bytes, p.weights) == ("ffn", held, weights + held * scales, p.routed_bytes)
+        assert p.reads == rest + p.weights + (experts - held) * scales  # all else, read and dropped
 
 
 @pytest.mark.parametrize("model", sorted(CARD_PARAMETERS))
 def test_the_roles_add_up_to_the_published_parameter_count(model: str) -> None:
     params = size_checkpoint(CONFIGS / model, parameters=True)
     plans = plan_roles(params, 1, 8, 1)
-    held = plans[0].experts_only + sum(p.experts_only * len(p.ranks) for p in plans[1:])
+    held = plans[0].weights + sum(p.weights * len(p.ranks) for p in plans[1:])
     assert held == params.total
     assert abs(params.total - CARD_PARAMETERS[model]) / CARD_PARAMETERS[model] < 0.01
 
@@ -81,6 +91,7 @@ def test_the_header_count_is_the_tensors_bytes_and_the_config_count(tmp_path: Pa
         t.numel() * t.element_size() for n, t in weights.items() if ".experts." in n
     )
     assert sizes.expert_bytes == (sizes.kinds["routed_experts"] // 6,) * 6
+    assert sizes.expert_scale_bytes == (0,) * 6
     config = json.loads((folder / "config.json").read_text())
     kinds, one_expert = kinds_from_config(config)
     assert kinds == dict(sizes.kinds)
@@ -148,6 +159,41 @@ def test_fp8_block_scales_and_the_mtp_layer_from_headers_and_from_the_config(tmp
     assert size_checkpoint(folder / "config.json").kinds == sizes.kinds  # config alone: same counts
     params = size_checkpoint(folder, parameters=True)
     assert params.kinds == kinds_from_config(config, parameters=True)[0]
+    scales = {n: i for n, i in on_disk.items() if ".layers.1.mlp.experts." in n and n.endswith("_scale_inv")}
+    assert sum(sizes.expert_scale_bytes) == sum(i["data_offsets"][1] - i["data_offsets"][0] for i in scales.values())
+    assert size_checkpoint(folder / "config.json").expert_scale_bytes == sizes.expert_scale_bytes
+
+
+def test_each_role_reads_what_vllms_expert_filter_lets_through(tmp_path: Path) -> None:
+    """Bytes read at start: every header tensor of the main layers but the routed-expert weights (not their
+    scales) of the experts the role does not hold; an FFN rank holds its routed experts alone."""
+    folder = tmp_path / "dsv3"
+    _deepseek_v3_fp8(folder)
+    sizes = size_checkpoint(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    on_disk = {n: i for f in files for n, i in read_header(f).items() if n != "__metadata__"}
+
+    def nbytes(held: set[int] | None, *, scales: bool) -> int:
+        """The main layers' tensors but the routed experts outside ``held`` (all held: None), their scales
+        kept when ``scales``."""
+
+        def keep(name: str) -> bool:
+            match = re.search(r"\.experts\.(\d+)\.", name)
+            return not match or held is None or int(match.group(1)) in held or (scales and name.endswith("_inv"))
+
+        return sum(
+            i["data_offsets"][1] - i["data_offsets"][0] for n, i in on_disk.items() if keep(n) and ".layers.2." not in n
+        )
+
+    def experts_only(held: set[int]) -> int:
+        return nbytes(held, scales=False) - nbytes(set(), scales=False)
+
+    attention, *ffns = plan_roles(sizes, 1, 3, 1)  # 4 experts on 3 ranks: {0, 1}, {2}, {3}
+    assert (attention.weights, attention.reads) == (nbytes(set(), scales=False), nbytes(set(), scales=True))
+    assert [(p.ranks, p.experts) for p in ffns] == [((0,), 2), ((1, 2), 1)]
+    for plan, held in zip(ffns, ({0, 1}, {2}), strict=True):
+        assert (plan.weights, plan.reads) == (experts_only(held), nbytes(held, scales=True))
+    assert nbytes(None, scales=False) == sizes.total
 
 
 def read_len(path: Path) -> int:

@@ -49,7 +49,7 @@ def _options(command: str) -> dict[str, argparse.Action]:
     return {s: a for a in sub.choices[command]._actions for s in a.option_strings}
 
 
-@pytest.mark.parametrize("command", ["run", "demo", "bench", "serve", "make-model", "compat", "probe"])
+@pytest.mark.parametrize("command", ["run", "demo", "bench", "serve", "make-model", "compat", "probe", "plan"])
 def test_one_spelling_per_concept(command: str) -> None:
     """Seconds end in ``-s``; a list of depths compared is ``--depths`` and ``--depth`` is serve's one depth;
     micro-batches are ``--ubatches``; retired spellings stay out of the help."""
