@@ -15,12 +15,12 @@ from typing import Any
 #: The FFN engine runs no model forward of its own beyond vLLM's start-up: eager unless told otherwise.
 FFN_ENGINE_DEFAULTS: Mapping[str, Any] = {"enforce_eager": True}
 #: Where afd-mrv2 registers its layer, loader and model (not vLLM-Ascend): the FFN engine builds the experts-only
-#: model (``afd_mrv2.mrv2.ffn.model``, no KV cache), reads only its held experts (``--load-format afd``), and
-#: schedules one sequence (it serves through ``collective_rpc``, never through vLLM's scheduler).
+#: model (``afd_mrv2.mrv2.ffn.model``, no KV cache) and reads only its held experts (``--load-format afd``).
+#: The scheduler limits stay the Attention engine's: a CPU kernel's results depend on them (FP8 block
+#: experts with ``max_num_seqs`` 1 differed from plain vLLM's in 2 of 16 greedy completions).
 FFN_EXPERTS_ONLY_DEFAULTS: Mapping[str, Any] = {
     "hf_overrides": {"architectures": ["AfdFfnExperts"]},
     "load_format": "afd",
-    "max_num_seqs": 1,
 }
 
 
