@@ -32,21 +32,14 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from afd_mrv2.mrv2 import memory
 from afd_mrv2.mrv2.attention.experts import AfdRoutedExperts
 from afd_mrv2.mrv2.ffn.model import ARCHITECTURE
-from afd_mrv2.mrv2.loader import AfdModelLoader
 from afd_mrv2.procs import peak_rss_bytes
 from afd_mrv2.vllm_plugin import register
-
-YIELDED: list[str] = []
-
-
-class CountingAfdLoader(AfdModelLoader):
-    def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in super().get_all_weights(model_config, model):
-            YIELDED.append(name)
-            yield name, tensor
+from tests.vllm.attention_load import YIELDED, CountingAfdLoader
 
 
 class CountingDefaultLoader(DefaultModelLoader):
+    """vLLM's default loader, its reads counted by kind as the ``afd`` format counts them (the control)."""
+
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in memory.count_read(super().get_all_weights(model_config, model)):
             YIELDED.append(name)
