@@ -17,6 +17,14 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def start_pinned(cores: tuple[int, ...], sig: int = signal.SIGKILL) -> None:
+    """Between fork and exec (``preexec_fn``): pin this process to ``cores`` (every process it starts inherits
+    them; none: unchanged), then :func:`die_with_parent` with ``sig``."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    die_with_parent(sig)
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Linux: this process gets ``sig`` when its parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing.
 

@@ -15,6 +15,7 @@ Every child runs in a session of its own (Ctrl-C reaches only the caller, which 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -28,10 +29,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from afd_mrv2.procs import die_with_parent, stat_fields
+from afd_mrv2.procs import start_pinned, stat_fields
 
 from .client import Greedy, LineReader, body, greedy, prompts, run_requests
-from .host import BIND_ENV, ServerError, kind, tree
+from .host import BIND_ENV, ServerError, kind, parse_cpu_list, tree
 
 #: Engine arguments both sides get unless the caller says otherwise (fp32: exact comparisons).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--seed", "0"]
@@ -50,7 +51,9 @@ class Child:
     name = "server"
     proc: subprocess.Popen[str]
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, *, stdout_pipe: bool) -> None:
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], log: Path, *, stdout_pipe: bool, cores: tuple[int, ...] = ()
+    ) -> None:
         self.log = log
         self.cmd = cmd
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
@@ -68,7 +71,8 @@ class Child:
             text=True,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # no server outlives the script
+            # every process of the server on ``cores`` (none: unpinned); no server outlives the script
+            preexec_fn=functools.partial(start_pinned, cores, signal.SIGTERM),
         )
 
     def wait_exit(self, timeout_s: float) -> int:
@@ -229,7 +233,8 @@ def last_line(child: Child) -> str:
 
 
 class PlainServer(Child):
-    """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section), pinned to ``cores``."""
+    """Plain vLLM's OpenAI server (afd-mrv2 installed, no ``afd`` section): every process of it (front end,
+    EngineCore, worker) pinned to ``cores``, its OpenMP threads bound to them."""
 
     name = "plain vLLM"
 
@@ -240,7 +245,8 @@ class PlainServer(Child):
         self.cores = cores
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), *engine_args]
-        super().__init__(cmd, _env({**(env or {}), BIND_ENV: cores}), log, stdout_pipe=False)
+        pinned = tuple(parse_cpu_list(cores))  # every process, as serve pins each role's: equal treatment
+        super().__init__(cmd, _env({**(env or {}), BIND_ENV: cores}), log, stdout_pipe=False, cores=pinned)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         return wait_health(self, self.url, timeout_s)

@@ -190,6 +190,9 @@ class RoleSpec:
     ready_file: str | None = None
     #: Environment defaults for this process (serve's own environment wins over them).
     env: Mapping[str, str] = field(default_factory=dict)
+    #: The cores every process of this role runs on (its front end, EngineCore and workers inherit them);
+    #: empty: unpinned (the environment sets the binding).
+    cores: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -365,8 +368,11 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
             env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
             if role == ATTENTION and opts.ubatches is not None:
                 env[envs.V2_MODEL_RUNNER.name] = "1"
+            cores: tuple[int, ...] = ()
             if bind[role][rank]:
                 env[CPU_BIND_ENV] = bind[role][rank]
+                if CPU_BIND_ENV not in os.environ:  # the user's binding wins, and then serve pins no process
+                    cores = tuple(int(c) for c in bind[role][rank].split(","))
             port = opts.port + 1 + rank if role == ATTENTION else None
             ready = str(Path(run_dir) / f"ffn-{rank}.ready") if role == FFN else None
             ctx = RoleContext(
@@ -380,7 +386,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
                 ubatches=opts.ubatches if role == ATTENTION else None,
             )
             build = commands.attention if role == ATTENTION else commands.ffn
-            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env))
+            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env, cores))
     return Plan(opts, tuple(specs), run_dir, afd, num_experts)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from typing import TextIO
 import aiohttp
 
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.procs import die_with_parent, group_alive, group_members
+from afd_mrv2.procs import group_alive, group_members, start_pinned
 from afd_mrv2.serve.plan import FFN_READY_MARKER, HOST, RoleSpec
 
 POLL_S = 0.1
@@ -106,7 +107,8 @@ class RoleProcess:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,  # SIGKILL should serve itself die without stopping it
+            # every process of the role on its cores; SIGKILL should serve itself die without stopping it
+            preexec_fn=functools.partial(start_pinned, self.spec.cores),
             env=env,
             limit=LINE_LIMIT,
         )

@@ -218,6 +218,7 @@ class Supervisor:
                 raise AfdError(f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}") from None
             self._warn_ephemeral()
             self._say_placement()
+            self._say_cores()
             Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
             try:
                 if (
@@ -283,6 +284,18 @@ class Supervisor:
                 f"{eph.start}-{eph.stop - 1}; another process's socket may take one before its role binds it "
                 f"(choose a --port below {eph.start - len(later) - 1})"
             )
+
+    def _say_cores(self) -> None:
+        """Where each role runs: its cores, for every process of it (front end, EngineCore, workers)."""
+        pinned = [spec for spec in self.plan.roles if spec.cores]
+        if not pinned:
+            self._say("cores: not pinned (VLLM_CPU_OMP_THREADS_BIND is set in serve's environment)")
+            return
+        parts = ", ".join(
+            f"{spec.name} -> {','.join(map(str, spec.cores))}"
+            for spec in sorted(pinned, key=lambda r: (r.role != ATTENTION, r.rank))
+        )
+        self._say(f"cores: {parts} (every process of a role: its front end, EngineCore and workers)")
 
     def _say_placement(self) -> None:
         """Where the experts live: the table's summary and digest (what every pair checks at its handshake),

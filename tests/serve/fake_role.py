@@ -21,7 +21,8 @@ Its ``/metrics`` is what a vLLM OpenAI server exports, made the way vLLM makes i
 (``prometheus_client``; every sample labelled ``engine="0"``, as each independent engine does):
 a gauge, a counter of finished requests and a latency histogram.
 A prompt ``"die"`` makes the process SIGKILL itself in the middle of the response.
-Every fake prints ``pid <ROLE> <RANK> <PID>`` (and ``grandchild <PID>``) so tests can check them.
+Every fake prints ``pid <ROLE> <RANK> <PID>`` (and ``grandchild <PID>`` and ``cores <ROLE> <RANK> <LIST>
+grandchild <LIST>``, the CPU affinities) so tests can check them.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ async def main(argv: list[str]) -> None:
     if behaviour.get("grandchild"):
         child = subprocess.Popen(["sleep", "600"])
         print(f"grandchild {child.pid}", flush=True)
+        # where this process and the one it started run (serve pins every process of a role)
+        mine, its = sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(child.pid))
+        print(f"cores {role} {rank} {','.join(map(str, mine))} grandchild {','.join(map(str, its))}", flush=True)
     await asyncio.sleep(float(behaviour.get("ready_delay", 0.2)))
     run_dir = os.environ.get("AFD_MRV2_STATS_DIR")
     if role == "ffn":

@@ -16,6 +16,7 @@ from afd_mrv2.errors import AfdError, ConfigError
 from afd_mrv2.placement import Placement
 from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve import RoleCommands, ServeOptions, attention_command, build_plan, ffn_command
+from afd_mrv2.serve import plan as serve_plan
 from afd_mrv2.serve import roles as roles_module
 from afd_mrv2.serve.plan import RANK_KEY, cpu_binds
 from afd_mrv2.serve.supervisor import Supervisor
@@ -199,11 +200,22 @@ def test_plan_roles_ports_and_commands():
         assert spec.env["HF_HUB_OFFLINE"] == "1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_each_role_is_pinned_to_its_own_cores():
+def test_each_role_is_pinned_to_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_binds(2, [0, 1]) == ["0", "1"]
     assert cpu_binds(2, [4, 5, 6, 7, 8]) == ["4,5", "6,7"]
     assert cpu_binds(3, [0, 1]) == ["0", "1", "0"]
     assert cpu_binds(1, []) == [""]
+    # every process of a role (RoleSpec.cores, the supervisor's preexec pin) on the cores its OpenMP threads get
+    monkeypatch.setattr(serve_plan, "_available_cores", lambda: [4, 5, 6, 7])
+    monkeypatch.delenv(serve_plan.CPU_BIND_ENV, raising=False)
+    plan = build_plan(ServeOptions("m", 1, 2, port=9000), run_dir="/run/x")
+    assert {r.name: (r.cores, r.env[serve_plan.CPU_BIND_ENV]) for r in plan.roles} == {
+        "attention 0": ((4,), "4"),
+        "ffn 0": ((5,), "5"),
+        "ffn 1": ((6,), "6"),
+    }
+    monkeypatch.setenv(serve_plan.CPU_BIND_ENV, "0-3")  # the user's binding: serve pins no process
+    assert [r.cores for r in build_plan(ServeOptions("m", 1, 2, port=9000), run_dir="/run/x").roles] == [()] * 3
 
 
 def test_rank_is_an_afd_option_checked_per_process():

@@ -301,3 +301,24 @@ def test_a_role_whose_group_member_died_first_is_reported_with_that_cause(start_
         f"afd-mrv2 serve: error: ffn rank 0 (pid {pids['ffn 0']}) exited (exit code 0, after sleep "
         f"(pid {pids['grandchild of ffn 0']}) of its process group had ended); stopped every role"
     ), last
+
+
+def test_every_process_of_a_role_runs_on_the_role_s_cores(start_serve):
+    """Issue 27 item 1: serve pins each role's process, so what it starts (vLLM's EngineCore and workers; here the
+    fake's grandchild) inherits the role's cores, and says so in one line."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail(f"this test needs 2 cores in serve's affinity, the machine gives {cores}")
+    serve, _ = start_serve(1, 1, {"grandchild": True})
+    serve.wait_ready()
+    err = serve.err_lines()
+    (line,) = [x for x in err if x.startswith("[serve] cores: ")]
+    assert line.startswith(f"[serve] cores: attention 0 -> {cores[0]}, ffn 0 -> {cores[1]} ("), line
+    said = [x.split("] ", 1)[1].split() for x in err if "] cores " in x]  # cores ROLE RANK LIST grandchild LIST
+    pinned = {" ".join(words[1:3]): words[3:] for words in said}
+    assert pinned == {
+        "attention 0": [str(cores[0]), "grandchild", str(cores[0])],
+        "ffn 0": [str(cores[1]), "grandchild", str(cores[1])],
+    }, err
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0

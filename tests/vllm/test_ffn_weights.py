@@ -123,6 +123,19 @@ def test_every_ffn_rank_allocates_reads_and_holds_exactly_its_experts(ckpt: Chec
     print("\n[bytes] " + "\n[bytes] ".join(rows), flush=True)
 
 
+def test_an_ffn_rank_holds_what_a_placement_table_gives_it(ckpt: Checkpoint, tmp_path: Path) -> None:
+    """``afd.placement`` as a table (not the ring): FFN rank 1 of 2 holds exactly experts 0, 3 and the last one
+    (the first two of them also on rank 0), read and resident."""
+    last = ckpt.num_experts - 1
+    holders = [[1, 0] if e in (0, 3) else [1] if e == last else [0] for e in range(ckpt.num_experts)]
+    spec = {"num_ffn_ranks": 2, "expert_replicas": 2, "rank": 1, "placement": {"holders": holders}}
+    (report,) = _ffn_load(ckpt.folder, tmp_path / "table.json", spec)
+    assert report["held"] == [[0, 3, last]] * ckpt.layers
+    expected = ckpt.held_bytes([0, 3, last])
+    assert report["memory"]["resident_bytes"] == {"routed_experts": expected, "other": 0}
+    assert report["memory"]["read_bytes"]["routed_experts"] == expected
+
+
 def test_the_control_vllms_own_model_reads_and_holds_every_expert_and_more(ckpt: Checkpoint, tmp_path: Path) -> None:
     """The negative control: the checkpoint's own vLLM model (what an FFN rank built before) holds every expert
     and non-expert parameters, whatever the afd section would give the rank."""

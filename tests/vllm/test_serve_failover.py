@@ -227,6 +227,11 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         metrics = _metrics_once_resent(serve, resent)
         status = json.loads(_get(serve.url + "/afd/status"))
         resend_at = status["figures"]["attention 0"]["failover"]["first_resend_at"][str(killed)]
+        memory = status["figures"]["attention 0"]["memory"]  # issue 26: the engine read and holds no expert
+        assert memory["read_bytes"]["routed_experts"] == 0 and memory["resident_bytes"]["routed_experts"] == 0
+        assert memory["resident_bytes"]["other"] > 0 and memory["peak_rss_bytes"] > 0, memory
+        held = status["figures"][f"ffn {survivor}"]["memory"]["resident_bytes"]  # R = 2 on 2 ranks: every expert
+        assert held["other"] == 0 and held["routed_experts"] > 0, held
         after = [complete(serve.url, body(model, p, 8)) for p in prompts()[:4]]
         deadline = time.monotonic() + 600
         rejoined = _wait_for_rejoin(serve, model, killed, deadline)
