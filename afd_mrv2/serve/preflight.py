@@ -26,7 +26,13 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import FFN
 from afd_mrv2.mrv2.deployment import LAYOUT_ARGS, built_model_facts, deployment_of, model_facts
-from afd_mrv2.mrv2.engine_args import engine_config, ffn_engine_defaults, vllm_engine_kwargs, vllm_serve_parser
+from afd_mrv2.mrv2.engine_args import (
+    FFN_EXPERTS_ONLY_DEFAULTS,
+    engine_config,
+    ffn_engine_defaults,
+    vllm_engine_kwargs,
+    vllm_serve_parser,
+)
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.support_matrix import Deployment
 
@@ -69,11 +75,14 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
         raise serve_options.refusal(unknown)
 
 
+_NOT_A_DEFAULT = object()
+
+
 class ModelLayers:
     """The model's MoE layers, built once on the meta device for every role (the roles share one model).
 
-    Built from the first role's engine arguments less the process layout (:data:`LAYOUT_ARGS`), without
-    an ``afd`` section; where vLLM cannot build it so (an architecture whose constructors need a device),
+    Built from the first role's engine arguments less the process layout (:data:`LAYOUT_ARGS`) and the FFN
+    role's own defaults (its experts-only model), without an ``afd`` section; where vLLM cannot build it so (an architecture whose constructors need a device),
     the routed-expert count of the model's config decides, as every role's own check does.
     """
 
@@ -91,7 +100,11 @@ class ModelLayers:
         """The facts (built on first use); None before any role's config was built."""
         if self.facts is None and self._first is not None:
             kwargs, vllm_config = self._first
-            structure = {k: v for k, v in kwargs.items() if k not in LAYOUT_ARGS}
+            structure = {  # the checkpoint's own model: not the FFN role's experts-only one, nor its load format
+                k: v
+                for k, v in kwargs.items()
+                if k not in LAYOUT_ARGS and FFN_EXPERTS_ONLY_DEFAULTS.get(k, _NOT_A_DEFAULT) != v
+            }
             try:
                 self.facts = built_model_facts(engine_config(self.model, structure, {}))
             except Exception as exc:  # noqa: BLE001 - a model vLLM cannot build on the meta device: its config decides
