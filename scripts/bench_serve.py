@@ -9,8 +9,8 @@ Three sides, all on vLLM's Model Runner V2 (on CPU through the test-only triton 
 ``tests/vllm/triton_cpu_standin``, eager), the same checkpoint and engine arguments (default
 ``--dtype float32 --max-model-len 256 --max-num-seqs 64 --seed 0 --enforce-eager``):
 
-* ``plain``: plain vLLM's OpenAI server (``VLLM_USE_V2_MODEL_RUNNER=1``), pinned to ``--plain-cores``
-  (default: every core this process may use);
+* ``plain``: plain vLLM's OpenAI server (``VLLM_USE_V2_MODEL_RUNNER=1``), every process of it pinned to
+  ``--plain-cores`` (default: every core this process may use);
 * ``blocking``: ``afd-mrv2 serve --ubatches 1`` (A Attention engines + F FFN roles, default 1A1F; every MoE
   layer one blocking round trip), each role pinned to cores of its own by serve;
 * ``ubatch``: ``afd-mrv2 serve --ubatches N`` (default 2): steps at or above the ``afd.ubatch`` token
@@ -794,7 +794,8 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         "",
         _cores(result),
-        "(the pin is vLLM's OpenMP compute threads; front ends, engine-core loops and serve's proxy float)",
+        "(every process of a server or role is pinned to its cores, vLLM's OpenMP threads bound to them; serve's "
+        "supervisor and proxy float)",
         (
             f"every side's EngineCore processes ran at nice {result['engine_core_nice']} (--engine-core-nice)"
             if result.get("engine_core_nice") is not None
