@@ -1,0 +1,337 @@
+"""ZmqChannel: a :class:`~afd_mrv2.hooks.p2p.channel.Channel` on two zmq PAIR sockets (RFC 0007, 4-7).
+
+One socket per direction.  A send is one message, a 12-byte envelope (tag u32, nbytes u64) and
+the bytes, copied into zmq (the Pending is done on return).  No thread of ours reads: a waiter
+in ``await_done`` takes the receive side (others wait on their Pending), reads every ready
+message and completes the receives it belongs to, per tag in posting order; a message for a
+tag with no posted receive is kept and copied in when one is posted.  A monitor reports a
+disconnect: the messages already queued are read first, then every posted and later Pending
+fails with :class:`ChannelClosed`.  ``listen`` / ``connect`` / ``exchange_token`` build a pair.
+
+Each side binds its receiving socket and connects its sending one: libzmq drops the messages
+queued on a connecting socket when its connection closes, but keeps a binding socket's for it to
+read, so only the latter lets a peer's last message (its ABORT) be read after it left.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import json
+import math
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError
+from afd_mrv2.hooks.p2p.link import Pending
+
+_ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
+_HELLO = b"afd-zmq-token:"
+_LOSS_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_IDS = itertools.count()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"a zmq channel moves contiguous CPU tensors, not {tensor.device} strides {tensor.stride()}")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _finish(pending: Pending, error: BaseException | None, at: float | None = None) -> None:
+    pending.error = error
+    pending.done_at = time.perf_counter() if at is None else at
+    pending.done.set()
+
+
+class ZmqChannel:
+    """The transfers with one peer (global rank ``peer``) of the pair ``name``; see the module docstring."""
+
+    def __init__(
+        self, send: zmq.Socket[Any], recv: zmq.Socket[Any], *, peer: int, name: str,
+        send_timeout_s: float = 30.0, max_kept: int = 64,
+    ) -> None:  # fmt: skip
+        self.peer, self.name = peer, name
+        self._send, self._recv = send, recv
+        self.endpoint = recv.get_string(zmq.LAST_ENDPOINT)  # where the peer sends ("" if not bound)
+        self._send_timeout_s, self._max_kept = send_timeout_s, max_kept
+        # unique addresses: pyzmq's default names one by the socket's fd, which a later socket reuses
+        self._monitors = [
+            s.get_monitor_socket(_LOSS_EVENTS, f"inproc://afd-zmq-monitor-{next(_IDS)}") for s in (send, recv)
+        ]
+        self._poller = zmq.Poller()
+        for sock in (recv, *self._monitors):
+            self._poller.register(sock, zmq.POLLIN)
+        self._cond = threading.Condition()  # guards the fields below
+        self._reading = False  # a waiter holds the receive side
+        self._posted: dict[int, collections.deque[Pending]] = collections.defaultdict(collections.deque)
+        self._kept: dict[int, collections.deque[zmq.Frame]] = collections.defaultdict(collections.deque)
+        self.lost: ChannelError | None = None  # set once, with lost_at (see Channel)
+        self.lost_at = math.inf
+        self._send_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ posting
+
+    def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
+        view = _bytes_of(tensor)
+        pending = Pending(None, direction, tensor, self.peer, what)
+        if direction == "send":
+            self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
+            return pending
+        with self._cond:
+            kept = self._kept.get(tag)
+            if kept:
+                frame = kept.popleft()
+            elif self.lost is not None:
+                _finish(pending, self.lost)
+                return pending
+            else:
+                self._posted[tag].append(pending)
+                return pending
+        if len(frame.buffer) == pending.nbytes:
+            view[:] = frame.buffer
+            _finish(pending, None)
+        else:
+            _finish(pending, self._mismatch(pending, tag, len(frame.buffer)))
+        return pending
+
+    def _post_send(self, pending: Pending, envelope: bytes, view: memoryview) -> None:
+        deadline = time.monotonic() + self._send_timeout_s
+        with self._send_lock:
+            while self.lost is None:
+                try:
+                    self._send.send_multipart([envelope, view], flags=zmq.NOBLOCK, copy=True)
+                except zmq.Again:  # high-water mark, or no connection: wait for room, noticing a loss
+                    if time.monotonic() >= deadline:
+                        text = f"the peer did not accept {pending.what} within {self._send_timeout_s:g} s"
+                        _finish(pending, ChannelError(f"zmq pair {self.name}: {text}"))
+                        return
+                    self._send.poll(50, zmq.POLLOUT)
+                    self._try_read()
+                else:
+                    _finish(pending, None)
+                    return
+        _finish(pending, self.lost)
+
+    # ------------------------------------------------------------------ waiting
+
+    def await_done(self, pending: Pending, slice_s: float) -> bool:
+        deadline = time.monotonic() + slice_s
+        with self._cond:
+            while self._reading and not pending.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return pending.done.is_set()
+            if pending.done.is_set():
+                return True
+            self._reading = True
+        try:
+            while not pending.done.is_set():
+                left = deadline - time.monotonic()
+                self._read(max(left, 0.0))
+                if left <= 0:
+                    break
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+        return pending.done.is_set()
+
+    def _try_read(self) -> None:
+        with self._cond:
+            if self._reading:
+                return
+            self._reading = True
+        try:
+            self._read(0.0)
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _read(self, timeout_s: float) -> None:
+        """Poll up to ``timeout_s``, read every ready message, then act on a disconnect (the reader only)."""
+        ready = dict(self._poller.poll(math.ceil(timeout_s * 1000)))
+        completed = self._read_ready() if self._recv in ready else False
+        if any(m in ready and self._disconnected(m) for m in self._monitors):
+            self._read_ready()  # what the peer sent before it left is read before the loss
+            self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed"))
+        elif completed:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _read_ready(self) -> bool:
+        completed = False
+        while self.lost is None:
+            try:
+                envelope = self._recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return completed
+            completed = self._read_message(envelope) or completed
+        return completed
+
+    def _read_message(self, envelope: bytes) -> bool:
+        if len(envelope) != _ENVELOPE.size or not self._recv.get(zmq.RCVMORE):
+            self._lose(ChannelError(f"zmq pair {self.name}: a malformed message ({len(envelope)}-byte envelope)"))
+            return True
+        tag, nbytes = _ENVELOPE.unpack(envelope)
+        with self._cond:
+            posted = self._posted.get(tag)
+            pending = posted.popleft() if posted else None
+        if pending is None:
+            frame = self._recv.recv(copy=False)
+            with self._cond:
+                self._kept[tag].append(frame)
+                overflow = len(self._kept[tag]) > self._max_kept
+            if overflow:
+                self._lose(
+                    ChannelError(f"zmq pair {self.name}: over {self._max_kept} unreceived messages of tag {tag}")
+                )
+            return overflow
+        if nbytes != pending.nbytes:
+            self._recv.recv(copy=False)
+            _finish(pending, self._mismatch(pending, tag, nbytes))
+            return True
+        got = self._recv.recv_into(_bytes_of(pending.tensor))
+        _finish(pending, None if got == nbytes else self._mismatch(pending, tag, got))
+        return True
+
+    def _disconnected(self, monitor: zmq.Socket[Any]) -> bool:
+        events = 0
+        while monitor.poll(0):
+            events |= recv_monitor_message(monitor)["event"]
+        return bool(events & _LOSS_EVENTS)
+
+    def _mismatch(self, pending: Pending, tag: int, nbytes: int) -> ChannelError:
+        return ChannelError(
+            f"zmq pair {self.name}: {pending.what} (tag {tag}) expected {pending.nbytes} bytes, the peer sent {nbytes}"
+        )
+
+    def _lose(self, error: ChannelError) -> None:
+        with self._cond:
+            if self.lost is not None:
+                return
+            self.lost, self.lost_at = error, time.perf_counter()
+            failed = [p for queue in self._posted.values() for p in queue]
+            self._posted.clear()
+            for pending in failed:
+                _finish(pending, error, self.lost_at)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._reading, timeout=1.0)
+            self._reading = True  # nobody reads a closed socket
+        self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed by this side"))
+        for sock in (self._send, self._recv):
+            sock.disable_monitor()
+            sock.close()
+        for sock in self._monitors:
+            sock.close()
+
+
+# ---------------------------------------------------------------------- building a pair
+
+
+@dataclass(frozen=True)
+class ZmqEndpoints:
+    """What the binding side publishes: where the connecting side sends, and the pair's token."""
+
+    endpoint: str
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ZmqEndpoints:
+        return cls(**json.loads(text))
+
+
+def _channel(bind: str, linger_s: float, peer: int, name: str, **options: Any) -> ZmqChannel:
+    context: zmq.Context[Any] = zmq.Context.instance()
+    send: zmq.Socket[Any] = context.socket(zmq.PAIR)
+    recv: zmq.Socket[Any] = context.socket(zmq.PAIR)
+    for sock in (send, recv):
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one incarnation: never reconnect to whoever reuses the port
+        sock.setsockopt(zmq.LINGER, round(linger_s * 1000))
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    recv.bind_to_random_port(f"tcp://{bind}")
+    return ZmqChannel(send, recv, peer=peer, name=name, **options)
+
+
+def listen(
+    *, peer: int, name: str, bind: str = "127.0.0.1", linger_s: float = 0.25, **options: Any
+) -> tuple[ZmqChannel, ZmqEndpoints]:
+    """The binding side (the FFN's): its receiving socket on an ephemeral port of ``bind``, a fresh token."""
+    channel = _channel(bind, linger_s, peer, name, **options)
+    return channel, ZmqEndpoints(channel.endpoint, secrets.token_hex(16))
+
+
+def connect(
+    endpoints: ZmqEndpoints, *, peer: int, name: str, bind: str = "127.0.0.1", linger_s: float = 0.25, **options: Any
+) -> ZmqChannel:
+    """The connecting side (the Attention's): binds its receiving socket on ``bind``, sends to ``endpoints``."""
+    channel = _channel(bind, linger_s, peer, name, **options)
+    channel._send.connect(endpoints.endpoint)
+    return channel
+
+
+def _token_step(channel: ZmqChannel, send: bytes | None, deadline: float, give_up: Callable[[], bool]) -> bytes:
+    sock, event = (channel._send, zmq.POLLOUT) if send is not None else (channel._recv, zmq.POLLIN)
+    while not sock.poll(50, event):
+        if give_up():
+            return b""
+        if time.monotonic() >= deadline:
+            raise ChannelError(f"zmq pair {channel.name}: no token from the peer in time")
+    if send is not None:
+        sock.send(send)
+        return send
+    return bytes(sock.recv())
+
+
+def exchange_token(
+    channel: ZmqChannel, token: str, *, first: bool, timeout_s: float, give_up: Callable[[], bool] = lambda: False
+) -> bool:
+    """Before any post: the connecting side (``first``) sends ``token`` and where it receives; the
+    binding side checks the token, connects there and sends it back, which the connecting side
+    checks.  False when ``give_up()`` turned true first; raises :class:`ChannelError` (one line naming
+    the pair) on a wrong token or none in ``timeout_s``."""
+    deadline, hello = time.monotonic() + timeout_s, _HELLO + token.encode()
+    if first and not _token_step(channel, hello + b"@" + channel.endpoint.encode(), deadline, give_up):
+        return False
+    got = _token_step(channel, None, deadline, give_up)
+    if not got:
+        return False
+    got_hello, _, endpoint = got.partition(b"@")
+    if got_hello != hello or (not first and not endpoint):
+        raise ChannelError(f"zmq pair {channel.name}: the peer sent a wrong token (not this pair's peer)")
+    if not first:
+        channel._send.connect(endpoint.decode())
+        return bool(_token_step(channel, hello, deadline, give_up))
+    return True
+
+
+def loopback_pair(*, name: str = "a0-f0", timeout_s: float = 10.0, **options: Any) -> tuple[ZmqChannel, ZmqChannel]:
+    """A joined pair on 127.0.0.1 in this process, for tests and benches: (connecting side, binding side)."""
+    binder, endpoints = listen(peer=0, name=name, **options)
+    connector = connect(endpoints, peer=1, name=name, **options)
+    deadline, hello = time.monotonic() + timeout_s, _HELLO + endpoints.token.encode()
+    _token_step(connector, hello + b"@" + connector.endpoint.encode(), deadline, lambda: False)
+    exchange_token(binder, endpoints.token, first=False, timeout_s=timeout_s)
+    if _token_step(connector, None, deadline, lambda: False) != hello:
+        raise ChannelError(f"zmq pair {name}: the peer sent a wrong token (not this pair's peer)")
+    return connector, binder
