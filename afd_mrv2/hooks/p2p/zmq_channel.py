@@ -7,10 +7,8 @@ message and completes the receives it belongs to, per tag in posting order; a me
 tag with no posted receive is kept and copied in when one is posted.  A monitor reports a
 disconnect: the messages already queued are read first, then every posted and later Pending
 fails with :class:`ChannelClosed`.  ``listen`` / ``connect`` / ``exchange_token`` build a pair.
-
-Each side binds its receiving socket and connects its sending one: libzmq drops the messages
-queued on a connecting socket when its connection closes, but keeps a binding socket's for it to
-read, so only the latter lets a peer's last message (its ABORT) be read after it left.
+Each side binds its receiving socket (libzmq keeps a bound socket's queue on a disconnect, drops a
+connecting one's): a peer's last message (its ABORT) is read after it left.  RFC 0007, amendment.
 """
 
 from __future__ import annotations
