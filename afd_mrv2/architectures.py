@@ -1,13 +1,14 @@
 """What a MoE checkpoint's ``config.json`` says about its routed experts, per architecture.
 
 Which decoder layers are MoE layers, how many routed experts each has and their sizes, where the
-experts sit in the checkpoint's names, and the routed-experts layer vLLM builds for them
+experts sit in the checkpoint's names (:func:`is_routed_expert`, :func:`routed_expert_id`), and the routed-experts layer vLLM builds for them
 (:func:`experts_layer_args`, the keyword values of vLLM's ``FusedMoEFactory`` call in each model).
 Read by ``afd-mrv2 plan`` (sizing) and by the FFN role's experts-only model; no torch, no vLLM.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,19 @@ from afd_mrv2.errors import ConfigError
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 QWEN_TYPES = ("qwen2_moe", "qwen3_moe")
 ARCH_TYPES = (*DEEPSEEK_TYPES, *QWEN_TYPES, "mixtral")
+_EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a routed expert's, per expert (``...experts.<id>.<proj>``) or fused
+    (``...experts.<proj>``); a shared expert's (``shared_experts.``/``shared_expert.``) is not."""
+    return ".experts." in name and ".shared_expert" not in name
+
+
+def routed_expert_id(name: str) -> int | None:
+    """The routed expert id in checkpoint tensor ``name`` (``...experts.<id>.``), else None (fused, shared, other)."""
+    match = _EXPERT_ID.search(name)
+    return int(match.group(1)) if match and is_routed_expert(name) else None
 
 
 def model_type(config: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ _PR_SET_PDEATHSIG = 1
 def start_pinned(cores: tuple[int, ...], sig: int = signal.SIGKILL) -> None:
     """Between fork and exec (``preexec_fn``): pin this process to ``cores`` (every process it starts inherits
     them; none: unchanged), then :func:`die_with_parent` with ``sig``."""
-    if cores and hasattr(os, "sched_setaffinity"):
+    if cores and sys.platform.startswith("linux"):  # sched_setaffinity is Linux's
         os.sched_setaffinity(0, cores)
     die_with_parent(sig)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from afd_mrv2.architectures import routed_expert_id
 from afd_mrv2.checkpoints.archs import STD, VOCAB, ModelShape, config_json, is_norm, weight_shapes
-from afd_mrv2.checkpoints.residency import expert_tensor
 from afd_mrv2.errors import ConfigError
 
 __all__ = [
@@ -100,7 +100,7 @@ def save_weights(folder: Path, weights: dict[str, torch.Tensor], *, expert_shard
     if not expert_shard:
         save_file(weights, str(folder / SINGLE_FILE), metadata={"format": "pt"})
         return
-    files = {name: EXPERTS_FILE if expert_tensor(name) is not None else REST_FILE for name in weights}
+    files = {name: EXPERTS_FILE if routed_expert_id(name) is not None else REST_FILE for name in weights}
     for file in (EXPERTS_FILE, REST_FILE):
         part = {name: t for name, t in weights.items() if files[name] == file}
         save_file(part, str(folder / file), metadata={"format": "pt"})

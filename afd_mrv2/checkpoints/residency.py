@@ -14,18 +14,17 @@ import ctypes
 import json
 import mmap
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.architectures import routed_expert_id
 from afd_mrv2.errors import ConfigError
 
 __all__ = [
     "PAGE",
     "checkpoint_residency",
     "drop_page_cache",
-    "expert_tensor",
     "file_residency",
     "range_residency",
     "resident_pages",
@@ -33,14 +32,6 @@ __all__ = [
 ]
 
 PAGE = mmap.PAGESIZE
-_ROUTED = re.compile(r"\.experts\.(\d+)\.")
-
-
-def expert_tensor(name: str) -> int | None:
-    """The routed expert id of checkpoint tensor ``name`` (``...experts.<id>.<proj>...``), else None
-    (shared experts, ``shared_experts``/``shared_expert``, are not routed)."""
-    match = _ROUTED.search(name)
-    return int(match.group(1)) if match else None
 
 
 def tensor_ranges(path: str | Path) -> dict[str, tuple[int, int]]:
@@ -129,7 +120,7 @@ def checkpoint_residency(folder: str | Path) -> dict[str, tuple[int, int]]:
     totals = {"routed_experts": [0, 0], "other": [0, 0]}
     for path in sorted(Path(folder).glob("*.safetensors")):
         for name, (resident, pages) in range_residency(path, tensor_ranges(path)).items():
-            total = totals["routed_experts" if expert_tensor(name) is not None else "other"]
+            total = totals["routed_experts" if routed_expert_id(name) is not None else "other"]
             total[0] += resident
             total[1] += pages
     return {kind: (r, n) for kind, (r, n) in totals.items()}

@@ -19,6 +19,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from afd_mrv2.architectures import is_routed_expert, routed_expert_id
 from afd_mrv2.checkpoints.sizing_config import (
     KINDS,
     expert_intermediate,
@@ -33,7 +34,6 @@ from afd_mrv2.placement import Placement
 __all__ = ["KINDS", "ModelBytes", "RolePlan", "kind_of", "plan_roles", "read_header", "size_checkpoint"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 #: the routed-expert tensors vLLM's expert filter skips when their expert is not held; it reads every other one
 #: (the scales), ``vllm.model_executor.model_loader.ep_weight_filter.should_skip_weight``
 FILTERED_SUFFIXES = (".weight", ".weight_packed")
@@ -100,7 +100,7 @@ def read_header(path: Path) -> dict[str, Any]:
 def kind_of(name: str) -> str:
     """The kind of checkpoint tensor ``name`` (scales follow their weight)."""
     checks = (
-        ("routed_experts", ".experts." in name and ".shared_expert" not in name),
+        ("routed_experts", is_routed_expert(name)),
         ("router", bool(_ROUTER.search(name))),
         ("shared_experts", ".shared_expert" in name),
         ("attention", ".self_attn." in name),
@@ -152,10 +152,10 @@ def _from_headers(folder: Path, files: list[Path], config: Mapping[str, Any], pa
                 continue
             kind = kind_of(name)
             kinds[kind] += size
-            index = _EXPERT.search(name)
-            if kind == "routed_experts" and index and int(index.group(1)) < experts:
-                per_expert[int(index.group(1))] += size
-                scales[int(index.group(1))] += 0 if name.endswith(FILTERED_SUFFIXES) else size
+            index = routed_expert_id(name)
+            if index is not None and index < experts:
+                per_expert[index] += size
+                scales[index] += 0 if name.endswith(FILTERED_SUFFIXES) else size
     if sum(per_expert) != kinds["routed_experts"]:
         raise ConfigError("MODEL", f"{folder}: routed-expert tensors without a per-expert index are not sized here")
     source = f"safetensors headers ({len(files)} file{'s' * (len(files) > 1)})"

@@ -42,12 +42,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "override single dimensions"
         ),
     )
+    _dimension_flags(parser)
+    _output_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+def _dimension_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that override single dimensions of the preset."""
     parser.add_argument("--layers", type=int, default=None, help="decoder layers, each with a MoE")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size, a multiple of 64 (the head size)")
     parser.add_argument("--experts", type=int, default=None, help="routed experts per layer")
     parser.add_argument("--top-k", type=int, default=None, help="experts per token")
     parser.add_argument("--intermediate", type=int, default=None, help="each expert's intermediate size")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+
+
+def _output_flags(parser: argparse.ArgumentParser) -> None:
+    """What is measured and written, and how it is reported."""
     parser.add_argument(
         "--measure",
         action=argparse.BooleanOptionalAction,
@@ -73,7 +84,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
     parser.add_argument("--json", action="store_true", help="print the summary (and the measurement) as JSON")
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,26 +9,23 @@ another format reports no figures (None).
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from afd_mrv2.architectures import is_routed_expert
 from afd_mrv2.live_stats import MemoryFigures
 from afd_mrv2.procs import peak_rss_bytes
 
 ROUTED, OTHER = "routed_experts", "other"
 KINDS = (ROUTED, OTHER)
-#: a routed expert's checkpoint tensor: ``...experts.<id>.<proj>`` or a fused ``...experts.<proj>``
-#: (a shared expert's ``shared_experts.``/``shared_expert.`` has no ``.experts.``)
-_ROUTED_NAME = re.compile(r"\.experts\.")
 
 
 def kind_of(name: str) -> str:
     """The kind of the checkpoint tensor ``name``."""
-    return ROUTED if _ROUTED_NAME.search(name) else OTHER
+    return ROUTED if is_routed_expert(name) else OTHER
 
 
 @dataclass

@@ -310,16 +310,21 @@ def _check_own_keys_unset() -> None:
         )
 
 
-def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
-    """A ``VLLM_CPU_OMP_THREADS_BIND`` value for each of ``count`` processes: disjoint
-    blocks of ``cores`` when there are enough of them, else one core each, round robin."""
+def core_blocks(count: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
+    """The cores of each of ``count`` processes: disjoint blocks of ``cores`` when there are enough of them,
+    else one core each, round robin (none: empty blocks)."""
     cores = sorted(cores)
     if not cores:
-        return [""] * count
+        return [()] * count
     if len(cores) < count:
-        return [str(cores[i % len(cores)]) for i in range(count)]
+        return [(cores[i % len(cores)],) for i in range(count)]
     size = len(cores) // count
-    return [",".join(str(c) for c in cores[i * size : (i + 1) * size]) for i in range(count)]
+    return [tuple(cores[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
+    """:func:`core_blocks` as ``VLLM_CPU_OMP_THREADS_BIND`` values."""
+    return [",".join(map(str, block)) for block in core_blocks(count, cores)]
 
 
 def _available_cores() -> list[int]:
@@ -358,7 +363,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     specs: list[RoleSpec] = []
     # Attention ranks take the first core blocks, FFN ranks the next ones
-    binds = iter(cpu_binds(opts.attention + opts.ffn, _available_cores()))
+    binds = iter(core_blocks(opts.attention + opts.ffn, _available_cores()))
     bind = {ATTENTION: [next(binds) for _ in range(opts.attention)], FFN: [next(binds) for _ in range(opts.ffn)]}
     for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention)):
         for rank in range(count):
@@ -368,11 +373,10 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
             env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
             if role == ATTENTION and opts.ubatches is not None:
                 env[envs.V2_MODEL_RUNNER.name] = "1"
-            cores: tuple[int, ...] = ()
-            if bind[role][rank]:
-                env[CPU_BIND_ENV] = bind[role][rank]
-                if CPU_BIND_ENV not in os.environ:  # the user's binding wins, and then serve pins no process
-                    cores = tuple(int(c) for c in bind[role][rank].split(","))
+            block = bind[role][rank]
+            if block:
+                env[CPU_BIND_ENV] = ",".join(map(str, block))
+            cores = block if CPU_BIND_ENV not in os.environ else ()  # the user's binding wins: serve pins nothing
             port = opts.port + 1 + rank if role == ATTENTION else None
             ready = str(Path(run_dir) / f"ffn-{rank}.ready") if role == FFN else None
             ctx = RoleContext(

@@ -75,9 +75,6 @@ def check_serve_arguments(vllm_args: list[str]) -> None:
         raise serve_options.refusal(unknown)
 
 
-_NOT_A_DEFAULT = object()
-
-
 class ModelLayers:
     """The model's MoE layers, built once on the meta device for every role (the roles share one model).
 
@@ -103,7 +100,7 @@ class ModelLayers:
             structure = {  # the checkpoint's own model: not the FFN role's experts-only one, nor its load format
                 k: v
                 for k, v in kwargs.items()
-                if k not in LAYOUT_ARGS and FFN_EXPERTS_ONLY_DEFAULTS.get(k, _NOT_A_DEFAULT) != v
+                if k not in LAYOUT_ARGS and not (k in FFN_EXPERTS_ONLY_DEFAULTS and FFN_EXPERTS_ONLY_DEFAULTS[k] == v)
             }
             try:
                 self.facts = built_model_facts(engine_config(self.model, structure, {}))

@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from afd_mrv2.architectures import routed_expert_id
 from afd_mrv2.checkpoints.residency import (
     PAGE,
     checkpoint_residency,
     drop_page_cache,
-    expert_tensor,
     file_residency,
     range_residency,
     resident_pages,
@@ -122,8 +122,8 @@ def test_whole_pages_only(tmp_path: Path) -> None:
         ("model.layers.0.self_attn.q_proj.weight", None),
     ],
 )
-def test_expert_tensor(name: str, expert: int | None) -> None:
-    assert expert_tensor(name) == expert
+def test_routed_expert_id(name: str, expert: int | None) -> None:
+    assert routed_expert_id(name) == expert
 
 
 def test_checkpoint_residency_splits_routed_experts_from_the_rest(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from afd_mrv2.checkpoints.residency import drop_page_cache, expert_tensor, range_residency, tensor_ranges
+from afd_mrv2.architectures import routed_expert_id
+from afd_mrv2.checkpoints.residency import drop_page_cache, range_residency, tensor_ranges
 from afd_mrv2.placement import Placement
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
@@ -62,7 +63,7 @@ class Checkpoint:
         self.bytes: dict[int, int] = {}
         for path in self.files:
             for name, (start, end) in tensor_ranges(path).items():
-                expert = expert_tensor(name)
+                expert = routed_expert_id(name)
                 if expert is not None:
                     self.names.setdefault(expert, set()).add(name)
                     self.bytes[expert] = self.bytes.get(expert, 0) + end - start
@@ -111,7 +112,7 @@ def test_every_ffn_rank_allocates_reads_and_holds_exactly_its_experts(ckpt: Chec
             assert report["parameter_bytes"] == {"routed_experts": expected, "other": 0}, where
             assert memory["resident_bytes"] == {"routed_experts": expected, "other": 0}, where
             assert memory["read_bytes"]["routed_experts"] == expected, where
-            yielded_experts = {n for n in report["yielded"] if expert_tensor(n) is not None}
+            yielded_experts = {n for n in report["yielded"] if routed_expert_id(n) is not None}
             assert yielded_experts == set().union(*(ckpt.names[e] for e in held)), where
             assert all(name.split(".")[0] == "layers" for name in report["parameters"]), where
             read_by_ranks += memory["read_bytes"]["routed_experts"]
@@ -167,7 +168,7 @@ def _residency(path: Path) -> tuple[dict[int, tuple[int, int]], tuple[int, int]]
     experts: dict[int, tuple[int, int]] = {}
     other = [0, 0]
     for name, (resident, total) in pages.items():
-        expert = expert_tensor(name)
+        expert = routed_expert_id(name)
         if expert is None:
             other[0] += resident
             other[1] += total
