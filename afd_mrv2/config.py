@@ -31,6 +31,8 @@ from afd_mrv2.options import (
 from afd_mrv2.placement import Placement, PlacementError
 
 ROLES = (ATTENTION, FFN)
+#: What torch_p2p's pairs run on (``afd.transport``; see :mod:`afd_mrv2.mrv2.transport.store`).
+TRANSPORTS = ("gloo", "zmq")
 #: Who hosts the AFD rendezvous store on ``host:port``: FFN rank 0, or someone else (``afd-mrv2 serve``'s
 #: supervisor), which also lets restarted roles rejoin (``afd.rendezvous``)
 RENDEZVOUS = ("ffn0", "external")
@@ -246,7 +248,10 @@ class AfdConfig:
     its most holders of an expert).  ``rendezvous``
     (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
     ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
-    and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``connector_extra_config``
+    and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``transport`` (vLLM
+    path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``gloo`` (default) or ``zmq``; ``bind``: the
+    address a zmq pair's receiving sockets bind (default: this host's address on the route to ``host``).
+    ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
 
@@ -267,6 +272,8 @@ class AfdConfig:
     rendezvous: str = option(one_of(RENDEZVOUS), "ffn0")
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
+    transport: str = option(one_of(TRANSPORTS), "gloo")
+    bind: str | None = option(TEXT, None)
     compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false
     async_mode: bool = option(FLAG, False, key="async")
     observers: tuple[str, ...] = option(NAMES, ())

@@ -15,9 +15,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from afd_mrv2.hooks.p2p import Pair
+from afd_mrv2.hooks.p2p import Pair, zmq_channel
+from afd_mrv2.hooks.p2p.channel import ChannelError
+from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.mrv2.transport.store import PREFIX, PlacementMismatch, RendezvousStore, pair_name
+from afd_mrv2.mrv2.transport.store import (
+    PREFIX,
+    PairTransport,
+    PlacementMismatch,
+    RendezvousStore,
+    pair_name,
+    route_address,
+)
 from afd_mrv2.placement import Placement
 from afd_mrv2.procs import free_port
 
@@ -27,6 +36,11 @@ RING = Placement.ring(8, 2)
 @pytest.fixture
 def raw() -> dist.Store:
     return dist.HashStore()
+
+
+@pytest.fixture(params=["gloo", "zmq"])
+def transport(request: pytest.FixtureRequest) -> PairTransport:
+    return PairTransport(request.param, "127.0.0.1" if request.param == "zmq" else None)
 
 
 def test_incarnations_count_per_rank_and_carry_the_process_label(raw: dist.Store) -> None:
@@ -51,8 +65,8 @@ def test_a_lost_mark_names_the_latest_incarnation_and_the_stop_key_is_set_once_a
     assert store.stop_requested() and raw.check([f"{PREFIX}/stop"])
 
 
-def test_a_side_gives_up_on_a_pair_whose_peer_never_says_hello(raw: dist.Store) -> None:
-    store = RendezvousStore(raw)
+def test_a_side_gives_up_on_a_pair_whose_peer_never_says_hello(raw: dist.Store, transport: PairTransport) -> None:
+    store = RendezvousStore(raw, transport=transport)
     looks = [0]
 
     def give_up() -> bool:
@@ -61,10 +75,44 @@ def test_a_side_gives_up_on_a_pair_whose_peer_never_says_hello(raw: dist.Store) 
 
     assert store.join_pair(FFN, (0, 1), (1, 1), placement=RING.stamp, give_up=give_up) is None
     assert raw.check([f"{PREFIX}/a0.1-f1.1/hello/ffn"]) and not raw.check([f"{PREFIX}/a0.1-f1.1/hello/attention"])
+    # on zmq the FFN side published where it listens before its hello (and closed that socket on giving up)
+    assert raw.check([f"{PREFIX}/a0.1-f1.1/zmq/endpoint"]) == (transport.kind == "zmq")
 
 
-def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it() -> None:
-    store = RendezvousStore(dist.HashStore())
+def test_transport_kinds_and_the_default_bind_address() -> None:
+    with pytest.raises(ValueError, match="transport 'nccl': not one of gloo, zmq"):
+        RendezvousStore(dist.HashStore(), transport=PairTransport("nccl"))
+    assert route_address("127.0.0.1", 29500) == "127.0.0.1"
+    port = free_port()
+    store = RendezvousStore.connect("127.0.0.1", port, master=True, timeout_s=10, transport=PairTransport("zmq"))
+    assert store.transport == PairTransport("zmq", "127.0.0.1")  # the route to the store's host
+
+
+def test_a_zmq_pair_whose_token_is_wrong_fails_the_join_in_one_line_naming_the_pair(raw: dist.Store) -> None:
+    """A stray connection (here: the Attention side reads a tampered token) is a failed join, never a mixed pair."""
+    store = RendezvousStore(raw, transport=PairTransport("zmq", "127.0.0.1"))
+    joined: dict[str, Any] = {}
+
+    def join(role: str) -> None:
+        try:
+            joined[role] = store.join_pair(role, (0, 1), (1, 1), placement=RING.stamp, give_up=lambda: len(joined) > 0)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            joined[role] = exc
+
+    ffn = threading.Thread(target=join, args=(FFN,), daemon=True)
+    ffn.start()
+    key = f"{PREFIX}/a0.1-f1.1/zmq/endpoint"
+    raw.wait([key])
+    endpoints = zmq_channel.ZmqEndpoints.from_json(raw.get(key).decode())
+    raw.set(key, zmq_channel.ZmqEndpoints(endpoints.endpoint, "0" * 32).to_json())
+    join(ATTENTION)
+    ffn.join(60)
+    assert isinstance(joined[FFN], ChannelError), joined
+    assert str(joined[FFN]) == "zmq pair a0.1-f1.1: the peer sent a wrong token (not this pair's peer)"
+
+
+def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it(transport: PairTransport) -> None:
+    store = RendezvousStore(dist.HashStore(), transport=transport)
     joined: dict[str, Any] = {}
 
     def join(role: str) -> None:
@@ -82,11 +130,16 @@ def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it
     assert isinstance(attention, Pair) and isinstance(ffn, Pair), joined
     assert attention.name == ffn.name == pair_name(0, 1, 1, 2) == "a0.1-f1.2"
     assert (attention.me, attention.peer, ffn.me, ffn.peer) == (0, 1, 1, 0)  # the Attention rank is rank 0
-    sent, got = torch.arange(4, dtype=torch.float32), torch.zeros(4)
-    send = attention.group.send([sent], attention.peer, 7)
-    ffn.group.recv([got], ffn.peer, 7).wait()
-    send.wait()
-    assert torch.equal(sent, got)
+    assert attention.channel.transport == ffn.channel.transport == transport.kind
+    assert isinstance(attention.channel, GlooChannel if transport.kind == "gloo" else zmq_channel.ZmqChannel)
+    for there, back in ((attention, ffn), (ffn, attention)):  # both directions
+        sent, got = torch.arange(4, dtype=torch.float32), torch.zeros(4)
+        send = there.channel.post("send", sent, 7, "four floats")
+        receive = back.channel.post("recv", got, 7, "four floats")
+        assert receive.await_done(10) and send.await_done(10) and receive.error is None
+        assert torch.equal(sent, got)
+    for pair in (attention, ffn):
+        pair.channel.close()
 
 
 #: The FFN side of a pair, in a process of its own: FFN rank 1 (its first incarnation) on the store at PORT

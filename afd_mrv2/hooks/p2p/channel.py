@@ -1,22 +1,21 @@
 """The channel under one pair of a PeerLink: how its bytes move (RFC 0007, decision 2).
 
 A :class:`Channel` joins this process and one peer.  ``post`` starts a send or a receive of
-one tensor under a tag and returns a :class:`~afd_mrv2.hooks.p2p.link.Pending`; receives of
-one tag match the peer's sends of that tag in posting order.  ``await_done`` waits at most
-``slice_s`` for one Pending (PeerLink checks cancellation, peers and deadlines between
-slices).  A failed Pending has ``error`` set (a :class:`ChannelError`) and ``done_at``
-(``time.perf_counter()``) when the failure was seen.  Once the connection closed, every
-posted Pending and every later post fails with :class:`ChannelClosed`; ``lost`` holds that
-error and ``lost_at`` when it was seen, which PeerLink orders losses by.
+one tensor under a tag and returns a :class:`Pending`; receives of one tag match the peer's
+sends of that tag in posting order.  ``await_done`` waits at most ``slice_s`` for one Pending
+(PeerLink checks cancellation, peers and deadlines between slices; ``slice_s=0`` only looks).
+A failed Pending has ``error`` set and ``done_at`` (``time.perf_counter()``) when the failure
+was seen.  Implementations: :class:`~afd_mrv2.hooks.p2p.gloo_channel.GlooChannel` (a
+torch.distributed group) and :class:`~afd_mrv2.hooks.p2p.zmq_channel.ZmqChannel`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import abc
+import threading
+from typing import Any
 
 import torch
-
-from afd_mrv2.hooks.p2p.link import Pending
 
 __all__ = ["Channel", "ChannelClosed", "ChannelError", "Pending"]
 
@@ -29,27 +28,53 @@ class ChannelClosed(ChannelError):
     """The channel's connection closed: the peer died or closed its end."""
 
 
-class Channel(Protocol):
+class Pending:
+    """One posted send or receive of ``tensor``; ``done`` is set once it completed or failed (``error``).
+
+    Holds the tensor until then, so a transport never writes into freed memory even when the hook
+    that posted it has given up.  ``posted_at`` / ``done_at`` are ``time.perf_counter()`` stamps.
+    """
+
+    __slots__ = (
+        "channel", "direction", "done", "done_at", "error", "nbytes", "peer", "posted_at", "tensor", "what", "work",
+    )  # fmt: skip
+
+    def __init__(
+        self, work: Any, direction: str, tensor: torch.Tensor, peer: int, what: str, channel: Channel | None = None
+    ) -> None:
+        self.work = work
+        self.channel = channel
+        self.direction = direction
+        self.tensor = tensor
+        self.peer = peer
+        self.what = what
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.done = threading.Event()
+        self.posted_at = 0.0
+        self.done_at = 0.0  # when it completed (the simulated link starts there), or its failure was seen
+        self.error: BaseException | None = None
+
+    def await_done(self, slice_s: float) -> bool:
+        """Wait at most ``slice_s`` for this operation through its channel; True once done (or failed)."""
+        if self.channel is None:
+            return self.done.wait(slice_s)
+        return self.channel.await_done(self, slice_s)
+
+
+class Channel(abc.ABC):
     """One peer's transfers; see the module docstring."""
 
-    @property
-    def lost(self) -> ChannelError | None:
-        """The error every Pending fails with once the connection closed; None while it is open."""
-        ...
+    #: what the channel's errors name in PeerLink's messages (``[gloo: ...]``)
+    transport = ""
 
-    @property
-    def lost_at(self) -> float:
-        """``time.perf_counter()`` when the loss was seen (``inf`` while the channel is open)."""
-        ...
-
+    @abc.abstractmethod
     def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
         """Start sending (``direction="send"``) or receiving (``"recv"``) ``tensor`` under ``tag``."""
-        ...
 
+    @abc.abstractmethod
     def await_done(self, pending: Pending, slice_s: float) -> bool:
         """Wait at most ``slice_s`` for ``pending``; True once it is done (or failed)."""
-        ...
 
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release the connection; Pendings still posted fail with :class:`ChannelClosed`."""
-        ...
+        """Release the connection; Pendings still posted fail (or end on their own, on gloo)."""

@@ -7,7 +7,6 @@ See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.link".
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import warnings
@@ -19,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.channel import Channel, Pending
+from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import Work
@@ -30,62 +31,38 @@ _LINGER_S = 0.25  # how long an aborting rank waits for its notice to be read be
 
 @dataclass(frozen=True)
 class Pair:
-    """A two-rank process group joining this rank and one peer: ``me`` and ``peer`` are the two
-    ranks in it; ``name`` names it in messages (``a0.1-f1.2``: the two processes' incarnations)."""
+    """A channel joining this rank and one peer: ``me`` and ``peer`` are the two ranks of the pair
+    (0 and 1); ``name`` names it in messages (``a0.1-f1.2``: the two processes' incarnations).
 
-    group: Any
+    ``channel`` is a :class:`~afd_mrv2.hooks.p2p.channel.Channel`; a torch.distributed group given
+    there (the shape before 0.3.0) is wrapped in a :class:`GlooChannel` with a ``DeprecationWarning``.
+    """
+
+    channel: Any
     me: int
     peer: int
     name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.channel, Channel):
+            warnings.warn(
+                "Pair(group, ...) is deprecated: give it a Channel (GlooChannel(group, peer))",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "channel", GlooChannel(self.channel, self.peer))
+
+    @property
+    def group(self) -> Any:
+        """Deprecated: the process group of a gloo pair's channel (None on another transport)."""
+        warnings.warn("Pair.group is deprecated: use Pair.channel", DeprecationWarning, stacklevel=2)
+        return self.channel.group if isinstance(self.channel, GlooChannel) else None
 
     @property
     def generation(self) -> str:
         """Deprecated: the pair's :attr:`name`."""
         warnings.warn("Pair.generation is deprecated: use Pair.name", DeprecationWarning, stacklevel=2)
         return self.name
-
-
-class Pending:
-    """One posted isend/irecv; ``done`` is set by a watcher once ``wait()`` returned or raised.
-
-    Holds the tensor until then, so gloo never writes into freed memory even when
-    the hook that posted it has given up.
-    """
-
-    __slots__ = ("direction", "done", "done_at", "error", "nbytes", "peer", "tensor", "what", "work")
-
-    def __init__(self, work: Any, direction: str, tensor: torch.Tensor, peer: int, what: str) -> None:
-        self.work = work
-        self.direction = direction
-        self.tensor = tensor
-        self.peer = peer
-        self.what = what
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.done = threading.Event()
-        self.done_at = 0.0  # time.perf_counter() when wait() returned (the simulated link starts there)
-        self.error: BaseException | None = None
-
-
-class _Watcher:
-    """Waits on the operations of one channel, in posting order, on a daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def add(self, pending: Pending) -> None:
-        self._queue.put(pending)
-
-    def _loop(self) -> None:
-        while True:
-            pending = self._queue.get()
-            try:
-                pending.work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting hook
-                pending.error = exc
-            pending.done_at = time.perf_counter()
-            pending.work = None
-            pending.done.set()
 
 
 class PeerLink:
@@ -97,7 +74,10 @@ class PeerLink:
     :param labels: optional extra description per global rank (``"pid 123 on host"``),
         appended wherever a peer is named.
     :param pairs: instead of ``group``: one :class:`Pair` per peer (global rank) this link
-        talks to; the link's peers are then exactly these, and its faults scoped.
+        talks to, each on its own :class:`~afd_mrv2.hooks.p2p.channel.Channel`; the link's peers
+        are then exactly these.
+    :param scoped: whether a wait fails only for the peers it waits on (default: on pairs yes,
+        on one group no, since one dead rank breaks the whole group).
     """
 
     def __init__(
@@ -108,21 +88,25 @@ class PeerLink:
         *,
         labels: Mapping[int, str] | None = None,
         pairs: Mapping[int, Pair] | None = None,
+        scoped: bool | None = None,
     ) -> None:
         if group is not None and pairs is not None:
             raise ValueError("a PeerLink runs on one group or on pairs, not both")
         self.topology = topology
         self.rank = rank
         self.group = group
-        self._pg: Any = group if group is not None or pairs is not None else dist.group.WORLD
-        self._pairs: dict[int, Pair] | None = None if pairs is None else dict(pairs)
+        self._on_pairs = pairs is not None
+        self._scoped = self._on_pairs if scoped is None else scoped
+        if pairs is None:
+            whole = group if group is not None else dist.group.WORLD
+            others = [p for p in range(topology.world_size) if p != rank]
+            pairs = {p: Pair(GlooChannel(whole, p), rank, p) for p in others}
+        self._pairs: dict[int, Pair] = dict(pairs)
         self.labels = dict(labels or {})
         self.role, self.index = topology.role_of(rank)
-        self._watchers: dict[tuple[int, str, int, str], _Watcher] = {}
         self._lock = threading.Lock()
         self._control: dict[int, Pending] = {}
-        peers = list(self._pairs) if self._pairs is not None else [p for p in range(topology.world_size) if p != rank]
-        for peer in peers:
+        for peer in list(self._pairs):
             self._listen(peer)
 
     def _listen(self, peer: int) -> None:
@@ -137,12 +121,12 @@ class PeerLink:
 
     @property
     def scoped(self) -> bool:
-        """Whether a wait fails only for the peers it waits on: a link on pairs (see docs/internals/p2p-transport.md)."""
-        return self._pairs is not None
+        """Whether a wait fails only for the peers it waits on (see docs/internals/p2p-transport.md)."""
+        return self._scoped
 
     def pair_name(self, peer: int) -> str:
         """The name of ``peer``'s pair (empty on a one-group link)."""
-        pair = None if self._pairs is None else self._pairs.get(peer)
+        pair = self._pairs.get(peer)
         return pair.name if pair is not None else ""
 
     def generation(self, peer: int) -> str:
@@ -152,13 +136,16 @@ class PeerLink:
 
     def install(self, peer: int, pair: Pair, label: str | None = None) -> None:
         """Talk to ``peer`` over ``pair`` from now on (a restarted peer's new pair), with a fresh control
-        channel; what was posted on its old pair is left to end on its own."""
-        if self._pairs is None:
+        channel; the old pair's channel is closed (on gloo, what was posted on it ends on its own)."""
+        if not self._on_pairs:
             raise RuntimeError(f"{self.me}: a link on one process group cannot take a new pair")
         with self._lock:
+            old = self._pairs.get(peer)
             self._pairs[peer] = pair
             if label is not None:
                 self.labels[peer] = label
+        if old is not None and old.channel is not pair.channel:
+            old.channel.close()
         self._listen(peer)
 
     # ------------------------------------------------------------------ naming
@@ -180,31 +167,16 @@ class PeerLink:
         return self._post("recv", tensor, peer, tag, what)
 
     def _post(self, direction: str, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
-        # ProcessGroup.send/recv directly: dist.isend/irecv add ~20 us of Python checks per call.
-        if self._pairs is None:
-            group, dst, pair_name = self._pg, peer, ""
-        else:
-            pair = self._pairs.get(peer)
-            if pair is None:
-                raise PeerLost(
-                    f"{self.me}: no pair with {self.describe(peer)} during {what}",
-                    peer=peer,
-                    peer_name=self.describe(peer),
-                )
-            group, dst, pair_name = pair.group, pair.peer, pair.name
-        op = group.send if direction == "send" else group.recv
+        pair = self._pairs.get(peer)
+        if pair is None:
+            raise PeerLost(
+                f"{self.me}: no pair with {self.describe(peer)} during {what}", peer=peer, peer_name=self.describe(peer)
+            )
         try:
-            work = op([tensor], dst, tag)
+            pending = pair.channel.post(direction, tensor, tag, what)
         except RuntimeError as exc:  # the pair is already closed
             raise self._lost(peer, what, exc) from exc
-        pending = Pending(work, direction, tensor, peer, what)
-        # one watcher per channel and pair: a new pair's operations never queue behind a dead pair's
-        key = (peer, pair_name, tag, direction)
-        with self._lock:
-            watcher = self._watchers.get(key)
-            if watcher is None:
-                watcher = self._watchers[key] = _Watcher(f"afd-p2p-{direction}-{peer}-{tag:x}")
-        watcher.add(pending)
+        pending.peer = peer  # the global rank, whatever the channel calls its peer
         return pending
 
     # ------------------------------------------------------------------ waiting
@@ -222,7 +194,7 @@ class PeerLink:
         deadline = time.monotonic() + timeout_s
         scope = self._scope({p.peer for p in pendings})
         for pending in pendings:
-            while not pending.done.wait(_SLICE_S):
+            while not pending.await_done(_SLICE_S):
                 if work is not None:
                     work.raise_if_cancelled()
                 self.check_peers(scope)
@@ -252,6 +224,9 @@ class PeerLink:
             (None, or an unscoped link: every peer's).
         """
         peers = self._scope(peers)
+        for peer, pending in list(self._control.items()):
+            if peers is None or peer in peers:
+                pending.await_done(0.0)  # a channel whose waiter reads (zmq) reads what is there
         self._raise_earlier_loss(float("inf"), peers)
         aborted: tuple[int, str] | None = None
         for peer, pending in self._control.items():
@@ -272,13 +247,13 @@ class PeerLink:
         """A peer whose connection closed after it sent ABORT said why it left (its reason names
         the root cause, e.g. the rank it lost): raise that instead of a bare loss.
 
-        Its ABORT arrives before its connection closes, but the control channel's watcher may
-        not have handed it over yet when a data operation's failure is seen: wait up to
+        Its ABORT arrives before its connection closes, but the control channel may not have
+        handed it over yet when a data operation's failure is seen: wait up to
         ``settle_s`` for it.  Without this, a rank that exchanges data only with the peer that
         failed second (because of the first) named that peer, not the first, under load.
         """
         control = self._control.get(peer)
-        if control is None or not control.done.wait(settle_s) or control.error is not None:
+        if control is None or not control.await_done(settle_s) or control.error is not None:
             return
         if self._kind(control) == wire.KIND_ABORT:
             raise PeerAborted(
@@ -306,9 +281,11 @@ class PeerLink:
 
     def _lost(self, peer: int, what: str, error: BaseException) -> PeerLost:
         detail = str(error).split(". This is typically", 1)[0].strip()
+        pair = self._pairs.get(peer)
+        transport = pair.channel.transport if pair is not None else "gloo"
         return PeerLost(
             f"{self.me}: lost {self.describe(peer)}: its connection closed (the process died or left the "
-            f"process group) during {what} [gloo: {detail}]",
+            f"process group) during {what} [{transport}: {detail}]",
             peer=peer,
             peer_name=self.describe(peer),
         )
@@ -327,7 +304,7 @@ class PeerLink:
         """
         sends = []
         for peer, pending in self._control.items():
-            if pending.done.is_set() and (pending.error is not None or self._kind(pending) == wire.KIND_BYE):
+            if pending.await_done(0.0) and (pending.error is not None or self._kind(pending) == wire.KIND_BYE):
                 continue
             buffer = torch.empty(wire.CONTROL_BYTES, dtype=torch.uint8)
             wire.encode_control(buffer, self._header(wire.KIND_ABORT, peer), f"{self.me}: {reason}")
@@ -337,7 +314,7 @@ class PeerLink:
                 continue
         deadline = time.monotonic() + timeout_s
         for pending in sends:
-            pending.done.wait(max(0.0, deadline - time.monotonic()))
+            pending.await_done(max(0.0, deadline - time.monotonic()))
         if any(p.done.is_set() and p.error is None for p in sends):
             time.sleep(linger_s)
 
@@ -350,7 +327,7 @@ class PeerLink:
             sends.append(self.isend(buffer, peer, wire.TAG_CONTROL, "goodbye"))
         deadline = time.monotonic() + timeout_s
         for peer, pending in self._control.items():
-            while not pending.done.wait(_SLICE_S):
+            while not pending.await_done(_SLICE_S):
                 self.check_peers()
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(
@@ -360,6 +337,12 @@ class PeerLink:
                     )
             self.check_peers()
         self.wait(sends, timeout_s=max(0.1, deadline - time.monotonic()), work=None, action="closing", option="close")
+
+    def release(self) -> None:
+        """Close every pair's channel (after :meth:`close` or :meth:`abort`: the link is done); a zmq channel
+        frees its sockets here, a gloo one leaves its group to its owner."""
+        for pair in list(self._pairs.values()):
+            pair.channel.close()
 
     def _header(self, kind: int, peer: int) -> wire.Header:
         return wire.Header(kind=kind, src=self.rank, dst=peer, layer=-1, stage=-1, seq=-1, tokens=0)

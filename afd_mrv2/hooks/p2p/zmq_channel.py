@@ -30,8 +30,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError
-from afd_mrv2.hooks.p2p.link import Pending
+from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Pending
 
 _ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
 _HELLO = b"afd-zmq-token:"
@@ -55,8 +54,10 @@ def _finish(pending: Pending, error: BaseException | None, at: float | None = No
     pending.done.set()
 
 
-class ZmqChannel:
+class ZmqChannel(Channel):
     """The transfers with one peer (global rank ``peer``) of the pair ``name``; see the module docstring."""
+
+    transport = "zmq"
 
     def __init__(
         self, send: zmq.Socket[Any], recv: zmq.Socket[Any], *, peer: int, name: str,
@@ -85,7 +86,8 @@ class ZmqChannel:
 
     def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
         view = _bytes_of(tensor)
-        pending = Pending(None, direction, tensor, self.peer, what)
+        pending = Pending(None, direction, tensor, self.peer, what, self)
+        pending.posted_at = time.perf_counter()
         if direction == "send":
             self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
             return pending

@@ -138,7 +138,7 @@ class RemoteExperts:
         self._layers[layer_index] = shape
         if self._open_early and self._opening is None:
             config = self.config
-            self._opening = AttentionLinkOpening(config.host, config.port, self._topology(shape), config.rank)
+            self._opening = AttentionLinkOpening(config, self._topology(shape))
 
     def _topology(self, moe: MoeShape) -> Topology:
         config = self.config
@@ -254,7 +254,7 @@ class RemoteExperts:
         moe = next(iter(self._layers.values()))
         config = self.config
         topology = self._topology(moe)
-        opening = self._opening or AttentionLinkOpening(config.host, config.port, topology, config.rank)
+        opening = self._opening or AttentionLinkOpening(config, topology)
         store, link, me, joined = opening.wait()
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange()
@@ -298,6 +298,7 @@ class RemoteExperts:
             session.rejoiner.close()
         report = session.executor.close(deadline_s)
         session.link.abort("the attention rank closed its AFD session")
+        session.link.release()
         return report
 
     def failovers(self) -> dict[str, Any] | None:

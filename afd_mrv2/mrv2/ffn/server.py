@@ -26,7 +26,7 @@ from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.shape import MoeShape
-from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, PlacementMismatch, RendezvousStore
+from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, POLL_S, PairTransport, PlacementMismatch, RendezvousStore
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import FfnContext, load_plugins
@@ -247,7 +247,10 @@ class FfnServer:
         this process as the next incarnation of its rank."""
         config = self.config
         self.store = RendezvousStore.connect(
-            config.host, config.port, master=config.rendezvous == "ffn0" and self.index == 0
+            config.host,
+            config.port,
+            master=config.rendezvous == "ffn0" and self.index == 0,
+            transport=PairTransport.of(config),
         )
         self.incarnation = self.store.register(FFN, self.index)
 
@@ -384,6 +387,9 @@ class FfnServer:
         abandoned = 0
         try:
             abandoned = len(loop.close().abandoned)
+            link = self._links.get(a)
+            if link is not None:
+                link.release()
         finally:
             served = loop.submitted - abandoned
             self.report.loop_ended(a, served, end, loop.executor, _redispatched(self._connectors[a][-1]))

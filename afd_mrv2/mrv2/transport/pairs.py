@@ -8,9 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
+from afd_mrv2.config import AfdConfig
 from afd_mrv2.hooks.p2p import Pair, PeerLink
 from afd_mrv2.items import ATTENTION
-from afd_mrv2.mrv2.transport.store import POLL_S, PREFIX, RendezvousStore
+from afd_mrv2.mrv2.transport.store import POLL_S, PREFIX, PairTransport, RendezvousStore
 from afd_mrv2.placement import PlacementStamp
 from afd_mrv2.topology import FFN, Topology
 
@@ -73,18 +74,20 @@ class AttentionLinkOpening:
     engine's rendezvous runs while vLLM still builds and loads the model, never on the model's thread,
     which only waits in :meth:`wait` at its first transfer if the link is not open by then."""
 
-    def __init__(self, host: str, port: int, topology: Topology, index: int) -> None:
+    def __init__(self, config: AfdConfig, topology: Topology) -> None:
+        """Open the link of Attention rank ``config.rank`` on the store at ``config.host:config.port``, its
+        pairs on ``afd.transport``."""
         self._result: tuple[RendezvousStore, PeerLink, int, dict[int, int]] | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._open, args=(host, port, topology, index), name=f"afd-open-attention{index}", daemon=True
+            target=self._open, args=(config, topology), name=f"afd-open-attention{config.rank}", daemon=True
         )
         self._thread.start()
 
-    def _open(self, host: str, port: int, topology: Topology, index: int) -> None:
+    def _open(self, config: AfdConfig, topology: Topology) -> None:
         try:
-            store = RendezvousStore.connect(host, port, master=False)
-            self._result = (store, *open_attention_link(store, topology, index))
+            store = RendezvousStore.connect(config.host, config.port, master=False, transport=PairTransport.of(config))
+            self._result = (store, *open_attention_link(store, topology, config.rank))
         except BaseException as exc:  # noqa: BLE001 - raised on the waiting thread by wait()
             self._error = exc
 

@@ -13,12 +13,15 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import final
 
 import torch.distributed as dist
 
+from afd_mrv2.config import TRANSPORTS, AfdConfig
 from afd_mrv2.errors import AfdError
-from afd_mrv2.hooks.p2p import Pair
+from afd_mrv2.hooks.p2p import Pair, zmq_channel
+from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.placement import PlacementStamp
 
@@ -29,6 +32,32 @@ PREFIX = "afd_mrv2/p2p"
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 #: How often a side waiting for its peer's hello (or a newer incarnation) looks again.
 POLL_S = 0.05
+#: How long a zmq pair's sides wait for each other's token once both said hello.
+TOKEN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PairTransport:
+    """What a pair's channel runs on: ``kind`` (``gloo``: a two-rank gloo group through this store;
+    ``zmq``: :mod:`afd_mrv2.hooks.p2p.zmq_channel`) and, for zmq, ``bind``: the address this side's
+    receiving socket binds (``afd.bind``; None: the address of the route to the store's host)."""
+
+    kind: str = "gloo"
+    bind: str | None = None
+
+    @classmethod
+    def of(cls, config: AfdConfig) -> PairTransport:
+        """``afd.transport`` and ``afd.bind`` of an ``afd`` section."""
+        return cls(config.transport, config.bind)
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address this host reaches ``host:port`` from (a UDP socket's ``getsockname`` after a
+    ``connect``, which sends nothing): ``127.0.0.1`` for a store on loopback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
 
 
 class PlacementMismatch(AfdError):
@@ -60,26 +89,38 @@ class RendezvousStore:
     * ``{pair}/placement/{attention|ffn}``: that side's placement stamp, JSON (:meth:`join_pair`), set
       before its hello;
     * ``{pair}/hello/{attention|ffn}``: a side of a pair is there (:meth:`join_pair`);
-    * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys).
+    * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys);
+    * ``{pair}/zmq/endpoint``: on zmq, where the FFN side receives and the pair's token, JSON, set by the
+      FFN side before its hello.
 
     Sections: connection; incarnations; losses and the stop key; the pair handshake.
     """
 
-    __slots__ = ("_store",)
+    __slots__ = ("_store", "transport")
 
-    def __init__(self, store: dist.Store) -> None:
-        """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object."""
+    def __init__(self, store: dist.Store, *, transport: PairTransport = PairTransport()) -> None:
+        """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object.  Pairs this
+        side joins run on ``transport``."""
+        if transport.kind not in TRANSPORTS:
+            raise ValueError(f"transport {transport.kind!r}: not one of {', '.join(TRANSPORTS)}")
         self._store = store
+        self.transport = transport
 
     # ------------------------------------------------------------------ connection
 
     @classmethod
-    def connect(cls, host: str, port: int, *, master: bool, timeout_s: float = 600.0) -> RendezvousStore:
-        """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``)."""
+    def connect(
+        cls, host: str, port: int, *, master: bool, timeout_s: float = 600.0, transport: PairTransport = PairTransport()
+    ) -> RendezvousStore:
+        """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``);
+        pairs joined through it run on ``transport`` (a zmq one without ``bind`` binds the route to ``host``)."""
+        if transport.kind == "zmq" and transport.bind is None:
+            transport = PairTransport("zmq", route_address(host, port))
         return cls(
             dist.TCPStore(
                 host, port, is_master=master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-            )
+            ),
+            transport=transport,
         )
 
     # ------------------------------------------------------------------ incarnations
@@ -133,29 +174,82 @@ class RendezvousStore:
     ) -> Pair | None:
         """Join the pair of Attention rank ``attention = (index, incarnation)`` and FFN rank ``ffn`` as ``role``.
 
-        A handshake before gloo's rendezvous: write this side's ``placement`` stamp, say hello, wait (polling,
-        so that it can give up) for the peer's hello, None when ``give_up()`` turns true first; then compare
-        the stamps (:class:`PlacementMismatch` on both sides when they differ, one line naming both) and run
-        gloo's rendezvous of the two, which completes at once.  The Attention rank is rank 0 of the pair.
+        A handshake: write this side's ``placement`` stamp, say hello, wait (polling, so that it can give up)
+        for the peer's hello, None when ``give_up()`` turns true first; then compare the stamps
+        (:class:`PlacementMismatch` on both sides when they differ, one line naming both) and open the pair's
+        channel on :attr:`transport`: gloo's rendezvous of the two (completes at once), or zmq's token
+        exchange (the FFN side listens and publishes where before its hello; a wrong token fails the join).
+        The Attention rank is rank 0 of the pair.
         """
         name = pair_name(*attention, *ffn)
         mine, theirs = ("attention", "ffn") if role == ATTENTION else ("ffn", "attention")
-        self._store.set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
-        self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
-        hello = f"{PREFIX}/{name}/hello/{theirs}"
-        while not self._store.check([hello]):
-            if give_up():
-                return None
-            time.sleep(POLL_S)
-        digest, summary = json.loads(self._store.get(f"{PREFIX}/{name}/placement/{theirs}").decode())
-        peer = PlacementStamp(digest, summary)
-        if peer != placement:
-            stamps = (placement, peer) if role == ATTENTION else (peer, placement)
-            raise PlacementMismatch(self._mismatch(name, attention, ffn, *stamps))
         me = 0 if role == ATTENTION else 1
-        gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
-        group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
-        return Pair(group, me, 1 - me, name)
+        listening = self._listen(name) if role == FFN and self.transport.kind == "zmq" else None
+        try:
+            self._store.set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
+            self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
+            hello = f"{PREFIX}/{name}/hello/{theirs}"
+            while not self._store.check([hello]):
+                if give_up():
+                    return None
+                time.sleep(POLL_S)
+            digest, summary = json.loads(self._store.get(f"{PREFIX}/{name}/placement/{theirs}").decode())
+            peer = PlacementStamp(digest, summary)
+            if peer != placement:
+                stamps = (placement, peer) if role == ATTENTION else (peer, placement)
+                raise PlacementMismatch(self._mismatch(name, attention, ffn, *stamps))
+            if self.transport.kind == "zmq":
+                channel = self._zmq_channel(name, listening, give_up)
+                if channel is None:
+                    return None
+                listening = None  # the pair owns it now
+                return Pair(channel, me, 1 - me, name)
+            gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
+            group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
+            return Pair(GlooChannel(group, 1 - me), me, 1 - me, name)
+        finally:
+            if listening is not None:
+                listening[0].close()
+
+    def _listen(self, name: str) -> tuple[zmq_channel.ZmqChannel, zmq_channel.ZmqEndpoints]:
+        """The FFN side of a zmq pair: its receiving socket bound, where and the token published."""
+        try:
+            channel, endpoints = zmq_channel.listen(peer=0, name=name, bind=self._bind)
+        except Exception as exc:  # noqa: BLE001 - zmq's own error names the address
+            raise AfdError(f"afd.bind: cannot bind {self._bind!r} for pair {name}: {exc}") from exc
+        self._store.set(f"{PREFIX}/{name}/zmq/endpoint", endpoints.to_json())
+        return channel, endpoints
+
+    def _zmq_channel(
+        self,
+        name: str,
+        listening: tuple[zmq_channel.ZmqChannel, zmq_channel.ZmqEndpoints] | None,
+        give_up: Callable[[], bool],
+    ) -> zmq_channel.ZmqChannel | None:
+        """Both hellos seen: the Attention side connects to the published endpoint; both exchange the token
+        (the FFN side checks the one it made, never what the store holds now); None when ``give_up()``
+        turned true first."""
+        if listening is not None:
+            channel, endpoints = listening
+        else:
+            key = f"{PREFIX}/{name}/zmq/endpoint"
+            endpoints = zmq_channel.ZmqEndpoints.from_json(self._store.get(key).decode())
+            channel = zmq_channel.connect(endpoints, peer=1, name=name, bind=self._bind)
+        try:
+            joined = zmq_channel.exchange_token(
+                channel, endpoints.token, first=listening is None, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up
+            )
+        except BaseException:
+            if listening is None:
+                channel.close()
+            raise
+        if not joined and listening is None:
+            channel.close()
+        return channel if joined else None
+
+    @property
+    def _bind(self) -> str:
+        return self.transport.bind or "127.0.0.1"
 
     def _mismatch(
         self,
