@@ -1,5 +1,6 @@
 """An Attention engine that dies ends only the FFN loop serving it (the vLLM path's scoped link): the FFN
-rank goes on serving the other engine, whose answers stay exact, and its session ends when that one left."""
+rank goes on serving the other engine, whose answers stay exact, and its session ends when that one left;
+on each pair transport (``afd.transport``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
 from afd_mrv2.mrv2.ffn.server import LEFT_BETWEEN_STEPS
 from afd_mrv2.procs import free_port
-from tests.mrv2.test_vllm_path import LAYERS, SHAPE, afd, start_ffn
+from tests.mrv2.test_vllm_path import LAYERS, SHAPE, afd, pair_transport, start_ffn
 from tests.mrv2.test_vllm_path import checked_forward as forward
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,8 @@ import sys, time, torch
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from tests.mrv2.test_vllm_path import LAYERS, SHAPE, afd
-remote = RemoteExperts(parse_afd_config({**afd("attention", int(sys.argv[1])), **eval(sys.argv[2]), "rank": 1}), max_tokens=32)
+section = {**afd("attention", int(sys.argv[1]), transport=sys.argv[3]), **eval(sys.argv[2]), "rank": 1}
+remote = RemoteExperts(parse_afd_config(section), max_tokens=32)
 for layer in LAYERS:
     remote.add_layer(layer, SHAPE)
 for layer in LAYERS:
@@ -41,25 +43,29 @@ time.sleep(600)
 """
 
 
-def test_a_dead_engine_ends_only_its_loop_and_the_ffn_rank_serves_the_other_on(one_torch_thread: None) -> None:
+def test_a_dead_engine_ends_only_its_loop_and_the_ffn_rank_serves_the_other_on(
+    one_torch_thread: None, transport: str
+) -> None:
     port = free_port()
     done: dict[str, Any] = {}
-    ffn = start_ffn(done, {**afd("ffn", port), **TOPOLOGY, "rank": 0})
+    ffn = start_ffn(done, {**afd("ffn", port, transport=transport), **TOPOLOGY, "rank": 0})
     engine_1 = subprocess.Popen(
-        [sys.executable, "-c", ENGINE_1, str(port), repr(TOPOLOGY)],
+        [sys.executable, "-c", ENGINE_1, str(port), repr(TOPOLOGY), transport],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
-    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **TOPOLOGY, "rank": 0}), max_tokens=32)
+    section = {**afd("attention", port, transport=transport), **TOPOLOGY, "rank": 0}
+    remote = RemoteExperts(parse_afd_config(section), max_tokens=32)
     for layer in LAYERS:
         remote.add_layer(layer, SHAPE)
     gen = torch.Generator().manual_seed(0)
     try:
         forward(remote, gen, 5)
         assert engine_1.stdout is not None and engine_1.stdout.readline().strip() == "served"
+        assert [pair_transport(port, pair) for pair in ("a0.1-f0.1", "a1.1-f0.1")] == [transport] * 2
         os.killpg(engine_1.pid, signal.SIGKILL)  # attention rank 1 dies, as a killed vLLM engine does
         engine_1.wait(10)
         time.sleep(1.0)  # the FFN rank has seen the connection close by now

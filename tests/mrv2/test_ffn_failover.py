@@ -2,7 +2,7 @@
 it computes an item costs the Attention side no answer.  The Attention side re-sends the lost rank's
 share of the item in flight to the live holders (``redispatch``), routes to them from then on, and every
 output still equals the unsharded reference.  Without replicas the same kill fails the call, naming the
-rank, as it always did."""
+rank, as it always did.  Each test runs on both pair transports (``afd.transport`` gloo and zmq)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from afd_mrv2.mrv2.transport.store import RendezvousStore
 from afd_mrv2.procs import free_port
 from afd_mrv2.topology import Topology
 from tests.mrv2.test_free_topologies import _moe, _weights
-from tests.mrv2.test_vllm_path import LAYERS, afd, start_ffn
+from tests.mrv2.test_vllm_path import LAYERS, afd, pair_transport, start_ffn
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, TOP_K = 16, 2
@@ -79,12 +79,15 @@ def _checked_forward(remote: RemoteExperts, shape: MoeShape, gen: torch.Generato
         torch.testing.assert_close(out, _moe(_weights(shape, ordinal), x, w, ids), rtol=1e-5, atol=1e-5)
 
 
-def _start_holder(done: dict[str, Any], port: int, ranks: dict[str, Any], shape: MoeShape, f: int) -> threading.Thread:
-    """FFN rank ``f`` on a thread of this process, holding only its experts (``ranks`` says the placement)."""
+def _start_holder(
+    done: dict[str, Any], port: int, ranks: dict[str, Any], shape: MoeShape, f: int, transport: str
+) -> threading.Thread:
+    """FFN rank ``f`` on a thread of this process, holding only its experts (``ranks`` says the placement),
+    its pairs on ``transport``."""
     topology = Topology(1, ranks["num_ffn_ranks"], shape.num_experts, ranks.get("expert_replicas", 1))
     return start_ffn(
         done,
-        {**afd("ffn", port), **ranks, "rank": f},
+        {**afd("ffn", port, transport=transport), **ranks, "rank": f},
         [_held_experts(shape, layer, topology.held_by(f)) for layer in range(len(LAYERS))],
         key=f,
         shape=shape,
@@ -113,9 +116,10 @@ def _spawn_ffn(raw: dict[str, Any], experts: int, stall_at: int) -> subprocess.P
     )
 
 
-def _attention(port: int, ranks: dict[str, Any], shape: MoeShape) -> RemoteExperts:
-    """Attention rank 0 of ``ranks`` with every MoE layer registered."""
-    remote = RemoteExperts(parse_afd_config({**afd("attention", port), **ranks, "rank": 0}), max_tokens=16)
+def _attention(port: int, ranks: dict[str, Any], shape: MoeShape, transport: str) -> RemoteExperts:
+    """Attention rank 0 of ``ranks`` with every MoE layer registered, its pairs on ``transport``."""
+    section = {**afd("attention", port, transport=transport), **ranks, "rank": 0}
+    remote = RemoteExperts(parse_afd_config(section), max_tokens=16)
     for layer in LAYERS:
         remote.add_layer(layer, shape)
     return remote
@@ -141,8 +145,10 @@ def _report_of(proc: subprocess.Popen[str] | None) -> dict[str, Any]:
     return report
 
 
-def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any], dict[str, Any], RemoteExperts]:
-    """1 Attention rank, ``ffn`` FFN ranks, FFN rank ``killed`` a process killed mid-item.
+def _run(
+    ffn: int, experts: int, replicas: int, killed: int, transport: str
+) -> tuple[list[Any], dict[str, Any], RemoteExperts]:
+    """1 Attention rank, ``ffn`` FFN ranks, FFN rank ``killed`` a process killed mid-item; pairs on ``transport``.
 
     Returns (the outcome of each forward: None when exact, else the exception), the FFN threads' results,
     and the Attention side."""
@@ -150,9 +156,9 @@ def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any],
     port = free_port()
     ranks = {"num_attention_ranks": 1, "num_ffn_ranks": ffn, "expert_replicas": replicas}
     done: dict[str, Any] = {}
-    servers = [_start_holder(done, port, ranks, shape, f) for f in range(ffn) if f != killed]
-    victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": killed}, experts, 3)
-    remote = _attention(port, ranks, shape)
+    servers = [_start_holder(done, port, ranks, shape, f, transport) for f in range(ffn) if f != killed]
+    victim = _spawn_ffn({**afd("ffn", port, transport=transport), **ranks, "rank": killed}, experts, 3)
+    remote = _attention(port, ranks, shape, transport)
     outcomes: list[Any] = []
 
     def forwards() -> None:
@@ -188,13 +194,15 @@ def _run(ffn: int, experts: int, replicas: int, killed: int) -> tuple[list[Any],
     ids=["1A2F-kill-1", "1A2F-kill-0", "1A3F-kill-0", "1A3F-kill-1", "1A3F-kill-2"],
 )
 def test_an_ffn_rank_killed_mid_item_with_replicas_costs_no_answer(
-    one_torch_thread: None, capfd: pytest.CaptureFixture[str], ffn: int, experts: int, killed: int
+    one_torch_thread: None, capfd: pytest.CaptureFixture[str], transport: str, ffn: int, experts: int, killed: int
 ) -> None:
-    outcomes, done, remote = _run(ffn, experts, replicas=2, killed=killed)
+    outcomes, done, remote = _run(ffn, experts, replicas=2, killed=killed, transport=transport)
     assert outcomes == [None] * 5, outcomes  # every forward answered, exact
     assert not any("error" in k for k in done), done
     log = remote.stats()["failover"]
     assert log is not None and log["failovers"] == 1 and list(log["lost"]) == [str(killed)], log
+    reason = log["lost"][str(killed)]["reason"]  # the loss as the pair's own transport saw it
+    assert f"lost FFN rank {killed} (global rank {killed + 1}" in reason and f"[{transport}: " in reason, reason
     assert log["resent_items"] >= 1 and log["resent_rows"] >= 1, log
     assert log["first_resend_at"][str(killed)] >= log["lost"][str(killed)]["at"]
     err = capfd.readouterr().err
@@ -210,10 +218,13 @@ def test_an_ffn_rank_killed_mid_item_with_replicas_costs_no_answer(
     assert all(r.redispatched == 0 for f, r in served.items() if f != successor)
 
 
-def test_without_replicas_an_ffn_rank_killed_mid_item_fails_the_call_naming_it(one_torch_thread: None) -> None:
-    outcomes, _, remote = _run(2, 4, replicas=1, killed=1)
+def test_without_replicas_an_ffn_rank_killed_mid_item_fails_the_call_naming_it(
+    one_torch_thread: None, transport: str
+) -> None:
+    outcomes, _, remote = _run(2, 4, replicas=1, killed=1, transport=transport)
     assert outcomes[:-1] == [None] * (len(outcomes) - 1) and isinstance(outcomes[-1], PipelineError), outcomes
     assert "lost FFN rank 1 (global rank 2" in str(outcomes[-1]), outcomes[-1]
+    assert "PeerLost: " in str(outcomes[-1]) and f"[{transport}: " in str(outcomes[-1]), outcomes[-1]
     assert remote.stats()["failover"]["failovers"] == 0
 
 
@@ -238,7 +249,7 @@ def _wait_for(remote: RemoteExperts, what: str, deadline: float, client: threadi
 
 
 def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
-    one_torch_thread: None, capfd: pytest.CaptureFixture[str]
+    one_torch_thread: None, capfd: pytest.CaptureFixture[str], transport: str
 ) -> None:
     """The store hosted outside the ranks (``rendezvous: external``, as serve does): FFN rank 1 is killed
     mid-item and the Attention side fails over; a new FFN rank 1 process then registers as the next
@@ -248,9 +259,10 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     shape, port, store, ranks = _external_1a2f()
     experts = shape.num_experts
     done: dict[str, Any] = {}
-    survivor = _start_holder(done, port, ranks, shape, 0)
-    victim = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 3)
-    remote = _attention(port, ranks, shape)
+    section = {**afd("ffn", port, transport=transport), **ranks, "rank": 1}
+    survivor = _start_holder(done, port, ranks, shape, 0, transport)
+    victim = _spawn_ffn(section, experts, 3)
+    remote = _attention(port, ranks, shape, transport)
     enough = threading.Event()
     outcomes: list[Any] = []
     client = threading.Thread(target=_forwards_until, args=(remote, shape, enough, outcomes), daemon=True)
@@ -262,11 +274,12 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
         victim.wait(10)
         deadline = time.monotonic() + 30
         _wait_for(remote, "failovers", deadline, client, outcomes)
-        restarted = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 0)
+        restarted = _spawn_ffn(section, experts, 0)
         _wait_for(remote, "rejoins", deadline + 60, client, outcomes)
         calls = len(outcomes)
         while len(outcomes) < calls + 10 and client.is_alive():  # a few forwards with the rank back
             time.sleep(0.05)
+        assert pair_transport(port, "a0.1-f1.2") == transport  # the pair with the new process
         enough.set()
         client.join(30)
         assert not client.is_alive()
@@ -283,12 +296,13 @@ def test_a_restarted_ffn_rank_is_taken_back_at_a_step_boundary(
     log = remote.failovers()
     assert log is not None and log["failovers"] == 1 and log["rejoins"] == 1, log
     assert log["rejoined_at"]["1"] > log["lost"]["1"]["at"]
+    assert f"[{transport}: " in log["lost"]["1"]["reason"], log
     err = capfd.readouterr().err
     assert "afd-mrv2 rejoin: attention rank 0 (global rank 0" in err and "FFN rank 1 is back (pair a0.1-f1.2)" in err
 
 
 def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_takes_it_back_later(
-    one_torch_thread: None,
+    one_torch_thread: None, transport: str
 ) -> None:
     """serve marks a lost FFN rank in the store; an Attention engine that starts meanwhile (a restarted one)
     does not wait for it: it starts without a pair with it, routes its experts to their other holder, and
@@ -300,8 +314,8 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     store.register(FFN, 1)  # FFN rank 1's first process registered ...
     store.mark_lost(FFN, 1)  # ... and was lost
     done: dict[str, Any] = {}
-    survivor = _start_holder(done, port, ranks, shape, 0)
-    remote = _attention(port, ranks, shape)
+    survivor = _start_holder(done, port, ranks, shape, 0, transport)
+    remote = _attention(port, ranks, shape, transport)
     gen = torch.Generator().manual_seed(5)
     restarted = None
 
@@ -311,7 +325,7 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
     try:
         forward()  # started without FFN rank 1: exact, through FFN rank 0 alone
         assert remote.failovers()["failovers"] == 0
-        restarted = _spawn_ffn({**afd("ffn", port), **ranks, "rank": 1}, experts, 0)
+        restarted = _spawn_ffn({**afd("ffn", port, transport=transport), **ranks, "rank": 1}, experts, 0)
         deadline = time.monotonic() + 60
         while not remote.failovers()["rejoins"]:
             assert time.monotonic() < deadline
@@ -319,6 +333,7 @@ def test_an_engine_that_starts_while_an_ffn_rank_is_lost_routes_around_it_and_ta
             time.sleep(0.05)
         for _ in range(3):
             forward()
+        assert [pair_transport(port, pair) for pair in ("a0.1-f0.1", "a0.1-f1.2")] == [transport] * 2
     finally:
         remote.close()
         store.request_stop()

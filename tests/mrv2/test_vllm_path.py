@@ -5,12 +5,14 @@ torch_p2p with its round-trip attention side in between)."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from afd_mrv2.config import MultistreamConfig, parse_afd_config
 from afd_mrv2.devices.base import Span
@@ -20,7 +22,7 @@ from afd_mrv2.mrv2.attention.remote import RemoteExperts, attention_backend, che
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.ffn.server import ffn_serving_config, local_routing, serve_ffn
 from afd_mrv2.mrv2.shape import MoeShape
-from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S
+from afd_mrv2.mrv2.transport.store import IDLE_TIMEOUT_S, PREFIX
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.procs import free_port
 
@@ -28,8 +30,26 @@ SHAPE = MoeShape(hidden_size=16, top_k=2, num_experts=4)
 LAYERS = (3, 7)  # model layer indices of the MoE layers (not contiguous: ordinals 0 and 1)
 
 
-def afd(role: str, port: int = 29500, **extra: Any) -> dict[str, Any]:
-    return {"connector": "torch_p2p", "role": role, "port": port, "compute_gate_on_attention": True, **extra}
+def afd(role: str, port: int = 29500, *, transport: str = "gloo", **extra: Any) -> dict[str, Any]:
+    """The afd section of ``role`` on the store at ``port``; its pairs run on ``transport`` (``afd.transport``)."""
+    return {
+        "connector": "torch_p2p",
+        "role": role,
+        "port": port,
+        "compute_gate_on_attention": True,
+        "transport": transport,
+        **extra,
+    }
+
+
+def pair_transport(port: int, pair: str) -> str | None:
+    """What the pair named ``pair`` (``a0.1-f1.2``) was joined on, read from the store at ``port`` while it
+    runs: None when its FFN side never said hello; ``zmq`` when that side published its endpoint (a zmq FFN
+    side does so before its hello, a gloo one never), else ``gloo``."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    if not store.check([f"{PREFIX}/{pair}/hello/ffn"]):
+        return None
+    return "zmq" if store.check([f"{PREFIX}/{pair}/zmq/endpoint"]) else "gloo"
 
 
 def test_gate_on_the_ffn_side_is_refused_on_the_vllm_path() -> None:
