@@ -94,8 +94,8 @@ class Transport:
     open: Callable[[str, Any, Any], Any]
 
 
-def _open_gloo(role: str, store: Any, topology: Any) -> Any:
-    """The link of a role on one gloo pair, as the roles open it (``open_attention_link``; the FFN server's
+def _open_pair(role: str, store: Any, topology: Any) -> Any:
+    """The link of a role on one pair of the store's transport, as the roles open it (``open_attention_link``; the FFN server's
     register, ``join_pair``, ``PeerLink`` on the pair)."""
     from afd_mrv2.hooks.p2p import PeerLink
     from afd_mrv2.items import ATTENTION, FFN
@@ -114,8 +114,8 @@ def _open_gloo(role: str, store: Any, topology: Any) -> Any:
     return PeerLink(topology, topology.global_rank(FFN, 0), pairs={topology.global_rank(ATTENTION, 0): pair})
 
 
-#: name -> transport; a zmq channel adds its entry here (RFC 0007 decision 1)
-TRANSPORTS = {"gloo": Transport("gloo", _open_gloo)}
+#: name -> transport (``afd.transport``: RFC 0007 decision 1)
+TRANSPORTS = {name: Transport(name, _open_pair) for name in ("gloo", "zmq")}
 
 
 # --------------------------------------------------------------------------------------------- input
@@ -254,7 +254,7 @@ def peer_main(spec: dict[str, Any]) -> int:
         conn = socket.create_connection(("127.0.0.1", spec["socket_port"]), timeout=START_TIMEOUT_S)
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    store = _rendezvous_store(conn, role)
+    store = _rendezvous_store(conn, role, spec["transport"])
     topology = Topology(1, 1, NUM_EXPERTS)
     link = TRANSPORTS[spec["transport"]].open(role, store, topology)
     rounds = spec["warmup"] + spec["iters"]
@@ -271,22 +271,25 @@ def peer_main(spec: dict[str, Any]) -> int:
     os._exit(0)  # the pair's gloo threads need no orderly teardown
 
 
-def _rendezvous_store(conn: socket.socket, role: str) -> Any:
-    """The pair's rendezvous store: the FFN side hosts it on a free port and tells the other side which."""
+def _rendezvous_store(conn: socket.socket, role: str, transport: str) -> Any:
+    """The pair's rendezvous store: the FFN side hosts it on a free port and tells the other side which;
+    pairs joined through it run on ``transport``, bound to loopback."""
     import datetime
 
     import torch.distributed as dist
 
-    from afd_mrv2.mrv2.transport.store import RendezvousStore
+    from afd_mrv2.mrv2.transport.store import PairTransport, RendezvousStore
 
+    on = PairTransport(transport, "127.0.0.1" if transport == "zmq" else None)
     if role == "ffn":
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
         conn.sendall(store.port.to_bytes(4, "little"))
-        return RendezvousStore(store)
+        return RendezvousStore(store, transport=on)
     port = bytearray(4)
     _recv_exact(conn, memoryview(port))
-    return RendezvousStore.connect("127.0.0.1", int.from_bytes(port, "little"), master=False, timeout_s=START_TIMEOUT_S)
+    port_number = int.from_bytes(port, "little")
+    return RendezvousStore.connect("127.0.0.1", port_number, master=False, timeout_s=START_TIMEOUT_S, transport=on)
 
 
 def _timed(stamps: dict[str, list[float]], warmup: int) -> dict[str, list[float]]:

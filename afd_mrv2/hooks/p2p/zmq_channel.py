@@ -81,6 +81,7 @@ class ZmqChannel(Channel):
         self.lost: ChannelError | None = None  # set once, with lost_at (see Channel)
         self.lost_at = math.inf
         self._send_lock = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ posting
 
@@ -232,7 +233,11 @@ class ZmqChannel(Channel):
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Close the sockets (once; a second call does nothing); Pendings still posted fail."""
         with self._cond:
+            if self._closed:
+                return
+            self._closed = True
             self._cond.wait_for(lambda: not self._reading, timeout=1.0)
             self._reading = True  # nobody reads a closed socket
         self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed by this side"))
