@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn
 
 from afd_mrv2.cli import add_command, add_retired_spelling
+from afd_mrv2.config import TRANSPORTS
 from afd_mrv2.errors import AfdError
 from afd_mrv2.serve import RoleCommands, ServeOptions, runtime_gate, serve
 from afd_mrv2.serve.app import PlanGate
@@ -71,6 +72,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--depth", metavar="D|auto", help="run the FFN side multistream with this depth (1..8 or auto)")
     parser.add_argument("--connector", metavar="NAME", help=f"afd.connector (default {DEFAULT_CONNECTOR})")
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="what torch_p2p's pairs run on: afd.transport (default gloo; zmq: ZeroMQ sockets, see docs/config.md)",
+    )
     parser.add_argument("--afd", metavar="JSON", help="a base afd section (JSON object) under the flags above")
     parser.add_argument(
         "--balance", choices=BALANCE, default=BALANCE[0], help="how the endpoint picks an engine (default %(default)s)"
@@ -130,6 +136,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         restart_ffn=not args.no_restart_ffn,
         restart_attention=not args.no_restart_attention,
         connector=args.connector,
+        transport=args.transport,
         afd_json=args.afd,
         extra=tuple(extra),
         balance=args.balance,

@@ -172,6 +172,8 @@ class ServeOptions:
     #: ``--ubatches N``: afd.ubatch.num_ubatches, and the Attention engines on Model Runner V2 (None: as configured)
     ubatches: int | None = None
     connector: str | None = None
+    #: ``--transport gloo|zmq``: afd.transport, what torch_p2p's pairs run on (None: as configured)
+    transport: str | None = None
     #: A base ``afd`` section (JSON text), merged under the flags.
     afd_json: str | None = None
     extra: tuple[str, ...] = ()
@@ -289,6 +291,8 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     if opts.connector is not None:
         afd["connector"] = opts.connector
     afd.setdefault("connector", DEFAULT_CONNECTOR)
+    if opts.transport is not None:
+        afd["transport"] = opts.transport
     if opts.depth is not None:
         afd["multistream"] = _with_flags(afd, "multistream", enabled=True, depth=_depth_value(opts.depth))
     if opts.ubatches is not None:

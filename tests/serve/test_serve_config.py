@@ -40,6 +40,8 @@ BAD = [
     (["--expert-replicas", "0"], "afd.expert_replicas"),
     (["--afd", '{"expert_replicas": 1}', "--expert-replicas", "2"], "afd.expert_replicas: 1 conflicts with"),
     (["--afd", '{"rendezvous": "ffn7"}'], "afd.rendezvous"),
+    (["--afd", '{"transport": "nccl"}'], "afd.transport"),
+    (["--transport", "nccl"], "argument --transport: invalid choice: 'nccl'"),
 ]
 
 
@@ -88,6 +90,18 @@ def test_free_topologies_are_planned(attention, ffn):
         config = parse_afd_config(spec.afd)
         assert (config.role, config.rank) == (spec.role, spec.rank)
         assert (config.num_attention_ranks, config.num_ffn_ranks) == (attention, ffn)
+
+
+@pytest.mark.parametrize(
+    ("flag", "base", "expected"), [(None, None, "gloo"), ("zmq", None, "zmq"), (None, "zmq", "zmq")]
+)
+def test_the_transport_reaches_every_role(flag, base, expected):
+    """--transport (or afd.transport under --afd) is every role's afd.transport: the pairs' two sides agree."""
+    opts = ServeOptions(
+        "m", 1, 2, port=9000, transport=flag, afd_json=None if base is None else json.dumps({"transport": base})
+    )
+    plan = build_plan(opts, run_dir="/run/x")
+    assert {parse_afd_config(spec.afd).transport for spec in plan.roles} == {expected}
 
 
 def test_free_topology_passes_the_cli_up_to_the_runtime_gate(no_spawn, capsys):

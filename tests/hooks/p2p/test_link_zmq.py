@@ -46,7 +46,9 @@ def test_data_moves_both_ways_through_the_links(links: tuple[PeerLink, PeerLink]
     attention, ffn = links
     sent, got, back = torch.arange(6, dtype=torch.int64), _header()[:6], _header()[:6]
     receive = ffn.irecv(got, 0, wire.TAG_DISPATCH_HEADER, "dispatch header")
-    attention.wait([attention.isend(sent, 1, wire.TAG_DISPATCH_HEADER, "dispatch header")], timeout_s=5, work=None, **WAIT)
+    attention.wait(
+        [attention.isend(sent, 1, wire.TAG_DISPATCH_HEADER, "dispatch header")], timeout_s=5, work=None, **WAIT
+    )
     ffn.wait([receive], timeout_s=5, work=None, **WAIT)
     combine = attention.irecv(back, 1, wire.TAG_COMBINE, "combine")
     ffn.wait([ffn.isend(got * 2, 0, wire.TAG_COMBINE, "combine")], timeout_s=5, work=None, **WAIT)
