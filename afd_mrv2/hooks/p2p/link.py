@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.channel import Channel, Pending
-from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
+from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import Work
 
@@ -173,7 +173,7 @@ class PeerLink:
                 f"{self.me}: no pair with {self.describe(peer)} during {what}", peer=peer, peer_name=self.describe(peer)
             )
         try:
-            pending = pair.channel.post(direction, tensor, tag, what)
+            pending: Pending = pair.channel.post(direction, tensor, tag, what)
         except RuntimeError as exc:  # the pair is already closed
             raise self._lost(peer, what, exc) from exc
         pending.peer = peer  # the global rank, whatever the channel calls its peer

@@ -215,7 +215,7 @@ class RendezvousStore:
         """The FFN side of a zmq pair: its receiving socket bound, where and the token published."""
         try:
             channel, endpoints = zmq_channel.listen(peer=0, name=name, bind=self._bind)
-        except Exception as exc:  # noqa: BLE001 - zmq's own error names the address
+        except Exception as exc:
             raise AfdError(f"afd.bind: cannot bind {self._bind!r} for pair {name}: {exc}") from exc
         self._store.set(f"{PREFIX}/{name}/zmq/endpoint", endpoints.to_json())
         return channel, endpoints

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from afd_mrv2.errors import PipelineAborted
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerLost, PeerTimeout
 from afd_mrv2.hooks.p2p.link import Pair, PeerLink
 from afd_mrv2.hooks.p2p.zmq_channel import loopback_pair
 from afd_mrv2.items import WorkItem
 from afd_mrv2.topology import Topology
-from afd_mrv2.errors import PipelineAborted
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
 
 TOPOLOGY = Topology(1, 1, 2)
