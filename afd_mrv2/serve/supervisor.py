@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.live_stats import read_stats
@@ -219,6 +220,7 @@ class Supervisor:
             self._warn_ephemeral()
             self._say_placement()
             self._say_cores()
+            self._say_transport()
             Path(self.plan.run_dir).mkdir(parents=True, exist_ok=True)
             try:
                 if (
@@ -296,6 +298,16 @@ class Supervisor:
             for spec in sorted(pinned, key=lambda r: (r.role != ATTENTION, r.rank))
         )
         self._say(f"cores: {parts} (every process of a role: its front end, EngineCore and workers)")
+
+    def _say_transport(self) -> None:
+        """What every pair runs on (``afd.transport``; the roles' sections agree: one base section)."""
+        config = parse_afd_config(self.plan.roles[0].afd)
+        bind = (
+            f", receiving sockets bound to {config.bind or 'the route to ' + config.host}"
+            if config.transport == "zmq"
+            else ""
+        )
+        self._say(f"transport: {config.transport} (every Attention-FFN pair){bind}")
 
     def _say_placement(self) -> None:
         """Where the experts live: the table's summary and digest (what every pair checks at its handshake),

@@ -441,6 +441,29 @@ def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> N
     )
 
 
+@pytest.mark.parametrize(
+    ("transport", "afd", "expected"),
+    [
+        (None, None, "[serve] transport: gloo (every Attention-FFN pair)"),
+        (
+            "zmq",
+            None,
+            "[serve] transport: zmq (every Attention-FFN pair), receiving sockets bound to the route to 127.0.0.1",
+        ),
+        (
+            "zmq",
+            '{"bind": "10.0.0.5"}',
+            "[serve] transport: zmq (every Attention-FFN pair), receiving sockets bound to 10.0.0.5",
+        ),
+    ],
+)
+def test_serve_prints_the_transport_its_pairs_run_on(transport, afd, expected) -> None:
+    plan = build_plan(ServeOptions("m", 1, 1, port=free_port_block(3), transport=transport, afd_json=afd))
+    log = io.StringIO()
+    Supervisor(plan, out=io.StringIO(), log=log)._say_transport()
+    assert log.getvalue().splitlines() == [expected]
+
+
 def test_attention_engines_load_with_the_afd_format_unless_told_otherwise_or_on_vllm_ascend(monkeypatch) -> None:
     """The Attention engine reads no routed-expert tensor (``--load-format afd``); a format in the extra
     arguments wins; on vLLM-Ascend afd-mrv2 registers no load format, so none is passed."""

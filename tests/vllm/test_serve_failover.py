@@ -192,19 +192,23 @@ def _metrics_once_rejoined_rank_serves(
 
 
 @pytest.mark.parametrize(
-    ("arch", "killed"),
+    ("arch", "killed", "transport"),
     [
-        ("mixtral", 1),
-        pytest.param("mixtral", 0, marks=pytest.mark.vllm_full),
-        pytest.param("qwen2_moe", 1, marks=pytest.mark.vllm_full),
+        ("mixtral", 1, "gloo"),
+        ("mixtral", 1, "zmq"),
+        pytest.param("mixtral", 0, "gloo", marks=pytest.mark.vllm_full),
+        pytest.param("mixtral", 0, "zmq", marks=pytest.mark.vllm_full),
+        pytest.param("qwen2_moe", 1, "gloo", marks=pytest.mark.vllm_full),
     ],
 )
 def test_an_ffn_rank_killed_mid_generation_costs_no_request(
-    checkpoints: Checkpoints, tmp_path: Path, arch: str, killed: int
+    checkpoints: Checkpoints, tmp_path: Path, arch: str, killed: int, transport: str
 ) -> None:
+    """On either pair transport (``--transport``): the loss, the re-sends and the rejoin are the same."""
     model, plain = checkpoints.model(arch), checkpoints.plain(arch)
     port = free_port_block(4)
-    serve = Serve(model, port, tmp_path / "serve.log", "--expert-replicas", "2", attention=1, ffn=2)
+    flags = ("--expert-replicas", "2", "--transport", transport)
+    serve = Serve(model, port, tmp_path / "serve.log", *flags, attention=1, ffn=2)
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid(f"ffn {killed}")
@@ -222,23 +226,20 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
         (line,) = [line for line in log.splitlines() if "its experts are served by" in line]
         failover = re.search(rf"afd-mrv2 failover: .*FFN rank {killed} lost .*\(at ([0-9.]+)\)", log)
         assert failover is not None, log[-3000:]
+        assert f"[serve] transport: {transport} (every Attention-FFN pair)" in log, log[:3000]
         survivor = 1 - killed
         resent = f'afd_ffn_redispatched_total{{ffn="{survivor}"}}'
         metrics = _metrics_once_resent(serve, resent)
         status = json.loads(_get(serve.url + "/afd/status"))
         resend_at = status["figures"]["attention 0"]["failover"]["first_resend_at"][str(killed)]
-        memory = status["figures"]["attention 0"]["memory"]  # issue 26: the engine read and holds no expert
-        assert memory["read_bytes"]["routed_experts"] == 0 and memory["resident_bytes"]["routed_experts"] == 0
-        assert memory["resident_bytes"]["other"] > 0 and memory["peak_rss_bytes"] > 0, memory
-        held = status["figures"][f"ffn {survivor}"]["memory"]["resident_bytes"]  # R = 2 on 2 ranks: every expert
-        assert held["other"] == 0 and held["routed_experts"] > 0, held
+        _assert_each_role_holds_its_own(status, survivor)
         after = [complete(serve.url, body(model, p, 8)) for p in prompts()[:4]]
         deadline = time.monotonic() + 600
         rejoined = _wait_for_rejoin(serve, model, killed, deadline)
         back = _metrics_once_rejoined_rank_serves(serve, model, killed, killed_at, deadline)
         restart_line = next(line for line in serve.log_text().splitlines() if "restarted: ready after" in line)
         print(
-            f"\n[failover] {arch} 1A2F --expert-replicas 2 ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
+            f"\n[failover] {arch} 1A2F --expert-replicas 2 --transport {transport} ready after {ready_s:.1f} s; FFN rank {killed} (pid {pid}) "
             f"SIGKILLed mid-generation ({before} of {CLIENTS} requests finished before it): "
             f"{CLIENTS - len(errors)}/{CLIENTS} completed, 0 errors, answered within "
             f"{answered_s:.1f} s; kill -> failover {float(failover.group(1)) - killed_at:.3f} s, kill -> first "
@@ -262,6 +263,15 @@ def test_an_ffn_rank_killed_mid_generation_costs_no_request(
     finally:
         code = serve.stop()
     assert code == 0
+
+
+def _assert_each_role_holds_its_own(status: dict[str, Any], survivor: int) -> None:
+    """Issue 26 in /afd/status: the engine read and holds no expert; the survivor (R = 2 on 2 ranks) every one."""
+    memory = status["figures"]["attention 0"]["memory"]
+    assert memory["read_bytes"]["routed_experts"] == 0 and memory["resident_bytes"]["routed_experts"] == 0
+    assert memory["resident_bytes"]["other"] > 0 and memory["peak_rss_bytes"] > 0, memory
+    held = status["figures"][f"ffn {survivor}"]["memory"]["resident_bytes"]
+    assert held["other"] == 0 and held["routed_experts"] > 0, held
 
 
 def _errors(results: list[Any], tokens: int) -> list[Any]:

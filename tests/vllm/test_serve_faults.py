@@ -87,18 +87,20 @@ def _mixed_clients(
 
 
 @pytest.mark.parametrize(
-    ("role", "ubatched"),
+    ("role", "ubatched", "transport"),
     [
-        pytest.param("ffn", False, marks=pytest.mark.vllm_full),
-        pytest.param("attention", False, marks=pytest.mark.vllm_full),
-        ("ffn", True),
+        pytest.param("ffn", False, "gloo", marks=pytest.mark.vllm_full),
+        pytest.param("attention", False, "gloo", marks=pytest.mark.vllm_full),
+        ("ffn", True, "gloo"),
+        pytest.param("ffn", True, "zmq", marks=pytest.mark.vllm_full),
+        pytest.param("attention", False, "zmq", marks=pytest.mark.vllm_full),
     ],
 )
 def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_it(
-    model: Path, tmp_path: Path, role: str, ubatched: bool
+    model: Path, tmp_path: Path, role: str, ubatched: bool, transport: str
 ) -> None:
     args, env = (UBATCHED, v2_env()) if ubatched else ([], None)
-    serve = Serve(model, free_port_block(3), tmp_path / "serve.log", *args, env=env)
+    serve = Serve(model, free_port_block(3), tmp_path / "serve.log", *args, "--transport", transport, env=env)
     try:
         ready_s = serve.wait_ready()
         pid = serve.role_pid(f"{role} 0")  # the role's first process, leader of its process group
