@@ -2,7 +2,7 @@
 """The equivalence matrix: ``afd-mrv2 serve`` against plain vLLM, per architecture x runner x topology.
 
     .venv-vllm/bin/python scripts/vllm_matrix.py [--archs mixtral deepseek_v2] [--configs 1a1f 1a1f-d2 2a1f 2a2f]
-        [--runners v1 v2] [--json OUT] [--models DIR] [-- ENGINE ARGS]
+        [--runners v1 v2] [--transport gloo|zmq] [--json OUT] [--models DIR] [-- ENGINE ARGS]
 
 For each architecture (a checkpoint made with ``afd-mrv2 make-model DIR --arch ARCH``) and runner,
 one plain vLLM OpenAI server answers 32 greedy completions of 16 tokens (sent at once, ``logprobs:
@@ -49,6 +49,7 @@ from serving.matrix import (
     verdict,
 )
 
+from afd_mrv2.config import TRANSPORTS
 from afd_mrv2.table import format_table
 
 PROG = "vllm_matrix"
@@ -66,6 +67,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help=f"of {list(CONFIGS)} (default: the unsplit ones)",
     )
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), metavar="RUNNER", help=f"of {list(RUNNERS)}")
+    parser.add_argument(
+        "--transport", choices=TRANSPORTS, default="gloo", help="serve --transport: what the pairs run on (%(default)s)"
+    )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     parser.add_argument("--models", default="out/vllm-matrix/models", help="checkpoints folder (default %(default)s)")
     parser.add_argument("--logs", default="out/vllm-matrix/logs", help="servers' logs folder (default %(default)s)")
@@ -85,19 +89,26 @@ AddRow = Callable[[dict[str, Any]], None]
 
 
 def _config_row(
-    model: Path, runner_name: str, config_name: str, args_here: list[str], logs: Path, reference: dict[str, Any]
+    model: Path,
+    runner_name: str,
+    config_name: str,
+    args_here: list[str],
+    logs: Path,
+    reference: dict[str, Any],
+    transport: str = "gloo",
 ) -> dict[str, Any]:
     """One config served on one runner, compared with plain vLLM's answers (``reference``: arch, runner, plain,
     plain_vs_plain, plain_ready_s)."""
     config = CONFIGS[config_name]
-    base = {"arch": reference["arch"], "runner": runner_name, "config": config_name}
+    base = {"arch": reference["arch"], "runner": runner_name, "config": config_name, "transport": transport}
     if config.topology.ubatches is not None and runner_name != "v2":
         return {**base, "verdict": "not available: micro-batching runs on V2"}
     row: dict[str, Any] = {**base, "plain_ready_s": reference["plain_ready_s"]}
     row["plain_vs_plain"] = reference["plain_vs_plain"]
     name = f"{reference['arch']}-{runner_name}-{config_name}"
     try:
-        row.update(serve_row(model, config, RUNNERS[runner_name], args_here, logs, name, reference["plain"]))
+        flags = ("--transport", transport)
+        row.update(serve_row(model, config, RUNNERS[runner_name], args_here, logs, name, reference["plain"], flags))
         row["verdict"] = verdict(config, row)
     except RunnerUnavailable as exc:
         row["verdict"] = f"not available: {exc}"
@@ -128,7 +139,7 @@ def _runner_rows(
         return
     reference = {"arch": arch, "plain": plain, "plain_vs_plain": plain_vs_plain, "plain_ready_s": plain_ready}
     for config_name in args.configs:
-        add(_config_row(model, runner_name, config_name, args_here, logs, reference))
+        add(_config_row(model, runner_name, config_name, args_here, logs, reference, args.transport))
 
 
 def run(args: argparse.Namespace, engine_args: list[str]) -> list[dict[str, Any]]:
@@ -212,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         return parsed
     args, engine_args = parsed
     load_start = load_average()
-    print(f"{PROG}: archs {' '.join(args.archs)}, runners {' '.join(args.runners)}, configs {' '.join(args.configs)}")
+    print(
+        f"{PROG}: archs {' '.join(args.archs)}, runners {' '.join(args.runners)}, configs {' '.join(args.configs)}, "
+        f"serve --transport {args.transport}"
+    )
     rows = guarded(PROG, lambda: run(args, engine_args))
     if isinstance(rows, int):
         return rows

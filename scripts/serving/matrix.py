@@ -3,6 +3,7 @@ architectures, topologies with their pass criteria, runners, and one row's run."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -152,10 +153,17 @@ def plain_reference(
 
 
 def serve_row(
-    model: Path, config: Config, runner: Runner, engine_args: list[str], logs: Path, name: str, plain: list[Greedy]
+    model: Path,
+    config: Config,
+    runner: Runner,
+    engine_args: list[str],
+    logs: Path,
+    name: str,
+    plain: list[Greedy],
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One serve with ``config``'s topology: its answers compared with plain vLLM's."""
-    topology = config.topology
+    """One serve with ``config``'s topology and any further serve ``flags``: its answers compared with plain vLLM's."""
+    topology = dataclasses.replace(config.topology, flags=(*config.topology.flags, *flags))
     serve = ServeServer(
         model, free_port_block(topology.ports()), logs / f"{name}.log", topology, engine_args, runner.environment()
     )
