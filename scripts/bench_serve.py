@@ -24,12 +24,15 @@ tokens from C concurrent clients.  Around each round the script reads the side's
 (``vllm:iteration_tokens_total``) and, on the AFD sides, each Attention engine's ``afd_attention_stats``
 (``POST /collective_rpc``, ``VLLM_SERVER_DEV_MODE=1``): the runner's forward times (``forward_ms_recent``)
 and the round-trip / compute overlap counters, differenced over the round.  Then every server is stopped
-(one at a time, the others still paused) and each FFN role's ``afd-mrv2 ffn: done {...}`` report read.
+(one at a time, the others still paused; an AFD side's engines answer ``afd_attention_stats`` once more just
+before) and each FFN role's ``afd-mrv2 ffn: done {...}`` report read.
 
 Reports per round tok/s, steps, wall and forward ms per step and the CPU time of every process; per side
 the median tok/s and median forward ms; the ratios ubatch/blocking and ubatch/plain; the ubatch side's
 hidden fraction; and the analytic limit of the forward speedup, (A + F + 2c) / max(N a, N f, a + f + 2c),
-with each input (docs/benchmarks-vllm.md).  Exit 0 after a run, 1 when a server failed, requests failed
+with each input; and where a round trip goes, per AFD side: the nine spans of the connector's
+``round_trip_stamps`` (means over the whole run), their sum and the measured mean round trip
+(docs/benchmarks-vllm.md).  Exit 0 after a run, 1 when a server failed, requests failed
 or a process was left, 2 for bad input.
 """
 
@@ -68,6 +71,7 @@ from serving import (
 )
 from serving.matrix import STANDIN
 
+from afd_mrv2.hooks.p2p.stamps import SPANS, breakdown
 from afd_mrv2.ports import free_port_block
 from afd_mrv2.table import format_table
 
@@ -550,19 +554,60 @@ def _measure_rounds(
     return rounds
 
 
-def _stop_sides(sides: dict[str, Side]) -> tuple[dict[str, int | None], dict[str, list[dict[str, Any]]]]:
-    """Each side's exit code and its FFN roles' reports, stopping one side at a time (the others still paused:
-    each FFN role reports on a quiet machine)."""
+Reports = dict[str, list[dict[str, Any]]]
+
+
+def _stop_sides(sides: dict[str, Side]) -> tuple[dict[str, int | None], Reports, Reports]:
+    """Each side's exit code, its FFN roles' reports and (AFD sides) each Attention engine's last
+    afd_attention_stats, read just before the side stops; one side stops at a time (the others still
+    paused: each FFN role reports on a quiet machine)."""
     exits: dict[str, int | None] = {}
+    final: Reports = {}
     for name in SIDES:
         side = sides[name]
+        if side.afd:
+            side.resume()  # a paused engine answers no collective_rpc
+            try:
+                final[name] = snapshot(side)["stats"]
+            except ServerError as exc:  # the run's figures stand without this side's breakdown
+                print(f"{name}: no round-trip breakdown: {exc}", flush=True)
+                final[name] = []
         side.settle()
         exits[name] = side.server.stop()
     reports = {
         name: [{"rank": d.rank, "report": d.report} for d in sides[name].server.ffn_reports()]  # type: ignore[union-attr]
         for name in ("blocking", "ubatch")
     }
-    return exits, reports
+    return exits, reports, final
+
+
+def round_trip_breakdown(final: Reports, reports: Reports, ffn_ranks: int) -> dict[str, Any]:
+    """Per AFD side and Attention engine: where its round trips went, means over the whole run (warm-up
+    included) from its ``round_trip_stamps`` and, with one FFN rank, that rank's stamps for the engine
+    (:func:`afd_mrv2.hooks.p2p.stamps.breakdown`); with the engine's measured mean round trip (overlap
+    counters: exchange.start to the last combine's arrival)."""
+    out: dict[str, Any] = {"ffn_ranks": ffn_ranks, "sides": {}}
+    for name, engines in final.items():
+        ffn = reports.get(name, [])
+        out["sides"][name] = side = []
+        for a, stats in enumerate(engines):
+            mine = stats.get("round_trip_stamps")  # None: another connector than torch_p2p
+            theirs = None
+            if ffn_ranks == 1 and len(ffn) == 1:
+                theirs = (ffn[0]["report"].get("round_trip_stamps") or {}).get(str(a))
+            totals = list(stats["overlap"].values())
+            trips = sum(t["round_trips"] for t in totals)
+            measured = 1000 * sum(t["round_trip_total_ms"] for t in totals) / trips if trips else None
+            side.append(
+                {
+                    "engine": a,
+                    "attention_stamps": mine,
+                    "ffn_stamps": theirs,
+                    "spans_us": None if mine is None else breakdown(mine, theirs),
+                    "measured_round_trip_us": measured,
+                }
+            )
+    return out
 
 
 def _add_summaries(result: dict[str, Any], sides: dict[str, Side], args: argparse.Namespace) -> None:
@@ -617,7 +662,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         engine_cores = {"plain": bound_cores(sides["plain"].server.log_text())}
         engine_cores.update({n: bound_cores(s.server.log_text(), "[") for n, s in sides.items() if s.afd})
         rounds = _measure_rounds(sides, payloads, args)
-        exits, reports = _stop_sides(sides)
+        exits, reports, final = _stop_sides(sides)
     finally:
         for server in started:
             server.stop()
@@ -643,6 +688,7 @@ def run(args: argparse.Namespace, engine_args: list[str]) -> dict[str, Any]:
         "rounds": rounds,
         "serve_exit": {n: exits[n] for n in ("blocking", "ubatch")},
         "ffn_reports": reports,
+        "round_trip": round_trip_breakdown(final, reports, args.ffn),
         "residual_pids": leftovers,
         "load_average": {"start": load_start, "end": load_average()},
     }
@@ -740,7 +786,50 @@ def cpu_table(rounds: list[dict[str, Any]]) -> str:
 
 
 #: FFN report keys always shown as compact JSON (their key count varies with the load: one row per side).
-AS_JSON = ("tokens_per_item", "executors", "overlap")
+AS_JSON = ("tokens_per_item", "executors", "overlap", "round_trip_stamps")
+
+#: the rows of the round-trip table after the nine spans: (label, key of breakdown's result)
+ROUND_TRIP_ROWS = (
+    ("sum of the nine", "sum"),
+    ("round trip (on_compute entry to unpacked)", "round trip"),
+    ("sends (first isend to sends done, overlaps wire out)", "sends"),
+    ("wire out + back (round trip - the other seven)", "wire out + back"),
+)
+
+
+def round_trip_table(data: dict[str, Any]) -> list[str]:
+    """Where a round trip goes: a column per AFD side (and Attention engine), the nine spans, their sum, the
+    round trip they add up to and the measured one (us); lines to print."""
+    columns = [(name, e) for name, engines in data["sides"].items() for e in engines if e["spans_us"] is not None]
+    if not columns:
+        return ["where a round trip goes: n/a (no Attention engine reported round_trip_stamps: not torch_p2p?)"]
+    engines = max(len(engines) for engines in data["sides"].values())
+    heads = [name if engines == 1 else f"{name} a{e['engine']}" for name, e in columns]
+    rows = [[span, *(_us(e["spans_us"][span]) for _, e in columns)] for span, _, _ in SPANS]
+    rows += [[label, *(_us(e["spans_us"][key]) for _, e in columns)] for label, key in ROUND_TRIP_ROWS]
+    rows.append(["measured round trip (overlap counters)", *(_us(e["measured_round_trip_us"]) for _, e in columns)])
+    items = [e["spans_us"]["items"] for _, e in columns]
+    rows.append(
+        ["items (Attention / FFN)", *(f"{i['attention']} / {'n/a' if i['ffn'] is None else i['ffn']}" for i in items)]
+    )
+    title = f"where a round trip goes (us, means over the whole run, {engines}A{data['ffn_ranks']}F)"
+    return [
+        title,
+        format_table(["span", *heads], rows),
+        "spans: pack = on_compute entry to the end of _pack; post = to the first isend; wire out = to the FFN's "
+        "last frame read (payload Pending done_at); FFN wake-up = to the compute call; FFN compute; FFN pack = "
+        "compute return to the combine isend; wire back = to the combine Pending's done_at here; Attention "
+        "wake-up = to link.wait's return in CombineInFlight.wait; unpack = to its return "
+        "(docs/internals/p2p-transport.md, afd_mrv2.hooks.p2p.stamps)",
+        "n/a: the FFN side's stamps are missing or counted other items (wire out / back need both on one host and "
+        "one FFN rank); the measured round trip runs from exchange.start (before the executor's queue and "
+        "on_recv) to the last combine's arrival (or wait's call, if later), the sum from on_compute's entry to "
+        "wait's return",
+    ]
+
+
+def _us(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -892,7 +981,7 @@ def report(result: dict[str, Any]) -> str:
             f"  measured forward speedup (blocking / ubatch median forward ms) = "
             f"{_ms(lim['measured_forward_speedup'], 3)}: {_ms(lim['fraction_of_limit'], 3)} of the limit",
         ]
-    lines.append("")
+    lines += ["", *round_trip_table(result["round_trip"]), ""]
     if any(result["ffn_reports"].values()):
         lines += [
             f"FFN side: each role's 'afd-mrv2 ffn: done' report after SIGTERM (serve exit {result['serve_exit']}); "

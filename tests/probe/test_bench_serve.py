@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from afd_mrv2.hooks.p2p.stamps import ATTENTION_POINTS, FFN_POINTS
 from afd_mrv2.procs import stat_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +140,16 @@ def test_window_cuts_forwards_by_index_and_differences_the_overlap_counters() ->
     assert (means["hidden_fraction"], means["round_trip_ms"], means["compute_ms"]) == (0.25, 10.0, 1.5)
 
 
+#: one round trip's points (ns, one clock): pack 0.4, post 0.1, wire out 1.0, FFN wake-up 0.5, FFN compute 4.0,
+#: FFN pack 0.2, wire back 1.8, Attention wake-up 0.7, unpack 0.3 us
+A_POINTS = (1_000, 1_400, 1_500, 1_600, 9_000, 9_700, 10_000)
+F_POINTS = (2_500, 3_000, 7_000, 7_200)
+
+
+def _stamps(items: int, points: tuple[str, ...], values: tuple[int, ...]) -> dict[str, Any]:
+    return {"items": items, "means_ns": dict(zip(points, values, strict=True))}
+
+
 def _result() -> dict[str, Any]:
     def round_(side: str, tok_s: float, forwards: list[float], stages: list[str], overlap: dict[str, Any]) -> dict:
         return {
@@ -175,6 +186,13 @@ def _result() -> dict[str, Any]:
         "blocking": [{"rank": 0, "report": {"busy_s": 0.4, "computed": 100, "tokens_per_item": {"64": 100}}}],
         "ubatch": [{"rank": 0, "report": {"busy_s": 0.5, "computed": 200, "tokens_per_item": {"32": 200}}}],
     }
+    # the last afd_attention_stats of each engine; the ubatch side's FFN rank served one item more (a re-send)
+    final = {
+        "blocking": [{"overlap": blocking["overlap"], "round_trip_stamps": _stamps(8, ATTENTION_POINTS, A_POINTS)}],
+        "ubatch": [{"overlap": ubatch["overlap"], "round_trip_stamps": _stamps(16, ATTENTION_POINTS, A_POINTS)}],
+    }
+    ffn["blocking"][0]["report"]["round_trip_stamps"] = {"0": _stamps(8, FFN_POINTS, F_POINTS)}
+    ffn["ubatch"][0]["report"]["round_trip_stamps"] = {"0": _stamps(17, FFN_POINTS, F_POINTS)}
     result: dict[str, Any] = {
         "ubatches": 2,
         "rounds": rounds,
@@ -191,7 +209,23 @@ def _result() -> dict[str, Any]:
         },
     }
     result["sides"] = {n: bench.side_summary(sides[n], rounds, 1) for n in bench.SIDES}
+    result["round_trip"] = bench.round_trip_breakdown(final, ffn, 1)
     return result
+
+
+def test_round_trip_breakdown_joins_each_engine_with_its_ffn_ranks_stamps() -> None:
+    result = _result()
+    blocking, ubatch = (result["round_trip"]["sides"][n][0] for n in ("blocking", "ubatch"))
+    spans = blocking["spans_us"]
+    assert (spans["wire out"], spans["FFN compute"], spans["wire back"]) == pytest.approx((1.0, 4.0, 1.8))
+    assert spans["sum"] == pytest.approx(9.0) and blocking["measured_round_trip_us"] == pytest.approx(10_000.0)
+    # counts differ: the joined spans are n/a, each side's own are kept
+    assert ubatch["spans_us"]["wire out"] is None and ubatch["spans_us"]["FFN compute"] == pytest.approx(4.0)
+    assert ubatch["measured_round_trip_us"] == pytest.approx(6_000.0)
+    final = {"blocking": [{"overlap": {}, "round_trip_stamps": _stamps(8, ATTENTION_POINTS, A_POINTS)}]}
+    two = bench.round_trip_breakdown(final, {"blocking": [{"rank": 0, "report": {}}] * 2}, 2)["sides"]["blocking"][0]
+    assert two["ffn_stamps"] is None and two["spans_us"]["FFN compute"] is None  # 2 FFN ranks: not joined
+    assert two["spans_us"]["pack"] == pytest.approx(0.4) and two["measured_round_trip_us"] is None
 
 
 def test_analytic_limit_from_its_inputs() -> None:
@@ -221,6 +255,17 @@ def test_report_prints_every_side_the_ratios_and_the_formula_inputs() -> None:
         assert name in text, name
     assert "= 1.304 (bound by a + f + 2c)" in text and "0.958 of the limit" in text
     assert "ubatch/plain: tok/s 0.960 (equal cores: plain pinned to 2, ubatch to 2)" in text
+    assert "where a round trip goes (us, means over the whole run, 1A1F)" in text
+    assert _cells(text, "wire out") == ["1.0", "n/a"] and _cells(text, "FFN compute") == ["4.0", "4.0"]
+    assert _cells(text, "sum of the nine") == ["9.0", "n/a"]
+    assert _cells(text, "measured round trip (overlap counters)") == ["10000.0", "6000.0"]
+    assert _cells(text, "items (Attention / FFN)") == ["8", "/", "8", "16", "/", "17"]
+
+
+def _cells(text: str, label: str) -> list[str]:
+    """The cells of the table row ``label`` (a label is followed by two spaces at least)."""
+    line = next(line for line in text.splitlines() if line.startswith(f"{label}  "))
+    return line[len(label) :].split()
 
 
 def test_bad_input_is_one_line_and_exit_2(

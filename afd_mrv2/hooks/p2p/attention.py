@@ -37,7 +37,8 @@ class _Dispatch:
     Per FFN rank (peer order): the rows sent (``counts``, ``indices`` into the item's
     tokens) and which of their top-k pairs are routed there (``masks`` [count, k]).
     ``routed``: the item's (hidden as sent, scales or None, topk_ids, topk_weights),
-    kept for a failover's re-send.
+    kept for a failover's re-send.  ``entered_ns`` / ``packed_ns``: the round-trip side's stamps
+    (``time.perf_counter_ns``) of ``on_compute``'s entry and of the end of the packing.
     """
 
     tokens: int
@@ -45,6 +46,8 @@ class _Dispatch:
     indices: list[torch.Tensor]
     masks: list[torch.Tensor] = field(default_factory=list)
     routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+    entered_ns: int = 0
+    packed_ns: int = 0
 
 
 @dataclass

@@ -5,6 +5,7 @@ See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.ffn".
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
+from afd_mrv2.hooks.p2p.stamps import FfnStamps
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
@@ -52,6 +54,8 @@ class FfnSide(Side):
         self._held = torch.zeros(shape.num_experts, dtype=torch.bool)
         self._held[list(self.held)] = True
         self.redispatched = 0  # re-sends served (failovers of the Attention side)
+        #: where the items' time here goes (docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.stamps")
+        self.stamps = FfnStamps()
         if peers is not None:
             unknown = sorted(set(peers) - set(self.peers))
             if not peers or unknown or len(set(peers)) != len(peers):
@@ -118,10 +122,13 @@ class FfnSide(Side):
             if n
         ]
         self.wait(payloads, work, "recv", action)
+        received = headers + payloads
+        # the last frame read: a payload, or the header of an item with no rows here
+        work.transfer["payload_done_ns"] = int(max(p.done_at for p in received) * 1e9)
         for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True)):
             if n:
                 self._check_routing(slot.staging[a], n, peer)
-        charge_link(self.options, work, "recv", headers + payloads)
+        charge_link(self.options, work, "recv", received)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         item, slot, hidden_size = work.transfer.get("item", work.item), self._inputs(work), self.shape.hidden_size
@@ -142,10 +149,14 @@ class FfnSide(Side):
             payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
             if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
                 payload.append(slot.scales[:total])
+            called = time.perf_counter_ns()
             output = compute(item, *payload)
+            returned = time.perf_counter_ns()
             if not isinstance(output, torch.Tensor) or output.shape != (total, hidden_size):
                 got = f"Tensor{list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
+        else:
+            called = returned = time.perf_counter_ns()  # no row here: no compute, a span of 0
         outgoing = self._outgoing(work)
         for a, (peer, n, start) in enumerate(zip(self.peers, counts, offsets, strict=True)):
             message = outgoing[a]
@@ -153,9 +164,11 @@ class FfnSide(Side):
             if n:
                 assert output is not None  # n rows: total > 0, so compute ran and returned a tensor
                 wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])
+        work.transfer["compute_ns"] = called, returned
 
     def on_send(self, work: Work) -> None:
         item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)
+        combine_send = time.perf_counter_ns()
         sends = [
             self.link.isend(
                 outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
@@ -167,11 +180,13 @@ class FfnSide(Side):
         ]
         self.wait(sends, work, "send", f"sending the combine of {item}")
         charge_link(self.options, work, "send", sends)
+        called, returned = work.transfer["compute_ns"]
+        self.stamps.add(work.transfer["payload_done_ns"], called, returned, combine_send)
 
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
-        work.transfer.pop("counts", None)
-        work.transfer.pop("item", None)
+        for key in ("counts", "item", "payload_done_ns", "compute_ns"):
+            work.transfer.pop(key, None)
 
     def _follow(self, got: wire.Header, submitted: WorkItem, peer: int) -> WorkItem:
         """``follow_stages``: the item's layer and stage identity, learned from the first peer's header.

@@ -23,6 +23,7 @@ from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
 from afd_mrv2.hooks.p2p.failover import FailoverLog
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
+from afd_mrv2.hooks.p2p.stamps import AttentionStamps
 from afd_mrv2.hookspecs import ComputeFn
 from afd_mrv2.items import WorkItem
 from afd_mrv2.placement import NoLiveHolder
@@ -37,7 +38,8 @@ class Share:
     """One FFN rank's part of an item on the wire: the message posted to it and the combine due back.
 
     ``index``: the item's token rows sent; ``mask`` [count, k]: which of their pairs it computes;
-    ``seq``: the message's number on the pair; ``failed``: the loss seen while posting or sending.
+    ``seq``: the message's number on the pair; ``failed``: the loss seen while posting or sending;
+    ``sent_ns``: when its first isend was posted (``time.perf_counter_ns``).
     """
 
     ffn: int  # FFN rank index
@@ -48,6 +50,7 @@ class Share:
     receive: Pending | None = None
     sends: list[Pending] = field(default_factory=list)
     failed: PeerError | None = None
+    sent_ns: int = 0
 
     @property
     def count(self) -> int:
@@ -63,6 +66,7 @@ class CombineInFlight:
     """The combine of one item, posted by ``on_send``: what the owner waits for with :meth:`wait`.
 
     ``delivered_ns``: when the last partial arrived (``time.perf_counter_ns``), set by ``wait``.
+    ``sent_ns`` / ``sends_done_ns``: when the dispatch's first isend was posted and when its sends were done.
     """
 
     side: RoundTripAttentionSide
@@ -71,13 +75,16 @@ class CombineInFlight:
     inbox: list[torch.Tensor]
     shares: list[Share]
     delivered_ns: int = 0
+    sent_ns: int = 0
+    sends_done_ns: int = 0
     _result: torch.Tensor | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """Wait for every FFN rank's partial (under ``recv_timeout_s``), check each header, sum them.
 
         A share whose FFN rank is lost meanwhile is re-sent to live holders of its experts
-        (:meth:`RoundTripAttentionSide.fail_over`) and their partials are summed in its place.
+        (:meth:`RoundTripAttentionSide.fail_over`) and their partials are summed in its place.  An item
+        that came back with no loss adds its stamps to the side's :class:`AttentionStamps`.
         """
         if self._result is not None:
             return self._result
@@ -85,7 +92,7 @@ class CombineInFlight:
         hidden_size = side.shape.hidden_size
         combined = torch.zeros(dispatch.tokens, hidden_size)
         arrived = time.perf_counter()
-        nbytes = 0
+        nbytes, last_done, waited, whole = 0, 0.0, 0, True
         todo = deque(self.shares)
         while todo:
             share = todo.popleft()
@@ -102,9 +109,11 @@ class CombineInFlight:
                     option="recv_timeout_s",
                 )
             except LOSSES as exc:
+                whole = False
                 self._retire(share)
                 todo.extend(side.fail_over(item, dispatch, share, exc))
                 continue
+            waited, last_done = time.perf_counter_ns(), max(last_done, share.receive.done_at)
             arrived, nbytes = max(arrived, share.receive.done_at), nbytes + share.receive.nbytes
             sent = WorkItem(item.layer_idx, item.stage_idx, share.seq, item.num_stages)
             expected = wire.item_header(wire.KIND_COMBINE, peer, side.link.rank, sent, share.count)
@@ -119,7 +128,23 @@ class CombineInFlight:
         self.delivered_ns = int(arrived * 1e9)
         side.give_back(self.inbox)
         self._result = combined
+        if whole:
+            self._stamp(int(last_done * 1e9), waited)
         return combined
+
+    def _stamp(self, combine_done: int, waited: int) -> None:
+        """Add this item's points to the side's stamps: ``waited`` (the last ``link.wait`` returned) and
+        the combine's ``done_at`` (``combine_done``, the last share's) as measured, unpacked: now."""
+        dispatch = self.dispatch
+        self.side.stamps.add(
+            dispatch.entered_ns,
+            dispatch.packed_ns,
+            self.sent_ns,
+            self.sends_done_ns,
+            combine_done,
+            waited,
+            time.perf_counter_ns(),
+        )
 
     def _retire(self, share: Share) -> None:
         """A lost pair may still write into its combine buffer (a stalled peer): never reuse it."""
@@ -145,6 +170,8 @@ class RoundTripAttentionSide(AttentionSide):
         self._pair_locks = [threading.Lock() for _ in self.peers]
         self._failover_lock = threading.Lock()
         self.failovers = FailoverLog()
+        #: where this side's round trips go (docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.stamps")
+        self.stamps = AttentionStamps()
 
     def _take_inbox(self) -> list[torch.Tensor]:
         """Per FFN rank, uint8 [header + max_tokens * H * 4]: where one item's combines land."""
@@ -163,8 +190,11 @@ class RoundTripAttentionSide(AttentionSide):
         work.transfer["routed"] = self._check_result(work.item, _on_host(self.source(work.item)))
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
+        entered = time.perf_counter_ns()
         routed = compute(work.item, work.transfer.pop("routed"))
         self._pack(work, self._outputs(work), *self._check_result(work.item, routed))
+        dispatch: _Dispatch = work.transfer["dispatch"]
+        dispatch.entered_ns, dispatch.packed_ns = entered, time.perf_counter_ns()
 
     def on_send(self, work: Work) -> None:
         item, dispatch, slot = work.item, work.transfer["dispatch"], self._outputs(work)
@@ -176,8 +206,10 @@ class RoundTripAttentionSide(AttentionSide):
             if f in live or index.numel()
         ]
         self._await_sends(shares, work, f"dispatching {item}")
+        sends_done = time.perf_counter_ns()
         charge_link(self.options, work, "send", [p for share in shares for p in share.sends])
-        in_flight = CombineInFlight(self, item, dispatch, inbox, shares)
+        sent = shares[0].sent_ns if shares else 0
+        in_flight = CombineInFlight(self, item, dispatch, inbox, shares, sent_ns=sent, sends_done_ns=sends_done)
         self.sink(item, in_flight if self.sink_accepts_in_flight else in_flight.wait())
 
     def _post(
@@ -207,6 +239,7 @@ class RoundTripAttentionSide(AttentionSide):
                     wire.TAG_COMBINE,
                     f"combine message ({item})",
                 )
+                share.sent_ns = time.perf_counter_ns()
                 share.sends.append(self.link.isend(header, peer, wire.TAG_DISPATCH_HEADER, "dispatch header"))
                 if count:
                     message = payload[: self.layout.nbytes(count)]

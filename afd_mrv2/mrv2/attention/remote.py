@@ -25,6 +25,8 @@ from afd_mrv2.devices import DeviceBackend, Stream, make_backend
 from afd_mrv2.devices.accelerator import accelerator_available
 from afd_mrv2.errors import ConfigError, PipelineError, PluginError
 from afd_mrv2.hooks.p2p import P2pShape, PeerLink
+from afd_mrv2.hooks.p2p.roundtrip import RoundTripAttentionSide
+from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.items import ATTENTION, WorkItem
 from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, StatsWriter, stats_path
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
@@ -121,6 +123,7 @@ class RemoteExperts:
         self._open_early = open_early
         self._opening: AttentionLinkOpening | None = None
         self._failover_record: dict[str, Any] | None = None
+        self._stamps_record: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.tokens: Counter[int] = Counter()  # tokens per call -> calls (for tests and reports)
         self.steps = 0  # forwards seen (calls of the first MoE layer)
@@ -291,6 +294,7 @@ class RemoteExperts:
         """
         if self._session is not None:
             self._failover_record = self.failovers()
+            self._stamps_record = self.round_trip_stamps()
         session, self._session = self._session, None
         if session is None:
             return None
@@ -309,6 +313,17 @@ class RemoteExperts:
         log = session.failover_log
         return None if log is None else log.as_dict()
 
+    def round_trip_stamps(self) -> dict[str, Any] | None:
+        """The torch_p2p round-trip side's mean stamps (:class:`~afd_mrv2.hooks.p2p.stamps.AttentionStamps`,
+        docs/internals/p2p-transport.md), or None for another connector; once closed, the last session's."""
+        session = self._session
+        if session is None:
+            return self._stamps_record
+        connector = session.plugins.connector
+        if isinstance(connector, TorchP2pConnector) and isinstance(connector.side, RoundTripAttentionSide):
+            return connector.side.stamps.as_dict()
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {
             "moe_layers": self._order or sorted(self._layers),
@@ -317,6 +332,7 @@ class RemoteExperts:
             "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
             "overlap": self.meter.snapshot(),
             "failover": self.failovers(),
+            "round_trip_stamps": self.round_trip_stamps(),
         }
 
 

@@ -47,6 +47,9 @@ class FfnReport:
     executors: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: overlap figures from the loops' traces (``multistream.trace``), else None
     overlap: dict[str, Any] | None = None
+    #: attention rank index -> its last loop's FFN-side stamps (``FfnStamps.as_dict()``: items, mean stamps;
+    #: docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.stamps")
+    round_trip_stamps: dict[int, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -101,6 +104,12 @@ class FfnReport:
     def add_overlap(self, figures: dict[str, Any]) -> None:
         self.overlap = figures
 
+    def loop_stamps(self, attention: int, stamps: dict[str, Any]) -> None:
+        """Attention rank ``attention``'s loop ended with these stamps (its connector's ``FfnStamps.as_dict()``);
+        a restarted engine's next loop replaces them (its Attention side counts afresh too)."""
+        with self._lock:
+            self.round_trip_stamps[attention] = stamps
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "moe_layers": self.moe_layers,
@@ -115,6 +124,7 @@ class FfnReport:
             "executors": {str(a): info for a, info in sorted(self.executors.items())},
             "tokens_per_item": dict(sorted(self.tokens_per_item.items())),
             "overlap": self.overlap,
+            "round_trip_stamps": {str(a): stamps for a, stamps in sorted(self.round_trip_stamps.items())},
         }
 
 
