@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from afd_mrv2.config import parse_afd_config
-from afd_mrv2.hooks.p2p.stamps import ATTENTION_POINTS, breakdown
+from afd_mrv2.hooks.p2p.stamps import ATTENTION_POINTS, SPANS, breakdown
 from afd_mrv2.mrv2.attention.remote import RemoteExperts
 from afd_mrv2.mrv2.ffn.report import FfnReport
 from afd_mrv2.procs import free_port
@@ -44,6 +45,12 @@ def test_the_attention_stats_carry_the_round_trip_stamps(one_torch_thread: None,
     assert chain == sorted(chain) and means["sends_done"] >= means["first_send"], means
     spans = breakdown(live, None)
     assert spans["round trip"] > 0 and spans["wire out"] is None  # no FFN side given: nothing joined
+    report: FfnReport = done["report"]
+    ffn = report.as_dict()["round_trip_stamps"]["0"]
+    assert ffn["items"] == 4, ffn  # every item it served, its combine sent
+    joined = breakdown(live, ffn)  # one process, one clock
+    assert joined["sum"] == pytest.approx(joined["round trip"]), joined
+    assert all(joined[name] >= 0 for name, _, _ in SPANS), joined
     assert remote.stats()["round_trip_stamps"] == live  # the closed session's, kept
 
 

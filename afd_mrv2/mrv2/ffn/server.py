@@ -20,6 +20,8 @@ from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
+from afd_mrv2.hooks.p2p.ffn import FfnSide
+from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
 from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
@@ -83,6 +85,14 @@ def _redispatched(connector: object) -> int:
     failover: 0)."""
     resends = ffn_failover_of(connector)
     return 0 if resends is None else resends.redispatched
+
+
+def _round_trip_stamps(connector: object) -> dict[str, Any] | None:
+    """A loop's torch_p2p FFN side's stamps (``FfnStamps.as_dict()``, docs/internals/p2p-transport.md), or
+    None for another connector."""
+    if isinstance(connector, TorchP2pConnector) and isinstance(connector.side, FfnSide):
+        return connector.side.stamps.as_dict()
+    return None
 
 
 def local_routing(
@@ -392,7 +402,11 @@ class FfnServer:
                 link.release()
         finally:
             served = loop.submitted - abandoned
-            self.report.loop_ended(a, served, end, loop.executor, _redispatched(self._connectors[a][-1]))
+            connector = self._connectors[a][-1]
+            self.report.loop_ended(a, served, end, loop.executor, _redispatched(connector))
+            stamps = _round_trip_stamps(connector)
+            if stamps is not None:
+                self.report.loop_stamps(a, stamps)
 
     def compute(
         self,
