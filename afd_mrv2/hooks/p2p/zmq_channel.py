@@ -71,9 +71,6 @@ class ZmqChannel(Channel):
         self._monitors = [
             s.get_monitor_socket(_LOSS_EVENTS, f"inproc://afd-zmq-monitor-{next(_IDS)}") for s in (send, recv)
         ]
-        self._poller = zmq.Poller()
-        for sock in (recv, *self._monitors):
-            self._poller.register(sock, zmq.POLLIN)
         self._cond = threading.Condition()  # guards the fields below
         self._reading = False  # a waiter holds the receive side
         self._posted: dict[int, collections.deque[Pending]] = collections.defaultdict(collections.deque)
@@ -164,24 +161,23 @@ class ZmqChannel(Channel):
                 self._cond.notify_all()
 
     def _read(self, timeout_s: float) -> None:
-        """Poll up to ``timeout_s``, read every ready message, then act on a disconnect (the reader only)."""
-        ready = dict(self._poller.poll(math.ceil(timeout_s * 1000)))
-        completed = self._read_ready() if self._recv in ready else False
-        if any(m in ready and self._disconnected(m) for m in self._monitors):
+        """Poll up to ``timeout_s``, read every ready message, then act on a disconnect (the reader only).
+
+        Only the receiving socket is polled; the monitors are looked at when that poll found nothing (a
+        disconnected peer sends nothing more), which spares them on every message (about 8 us a round trip).
+        """
+        if self._recv.poll(math.ceil(timeout_s * 1000), zmq.POLLIN):
+            if self._read_ready():
+                with self._cond:
+                    self._cond.notify_all()
+        elif any(self._disconnected(m) for m in self._monitors):
             self._read_ready()  # what the peer sent before it left is read before the loss
             self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed"))
-        elif completed:
-            with self._cond:
-                self._cond.notify_all()
 
     def _read_ready(self) -> bool:
         completed = False
-        while self.lost is None:
-            try:
-                envelope = self._recv.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return completed
-            completed = self._read_message(envelope) or completed
+        while self.lost is None and self._recv.get(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised per read
+            completed = self._read_message(self._recv.recv()) or completed
         return completed
 
     def _read_message(self, envelope: bytes) -> bool:
