@@ -72,8 +72,21 @@ class AttentionSide(Side):
         #: the FFN ranks (indices) this side routes to, and ``route[e]``: the one computing expert ``e``
         self.live: frozenset[int] = frozenset(range(self.placement.num_ffn))
         self.route = torch.tensor(self.placement.routing(self.live), dtype=torch.long)
+        self._every_row = torch.arange(self.capacity)  # the sole FFN rank's index: every row (see _pack)
         self._inboxes: dict[int, _Inbox] = {}
         self._inbox_lock = threading.Lock()
+
+    @property
+    def route(self) -> torch.Tensor:
+        """``route[e]``: the FFN rank (index) computing expert ``e`` now."""
+        return self._route
+
+    @route.setter
+    def route(self, route: torch.Tensor) -> None:
+        self._route = route
+        first = int(route[0]) if route.numel() else -1
+        #: the FFN rank computing every expert (one FFN rank, or all but one lost), else None
+        self._sole: int | None = first if route.numel() and bool((route == first).all()) else None
 
     # ------------------------------------------------------------------ buffers
 
@@ -137,18 +150,25 @@ class AttentionSide(Side):
     ) -> None:
         """Pack, per FFN rank, the rows routed to it into ``slot``; record the dispatch."""
         item, layout = work.item, self.layout
-        owners = self.route[topk_ids.long()]
-        dispatch = work.transfer["dispatch"] = _Dispatch(hidden.shape[0], [], [])
+        tokens, sole = hidden.shape[0], self._sole
+        owners = self.route[topk_ids.long()] if sole is None else None
+        dispatch = work.transfer["dispatch"] = _Dispatch(tokens, [], [])
         scales = None
         if layout.quant is not None:  # per token, once for all FFN ranks, before anything is sent
             hidden, scales = quantize_per_token(hidden)
         dispatch.routed = (hidden, scales, topk_ids, topk_weights)
         for f, ffn in enumerate(self.peers):
-            assigned = owners == f
-            index = assigned.any(dim=1).nonzero().squeeze(1)
-            mask = assigned.index_select(0, index)
+            if owners is not None:
+                assigned = owners == f
+                index = assigned.any(dim=1).nonzero().squeeze(1)
+                mask = assigned.index_select(0, index)
+                self.pack_rows(slot.staging[f], index, mask, dispatch.routed)
+            elif f == sole:  # every pair is this rank's: the rows as they are, no selection, no mask
+                index, mask = self._every_row[:tokens], torch.ones(tokens, topk_ids.shape[1], dtype=torch.bool)
+                self._pack_all(slot.staging[f], dispatch.routed)
+            else:
+                index, mask = self._every_row[:0], torch.zeros(0, topk_ids.shape[1], dtype=torch.bool)
             count = index.numel()
-            self.pack_rows(slot.staging[f], index, mask, dispatch.routed)
             wire.item_header(layout.kind, self.link.rank, ffn, item, count).write(slot.headers[f])
             dispatch.counts.append(count)
             dispatch.indices.append(index)
@@ -172,6 +192,18 @@ class AttentionSide(Side):
         torch.index_select(topk_weights, 0, index, out=weights)
         weights.mul_(mask)
         ids.copy_(topk_ids.index_select(0, index))
+
+    def _pack_all(
+        self, staging: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+    ) -> None:
+        """:meth:`pack_rows` of every row with every pair kept: three copies."""
+        hidden, scales, topk_ids, topk_weights = routed
+        rows, weights, ids = self.layout.views(staging, hidden.shape[0])
+        rows.copy_(hidden)
+        if scales is not None:
+            self.layout.scales(staging, hidden.shape[0]).copy_(scales)
+        weights.copy_(topk_weights)
+        ids.copy_(topk_ids)
 
     def on_send(self, work: Work) -> None:
         item, dispatch = work.item, work.transfer.get("dispatch")

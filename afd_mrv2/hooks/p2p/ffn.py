@@ -53,6 +53,7 @@ class FfnSide(Side):
         self.held = link.topology.held_by(link.index)  # the experts this rank keeps (with replicas: R blocks)
         self._held = torch.zeros(shape.num_experts, dtype=torch.bool)
         self._held[list(self.held)] = True
+        self._holds_all = bool(self._held.all())  # then no row can be mis-routed here: the check is skipped
         self.redispatched = 0  # re-sends served (failovers of the Attention side)
         #: where the items' time here goes (docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.stamps")
         self.stamps = FfnStamps()
@@ -134,21 +135,12 @@ class FfnSide(Side):
         item, slot, hidden_size = work.transfer.get("item", work.item), self._inputs(work), self.shape.hidden_size
         counts: list[int] = work.transfer["counts"]
         offsets, total = [], 0
-        for a, n in enumerate(counts):
+        for n in counts:
             offsets.append(total)
-            if n:
-                rows, weights, ids = self.layout.views(slot.staging[a], n)
-                slot.hidden[total : total + n].copy_(rows)
-                slot.topk_weights[total : total + n].copy_(weights)
-                slot.topk_ids[total : total + n].copy_(ids)
-                if slot.scales is not None:
-                    slot.scales[total : total + n].copy_(self.layout.scales(slot.staging[a], n))
             total += n
         output: torch.Tensor | None = None
         if total:
-            payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
-            if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
-                payload.append(slot.scales[:total])
+            payload = self._gather(slot, counts, total)
             called = time.perf_counter_ns()
             output = compute(item, *payload)
             returned = time.perf_counter_ns()
@@ -165,6 +157,30 @@ class FfnSide(Side):
                 assert output is not None  # n rows: total > 0, so compute ran and returned a tensor
                 wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])
         work.transfer["compute_ns"] = called, returned
+
+    def _gather(self, slot: _Inputs, counts: list[int], total: int) -> list[torch.Tensor]:
+        """compute's arguments: the rows of every attention rank, concatenated (hidden, ids as int64, weights,
+        and the scales with quant).  Rows from one attention rank only are read where they landed (no copy of
+        hidden and weights: the staging buffer belongs to this slot until compute returned)."""
+        senders = [a for a, n in enumerate(counts) if n]
+        if len(senders) == 1 and slot.scales is None:
+            rows, weights, ids = self.layout.views(slot.staging[senders[0]], total)
+            slot.topk_ids[:total].copy_(ids)
+            return [rows, slot.topk_ids[:total], weights]
+        start = 0
+        for a in senders:
+            n = counts[a]
+            rows, weights, ids = self.layout.views(slot.staging[a], n)
+            slot.hidden[start : start + n].copy_(rows)
+            slot.topk_weights[start : start + n].copy_(weights)
+            slot.topk_ids[start : start + n].copy_(ids)
+            if slot.scales is not None:
+                slot.scales[start : start + n].copy_(self.layout.scales(slot.staging[a], n))
+            start += n
+        payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
+        if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
+            payload.append(slot.scales[:total])
+        return payload
 
     def on_send(self, work: Work) -> None:
         item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)
@@ -240,9 +256,10 @@ class FfnSide(Side):
         """Every id in 0..E-1 and every row routed to at least one expert held here: no silent mis-route."""
         _, _, ids = self.layout.views(staging, tokens)
         problem = None
-        if int(ids.min()) < 0 or int(ids.max()) >= self.shape.num_experts:
-            problem = f"expert ids must be in 0..{self.shape.num_experts - 1}, got {int(ids.min())}..{int(ids.max())}"
-        elif not self._held[ids.long()].any(dim=1).all():
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= self.shape.num_experts:
+            problem = f"expert ids must be in 0..{self.shape.num_experts - 1}, got {low}..{high}"
+        elif not self._holds_all and not self._held[ids.long()].any(dim=1).all():
             problem = (
                 f"a token routed to none of this rank's experts "
                 f"{self.link.topology.placement.ranges(self.held)} was dispatched here"

@@ -176,9 +176,12 @@ class ZmqChannel(Channel):
 
     def _read_ready(self) -> bool:
         completed = False
-        while self.lost is None and self._recv.get(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again raised per read
+        while self.lost is None and self._readable():  # no zmq.Again raised per read
             completed = self._read_message(self._recv.recv()) or completed
         return completed
+
+    def _readable(self) -> bool:
+        return bool(int(self._recv.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def _read_message(self, envelope: bytes) -> bool:
         if len(envelope) != _ENVELOPE.size or not self._recv.get(zmq.RCVMORE):
