@@ -1,6 +1,6 @@
-"""PeerLink: point-to-point transfers on a torch.distributed group, waited on safely.
+"""PeerLink: point-to-point transfers waited on safely, over one channel per peer.
 
-:class:`PeerLink` (one group, or scoped :class:`Pair` s), with its control channel.
+:class:`PeerLink` (one group, or scoped :class:`Pair` s, each on a gloo or zmq channel), with its control channel.
 
 See docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.link".
 """

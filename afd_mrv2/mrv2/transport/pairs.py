@@ -1,4 +1,4 @@
-"""The links torch_p2p runs on when AFD roles are vLLM processes: one two-rank group per pair.
+"""The links torch_p2p runs on when AFD roles are vLLM processes: one pair (a channel) per Attention-FFN pair.
 
 See docs/internals/p2p-transport.md, "afd_mrv2.mrv2.transport.pairs".
 """
