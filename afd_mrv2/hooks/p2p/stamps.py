@@ -60,6 +60,14 @@ class _Stamps:
         means = {point: total // items for point, total in zip(self.points, sums, strict=True)} if items else {}
         return {"items": items, "means_ns": means}
 
+    def _add(self, *stamps: int) -> None:
+        """One item's stamps, in :attr:`points` order."""
+        with self._lock:
+            self._items += 1
+            sums = self._sums
+            for i, stamp in enumerate(stamps):
+                sums[i] += stamp
+
 
 class AttentionStamps(_Stamps):
     """The round-trip Attention side's points (:data:`ATTENTION_POINTS`), per item that came back whole."""
@@ -69,16 +77,7 @@ class AttentionStamps(_Stamps):
     def add(
         self, entered: int, packed: int, first_send: int, sends_done: int, combine_done: int, waited: int, unpacked: int
     ) -> None:
-        with self._lock:
-            sums = self._sums
-            self._items += 1
-            sums[0] += entered
-            sums[1] += packed
-            sums[2] += first_send
-            sums[3] += sends_done
-            sums[4] += combine_done
-            sums[5] += waited
-            sums[6] += unpacked
+        self._add(entered, packed, first_send, sends_done, combine_done, waited, unpacked)
 
 
 class FfnStamps(_Stamps):
@@ -87,13 +86,7 @@ class FfnStamps(_Stamps):
     points = FFN_POINTS
 
     def add(self, payload_done: int, compute_called: int, compute_returned: int, combine_send: int) -> None:
-        with self._lock:
-            sums = self._sums
-            self._items += 1
-            sums[0] += payload_done
-            sums[1] += compute_called
-            sums[2] += compute_returned
-            sums[3] += combine_send
+        self._add(payload_done, compute_called, compute_returned, combine_send)
 
 
 def breakdown(attention: dict[str, Any], ffn: dict[str, Any] | None, *, one_host: bool = True) -> dict[str, Any]:

@@ -17,11 +17,11 @@ import torch
 from afd_mrv2.errors import PipelineAborted
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerLost, PeerTimeout
-from afd_mrv2.hooks.p2p.link import Pair, PeerLink
-from afd_mrv2.hooks.p2p.zmq_channel import loopback_pair
+from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.items import WorkItem
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
+from tests.hooks.p2p.zmq_links import zmq_links
 
 TOPOLOGY = Topology(1, 1, 2)
 WAIT = {"action": "receiving the combine", "option": "recv_timeout_s"}
@@ -30,12 +30,8 @@ WAIT = {"action": "receiving the combine", "option": "recv_timeout_s"}
 @pytest.fixture
 def links() -> Iterator[tuple[PeerLink, PeerLink]]:
     """(the Attention rank's link, the FFN rank's link) on one zmq pair named ``a0.1-f0.1``."""
-    attention_end, ffn_end = loopback_pair(name="a0.1-f0.1")
-    attention = PeerLink(TOPOLOGY, 0, pairs={1: Pair(attention_end, 0, 1, "a0.1-f0.1")})
-    ffn = PeerLink(TOPOLOGY, 1, pairs={0: Pair(ffn_end, 1, 0, "a0.1-f0.1")})
-    yield attention, ffn
-    for link in (attention, ffn):
-        link.release()
+    with zmq_links(TOPOLOGY) as links:
+        yield links
 
 
 def _header() -> torch.Tensor:

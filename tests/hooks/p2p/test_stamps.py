@@ -15,13 +15,13 @@ import torch
 from afd_mrv2.api import InFlightSink
 from afd_mrv2.hooks.p2p import P2pShape, parse_options
 from afd_mrv2.hooks.p2p.ffn import FfnSide
-from afd_mrv2.hooks.p2p.link import Pair, PeerLink
+from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.hooks.p2p.roundtrip import RoundTripAttentionSide
 from afd_mrv2.hooks.p2p.stamps import SPANS, AttentionStamps, FfnStamps, breakdown
-from afd_mrv2.hooks.p2p.zmq_channel import loopback_pair
 from afd_mrv2.items import WorkItem
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
+from tests.hooks.p2p.zmq_links import zmq_links
 
 NINE = [name for name, _, _ in SPANS]
 #: Attention stamps of one item (ns) and the FFN's, on one clock: each span below is known
@@ -107,13 +107,8 @@ COMPUTE_S = 0.002  # the FFN compute of every item: its span must hold it
 @pytest.fixture
 def links() -> Iterator[tuple[PeerLink, PeerLink]]:
     """(the Attention rank's link, the FFN rank's link) of 1A1F on one zmq loopback pair."""
-    topology = Topology(1, 1, EXPERTS)
-    attention_end, ffn_end = loopback_pair(name="a0.1-f0.1")
-    attention = PeerLink(topology, 0, pairs={1: Pair(attention_end, 0, 1, "a0.1-f0.1")})
-    ffn = PeerLink(topology, 1, pairs={0: Pair(ffn_end, 1, 0, "a0.1-f0.1")})
-    yield attention, ffn
-    for link in (attention, ffn):
-        link.release()
+    with zmq_links(Topology(1, 1, EXPERTS)) as links:
+        yield links
 
 
 def _slots() -> tuple[BufferSlot, BufferSlot, threading.Event]:
