@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.p2p import Pair, zmq_channel
 from afd_mrv2.hooks.p2p.channel import ChannelError
 from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
@@ -86,6 +87,13 @@ def test_transport_kinds_and_the_default_bind_address() -> None:
     port = free_port()
     store = RendezvousStore.connect("127.0.0.1", port, master=True, timeout_s=10, transport=PairTransport("zmq"))
     assert store.transport == PairTransport("zmq", "127.0.0.1")  # the route to the store's host
+
+
+def test_an_address_this_host_cannot_bind_fails_the_join_in_one_line_naming_afd_bind(raw: dist.Store) -> None:
+    store = RendezvousStore(raw, transport=PairTransport("zmq", "203.0.113.7"))  # TEST-NET-3: not this host's
+    with pytest.raises(AfdError, match=r"^afd\.bind: cannot bind '203\.0\.113\.7' for pair a0\.1-f1\.1: "):
+        store.join_pair(FFN, (0, 1), (1, 1), placement=RING.stamp, give_up=lambda: True)
+    assert not raw.check([f"{PREFIX}/a0.1-f1.1/hello/ffn"])  # refused before saying hello
 
 
 def test_a_zmq_pair_whose_token_is_wrong_fails_the_join_in_one_line_naming_the_pair(raw: dist.Store) -> None:
