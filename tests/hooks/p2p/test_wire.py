@@ -146,3 +146,14 @@ def test_a_stage_identity_mismatch_names_both_ranks_and_both_identities(
     assert info.value.field in wire.STAGE_FIELDS and info.value.peer == 0
     assert f"attention rank 0 (global rank 0) sent layer=0 {identities[0]}" in text
     assert f"FFN rank 0 (global rank 2) expects layer=0 {identities[1]}" in text
+
+
+def test_a_header_writes_the_same_words_into_a_host_buffer_and_into_any_other_tensor() -> None:
+    """The host path (one struct.pack_into) and the torch path (a strided view) write identical words."""
+    header = wire.Header(kind=wire.KIND_COMBINE, src=3, dst=-1, layer=7, stage=1, stages=2, seq=2**40, tokens=17)
+    host = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    header.write(host)
+    strided = torch.zeros(2 * wire.HEADER_WORDS, dtype=torch.int64)[::2]  # not contiguous: the torch path
+    header.write(strided)
+    assert host.tolist() == strided.tolist() == [getattr(header, f) for f in wire.FIELDS]
+    assert wire.Header.read(host) == header
