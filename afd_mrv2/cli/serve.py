@@ -34,6 +34,13 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
+    _add_topology_options(parser)
+    _add_afd_options(parser)
+    _add_endpoint_options(parser)
+
+
+def _add_topology_options(parser: argparse.ArgumentParser) -> None:
+    """The roles, their ports, replicas and restarts."""
     parser.add_argument("--attention", type=int, metavar="A", help="Attention ranks: independent vLLM engines")
     parser.add_argument(
         "--ffn", type=int, metavar="F", help="FFN ranks (any number >= 1): experts are sharded over them"
@@ -61,6 +68,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --attention >= 2: leave a lost Attention engine lost instead of restarting it",
     )
+
+
+def _add_afd_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that become keys of every role's afd section."""
     parser.add_argument(
         "--ubatches",
         type=int,
@@ -78,6 +89,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="what torch_p2p's pairs run on: afd.transport (default gloo; zmq: ZeroMQ sockets, see docs/config.md)",
     )
     parser.add_argument("--afd", metavar="JSON", help="a base afd section (JSON object) under the flags above")
+
+
+def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
+    """How the endpoint balances, and how long serve waits for the roles to start and to stop."""
     parser.add_argument(
         "--balance", choices=BALANCE, default=BALANCE[0], help="how the endpoint picks an engine (default %(default)s)"
     )

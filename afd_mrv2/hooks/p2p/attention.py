@@ -84,9 +84,9 @@ class AttentionSide(Side):
     @route.setter
     def route(self, route: torch.Tensor) -> None:
         self._route = route
-        first = int(route[0]) if route.numel() else -1
+        ranks = set(route.tolist())
         #: the FFN rank computing every expert (one FFN rank, or all but one lost), else None
-        self._sole: int | None = first if route.numel() and bool((route == first).all()) else None
+        self._sole: int | None = ranks.pop() if len(ranks) == 1 else None
 
     # ------------------------------------------------------------------ buffers
 

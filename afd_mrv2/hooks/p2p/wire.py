@@ -75,16 +75,20 @@ class Header:
         compute, with cold caches, a ``torch.tensor`` + ``copy_`` measured 72 us against 36 us this way, and 7
         against 3 warm; docs/benchmarks-vllm.md); any other through torch.
         """
-        values = [getattr(self, f) for f in FIELDS]
         if (
             out.device.type == "cpu"
             and out.is_contiguous()
             and out.dtype == torch.int64
             and out.numel() == HEADER_WORDS
         ):
-            _WORDS.pack_into((ctypes.c_char * HEADER_BYTES).from_address(out.data_ptr()), 0, *values)
+            _WORDS.pack_into(host_bytes(out), 0, *self.words)
             return
-        out.copy_(torch.tensor(values, dtype=torch.int64))
+        out.copy_(torch.tensor(self.words, dtype=torch.int64))
+
+    @property
+    def words(self) -> tuple[int, ...]:
+        """The header's values in wire order (:data:`FIELDS`)."""
+        return (self.magic, self.kind, self.src, self.dst, self.layer, self.stage, self.stages, self.seq, self.tokens)
 
     @classmethod
     def read(cls, words: torch.Tensor) -> Header:
@@ -112,6 +116,16 @@ def item_header(kind: int, src: int, dst: int, item: WorkItem, tokens: int) -> H
     return Header(kind, src, dst, item.layer_idx, item.stage_idx, item.seq, tokens, item.num_stages)
 
 
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor alive)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"expected a contiguous CPU tensor, not {tensor.device} strides {tensor.stride()}")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
 def header_view(buffer: torch.Tensor) -> torch.Tensor:
     """The int64 header at the front of a uint8 message buffer."""
     return buffer[:HEADER_BYTES].view(torch.int64)
@@ -132,8 +146,7 @@ def validate_header(
     for receivers that learn the count from the header.  ``me`` names the
     receiving rank in a stage identity mismatch (which names both sides).
     """
-    for field in FIELDS:
-        value, want = getattr(got, field), getattr(expected, field)
+    for field, value, want in zip(FIELDS, got.words, expected.words, strict=True):
         if field in STAGE_FIELDS and got.magic == expected.magic and value != want:
             detail = (
                 f"stage identity mismatch: {peer_name} sent {got.names()}, but {me} expects {expected.names()}; "

@@ -14,7 +14,6 @@ connecting one's): a peer's last message (its ABORT) is read after it left.  RFC
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import json
 import math
@@ -30,22 +29,13 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Pending
 
 _ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
 _HELLO = b"afd-zmq-token:"
 _LOSS_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _IDS = itertools.count()
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"a zmq channel moves contiguous CPU tensors, not {tensor.device} strides {tensor.stride()}")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _finish(pending: Pending, error: BaseException | None, at: float | None = None) -> None:
@@ -83,7 +73,7 @@ class ZmqChannel(Channel):
     # ------------------------------------------------------------------ posting
 
     def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
-        view = _bytes_of(tensor)
+        view = wire.host_bytes(tensor)
         pending = Pending(None, direction, tensor, self.peer, what, self)
         pending.posted_at = time.perf_counter()
         if direction == "send":
@@ -205,7 +195,7 @@ class ZmqChannel(Channel):
             self._recv.recv(copy=False)
             _finish(pending, self._mismatch(pending, tag, nbytes))
             return True
-        got = self._recv.recv_into(_bytes_of(pending.tensor))
+        got = self._recv.recv_into(wire.host_bytes(pending.tensor))
         _finish(pending, None if got == nbytes else self._mismatch(pending, tag, got))
         return True
 
