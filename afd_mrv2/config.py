@@ -32,7 +32,7 @@ from afd_mrv2.placement import Placement, PlacementError
 
 ROLES = (ATTENTION, FFN)
 #: What torch_p2p's pairs run on (``afd.transport``; see :mod:`afd_mrv2.mrv2.transport.store`).
-TRANSPORTS = ("gloo", "zmq")
+TRANSPORTS = ("gloo", "zmq", "tcp")
 #: Who hosts the AFD rendezvous store on ``host:port``: FFN rank 0, or someone else (``afd-mrv2 serve``'s
 #: supervisor), which also lets restarted roles rejoin (``afd.rendezvous``)
 RENDEZVOUS = ("ffn0", "external")

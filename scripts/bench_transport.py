@@ -115,7 +115,7 @@ def _open_pair(role: str, store: Any, topology: Any) -> Any:
 
 
 #: name -> transport (``afd.transport``: RFC 0007 decision 1)
-TRANSPORTS = {name: Transport(name, _open_pair) for name in ("gloo", "zmq")}
+TRANSPORTS = {name: Transport(name, _open_pair) for name in ("gloo", "zmq", "tcp")}
 
 
 # --------------------------------------------------------------------------------------------- input
@@ -280,7 +280,7 @@ def _rendezvous_store(conn: socket.socket, role: str, transport: str) -> Any:
 
     from afd_mrv2.mrv2.transport.store import PairTransport, RendezvousStore
 
-    on = PairTransport(transport, "127.0.0.1" if transport == "zmq" else None)
+    on = PairTransport(transport, None if transport == "gloo" else "127.0.0.1")
     if role == "ffn":
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)

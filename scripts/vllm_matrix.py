@@ -2,7 +2,7 @@
 """The equivalence matrix: ``afd-mrv2 serve`` against plain vLLM, per architecture x runner x topology.
 
     .venv-vllm/bin/python scripts/vllm_matrix.py [--archs mixtral deepseek_v2] [--configs 1a1f 1a1f-d2 2a1f 2a2f]
-        [--runners v1 v2] [--transport gloo|zmq] [--json OUT] [--models DIR] [-- ENGINE ARGS]
+        [--runners v1 v2] [--transport gloo|zmq|tcp] [--json OUT] [--models DIR] [-- ENGINE ARGS]
 
 For each architecture (a checkpoint made with ``afd-mrv2 make-model DIR --arch ARCH``) and runner,
 one plain vLLM OpenAI server answers 32 greedy completions of 16 tokens (sent at once, ``logprobs:

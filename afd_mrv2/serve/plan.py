@@ -172,7 +172,7 @@ class ServeOptions:
     #: ``--ubatches N``: afd.ubatch.num_ubatches, and the Attention engines on Model Runner V2 (None: as configured)
     ubatches: int | None = None
     connector: str | None = None
-    #: ``--transport gloo|zmq``: afd.transport, what torch_p2p's pairs run on (None: as configured)
+    #: ``--transport gloo|zmq|tcp``: afd.transport, what torch_p2p's pairs run on (None: as configured)
     transport: str | None = None
     #: A base ``afd`` section (JSON text), merged under the flags.
     afd_json: str | None = None

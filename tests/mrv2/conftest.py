@@ -1,7 +1,7 @@
 """Fixtures of the MRV2 tests.
 
 ``transport``: what torch_p2p's pairs run on (``afd.transport``), each test that takes it runs once per
-kind (ids ``gloo`` and ``zmq``): failover, rejoin, incarnations and deadlines must behave the same on both.
+kind (ids ``gloo``, ``zmq`` and ``tcp``): failover, rejoin, incarnations and deadlines must behave the same on both.
 """
 
 from __future__ import annotations
@@ -13,6 +13,6 @@ from afd_mrv2.config import TRANSPORTS
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
-    """``gloo`` or ``zmq``: pass it to ``afd(..., transport=transport)``."""
+    """``gloo``, ``zmq`` or ``tcp``: pass it to ``afd(..., transport=transport)``."""
     kind: str = request.param
     return kind

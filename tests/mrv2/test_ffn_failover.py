@@ -2,7 +2,7 @@
 it computes an item costs the Attention side no answer.  The Attention side re-sends the lost rank's
 share of the item in flight to the live holders (``redispatch``), routes to them from then on, and every
 output still equals the unsharded reference.  Without replicas the same kill fails the call, naming the
-rank, as it always did.  Each test runs on both pair transports (``afd.transport`` gloo and zmq)."""
+rank, as it always did.  Each test runs on every pair transport (``afd.transport`` gloo, zmq and tcp)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from afd_mrv2.errors import AfdError
-from afd_mrv2.hooks.p2p import Pair, zmq_channel
+from afd_mrv2.hooks.p2p import Pair, tcp_channel, zmq_channel
 from afd_mrv2.hooks.p2p.channel import ChannelError
 from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
@@ -39,9 +40,12 @@ def raw() -> dist.Store:
     return dist.HashStore()
 
 
-@pytest.fixture(params=["gloo", "zmq"])
+CHANNELS = {"gloo": GlooChannel, "zmq": zmq_channel.ZmqChannel, "tcp": tcp_channel.TcpChannel}
+
+
+@pytest.fixture(params=sorted(CHANNELS))
 def transport(request: pytest.FixtureRequest) -> PairTransport:
-    return PairTransport(request.param, "127.0.0.1" if request.param == "zmq" else None)
+    return PairTransport(request.param, None if request.param == "gloo" else "127.0.0.1")
 
 
 def test_incarnations_count_per_rank_and_carry_the_process_label(raw: dist.Store) -> None:
@@ -76,21 +80,26 @@ def test_a_side_gives_up_on_a_pair_whose_peer_never_says_hello(raw: dist.Store, 
 
     assert store.join_pair(FFN, (0, 1), (1, 1), placement=RING.stamp, give_up=give_up) is None
     assert raw.check([f"{PREFIX}/a0.1-f1.1/hello/ffn"]) and not raw.check([f"{PREFIX}/a0.1-f1.1/hello/attention"])
-    # on zmq the FFN side published where it listens before its hello (and closed that socket on giving up)
-    assert raw.check([f"{PREFIX}/a0.1-f1.1/zmq/endpoint"]) == (transport.kind == "zmq")
+    # on zmq and tcp the FFN side published where it listens before its hello (and closed that socket on giving up)
+    assert raw.check([f"{PREFIX}/a0.1-f1.1/{transport.kind}/endpoint"]) == (transport.kind != "gloo")
 
 
 def test_transport_kinds_and_the_default_bind_address() -> None:
-    with pytest.raises(ValueError, match="transport 'nccl': not one of gloo, zmq"):
+    with pytest.raises(ValueError, match="transport 'nccl': not one of gloo, zmq, tcp"):
         RendezvousStore(dist.HashStore(), transport=PairTransport("nccl"))
     assert route_address("127.0.0.1", 29500) == "127.0.0.1"
     port = free_port()
     store = RendezvousStore.connect("127.0.0.1", port, master=True, timeout_s=10, transport=PairTransport("zmq"))
     assert store.transport == PairTransport("zmq", "127.0.0.1")  # the route to the store's host
+    tcp = RendezvousStore(dist.HashStore(), transport=PairTransport("tcp"))
+    assert tcp.transport == PairTransport("tcp")  # bound at join time to loopback when not given
 
 
-def test_an_address_this_host_cannot_bind_fails_the_join_in_one_line_naming_afd_bind(raw: dist.Store) -> None:
-    store = RendezvousStore(raw, transport=PairTransport("zmq", "203.0.113.7"))  # TEST-NET-3: not this host's
+@pytest.mark.parametrize("kind", ["zmq", "tcp"])
+def test_an_address_this_host_cannot_bind_fails_the_join_in_one_line_naming_afd_bind(
+    raw: dist.Store, kind: str
+) -> None:
+    store = RendezvousStore(raw, transport=PairTransport(kind, "203.0.113.7"))  # TEST-NET-3: not this host's
     with pytest.raises(AfdError, match=r"^afd\.bind: cannot bind '203\.0\.113\.7' for pair a0\.1-f1\.1: "):
         store.join_pair(FFN, (0, 1), (1, 1), placement=RING.stamp, give_up=lambda: True)
     assert not raw.check([f"{PREFIX}/a0.1-f1.1/hello/ffn"])  # refused before saying hello
@@ -119,6 +128,52 @@ def test_a_zmq_pair_whose_token_is_wrong_fails_the_join_in_one_line_naming_the_p
     assert str(joined[FFN]) == "zmq pair a0.1-f1.1: the peer sent a wrong token (not this pair's peer)"
 
 
+def test_a_tcp_stranger_without_the_token_is_refused_and_logged_and_the_pair_still_joins(
+    raw: dist.Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection to the FFN side's pair port that presents another token gets nothing but a close; the
+    listener logs it and goes on waiting for the pair's own peer.  An Attention side that read a tampered token
+    is refused in one line naming the pair."""
+    store = RendezvousStore(raw, transport=PairTransport("tcp", "127.0.0.1"))
+    joined: dict[str, Any] = {}
+
+    def join(who: str, on: RendezvousStore = store) -> None:
+        role = FFN if who == FFN else ATTENTION
+        try:
+            joined[who] = on.join_pair(role, (0, 1), (1, 1), placement=RING.stamp, give_up=lambda: FFN in joined)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            joined[who] = exc
+
+    ffn = threading.Thread(target=join, args=(FFN,), daemon=True)
+    ffn.start()
+    key = f"{PREFIX}/a0.1-f1.1/tcp/endpoint"
+    raw.wait([key])
+    endpoints = tcp_channel.Endpoints.from_json(raw.get(key).decode())
+    host, port = endpoints.endpoint.rsplit(":", 1)
+    stranger = socket.create_connection((host, int(port)), timeout=30)  # queued until the pair's hellos
+    stranger.sendall(b"afd-tcp-token:" + b"0" * 32)
+    tampered = dist.HashStore()
+    tampered.set(f"{PREFIX}/a0.1-f1.1/hello/ffn", "1")
+    tampered.set(f"{PREFIX}/a0.1-f1.1/placement/ffn", raw.get(f"{PREFIX}/a0.1-f1.1/placement/ffn"))
+    tampered.set(key, tcp_channel.Endpoints(endpoints.endpoint, "f" * 32).to_json())
+    misled = threading.Thread(target=join, args=("misled", RendezvousStore(tampered, transport=store.transport)))
+    misled.start()
+    time.sleep(0.5)  # it connects in that time; had it not, the closed listener refuses it all the same
+    join(ATTENTION)
+    misled.join(30)
+    ffn.join(30)
+    assert stranger.recv(64) == b""  # closed, nothing sent
+    stranger.close()
+    assert isinstance(joined[FFN], Pair) and isinstance(joined[ATTENTION], Pair), joined
+    assert isinstance(joined["misled"], ChannelError)
+    assert str(joined["misled"]).startswith("tcp pair a0.1-f1.1: the peer refused this side's token"), joined
+    refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert refusals[0] == "tcp pair a0.1-f1.1: refused a connection from 127.0.0.1: a wrong token", refusals
+    assert set(refusals) == {refusals[0]} and len(refusals) <= 2, refusals  # the stranger, and the misled side
+    for pair in (joined[FFN], joined[ATTENTION]):
+        pair.channel.close()
+
+
 def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it(transport: PairTransport) -> None:
     store = RendezvousStore(dist.HashStore(), transport=transport)
     joined: dict[str, Any] = {}
@@ -139,7 +194,7 @@ def test_both_sides_join_the_pair_named_by_their_incarnations_and_exchange_on_it
     assert attention.name == ffn.name == pair_name(0, 1, 1, 2) == "a0.1-f1.2"
     assert (attention.me, attention.peer, ffn.me, ffn.peer) == (0, 1, 1, 0)  # the Attention rank is rank 0
     assert attention.channel.transport == ffn.channel.transport == transport.kind
-    assert isinstance(attention.channel, GlooChannel if transport.kind == "gloo" else zmq_channel.ZmqChannel)
+    assert isinstance(attention.channel, CHANNELS[transport.kind])
     for there, back in ((attention, ffn), (ffn, attention)):  # both directions
         sent, got = torch.arange(4, dtype=torch.float32), torch.zeros(4)
         send = there.channel.post("send", sent, 7, "four floats")

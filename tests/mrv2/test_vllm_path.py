@@ -44,12 +44,13 @@ def afd(role: str, port: int = 29500, *, transport: str = "gloo", **extra: Any) 
 
 def pair_transport(port: int, pair: str) -> str | None:
     """What the pair named ``pair`` (``a0.1-f1.2``) was joined on, read from the store at ``port`` while it
-    runs: None when its FFN side never said hello; ``zmq`` when that side published its endpoint (a zmq FFN
-    side does so before its hello, a gloo one never), else ``gloo``."""
+    runs: None when its FFN side never said hello; ``zmq`` or ``tcp`` when that side published its endpoint
+    under that name (a zmq or tcp FFN side does so before its hello, a gloo one never), else ``gloo``."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     if not store.check([f"{PREFIX}/{pair}/hello/ffn"]):
         return None
-    return "zmq" if store.check([f"{PREFIX}/{pair}/zmq/endpoint"]) else "gloo"
+    published = [kind for kind in ("zmq", "tcp") if store.check([f"{PREFIX}/{pair}/{kind}/endpoint"])]
+    return published[0] if published else "gloo"
 
 
 def test_gate_on_the_ffn_side_is_refused_on_the_vllm_path() -> None:

@@ -6,18 +6,22 @@ sends of that tag in posting order.  ``await_done`` waits at most ``slice_s`` fo
 (PeerLink checks cancellation, peers and deadlines between slices; ``slice_s=0`` only looks).
 A failed Pending has ``error`` set and ``done_at`` (``time.perf_counter()``) when the failure
 was seen.  Implementations: :class:`~afd_mrv2.hooks.p2p.gloo_channel.GlooChannel` (a
-torch.distributed group) and :class:`~afd_mrv2.hooks.p2p.zmq_channel.ZmqChannel`.
+torch.distributed group), :class:`~afd_mrv2.hooks.p2p.zmq_channel.ZmqChannel` and
+:class:`~afd_mrv2.hooks.p2p.tcp_channel.TcpChannel`.  :class:`Endpoints` is what a listening
+side publishes for its peer (through the rendezvous store).
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import threading
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Channel", "ChannelClosed", "ChannelError", "Pending"]
+__all__ = ["Channel", "ChannelClosed", "ChannelError", "Endpoints", "Pending"]
 
 
 class ChannelError(RuntimeError):
@@ -78,3 +82,18 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the connection; Pendings still posted fail (or end on their own, on gloo)."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What a pair's listening side publishes: where its peer reaches it, and the pair's token."""
+
+    endpoint: str
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Endpoints:
+        return cls(**json.loads(text))

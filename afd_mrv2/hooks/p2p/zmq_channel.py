@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import math
 import secrets
 import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Pending
+from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Pending
 
 _ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
 _HELLO = b"afd-zmq-token:"
@@ -240,19 +238,8 @@ class ZmqChannel(Channel):
 # ---------------------------------------------------------------------- building a pair
 
 
-@dataclass(frozen=True)
-class ZmqEndpoints:
-    """What the binding side publishes: where the connecting side sends, and the pair's token."""
-
-    endpoint: str
-    token: str
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ZmqEndpoints:
-        return cls(**json.loads(text))
+#: what the binding side publishes (one class for every channel's handshake)
+ZmqEndpoints = Endpoints
 
 
 def _channel(bind: str, linger_s: float, peer: int, name: str, **options: Any) -> ZmqChannel:

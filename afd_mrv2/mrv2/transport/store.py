@@ -14,13 +14,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import torch.distributed as dist
 
 from afd_mrv2.config import TRANSPORTS, AfdConfig
 from afd_mrv2.errors import AfdError
-from afd_mrv2.hooks.p2p import Pair, zmq_channel
+from afd_mrv2.hooks.p2p import Pair, tcp_channel, zmq_channel
+from afd_mrv2.hooks.p2p.channel import Channel, Endpoints
 from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.placement import PlacementStamp
@@ -32,15 +33,16 @@ PREFIX = "afd_mrv2/p2p"
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 #: How often a side waiting for its peer's hello (or a newer incarnation) looks again.
 POLL_S = 0.05
-#: How long a zmq pair's sides wait for each other's token once both said hello.
+#: How long a zmq or tcp pair's sides wait for each other's token once both said hello.
 TOKEN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class PairTransport:
     """What a pair's channel runs on: ``kind`` (``gloo``: a two-rank gloo group through this store;
-    ``zmq``: :mod:`afd_mrv2.hooks.p2p.zmq_channel`) and, for zmq, ``bind``: the address this side's
-    receiving socket binds (``afd.bind``; None: the address of the route to the store's host)."""
+    ``zmq``: :mod:`afd_mrv2.hooks.p2p.zmq_channel`; ``tcp``: :mod:`afd_mrv2.hooks.p2p.tcp_channel`) and,
+    for zmq and tcp, ``bind``: the address this side's sockets bind (``afd.bind``; None: the address of
+    the route to the store's host)."""
 
     kind: str = "gloo"
     bind: str | None = None
@@ -90,8 +92,9 @@ class RendezvousStore:
       before its hello;
     * ``{pair}/hello/{attention|ffn}``: a side of a pair is there (:meth:`join_pair`);
     * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys);
-    * ``{pair}/zmq/endpoint``: on zmq, where the FFN side receives and the pair's token, JSON, set by the
-      FFN side before its hello.
+    * ``{pair}/zmq/endpoint``, ``{pair}/tcp/endpoint``: on zmq or tcp, where the FFN side listens and the
+      pair's token, JSON (:class:`~afd_mrv2.hooks.p2p.channel.Endpoints`), set by the FFN side before its
+      hello.
 
     Sections: connection; incarnations; losses and the stop key; the pair handshake.
     """
@@ -113,9 +116,10 @@ class RendezvousStore:
         cls, host: str, port: int, *, master: bool, timeout_s: float = 600.0, transport: PairTransport = PairTransport()
     ) -> RendezvousStore:
         """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``);
-        pairs joined through it run on ``transport`` (a zmq one without ``bind`` binds the route to ``host``)."""
-        if transport.kind == "zmq" and transport.bind is None:
-            transport = PairTransport("zmq", route_address(host, port))
+        pairs joined through it run on ``transport`` (a zmq or tcp one without ``bind`` binds the route to
+        ``host``)."""
+        if transport.kind != "gloo" and transport.bind is None:
+            transport = PairTransport(transport.kind, route_address(host, port))
         return cls(
             dist.TCPStore(
                 host, port, is_master=master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
@@ -177,14 +181,15 @@ class RendezvousStore:
         A handshake: write this side's ``placement`` stamp, say hello, wait (polling, so that it can give up)
         for the peer's hello, None when ``give_up()`` turns true first; then compare the stamps
         (:class:`PlacementMismatch` on both sides when they differ, one line naming both) and open the pair's
-        channel on :attr:`transport`: gloo's rendezvous of the two (completes at once), or zmq's token
-        exchange (the FFN side listens and publishes where before its hello; a wrong token fails the join).
+        channel on :attr:`transport`: gloo's rendezvous of the two (completes at once), or zmq's or tcp's token
+        exchange (the FFN side listens and publishes where before its hello; on zmq a wrong token fails the
+        join, on tcp a connection without the token is refused and logged while the FFN side waits on).
         The Attention rank is rank 0 of the pair.
         """
         name = pair_name(*attention, *ffn)
         mine, theirs = ("attention", "ffn") if role == ATTENTION else ("ffn", "attention")
         me = 0 if role == ATTENTION else 1
-        listening = self._listen(name) if role == FFN and self.transport.kind == "zmq" else None
+        listening = self._listen(name) if role == FFN and self.transport.kind != "gloo" else None
         try:
             self._store.set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
             self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
@@ -198,11 +203,12 @@ class RendezvousStore:
             if peer != placement:
                 stamps = (placement, peer) if role == ATTENTION else (peer, placement)
                 raise PlacementMismatch(self._mismatch(name, attention, ffn, *stamps))
-            if self.transport.kind == "zmq":
-                channel = self._zmq_channel(name, listening, give_up)
+            if self.transport.kind != "gloo":
+                channel = self._open_channel(name, listening, give_up)
                 if channel is None:
                     return None
-                listening = None  # the pair owns it now
+                if listening is not None and listening[0] is channel:
+                    listening = None  # a zmq pair owns its bound socket (a tcp listener closes: the pair has its own)
                 return Pair(channel, me, 1 - me, name)
             gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
             group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
@@ -211,19 +217,37 @@ class RendezvousStore:
             if listening is not None:
                 listening[0].close()
 
-    def _listen(self, name: str) -> tuple[zmq_channel.ZmqChannel, zmq_channel.ZmqEndpoints]:
-        """The FFN side of a zmq pair: its receiving socket bound, where and the token published."""
+    def _listen(self, name: str) -> tuple[Any, Endpoints]:
+        """The FFN side of a zmq or tcp pair: its socket bound (a zmq channel, a tcp listener), where and the
+        token published."""
         try:
-            channel, endpoints = zmq_channel.listen(peer=0, name=name, bind=self._bind)
+            if self.transport.kind == "tcp":
+                listener = tcp_channel.listen(name=name, bind=self._bind)
+                opened: tuple[Any, Endpoints] = (listener, listener.endpoints)
+            else:
+                opened = zmq_channel.listen(peer=0, name=name, bind=self._bind)
         except Exception as exc:
             raise AfdError(f"afd.bind: cannot bind {self._bind!r} for pair {name}: {exc}") from exc
-        self._store.set(f"{PREFIX}/{name}/zmq/endpoint", endpoints.to_json())
-        return channel, endpoints
+        self._store.set(f"{PREFIX}/{name}/{self.transport.kind}/endpoint", opened[1].to_json())
+        return opened
+
+    def _open_channel(
+        self, name: str, listening: tuple[Any, Endpoints] | None, give_up: Callable[[], bool]
+    ) -> Channel | None:
+        """Both hellos seen: the pair's zmq or tcp channel, or None when ``give_up()`` turned true first."""
+        if self.transport.kind == "zmq":
+            return self._zmq_channel(name, listening, give_up)
+        if listening is not None:
+            return listening[0].accept(peer=0, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up)
+        endpoints = Endpoints.from_json(self._store.get(f"{PREFIX}/{name}/tcp/endpoint").decode())
+        return tcp_channel.connect(
+            endpoints, peer=1, name=name, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up, bind=self._bind
+        )
 
     def _zmq_channel(
         self,
         name: str,
-        listening: tuple[zmq_channel.ZmqChannel, zmq_channel.ZmqEndpoints] | None,
+        listening: tuple[Any, Endpoints] | None,
         give_up: Callable[[], bool],
     ) -> zmq_channel.ZmqChannel | None:
         """Both hellos seen: the Attention side connects to the published endpoint; both exchange the token
@@ -233,7 +257,7 @@ class RendezvousStore:
             channel, endpoints = listening
         else:
             key = f"{PREFIX}/{name}/zmq/endpoint"
-            endpoints = zmq_channel.ZmqEndpoints.from_json(self._store.get(key).decode())
+            endpoints = Endpoints.from_json(self._store.get(key).decode())
             channel = zmq_channel.connect(endpoints, peer=1, name=name, bind=self._bind)
         try:
             joined = zmq_channel.exchange_token(

@@ -1,0 +1,455 @@
+"""TcpChannel: a :class:`~afd_mrv2.hooks.p2p.channel.Channel` on one TCP connection per pair, moved by
+the hooks' own threads (RFC 0007, amendment 2).
+
+A message is a 12-byte envelope (tag u32, nbytes u64) and the tensor's bytes, handed to the kernel
+with ``sendmsg`` by the posting thread: no copy, no I/O thread, no watcher.  A send Pending is done
+once the kernel took every byte.  When the socket buffer is full the sender waits for room (at most
+``send_timeout_s``; past it the channel is lost, its stream being cut mid-message), and meanwhile
+reads what the peer sent, so two sides sending at once never deadlock.
+
+Reads happen in ``await_done``: one waiter at a time reads what has arrived straight into the posted
+receive of its tag (receives of a tag match sends in posting order) and stops at a message boundary
+once its own Pending is done; a message for a tag with no posted receive is kept (a copy, at most
+``max_kept`` per tag) and copied in when one is posted.  A message read in part is resumed by the next
+waiter, so no waiter outstays its slice.  End of stream or a reset: what was received before is read
+first (a peer's last message, its ABORT, is never lost), then every posted and later Pending fails
+with :class:`~afd_mrv2.hooks.p2p.channel.ChannelClosed`.
+
+:func:`listen` / :func:`connect` build a pair: the listening side accepts only a connection that
+presents the pair's token; any other is refused, logged, and the listener keeps waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Pending
+
+log = logging.getLogger(__name__)
+
+_ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
+_HELLO = b"afd-tcp-token:"
+_ACK = b"afd-tcp-ok:"
+_TOKEN_BYTES = 32  # secrets.token_hex(16)
+_HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to present its token
+_POLL_MS = 50  # the longest a blocked sender or a handshake step sleeps before looking again
+_READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
+
+
+def _finish(pending: Pending, error: BaseException | None, at: float | None = None) -> None:
+    pending.error = error
+    pending.done_at = time.perf_counter() if at is None else at
+    pending.done.set()
+
+
+class _Incoming:
+    """The message being read: its envelope, then its body into ``target`` (a posted receive's bytes,
+    a kept copy, or a discard buffer when the sizes disagree)."""
+
+    __slots__ = ("body", "envelope", "got", "kept", "mismatch", "nbytes", "pending", "tag", "target")
+
+    def __init__(self) -> None:
+        self.envelope = memoryview(bytearray(_ENVELOPE.size))
+        self.got = 0  # bytes of the envelope, then of the body
+        self.body = False  # the envelope is complete: reading the body
+        self.tag = self.nbytes = 0
+        self.target: memoryview | None = None
+        self.pending: Pending | None = None
+        self.kept: bytearray | None = None
+        self.mismatch = False
+
+    def reset(self) -> None:
+        self.got, self.body, self.target, self.pending, self.kept, self.mismatch = 0, False, None, None, None, False
+
+
+class TcpChannel(Channel):
+    """The transfers with one peer (global rank ``peer``) of the pair ``name`` over ``sock`` (connected);
+    see the module docstring."""
+
+    transport = "tcp"
+
+    def __init__(
+        self, sock: socket.socket, *, peer: int, name: str, send_timeout_s: float = 30.0, max_kept: int = 64
+    ) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer, self.name = peer, name
+        self._sock = sock
+        self.address = sock.getsockname()[0]  # this side's address of the connection
+        self.peer_address = sock.getpeername()[0]
+        self._send_timeout_s, self._max_kept = send_timeout_s, max_kept
+        self._readable = select.poll()
+        self._readable.register(sock, _READABLE)
+        self._writable = select.poll()
+        self._writable.register(sock, select.POLLOUT | select.POLLERR | select.POLLHUP)
+        self._cond = threading.Condition()  # guards the fields below
+        self._reading = False  # a waiter holds the receive side
+        self._posted: dict[int, collections.deque[Pending]] = collections.defaultdict(collections.deque)
+        self._kept: dict[int, collections.deque[bytearray]] = collections.defaultdict(collections.deque)
+        self._incoming = _Incoming()  # the reader's only
+        self.lost: ChannelError | None = None
+        self.lost_at = float("inf")
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ posting
+
+    def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
+        view = wire.host_bytes(tensor)
+        pending = Pending(None, direction, tensor, self.peer, what, self)
+        pending.posted_at = time.perf_counter()
+        if direction == "send":
+            self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
+            return pending
+        with self._cond:
+            kept = self._kept.get(tag)
+            if kept:
+                message = kept.popleft()
+            elif self.lost is not None:
+                _finish(pending, self.lost)
+                return pending
+            else:
+                self._posted[tag].append(pending)
+                return pending
+        self._deliver(pending, tag, message)
+        return pending
+
+    def _deliver(self, pending: Pending, tag: int, message: bytearray) -> None:
+        if len(message) == pending.nbytes:
+            wire.host_bytes(pending.tensor)[:] = message
+            _finish(pending, None)
+        else:
+            _finish(pending, self._mismatch(pending, tag, len(message)))
+
+    def _post_send(self, pending: Pending, envelope: bytes, view: memoryview) -> None:
+        deadline = time.monotonic() + self._send_timeout_s
+        buffers: list[Any] = [envelope, view]
+        with self._send_lock:
+            while self.lost is None:
+                try:
+                    buffers = _advance(buffers, self._sock.sendmsg(buffers))
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed ({exc.strerror or exc})"))
+                    break
+                if not buffers:
+                    _finish(pending, None)
+                    return
+                if time.monotonic() >= deadline:  # the stream is cut mid-message: the channel is done
+                    text = f"the peer did not accept {pending.what} within {self._send_timeout_s:g} s"
+                    self._lose(ChannelError(f"tcp pair {self.name}: {text}"))
+                    break
+                self._await_room()
+        _finish(pending, self.lost)
+
+    def _await_room(self) -> None:
+        """Wait up to a poll interval for room to send, reading what the peer sent (if no one else is)."""
+        events = self._writable.poll(_POLL_MS)
+        if any(event & select.POLLOUT for _, event in events):
+            return
+        if self._take_reader():
+            try:
+                self._read_ready(None)
+            finally:
+                self._release_reader()
+
+    # ------------------------------------------------------------------ waiting and reading
+
+    def await_done(self, pending: Pending, slice_s: float) -> bool:
+        deadline = time.monotonic() + slice_s
+        with self._cond:
+            while self._reading and not pending.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return pending.done.is_set()
+            if pending.done.is_set():
+                return True
+            self._reading = True
+        try:
+            while not self._read_ready(pending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._readable.poll(max(1, round(left * 1000)))
+        finally:
+            self._release_reader()
+        return pending.done.is_set()
+
+    def _take_reader(self) -> bool:
+        with self._cond:
+            if self._reading or self._closed:
+                return False
+            self._reading = True
+            return True
+
+    def _release_reader(self) -> None:
+        with self._cond:
+            self._reading = False
+            self._cond.notify_all()
+
+    def _read_ready(self, until: Pending | None) -> bool:
+        """Read what has arrived, at most up to the message boundary after ``until`` is done; True once it is
+        (or, with no ``until``, once nothing more is there).  The reader only."""
+        incoming = self._incoming
+        while self.lost is None:
+            if until is not None and until.done.is_set() and incoming.got == 0 and not incoming.body:
+                return True
+            view = incoming.target[incoming.got :] if incoming.body else incoming.envelope[incoming.got :]
+            try:
+                n = self._sock.recv_into(view)
+            except BlockingIOError:
+                return until is None or until.done.is_set()
+            except OSError as exc:
+                self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed ({exc.strerror or exc})"))
+                break
+            if n == 0:
+                self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed"))
+                break
+            incoming.got += n
+            if not incoming.body and incoming.got == _ENVELOPE.size:
+                self._start_body(*_ENVELOPE.unpack(incoming.envelope))
+            if incoming.body and incoming.got == incoming.nbytes:
+                self._end_body()
+        return True
+
+    def _start_body(self, tag: int, nbytes: int) -> None:
+        incoming = self._incoming
+        incoming.tag, incoming.nbytes, incoming.got, incoming.body = tag, nbytes, 0, True
+        with self._cond:
+            posted = self._posted.get(tag)
+            pending = posted.popleft() if posted else None
+        incoming.pending = pending
+        if pending is not None and pending.nbytes == nbytes:
+            incoming.target = wire.host_bytes(pending.tensor)
+            return
+        incoming.mismatch = pending is not None
+        incoming.kept = bytearray(nbytes)
+        incoming.target = memoryview(incoming.kept)
+
+    def _end_body(self) -> None:
+        incoming = self._incoming
+        pending, tag, kept, mismatch = incoming.pending, incoming.tag, incoming.kept, incoming.mismatch
+        incoming.reset()
+        if pending is not None:
+            _finish(pending, self._mismatch(pending, tag, len(kept or b"")) if mismatch else None)
+            return
+        assert kept is not None
+        with self._cond:  # a receive may have been posted while the body was read
+            posted = self._posted.get(tag)
+            pending = posted.popleft() if posted else None
+            if pending is None:
+                self._kept[tag].append(kept)
+                overflow = len(self._kept[tag]) > self._max_kept
+        if pending is not None:
+            self._deliver(pending, tag, kept)
+        elif overflow:
+            self._lose(ChannelError(f"tcp pair {self.name}: over {self._max_kept} unreceived messages of tag {tag}"))
+
+    def _mismatch(self, pending: Pending, tag: int, nbytes: int) -> ChannelError:
+        return ChannelError(
+            f"tcp pair {self.name}: {pending.what} (tag {tag}) expected {pending.nbytes} bytes, the peer sent {nbytes}"
+        )
+
+    def _lose(self, error: ChannelError) -> None:
+        with self._cond:
+            if self.lost is not None:
+                return
+            self.lost, self.lost_at = error, time.perf_counter()
+            failed = [p for queue in self._posted.values() for p in queue]
+            self._posted.clear()
+            incoming = self._incoming.pending
+            if incoming is not None and not incoming.done.is_set():
+                failed.append(incoming)
+            for pending in failed:
+                _finish(pending, error, self.lost_at)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Close the connection (once; a second call does nothing); Pendings still posted fail.  What the peer
+        sent and nobody read is discarded first, so that the close is a FIN after everything this side sent
+        (its ABORT included), never a reset that could cost the peer those bytes."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.wait_for(lambda: not self._reading, timeout=1.0)
+            self._reading = True  # nobody reads a closed socket
+        self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed by this side"))
+        _drain(self._sock)
+        with contextlib.suppress(OSError):  # the peer reset it already
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def _advance(buffers: list[Any], sent: int) -> list[Any]:
+    """``buffers`` less their first ``sent`` bytes."""
+    while buffers and sent >= len(buffers[0]):
+        sent -= len(buffers[0])
+        buffers = buffers[1:]
+    if sent:
+        buffers = [memoryview(buffers[0])[sent:], *buffers[1:]]
+    return buffers
+
+
+def _drain(sock: socket.socket) -> None:
+    scratch = bytearray(1 << 16)
+    try:
+        while sock.recv_into(scratch):
+            pass
+    except OSError:
+        pass  # nothing more now (BlockingIOError), or the connection is gone
+
+
+# ---------------------------------------------------------------------- building a pair
+
+
+def _address(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class TcpListener:
+    """The listening side (the FFN's) of one pair: a socket on an ephemeral port of ``bind`` and a fresh
+    token, published as :attr:`endpoints`; :meth:`accept` takes the one connection that presents it."""
+
+    def __init__(self, *, name: str, bind: str = "127.0.0.1") -> None:
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        self.name = name
+        self._sock = socket.create_server((bind, 0), family=family, backlog=8)
+        self._sock.setblocking(False)
+        host, port = self._sock.getsockname()[:2]
+        self.endpoints = Endpoints(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}",
+                                   secrets.token_hex(_TOKEN_BYTES // 2))  # fmt: skip
+        self.refused = 0
+
+    def accept(
+        self, *, peer: int, timeout_s: float, give_up: Callable[[], bool] = lambda: False, **options: Any
+    ) -> TcpChannel | None:
+        """The pair's channel once a connection presented the token (and was answered); None when
+        ``give_up()`` turned true first; :class:`ChannelError` after ``timeout_s`` without one.  A connection
+        with another token, or none within a few seconds, is refused and logged; the wait goes on."""
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        while True:
+            if give_up():
+                return None
+            if time.monotonic() >= deadline:
+                refused = f" ({self.refused} refused: no or a wrong token)" if self.refused else ""
+                raise ChannelError(
+                    f"tcp pair {self.name}: no peer with the pair's token within {timeout_s:g} s{refused}"
+                )
+            if not poller.poll(_POLL_MS):
+                continue
+            try:
+                conn, address = self._sock.accept()
+            except BlockingIOError:
+                continue
+            channel = self._admit(conn, address, peer, options)
+            if channel is not None:
+                return channel
+
+    def _admit(self, conn: socket.socket, address: Any, peer: int, options: dict[str, Any]) -> TcpChannel | None:
+        expected = _HELLO + self.endpoints.token.encode()
+        try:
+            conn.settimeout(_HELLO_TIMEOUT_S)
+            got = _recv_exact(conn, len(expected))
+            if secrets.compare_digest(got, expected):
+                conn.sendall(_ACK + self.endpoints.token.encode())
+                return TcpChannel(conn, peer=peer, name=self.name, **options)
+            reason = "a wrong token"
+        except OSError as exc:
+            reason = f"no token ({exc.strerror or exc})"
+        self.refused += 1
+        log.warning("tcp pair %s: refused a connection from %s: %s", self.name, address[0], reason)
+        conn.close()
+        return None
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def listen(*, name: str, bind: str = "127.0.0.1") -> TcpListener:
+    """The listening side of pair ``name`` on ``bind``; publish its :attr:`TcpListener.endpoints`."""
+    return TcpListener(name=name, bind=bind)
+
+
+def connect(
+    endpoints: Endpoints,
+    *,
+    peer: int,
+    name: str,
+    timeout_s: float,
+    give_up: Callable[[], bool] = lambda: False,
+    bind: str | None = None,
+    **options: Any,
+) -> TcpChannel | None:
+    """The connecting side (the Attention's): connect to ``endpoints`` (from ``bind`` when given), present the
+    token, wait for the answer; None when ``give_up()`` turned true first; :class:`ChannelError` (one line
+    naming the pair) when the peer refuses or does not answer in ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    source = (bind, 0) if bind else None
+    try:
+        sock = socket.create_connection(_address(endpoints.endpoint), timeout=timeout_s, source_address=source)
+    except OSError as exc:
+        raise ChannelError(f"tcp pair {name}: cannot connect to {endpoints.endpoint}: {exc.strerror or exc}") from exc
+    try:
+        sock.sendall(_HELLO + endpoints.token.encode())
+        expected = _ACK + endpoints.token.encode()
+        while not select.select([sock], [], [], _POLL_MS / 1000)[0]:
+            if give_up():
+                sock.close()
+                return None
+            if time.monotonic() >= deadline:
+                raise ChannelError(f"tcp pair {name}: the peer did not answer this side's token in time")
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        got = _recv_exact(sock, len(expected))
+        if not secrets.compare_digest(got, expected):
+            raise ChannelError(f"tcp pair {name}: the peer refused this side's token (not this pair's peer)")
+        return TcpChannel(sock, peer=peer, name=name, **options)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    """``nbytes`` from a blocking ``sock``; fewer when it closes first."""
+    got = bytearray()
+    while len(got) < nbytes:
+        chunk = sock.recv(nbytes - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got)
+
+
+def loopback_pair(*, name: str = "a0-f0", timeout_s: float = 10.0, **options: Any) -> tuple[TcpChannel, TcpChannel]:
+    """A joined pair on 127.0.0.1 in this process, for tests and benches: (connecting side, listening side)."""
+    listener = listen(name=name)
+    try:
+        accepted: list[TcpChannel | None] = []
+        thread = threading.Thread(
+            target=lambda: accepted.append(listener.accept(peer=0, timeout_s=timeout_s, **options)), daemon=True
+        )
+        thread.start()
+        connector = connect(listener.endpoints, peer=1, name=name, timeout_s=timeout_s, **options)
+        thread.join(timeout_s)
+    finally:
+        listener.close()
+    if connector is None or not accepted or accepted[0] is None:
+        raise ChannelError(f"tcp pair {name}: the loopback pair did not join")
+    return connector, accepted[0]
