@@ -249,8 +249,8 @@ class AfdConfig:
     (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
     ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
     and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``transport`` (vLLM
-    path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``gloo`` (default) or ``zmq``; ``bind``: the
-    address a zmq pair's receiving sockets bind (default: this host's address on the route to ``host``).
+    path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``gloo`` (default), ``zmq`` or ``tcp``; ``bind``: the
+    address a zmq or tcp pair's sockets bind (default: this host's address on the route to ``host``).
     ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """

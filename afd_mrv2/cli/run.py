@@ -19,7 +19,7 @@ import os
 
 from afd_mrv2 import envs
 from afd_mrv2.cli import add_buffer_options, add_command, add_retired_spelling
-from afd_mrv2.config import parse_afd_config
+from afd_mrv2.config import TRANSPORTS, parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.quant_modes import QUANT_MODES
 from afd_mrv2.plugins import check_plugins
@@ -147,6 +147,13 @@ def _link_options(link: argparse._ArgumentGroup) -> None:
     """The link, its simulated cost, deadlines and quantisation."""
     link.add_argument("--link", choices=LINKS, default="gloo", help="gloo, or gloo plus a simulated link cost")
     link.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="gloo",
+        help="what the Attention-FFN pairs run on: gloo (one group of all ranks), zmq or tcp (a connection per "
+        "pair, as afd.transport on the vLLM path; default %(default)s)",
+    )
+    link.add_argument(
         "--sim-latency-us", type=float, default=None, help="simulated latency per transfer (default: balanced)"
     )
     link.add_argument("--sim-bandwidth-gbps", type=float, default=0.0, help="simulated bandwidth (0 = infinite)")
@@ -240,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             depths=(3,) if args.depths is None and not args.buffers else tuple(args.depths or ()),
             buffers=tuple((i, o) for i, o in args.buffers),
             link=args.link,
+            transport=args.transport,
             sim_latency_us=args.sim_latency_us,
             sim_bandwidth_gbps=args.sim_bandwidth_gbps,
             recv_timeout_s=args.recv_timeout_s,

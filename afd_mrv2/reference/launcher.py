@@ -55,7 +55,10 @@ def launch(cfg: RunConfig, *, as_json: bool, grace_s: float = 10.0) -> int:
     cfg = cfg.with_(out_dir=str(out))
     topology = cfg.topology
     port = free_port()
-    progress(f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}) ...")
+    pairs = "" if cfg.transport == "gloo" else f", Attention-FFN pairs on {cfg.transport}"
+    progress(
+        f"starting {cfg.attention_processes} attention + {cfg.num_ffn} FFN workers (gloo on 127.0.0.1:{port}{pairs}) ..."
+    )
     workers: list[_Worker] = []
     started = time.monotonic()
     with _signals_handled():

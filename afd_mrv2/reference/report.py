@@ -55,6 +55,7 @@ def build_report(cfg: RunConfig, ranks: list[dict[str, Any]], *, sim_latency_us:
         "link": {"kind": cfg.link, "sim_latency_us": sim_latency_us, "sim_bandwidth_gbps": cfg.sim_bandwidth_gbps}
         if cfg.link == "sim"
         else {"kind": "gloo"},
+        "transport": cfg.transport,
         "model": {k: v for k, v in asdict(spec).items() if k not in ("rms_eps",)},
         "modes": modes,
         "speedup": headline["speedup"],
@@ -246,10 +247,11 @@ def render(report: dict[str, Any], *, as_json: bool) -> str:
 def _headline(report: dict[str, Any]) -> str:
     """The first line: ranks, link, layers, how batches are cut, batches, routing."""
     link = report["link"]
+    transport = report.get("transport", "gloo")
     link_text = (
-        f"simulated link {link['sim_latency_us']:.0f} us/transfer on gloo"
+        f"simulated link {link['sim_latency_us']:.0f} us/transfer on {transport}"
         if link["kind"] == "sim"
-        else "gloo, loopback"
+        else f"{transport}, loopback"
     )
     split = report.get("split")
     batching = (

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from afd_mrv2 import envs
+from afd_mrv2.config import TRANSPORTS
 from afd_mrv2.hooks.quant_modes import QUANT_MODES
 from afd_mrv2.reference.spec import ROUTINGS, BatchSpec, ModelSpec, with_routing
 from afd_mrv2.stages import NUM_STAGES, SPLITS
@@ -55,6 +56,7 @@ class RunConfig:
     depths: tuple[int, ...] = (3,)
     buffers: tuple[tuple[int, int], ...] = ()
     link: str = "gloo"
+    transport: str = "gloo"  # what the Attention-FFN pairs run on (afd.transport): gloo's one group, zmq or tcp pairs
     sim_latency_us: float | None = None
     sim_bandwidth_gbps: float = 0.0
     recv_timeout_s: float = 30.0
@@ -73,6 +75,8 @@ class RunConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.link not in LINKS:
             raise ValueError(f"link must be one of {', '.join(LINKS)}, got {self.link!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.batches < 1 or self.warmup < 0:
             raise ValueError("batches must be >= 1 and warmup >= 0")
         if not self.modes:

@@ -26,6 +26,7 @@ from afd_mrv2.config import parse_afd_config
 from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.p2p import P2pShape, PeerError, PeerLink
+from afd_mrv2.mrv2.transport.store import PairTransport, route_address
 from afd_mrv2.pipeline.executor import Executor
 from afd_mrv2.pipeline.trace import Trace
 from afd_mrv2.plugins import load_plugins, role_context
@@ -34,6 +35,7 @@ from afd_mrv2.reference.batches import concat, make_batch
 from afd_mrv2.reference.buffer_report import buffer_block, counts_label
 from afd_mrv2.reference.forward import reference_forward
 from afd_mrv2.reference.owners import AttentionOwner, FfnOwner, Schedule
+from afd_mrv2.reference.pairs import open_pair_link
 from afd_mrv2.reference.progress import progress
 from afd_mrv2.reference.quant_check import MoeCheck
 from afd_mrv2.reference.runconfig import RunConfig
@@ -70,11 +72,7 @@ def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
     logging.getLogger("afd_mrv2.pipeline.executor").setLevel(logging.ERROR)
     link: PeerLink | None = None
     try:
-        timeout = datetime.timedelta(seconds=max(60.0, 3 * cfg.recv_timeout_s))
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
-        labels: list[Any] = [None] * world_size
-        dist.all_gather_object(labels, f"pid {os.getpid()} on {socket.gethostname()}")
-        link = PeerLink(topology, rank, labels=dict(enumerate(labels)))
+        link = _open_link(cfg, rank, world_size)
         code = _Session(cfg, link, as_json=as_json).run()
         link.close(timeout_s=cfg.recv_timeout_s)
         dist.destroy_process_group()
@@ -82,6 +80,29 @@ def run_worker(cfg: RunConfig, *, as_json: bool = False) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure ends the process the same way
         _fail(exc, link, topology.describe(rank))
         raise AssertionError("unreachable") from None
+
+
+def _open_link(cfg: RunConfig, rank: int, world_size: int) -> PeerLink:
+    """torch.distributed on gloo for every rank (collectives, and the link on ``--transport gloo``), and this
+    rank's PeerLink: on the one group, or on zmq or tcp pairs joined through the same store."""
+    timeout = datetime.timedelta(seconds=max(60.0, 3 * cfg.recv_timeout_s))
+    store = None
+    if cfg.transport == "gloo":
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # as env:// does: under torchrun's agent the agent hosts the store, else rank 0
+        master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(host, port, world_size, is_master=master, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    labels: list[Any] = [None] * world_size
+    dist.all_gather_object(labels, f"pid {os.getpid()} on {socket.gethostname()}")
+    if store is None:
+        return PeerLink(cfg.topology, rank, labels=dict(enumerate(labels)))
+    transport = PairTransport(cfg.transport, route_address(host, port))
+    return open_pair_link(
+        cfg.topology, rank, store, transport, labels=dict(enumerate(labels)), timeout_s=timeout.total_seconds()
+    )
 
 
 class _Session:

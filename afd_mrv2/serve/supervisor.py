@@ -303,8 +303,8 @@ class Supervisor:
         """What every pair runs on (``afd.transport``; the roles' sections agree: one base section)."""
         config = parse_afd_config(self.plan.roles[0].afd)
         bind = (
-            f", receiving sockets bound to {config.bind or 'the route to ' + config.host}"
-            if config.transport == "zmq"
+            f", pair sockets bound to {config.bind or 'the route to ' + config.host}"
+            if config.transport != "gloo"
             else ""
         )
         self._say(f"transport: {config.transport} (every Attention-FFN pair){bind}")

@@ -1,4 +1,5 @@
-"""``afd-mrv2 run`` end to end: real processes, gloo on loopback, checked against the reference.
+"""``afd-mrv2 run`` end to end: real processes, gloo on loopback (2A2F also on zmq and tcp pairs), checked
+against the reference.
 
 Acceptance: max |diff| <= 1e-5 for both modes, for 2A1F and 2A2F, 4 layers, with
 skewed routing and with an FFN rank that receives zero tokens; the trace shows
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.config import TRANSPORTS
 from tests.procs import Proc, afd, child_env, running
 
 # A smaller model than the default keeps each run to a few seconds on 2 shared cores.
@@ -90,10 +92,13 @@ def test_2a1f_skewed_routing_matches_the_reference(skewed_2a1f: dict) -> None:
     assert skewed_2a1f["routing_stats"]["hot_expert_share"] >= 0.7
 
 
-def test_2a2f_skewed_routing_matches_the_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_2a2f_skewed_routing_matches_the_reference(tmp_path: Path, transport: str) -> None:
     report = run_json(
-        tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depths", "3", "--buffers", "3", "2"
-    )
+        tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depths", "3", "--buffers", "3", "2",
+        "--transport", transport,
+    )  # fmt: skip
+    assert report["transport"] == transport
     check_correct(report, ("serialized", "multistream 3in/3out", "multistream 3in/2out"))
     assert report["routing_stats"]["hot_expert_share"] >= 0.7
     assert all(t > 0 for t in report["routing_stats"]["tokens_per_ffn_rank"])

@@ -1,5 +1,7 @@
 """Faults in ``afd-mrv2 run``: every one ends in bounded time, with errors that name the culprit.
 
+Both fault cases run on every pair transport (``--transport`` gloo, zmq and tcp):
+
 * an FFN process killed mid-run: every other process exits non-zero within 10 s
   on its own (not killed by the launcher), each naming the dead peer;
 * a peer that stops sending (SIGSTOP): the waiting side fails with a clear
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from afd_mrv2.config import TRANSPORTS
 from tests.procs import Proc, afd, gone, running, workers
 
 # Long enough to be mid-run when the fault comes, small enough to start fast.
@@ -77,8 +80,9 @@ def failure_line(err: list[str], name: str) -> tuple[int, str]:
     raise AssertionError(f"no failure line for {name}:\n" + "\n".join(err[-30:]))
 
 
-def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path) -> None:
-    proc = afd("run", "--out", str(tmp_path), *LONG, "--attention", "2", "--ffn", "2")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path, transport: str) -> None:
+    proc = afd("run", "--out", str(tmp_path), *LONG, "--attention", "2", "--ffn", "2", "--transport", transport)
     with running(proc, out_dir=tmp_path):
         assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
         time.sleep(1.0)
@@ -101,8 +105,11 @@ def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path) 
     assert "first: FFN rank 0 (global rank 2) (killed by SIGKILL)" in proc.stderr
 
 
-def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path) -> None:
-    proc = afd("run", "--out", str(tmp_path), *LONG, "--recv-timeout-s", "2", "--grace-s", "5")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path, transport: str) -> None:
+    proc = afd(
+        "run", "--out", str(tmp_path), *LONG, "--recv-timeout-s", "2", "--grace-s", "5", "--transport", transport
+    )
     with running(proc, out_dir=tmp_path):
         assert proc.wait_for_stderr("[1/2] serialized", 90), proc.stderr
         time.sleep(1.0)

@@ -448,12 +448,17 @@ def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> N
         (
             "zmq",
             None,
-            "[serve] transport: zmq (every Attention-FFN pair), receiving sockets bound to the route to 127.0.0.1",
+            "[serve] transport: zmq (every Attention-FFN pair), pair sockets bound to the route to 127.0.0.1",
         ),
         (
             "zmq",
             '{"bind": "10.0.0.5"}',
-            "[serve] transport: zmq (every Attention-FFN pair), receiving sockets bound to 10.0.0.5",
+            "[serve] transport: zmq (every Attention-FFN pair), pair sockets bound to 10.0.0.5",
+        ),
+        (
+            "tcp",
+            None,
+            "[serve] transport: tcp (every Attention-FFN pair), pair sockets bound to the route to 127.0.0.1",
         ),
     ],
 )
