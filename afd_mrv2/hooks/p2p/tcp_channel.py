@@ -224,6 +224,8 @@ class TcpChannel(Channel):
                 self._start_body(*_ENVELOPE.unpack(incoming.envelope))
             if incoming.body and incoming.got == incoming.nbytes:
                 self._end_body()
+                with self._cond:  # the waiter of a receive completed here may be waiting for the reader
+                    self._cond.notify_all()
         return True
 
     def _start_body(self, tag: int, nbytes: int) -> None:
