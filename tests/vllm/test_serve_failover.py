@@ -196,8 +196,10 @@ def _metrics_once_rejoined_rank_serves(
     [
         ("mixtral", 1, "gloo"),
         ("mixtral", 1, "zmq"),
+        ("mixtral", 1, "tcp"),
         pytest.param("mixtral", 0, "gloo", marks=pytest.mark.vllm_full),
         pytest.param("mixtral", 0, "zmq", marks=pytest.mark.vllm_full),
+        pytest.param("mixtral", 0, "tcp", marks=pytest.mark.vllm_full),
         pytest.param("qwen2_moe", 1, "gloo", marks=pytest.mark.vllm_full),
     ],
 )

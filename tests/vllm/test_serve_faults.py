@@ -94,6 +94,8 @@ def _mixed_clients(
         ("ffn", True, "gloo"),
         pytest.param("ffn", True, "zmq", marks=pytest.mark.vllm_full),
         pytest.param("attention", False, "zmq", marks=pytest.mark.vllm_full),
+        pytest.param("ffn", True, "tcp", marks=pytest.mark.vllm_full),
+        pytest.param("attention", False, "tcp", marks=pytest.mark.vllm_full),
     ],
 )
 def test_role_sigkill_mid_generation_fails_in_flight_requests_and_serve_exits_naming_it(
