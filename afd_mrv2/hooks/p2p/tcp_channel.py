@@ -423,6 +423,9 @@ def connect(
         if not secrets.compare_digest(got, expected):
             raise ChannelError(f"tcp pair {name}: the peer refused this side's token (not this pair's peer)")
         return TcpChannel(sock, peer=peer, name=name, **options)
+    except OSError as exc:  # reset (the listener closed with this connection queued), timed out mid-answer
+        sock.close()
+        raise ChannelError(f"tcp pair {name}: the token exchange failed: {exc.strerror or exc}") from exc
     except BaseException:
         sock.close()
         raise
