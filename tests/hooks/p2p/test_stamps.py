@@ -21,7 +21,7 @@ from afd_mrv2.hooks.p2p.stamps import SPANS, AttentionStamps, FfnStamps, breakdo
 from afd_mrv2.items import WorkItem
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
-from tests.hooks.p2p.zmq_links import zmq_links
+from tests.hooks.p2p.channel_links import channel_links
 
 NINE = [name for name, _, _ in SPANS]
 #: Attention stamps of one item (ns) and the FFN's, on one clock: each span below is known
@@ -107,7 +107,7 @@ COMPUTE_S = 0.002  # the FFN compute of every item: its span must hold it
 @pytest.fixture
 def links() -> Iterator[tuple[PeerLink, PeerLink]]:
     """(the Attention rank's link, the FFN rank's link) of 1A1F on one zmq loopback pair."""
-    with zmq_links(Topology(1, 1, EXPERTS)) as links:
+    with channel_links(Topology(1, 1, EXPERTS), "zmq") as links:
         yield links
 
 

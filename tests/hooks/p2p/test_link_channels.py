@@ -1,8 +1,9 @@
-"""PeerLink on zmq pairs: the deadlines, cancellation, ABORT, BYE and loss behave as on gloo pairs.
+"""PeerLink on zmq and tcp pairs: the deadlines, cancellation, ABORT, BYE and loss behave as on gloo pairs.
 
 Two links in this process (Attention rank 0 and FFN rank 0 of 1A1F, global ranks 0 and 1) on a
-real zmq loopback pair (:func:`afd_mrv2.hooks.p2p.zmq_channel.loopback_pair`): no thread of ours
-reads, the waiting link's own thread does, as in the roles.
+real loopback pair (:func:`afd_mrv2.hooks.p2p.zmq_channel.loopback_pair` or
+:func:`afd_mrv2.hooks.p2p.tcp_channel.loopback_pair`): no thread of ours reads, the waiting link's
+own thread does, as in the roles.  Every test runs on both transports.
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ from afd_mrv2.hooks.p2p.link import PeerLink
 from afd_mrv2.items import WorkItem
 from afd_mrv2.topology import Topology
 from afd_mrv2.work import INPUT, OUTPUT, BufferSlot, Work
-from tests.hooks.p2p.zmq_links import zmq_links
+from tests.hooks.p2p.channel_links import channel_links
 
 TOPOLOGY = Topology(1, 1, 2)
 WAIT = {"action": "receiving the combine", "option": "recv_timeout_s"}
 
 
+@pytest.fixture(params=["zmq", "tcp"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """The pair's transport."""
+    return str(request.param)
+
+
 @pytest.fixture
-def links() -> Iterator[tuple[PeerLink, PeerLink]]:
-    """(the Attention rank's link, the FFN rank's link) on one zmq pair named ``a0.1-f0.1``."""
-    with zmq_links(TOPOLOGY) as links:
+def links(kind: str) -> Iterator[tuple[PeerLink, PeerLink]]:
+    """(the Attention rank's link, the FFN rank's link) on one ``kind`` pair named ``a0.1-f0.1``."""
+    with channel_links(TOPOLOGY, kind) as links:
         yield links
 
 
@@ -99,7 +106,7 @@ def test_goodbye_on_both_sides_ends_without_an_error(links: tuple[PeerLink, Peer
     assert not closing.is_alive()
 
 
-def test_a_closed_peer_is_a_loss_naming_the_pair_and_the_transport(links: tuple[PeerLink, PeerLink]) -> None:
+def test_a_closed_peer_is_a_loss_naming_the_pair_and_the_transport(links: tuple[PeerLink, PeerLink], kind: str) -> None:
     attention, ffn = links
     pending = attention.irecv(_header(), 1, wire.TAG_COMBINE, "combine message")
     ffn.release()  # its sockets close, as when its process dies
@@ -107,7 +114,7 @@ def test_a_closed_peer_is_a_loss_naming_the_pair_and_the_transport(links: tuple[
         attention.wait([pending], timeout_s=5, work=None, **WAIT)
     assert info.value.peer == 1
     assert "lost FFN rank 0 (global rank 1): its connection closed" in str(info.value)
-    assert str(info.value).endswith("[zmq: zmq pair a0.1-f0.1: connection closed]")
+    assert str(info.value).endswith(f"[{kind}: {kind} pair a0.1-f0.1: connection closed]")
     with pytest.raises(PeerLost):  # and every later post fails at once
         attention.wait(
             [attention.isend(_header(), 1, wire.TAG_DISPATCH_HEADER, "dispatch header")], timeout_s=5, work=None, **WAIT
