@@ -23,6 +23,7 @@ from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.metrics import Health, RoleState
 from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
 from afd_mrv2.serve.proxy import Proxy
+from afd_mrv2.serve.reaper import Reaper
 from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 
@@ -33,6 +34,8 @@ KILL_WAIT_S = 2.0
 FFN_OWN_END_S = 2.0
 FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
+#: How long the reaper gives a dead serve's roles between its SIGTERM and its SIGKILL.
+REAP_GRACE_S = 5.0
 #: The most restarts of one role rank in one serve run.
 MAX_RESTARTS = 3
 #: An FFN rank that exits 0 by itself ended its session because its Attention engines were gone: the
@@ -66,6 +69,8 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._kill_now = asyncio.Event()
         self._settling = False
+        #: stops every role's process group should serve die without stopping them (a SIGKILL)
+        self.reaper = Reaper(REAP_GRACE_S)
 
     def _say(self, text: str) -> None:
         print(f"[serve] {text}", file=self.log, flush=True)
@@ -145,6 +150,7 @@ class Supervisor:
         except OSError as exc:
             self._say(f"cannot restart {spec.name}: {exc}")
             return
+        self.reaper.watch(new.pid)
         self.roles.append(new)
         self._say(f"{spec.name}: restarting (pid {new.pid})")
         ready = asyncio.ensure_future(new.ready.wait())
@@ -211,6 +217,7 @@ class Supervisor:
         proxy = self.proxy = Proxy(
             names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states, health=self.health
         )
+        self.reaper.start()
         try:
             try:
                 await proxy.start(HOST, opts.port)
@@ -238,6 +245,7 @@ class Supervisor:
                 for task in self._tasks:
                     task.cancel()
                 await self._stop_roles()
+                self.reaper.close()
                 await proxy.close()
                 shutil.rmtree(self.plan.run_dir, ignore_errors=True)
         finally:
@@ -360,6 +368,7 @@ class Supervisor:
             except OSError as exc:
                 self.failure = f"cannot start {spec.name}: {exc}"
                 return False
+            self.reaper.watch(role.pid)
             self.roles.append(role)
             started.append(role)
         ready: asyncio.Future[list[bool]] = asyncio.ensure_future(asyncio.gather(*(r.ready.wait() for r in started)))

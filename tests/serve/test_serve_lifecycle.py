@@ -72,6 +72,35 @@ def test_signal_stops_every_process_within_10s(start_serve, sig):
     print(f"stop latency ({sig.name}): {elapsed:.2f} s")
 
 
+@pytest.mark.parametrize("target", ["serve", "its process group"])
+def test_a_sigkilled_serve_leaves_no_process_of_its_roles_after_10s(start_serve, target):
+    """serve's reaper (a process in a session of its own) stops every role's group, the processes the
+    roles started included (the fakes' grandchildren stand for vLLM's EngineCore and workers), and says so."""
+    serve, _ = start_serve(2, 1, {"grandchild": True, "ignore_term": True})
+    serve.wait_ready()
+    pids = serve.pids()
+    assert len(pids) == 6, pids  # 3 roles + a grandchild each
+    t0 = time.monotonic()
+    if target == "serve":
+        os.kill(serve.proc.pid, signal.SIGKILL)
+    else:
+        os.killpg(serve.proc.pid, signal.SIGKILL)
+    assert serve.proc.wait(5) == -signal.SIGKILL
+    deadline = t0 + 10.0
+    while [pid for pid in pids.values() if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {name: pid for name, pid in pids.items() if alive(pid)}
+    elapsed = time.monotonic() - t0
+    assert left == {}, f"still alive {elapsed:.1f} s after serve's SIGKILL: {left}"
+    reaped = [line for line in serve.err_lines() if line.startswith("afd-mrv2 serve reaper: ")]
+    while not reaped and time.monotonic() < deadline + 5:
+        time.sleep(0.1)
+        reaped = [line for line in serve.err_lines() if line.startswith("afd-mrv2 serve reaper: ")]
+    assert len(reaped) == 1, serve.err_lines()[-5:]
+    assert "is gone; stopped the process groups of its roles" in reaped[0] and "SIGKILL to 3" in reaped[0], reaped
+    print(f"serve SIGKILLed ({target}): every role process gone within {elapsed:.2f} s")
+
+
 def test_stop_order_attention_engines_first_then_ffn_ranks(start_serve):
     """FFN ranks end their sessions (and print their reports) when their Attention engines
     are gone, so serve stops the Attention engines first and gives the FFN ranks
