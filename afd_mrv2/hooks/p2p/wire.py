@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ FIELDS = ("magic", "kind", "src", "dst", "layer", "stage", "stages", "seq", "tok
 STAGE_FIELDS = ("stage", "stages")
 HEADER_WORDS = len(FIELDS)
 HEADER_BYTES = HEADER_WORDS * 8
-_WORDS = struct.Struct(f"={HEADER_WORDS}q")  # the header's words in the host's byte order, as torch holds them
+#: the header's words in the host's byte order, as torch holds them
+WORDS = struct.Struct(f"={HEADER_WORDS}q")
 
 KIND_DISPATCH = 1
 KIND_COMBINE = 2
@@ -81,7 +83,7 @@ class Header:
             and out.dtype == torch.int64
             and out.numel() == HEADER_WORDS
         ):
-            _WORDS.pack_into(host_bytes(out), 0, *self.words)
+            WORDS.pack_into(host_bytes(out), 0, *self.words)
             return
         out.copy_(torch.tensor(self.words, dtype=torch.int64))
 
@@ -92,8 +94,13 @@ class Header:
 
     @classmethod
     def read(cls, words: torch.Tensor) -> Header:
-        values = [int(v) for v in words.tolist()]
-        return cls(**dict(zip(FIELDS, values, strict=True)))
+        return cls.from_words(tuple(int(v) for v in words.tolist()))
+
+    @classmethod
+    def from_words(cls, words: tuple[int, ...]) -> Header:
+        """The header of :data:`HEADER_WORDS` values in wire order (:data:`FIELDS`, as :attr:`words` gives them)."""
+        magic, kind, src, dst, layer, stage, stages, seq, tokens = words
+        return cls(kind, src, dst, layer, stage, seq, tokens, stages, magic)
 
     @property
     def item(self) -> WorkItem:
@@ -111,19 +118,48 @@ def item_header(kind: int, src: int, dst: int, item: WorkItem, tokens: int) -> H
     Carries ``item.num_stages`` as ``stages``; an item whose stage index is not
     below its stage count is the owner's bug and raises here, before it reaches a peer.
     """
+    return Header.from_words(item_words(kind, src, dst, item, tokens))
+
+
+def item_words(kind: int, src: int, dst: int, item: WorkItem, tokens: int, seq: int | None = None) -> tuple[int, ...]:
+    """:func:`item_header`'s :attr:`Header.words` (no Header built), with the same check; ``seq`` replaces the
+    item's (a message's number on its pair, see docs/internals/p2p-transport.md)."""
+    check_stage(item)
+    seq = item.seq if seq is None else seq
+    return (MAGIC, kind, src, dst, item.layer_idx, item.stage_idx, item.num_stages, seq, tokens)
+
+
+def check_stage(item: WorkItem) -> None:
+    """Raise ValueError unless ``item``'s stage index is below its stage count (the owner's bug, caught before
+    the item reaches a peer)."""
     if not 0 <= item.stage_idx < item.num_stages:
         raise ValueError(f"work item {item} claims {item.stage_name}: the stage index must be in 0..num_stages-1")
-    return Header(kind, src, dst, item.layer_idx, item.stage_idx, item.seq, tokens, item.num_stages)
+
+
+#: host_bytes' views by (address, bytes): a view names memory, not a tensor, so any tensor there may use it
+_HOST_VIEWS: dict[tuple[int, int], memoryview] = {}
+_KEPT_HOST_VIEWS = 1024
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor alive)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    """A writable view of a contiguous CPU tensor's bytes (no copy; the caller keeps the tensor alive).
+
+    Made once per (address, size) and handed out again (ctypes takes about 2 us a view warm, 30 with cold caches;
+    a look-up a fraction of that): the same memoryview object may reach several callers, none of which may
+    ``release`` it.
+    """
+    if not tensor.is_cpu or not tensor.is_contiguous():
         raise ValueError(f"expected a contiguous CPU tensor, not {tensor.device} strides {tensor.stride()}")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    key = (tensor.data_ptr(), nbytes)
+    view = _HOST_VIEWS.get(key)
+    if view is None:
+        if len(_HOST_VIEWS) >= _KEPT_HOST_VIEWS:
+            _HOST_VIEWS.clear()
+        view = _HOST_VIEWS[key] = memoryview((ctypes.c_ubyte * nbytes).from_address(key[0])).cast("B")
+    return view
 
 
 def header_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -171,6 +207,32 @@ def validate_header(
             )
             detail = f"expected {_show(field, want)}, got {_show(field, value)}{hint}"
             raise _bad(expected.src, field, detail, peer_name, what)
+
+
+def check_words(
+    got: tuple[int, ...],
+    expected: tuple[int, ...],
+    *,
+    what: str,
+    describe: Callable[[int], str],
+    max_tokens: int | None = None,
+) -> None:
+    """:func:`validate_header` of two headers' :attr:`Header.words`, the peer being ``expected``'s src and the
+    receiver its dst (each named by ``describe(global rank)``, only for an error): one tuple compare when they
+    match, else :func:`validate_header` itself (``max_tokens``: the token count, the last word, range-checked)."""
+    if max_tokens is None:
+        if got == expected:
+            return
+    elif got[:-1] == expected[:-1] and 0 <= got[-1] <= max_tokens:
+        return
+    validate_header(
+        Header.from_words(got),
+        Header.from_words(expected),
+        peer_name=describe(expected[2]),
+        what=what,
+        max_tokens=max_tokens,
+        me=describe(expected[3]),
+    )
 
 
 def _show(field: str, value: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -157,3 +158,65 @@ def test_a_header_writes_the_same_words_into_a_host_buffer_and_into_any_other_te
     header.write(strided)
     assert host.tolist() == strided.tolist() == [getattr(header, f) for f in wire.FIELDS]
     assert wire.Header.read(host) == header
+
+
+NAMES = {1: "attention rank 1 (global rank 1)", 4: "FFN rank 0 (global rank 4)"}
+
+
+def _raised(call: Callable[[], None]) -> tuple[str, str, int]:
+    with pytest.raises(ProtocolError) as info:
+        call()
+    return str(info.value), info.value.field, info.value.peer
+
+
+@pytest.mark.parametrize("max_tokens", [None, 8])
+@pytest.mark.parametrize("field", wire.FIELDS)
+def test_header_words_fail_as_the_header_check_does(field: str, max_tokens: int | None) -> None:
+    """check_words (the hooks' tuple compare) raises exactly validate_header's error, naming src and dst."""
+    bad = dataclasses.replace(EXPECTED, **{field: EXPECTED.words[wire.FIELDS.index(field)] + 100})
+    named: list[int] = []
+
+    def describe(rank: int) -> str:
+        named.append(rank)
+        return NAMES[rank]
+
+    got = _raised(
+        lambda: wire.check_words(bad.words, EXPECTED.words, what="dispatch", describe=describe, max_tokens=max_tokens)
+    )
+    want = _raised(
+        lambda: wire.validate_header(
+            bad, EXPECTED, peer_name=NAMES[1], what="dispatch", max_tokens=max_tokens, me=NAMES[4]
+        )
+    )
+    assert got == want and sorted(named) == [1, 4]
+
+
+def test_matching_header_words_pass_without_naming_anyone() -> None:
+    def describe(rank: int) -> str:
+        raise AssertionError(f"named rank {rank} for a header that matches")
+
+    wire.check_words(EXPECTED.words, EXPECTED.words, what="combine", describe=describe)
+    fewer = dataclasses.replace(EXPECTED, tokens=3).words  # a count learned from the header: in range
+    wire.check_words(fewer, EXPECTED.words, what="dispatch", describe=describe, max_tokens=5)
+    with pytest.raises(ProtocolError, match=r"field 'tokens' expected 5, got 3"):
+        wire.check_words(fewer, EXPECTED.words, what="dispatch", describe=NAMES.__getitem__)
+
+
+def test_item_words_are_the_item_headers_words_and_check_its_stage() -> None:
+    item = WorkItem(3, 1, 9, num_stages=2)
+    assert wire.item_words(wire.KIND_COMBINE, 4, 1, item, 6) == wire.item_header(wire.KIND_COMBINE, 4, 1, item, 6).words
+    renumbered = wire.Header.from_words(wire.item_words(wire.KIND_COMBINE, 4, 1, item, 6, seq=40))
+    assert renumbered == dataclasses.replace(wire.item_header(wire.KIND_COMBINE, 4, 1, item, 6), seq=40)
+    with pytest.raises(ValueError, match="claims stage 1 of 1"):
+        wire.item_words(wire.KIND_DISPATCH, 0, 2, WorkItem(3, 1, 9), 4)
+
+
+def test_host_bytes_of_one_tensor_is_one_view_that_writes_it() -> None:
+    tensor = torch.zeros(4, dtype=torch.int64)
+    view = wire.host_bytes(tensor)
+    assert wire.host_bytes(tensor) is view and wire.host_bytes(tensor[:4]) is view
+    view.cast("q")[2] = -7
+    assert tensor.tolist() == [0, 0, -7, 0]
+    assert len(wire.host_bytes(tensor[:2])) == 16  # another size of the same memory: its own view
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        wire.host_bytes(torch.zeros(4, 2).t())
