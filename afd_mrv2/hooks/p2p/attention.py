@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.buffers import CombineBuffer, DispatchBuffer, DispatchViews, HeaderSlot, Prefixes, id_range
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.link import PeerLink, Pending
 from afd_mrv2.hooks.quant import quantize_per_token
@@ -20,14 +21,20 @@ from afd_mrv2.items import WorkItem
 from afd_mrv2.work import Work
 
 _SLICE_S = 0.05
+_CPU = torch.device("cpu")
+
+#: what the owner's compute returns and the dispatch carries: (hidden [T, H], topk_ids [T, k], topk_weights [T, k])
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: a dispatch's rows as packed: (hidden as sent, its scales or None, topk_ids, topk_weights)
+Packed = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class _Outputs:
     """An output slot: what compute packs and send reads."""
 
-    headers: torch.Tensor  # [F, HEADER_WORDS] int64, one dispatch header per FFN rank
-    staging: list[torch.Tensor]  # per FFN rank, uint8 [max_tokens * row_bytes]
+    headers: list[HeaderSlot]  # per FFN rank, its dispatch header
+    staging: list[DispatchBuffer]  # per FFN rank, uint8 [max_tokens * row_bytes]
 
 
 @dataclass
@@ -45,7 +52,7 @@ class _Dispatch:
     counts: list[int]
     indices: list[torch.Tensor]
     masks: list[torch.Tensor] = field(default_factory=list)
-    routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+    routed: Packed | None = None
     entered_ns: int = 0
     packed_ns: int = 0
 
@@ -54,7 +61,7 @@ class _Dispatch:
 class _Inbox:
     """Where the combine of one stage lands, from on_send(l, s) until on_compute(l+1, s)."""
 
-    buffers: list[torch.Tensor]  # per FFN rank, uint8 [header + max_tokens * H * 4]
+    buffers: list[CombineBuffer]  # per FFN rank, uint8 [header + max_tokens * H * 4]
     cond: threading.Condition = field(default_factory=threading.Condition)
     sent: WorkItem | None = None  # the item whose combine is posted here
     tokens: int = 0
@@ -72,7 +79,10 @@ class AttentionSide(Side):
         #: the FFN ranks (indices) this side routes to, and ``route[e]``: the one computing expert ``e``
         self.live: frozenset[int] = frozenset(range(self.placement.num_ffn))
         self.route = torch.tensor(self.placement.routing(self.live), dtype=torch.long)
-        self._every_row = torch.arange(self.capacity)  # the sole FFN rank's index: every row (see _pack)
+        # the sole FFN rank's index and mask: every row, every pair (see _pack); another's: none
+        self._every_row = Prefixes(torch.arange(self.capacity))
+        self._every_pair = Prefixes(torch.ones(self.capacity, shape.top_k, dtype=torch.bool))
+        self._no_row = (self._every_row.at(0), self._every_pair.at(0))
         self._inboxes: dict[int, _Inbox] = {}
         self._inbox_lock = threading.Lock()
 
@@ -99,10 +109,13 @@ class AttentionSide(Side):
 
     def _outputs(self, work: Work) -> _Outputs:
         if work.outputs.state is None:
-            n = len(self.peers)
+            headers = torch.zeros(len(self.peers), wire.HEADER_WORDS, dtype=torch.int64)
             work.outputs.state = _Outputs(
-                headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
-                staging=[torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8) for _ in range(n)],
+                headers=[HeaderSlot(words) for words in headers],
+                staging=[
+                    DispatchBuffer(torch.empty(self.layout.nbytes(self.capacity), dtype=torch.uint8), self.layout)
+                    for _ in self.peers
+                ],
             )
         outputs: _Outputs = work.outputs.state
         return outputs
@@ -111,8 +124,8 @@ class AttentionSide(Side):
         with self._inbox_lock:
             inbox = self._inboxes.get(stage)
             if inbox is None:
-                size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
-                inbox = self._inboxes[stage] = _Inbox([torch.empty(size, dtype=torch.uint8) for _ in self.peers])
+                buffers = [CombineBuffer.empty(self.shape.hidden_size, self.capacity) for _ in self.peers]
+                inbox = self._inboxes[stage] = _Inbox(buffers)
             return inbox
 
     # ------------------------------------------------------------------ phases
@@ -126,9 +139,8 @@ class AttentionSide(Side):
         action = f"receiving the combine of layer={sent.layer_idx} stage={sent.stage_idx} seq={sent.seq}"
         self.wait(inbox.pendings, work, "recv", action)
         for ffn, buffer, count in zip(self.peers, inbox.buffers, inbox.counts, strict=True):
-            expected = wire.item_header(wire.KIND_COMBINE, ffn, self.link.rank, sent, count)
-            got = wire.Header.read(wire.header_view(buffer))
-            wire.validate_header(got, expected, peer_name=self.link.describe(ffn), what="combine", me=self.link.me)
+            expected = wire.item_words(wire.KIND_COMBINE, ffn, self.link.rank, sent, count)
+            wire.check_words(buffer.header.words(), expected, what="combine", describe=self.link.describe)
         charge_link(self.options, work, "recv", inbox.pendings)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
@@ -139,71 +151,71 @@ class AttentionSide(Side):
             combined = self._combined(work)[: inbox.tokens].zero_()
             for buffer, count, index in zip(inbox.buffers, inbox.counts, inbox.indices, strict=True):
                 if count:
-                    combined.index_add_(0, index, wire.combine_rows(buffer, self.shape.hidden_size, count))
+                    combined.index_add_(0, index, buffer.at(count).rows)
         result = compute(item, combined)
         if result is None:
             return
-        self._pack(work, self._outputs(work), *self._check_result(item, result))
+        slot = self._outputs(work)
+        dispatch = self._pack(work, slot, *self._check_result(item, result))
+        for f, ffn in enumerate(self.peers):
+            slot.headers[f].write(wire.item_words(self.layout.kind, self.link.rank, ffn, item, dispatch.counts[f]))
 
     def _pack(
         self, work: Work, slot: _Outputs, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> None:
-        """Pack, per FFN rank, the rows routed to it into ``slot``; record the dispatch."""
-        item, layout = work.item, self.layout
+    ) -> _Dispatch:
+        """Pack, per FFN rank, the rows routed to it into ``slot``'s staging; record the dispatch (in
+        ``work.transfer`` and returned).  The headers are the caller's to write."""
+        wire.check_stage(work.item)  # an item that cannot go on the wire fails before any of it is packed
         tokens, sole = hidden.shape[0], self._sole
-        owners = self.route[topk_ids.long()] if sole is None else None
-        dispatch = work.transfer["dispatch"] = _Dispatch(tokens, [], [])
         scales = None
-        if layout.quant is not None:  # per token, once for all FFN ranks, before anything is sent
+        if self.layout.quant is not None:  # per token, once for all FFN ranks, before anything is sent
             hidden, scales = quantize_per_token(hidden)
-        dispatch.routed = (hidden, scales, topk_ids, topk_weights)
-        for f, ffn in enumerate(self.peers):
-            if owners is not None:
-                assigned = owners == f
-                index = assigned.any(dim=1).nonzero().squeeze(1)
-                mask = assigned.index_select(0, index)
-                self.pack_rows(slot.staging[f], index, mask, dispatch.routed)
-            elif f == sole:  # every pair is this rank's: the rows as they are, no selection, no mask
-                index, mask = self._every_row[:tokens], torch.ones(tokens, topk_ids.shape[1], dtype=torch.bool)
-                self._pack_all(slot.staging[f], dispatch.routed)
-            else:
-                index, mask = self._every_row[:0], torch.zeros(0, topk_ids.shape[1], dtype=torch.bool)
-            count = index.numel()
-            wire.item_header(layout.kind, self.link.rank, ffn, item, count).write(slot.headers[f])
-            dispatch.counts.append(count)
-            dispatch.indices.append(index)
-            dispatch.masks.append(mask)
+        routed = (hidden, scales, topk_ids, topk_weights)
+        if sole is None:
+            owners = self.route[topk_ids.long()]
+            picks = [self._pick(owners == f, slot.staging[f], routed) for f in range(len(self.peers))]
+        else:  # every pair is the sole rank's: the rows as they are, no selection, no mask
+            self._pack_all(slot.staging[sole].at(tokens), routed)
+            every = (self._every_row.at(tokens), self._every_pair.at(tokens))
+            picks = [every if f == sole else self._no_row for f in range(len(self.peers))]
+        indices = [index for index, _ in picks]
+        counts = [index.numel() for index in indices]
+        dispatch = _Dispatch(tokens, counts, indices, [mask for _, mask in picks], routed)
+        work.transfer["dispatch"] = dispatch
+        return dispatch
 
-    def pack_rows(
-        self,
-        staging: torch.Tensor,
-        index: torch.Tensor,
-        mask: torch.Tensor,
-        routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
-    ) -> None:
-        """Write the dispatch payload of the token rows ``index`` into ``staging``: their hidden rows
-        (and scales), ids, and weights, a pair outside ``mask`` (routed to another rank) weighing 0."""
+    def _pick(
+        self, assigned: torch.Tensor, staging: DispatchBuffer, routed: Packed
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack the rows with a pair in ``assigned`` [T, k] (the pairs one FFN rank computes); their index and mask."""
+        index = assigned.any(dim=1).nonzero().squeeze(1)
+        mask = assigned.index_select(0, index)
+        self.pack_rows(staging.at(index.numel()), index, mask, routed)
+        return index, mask
+
+    @staticmethod
+    def pack_rows(views: DispatchViews, index: torch.Tensor, mask: torch.Tensor, routed: Packed) -> None:
+        """Write the dispatch payload of the token rows ``index`` into ``views`` (of ``index.numel()`` rows): their
+        hidden rows (and scales), ids, and weights, a pair outside ``mask`` (routed to another rank) weighing 0."""
         hidden, scales, topk_ids, topk_weights = routed
-        layout, count = self.layout, index.numel()
-        rows, weights, ids = layout.views(staging, count)
-        torch.index_select(hidden, 0, index, out=rows)
+        torch.index_select(hidden, 0, index, out=views.hidden)
         if scales is not None:
-            torch.index_select(scales, 0, index, out=layout.scales(staging, count))
-        torch.index_select(topk_weights, 0, index, out=weights)
-        weights.mul_(mask)
-        ids.copy_(topk_ids.index_select(0, index))
+            assert views.scales is not None  # a quantized dispatch packs into a quantized layout
+            torch.index_select(scales, 0, index, out=views.scales)
+        torch.index_select(topk_weights, 0, index, out=views.weights)
+        views.weights.mul_(mask)
+        views.ids.copy_(topk_ids.index_select(0, index))
 
-    def _pack_all(
-        self, staging: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
-    ) -> None:
+    @staticmethod
+    def _pack_all(views: DispatchViews, routed: Packed) -> None:
         """:meth:`pack_rows` of every row with every pair kept: three copies."""
         hidden, scales, topk_ids, topk_weights = routed
-        rows, weights, ids = self.layout.views(staging, hidden.shape[0])
-        rows.copy_(hidden)
+        views.hidden.copy_(hidden)
         if scales is not None:
-            self.layout.scales(staging, hidden.shape[0]).copy_(scales)
-        weights.copy_(topk_weights)
-        ids.copy_(topk_ids)
+            assert views.scales is not None  # a quantized dispatch packs into a quantized layout
+            views.scales.copy_(scales)
+        views.weights.copy_(topk_weights)
+        views.ids.copy_(topk_ids)
 
     def on_send(self, work: Work) -> None:
         item, dispatch = work.item, work.transfer.get("dispatch")
@@ -211,14 +223,10 @@ class AttentionSide(Side):
             return
         slot = self._outputs(work)
         inbox = self._inbox(item.stage_idx)
+        what = f"combine message ({item.stage_id})"
         with inbox.cond:
             inbox.pendings = [
-                self.link.irecv(
-                    buffer[: wire.combine_nbytes(self.shape.hidden_size, count)],
-                    ffn,
-                    wire.TAG_COMBINE,
-                    f"combine message ({item.stage_id})",
-                )
+                self.link.irecv(buffer.at(count).message, ffn, wire.TAG_COMBINE, what)
                 for ffn, buffer, count in zip(self.peers, inbox.buffers, dispatch.counts, strict=True)
             ]
             inbox.sent, inbox.tokens = item, dispatch.tokens
@@ -230,9 +238,9 @@ class AttentionSide(Side):
         """Send each FFN rank its header and, for n > 0 rows, its payload; wait for the sends."""
         sends = []
         for f, ffn in enumerate(self.peers):
-            sends.append(self.link.isend(slot.headers[f], ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
+            sends.append(self.link.isend(slot.headers[f].tensor, ffn, wire.TAG_DISPATCH_HEADER, "dispatch header"))
             if counts[f]:
-                payload = slot.staging[f][: self.layout.nbytes(counts[f])]
+                payload = slot.staging[f].at(counts[f]).message
                 sends.append(self.link.isend(payload, ffn, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
         self.wait(sends, work, "send", f"dispatching {work.item}")
         charge_link(self.options, work, "send", sends)
@@ -265,7 +273,7 @@ class AttentionSide(Side):
                 inbox.cond.wait(_SLICE_S)
             return inbox.sent
 
-    def _check_result(self, item: object, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _check_result(self, item: object, result: object) -> Routed:
         """The owner's compute must return (hidden [T, H] fp32, ids [T, k], weights [T, k])."""
         shape = self.shape
         triple = _tensor_triple(result)
@@ -288,11 +296,17 @@ class AttentionSide(Side):
             and weights.dtype == torch.float32
             and not ids.is_floating_point()
             and 0 <= tokens <= self.capacity
-            and (ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < shape.num_experts))
+            and (ids.numel() == 0 or _within(ids, shape.num_experts))
         )
 
 
-def _tensor_triple(value: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _within(ids: torch.Tensor, num_experts: int) -> bool:
+    """Every id in 0..num_experts-1 (``ids`` not empty)."""
+    low, high = id_range(ids)
+    return low >= 0 and high < num_experts
+
+
+def _tensor_triple(value: object) -> Routed | None:
     """``value`` when it is a tuple of three tensors, else None."""
     if isinstance(value, tuple) and len(value) == 3:
         a, b, c = value

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from afd_mrv2.hooks.p2p import wire
+from afd_mrv2.hooks.p2p.buffers import CombineBuffer, DispatchBuffer, DispatchViews, HeaderSlot, Prefixes, id_range
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, Side, charge_link
 from afd_mrv2.hooks.p2p.errors import ProtocolError
 from afd_mrv2.hooks.p2p.link import PeerLink
@@ -25,10 +26,10 @@ from afd_mrv2.work import Work
 class _Inputs:
     """An input slot: what recv fills and compute reads."""
 
-    headers: torch.Tensor  # [A, HEADER_WORDS] int64, received dispatch headers
-    staging: list[torch.Tensor]  # per attention rank, uint8 [max_tokens * row_bytes]
+    headers: list[HeaderSlot]  # per attention rank, its received dispatch header
+    staging: list[DispatchBuffer]  # per attention rank, uint8 [max_tokens * row_bytes]
     hidden: torch.Tensor  # [A * max_tokens, H]: inputs of all attention ranks, concatenated (int8 with quant)
-    topk_ids: torch.Tensor  # [A * max_tokens, k] int64
+    topk_ids: Prefixes  # [A * max_tokens, k] int64
     topk_weights: torch.Tensor  # [A * max_tokens, k]
     scales: torch.Tensor | None  # [A * max_tokens] fp32 with quant: the per-token dynamic scales
 
@@ -67,24 +68,24 @@ class FfnSide(Side):
 
     def _inputs(self, work: Work) -> _Inputs:
         if work.inputs.state is None:
-            n, cap, shape = len(self.peers), self.capacity, self.shape
+            n, cap, shape, layout = len(self.peers), self.capacity, self.shape, self.layout
+            headers = torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64)
             work.inputs.state = _Inputs(
-                headers=torch.zeros(n, wire.HEADER_WORDS, dtype=torch.int64),
-                staging=[torch.empty(self.layout.nbytes(cap), dtype=torch.uint8) for _ in range(n)],
-                hidden=torch.empty(n * cap, shape.hidden_size, dtype=self.layout.hidden_dtype),
-                topk_ids=torch.empty(n * cap, shape.top_k, dtype=torch.int64),
+                headers=[HeaderSlot(words) for words in headers],
+                staging=[DispatchBuffer(torch.empty(layout.nbytes(cap), dtype=torch.uint8), layout) for _ in range(n)],
+                hidden=torch.empty(n * cap, shape.hidden_size, dtype=layout.hidden_dtype),
+                topk_ids=Prefixes(torch.empty(n * cap, shape.top_k, dtype=torch.int64)),
                 topk_weights=torch.empty(n * cap, shape.top_k),
                 scales=None if self.layout.quant is None else torch.empty(n * cap),
             )
         inputs: _Inputs = work.inputs.state
         return inputs
 
-    def _outgoing(self, work: Work) -> list[torch.Tensor]:
+    def _outgoing(self, work: Work) -> list[CombineBuffer]:
         """The output slot: per attention rank, uint8 [header + max_tokens * H * 4]."""
         if work.outputs.state is None:
-            size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
-            work.outputs.state = [torch.empty(size, dtype=torch.uint8) for _ in self.peers]
-        outgoing: list[torch.Tensor] = work.outputs.state
+            work.outputs.state = [CombineBuffer.empty(self.shape.hidden_size, self.capacity) for _ in self.peers]
+        outgoing: list[CombineBuffer] = work.outputs.state
         return outgoing
 
     # ------------------------------------------------------------------ phases
@@ -93,51 +94,46 @@ class FfnSide(Side):
         item, slot, link = work.item, self._inputs(work), self.link
         action = f"receiving {item}"
         headers = [
-            link.irecv(slot.headers[a], peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
-            for a, peer in enumerate(self.peers)
+            link.irecv(header.tensor, peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
+            for header, peer in zip(slot.headers, self.peers, strict=True)
         ]
         self.wait(headers, work, "recv", action)
-        counts: list[int] = work.transfer.setdefault("counts", [])  # per-item transfer state, until on_send
+        words = [header.words() for header in slot.headers]
         kind = self.layout.kind
         if self.follow_stages:
-            first = wire.Header.read(slot.headers[0])
-            if first.kind == self.layout.redispatch_kind and first.magic == wire.MAGIC:  # a failover's re-send
-                kind = first.kind
-                item = WorkItem(first.layer, first.stage, item.seq, num_stages=max(first.stages, 1))
+            first = words[0]
+            if first[1] == self.layout.redispatch_kind and first[0] == wire.MAGIC:  # a failover's re-send
+                kind = first[1]
+                item = WorkItem(first[4], first[5], item.seq, num_stages=max(first[6], 1))
                 self.redispatched += 1
             else:
                 item = self._follow(first, item, self.peers[0])
             work.transfer["item"] = item
-        for a, peer in enumerate(self.peers):
-            got = wire.Header.read(slot.headers[a])
-            expected = wire.item_header(kind, peer, link.rank, item, tokens=0)
-            wire.validate_header(
-                got, expected, peer_name=link.describe(peer), what="dispatch", max_tokens=self.capacity, me=link.me
-            )
-            counts.append(got.tokens)
+        for got, peer in zip(words, self.peers, strict=True):
+            expected = wire.item_words(kind, peer, link.rank, item, 0)
+            wire.check_words(got, expected, what="dispatch", describe=link.describe, max_tokens=self.capacity)
+        counts = work.transfer["counts"] = [got[-1] for got in words]  # per-item transfer state, until on_send
         if self.on_item is not None:
             self.on_item(item)
         payloads = [
-            link.irecv(slot.staging[a][: self.layout.nbytes(n)], peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
-            for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True))
+            link.irecv(staging.at(n).message, peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
+            for staging, peer, n in zip(slot.staging, self.peers, counts, strict=True)
             if n
         ]
         self.wait(payloads, work, "recv", action)
         received = headers + payloads
         # the last frame read: a payload, or the header of an item with no rows here
         work.transfer["payload_done_ns"] = int(max(p.done_at for p in received) * 1e9)
-        for a, (peer, n) in enumerate(zip(self.peers, counts, strict=True)):
+        for staging, peer, n in zip(slot.staging, self.peers, counts, strict=True):
             if n:
-                self._check_routing(slot.staging[a], n, peer)
-        charge_link(self.options, work, "recv", received)
+                self._check_routing(staging.at(n), peer)
+        if self.options.link is not None:
+            charge_link(self.options, work, "recv", received)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         item, slot, hidden_size = work.transfer.get("item", work.item), self._inputs(work), self.shape.hidden_size
         counts: list[int] = work.transfer["counts"]
-        offsets, total = [], 0
-        for n in counts:
-            offsets.append(total)
-            total += n
+        total = sum(counts)
         output: torch.Tensor | None = None
         if total:
             payload = self._gather(slot, counts, total)
@@ -149,13 +145,13 @@ class FfnSide(Side):
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
         else:
             called = returned = time.perf_counter_ns()  # no row here: no compute, a span of 0
-        outgoing = self._outgoing(work)
-        for a, (peer, n, start) in enumerate(zip(self.peers, counts, offsets, strict=True)):
-            message = outgoing[a]
-            wire.item_header(wire.KIND_COMBINE, self.link.rank, peer, item, n).write(wire.header_view(message))
+        start, rank = 0, self.link.rank
+        for message, peer, n in zip(self._outgoing(work), self.peers, counts, strict=True):
+            message.header.write(wire.item_words(wire.KIND_COMBINE, rank, peer, item, n))
             if n:
                 assert output is not None  # n rows: total > 0, so compute ran and returned a tensor
-                wire.combine_rows(message, hidden_size, n).copy_(output[start : start + n])
+                message.at(n).rows.copy_(output if n == total else output[start : start + n])
+                start += n
         work.transfer["compute_ns"] = called, returned
 
     def _gather(self, slot: _Inputs, counts: list[int], total: int) -> list[torch.Tensor]:
@@ -163,39 +159,38 @@ class FfnSide(Side):
         and the scales with quant).  Rows from one attention rank only are read where they landed (no copy of
         hidden and weights: the staging buffer belongs to this slot until compute returned)."""
         senders = [a for a, n in enumerate(counts) if n]
+        ids = slot.topk_ids.at(total)
         if len(senders) == 1 and slot.scales is None:
-            rows, weights, ids = self.layout.views(slot.staging[senders[0]], total)
-            slot.topk_ids[:total].copy_(ids)
-            return [rows, slot.topk_ids[:total], weights]
+            views = slot.staging[senders[0]].at(total)
+            ids.copy_(views.ids)
+            return [views.hidden, ids, views.weights]
         start = 0
         for a in senders:
             n = counts[a]
-            rows, weights, ids = self.layout.views(slot.staging[a], n)
-            slot.hidden[start : start + n].copy_(rows)
-            slot.topk_weights[start : start + n].copy_(weights)
-            slot.topk_ids[start : start + n].copy_(ids)
+            views = slot.staging[a].at(n)
+            slot.hidden[start : start + n].copy_(views.hidden)
+            slot.topk_weights[start : start + n].copy_(views.weights)
+            ids[start : start + n].copy_(views.ids)
             if slot.scales is not None:
-                slot.scales[start : start + n].copy_(self.layout.scales(slot.staging[a], n))
+                assert views.scales is not None  # a quantized layout has scales
+                slot.scales[start : start + n].copy_(views.scales)
             start += n
-        payload = [slot.hidden[:total], slot.topk_ids[:total], slot.topk_weights[:total]]
+        payload = [slot.hidden[:total], ids, slot.topk_weights[:total]]
         if slot.scales is not None:  # received scales reach compute (docs/internals/p2p-transport.md)
             payload.append(slot.scales[:total])
         return payload
 
     def on_send(self, work: Work) -> None:
         item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)
-        combine_send = time.perf_counter_ns()
+        combine_send, name = time.perf_counter_ns(), str(item)
+        what = "combine message (" + name + ")"
         sends = [
-            self.link.isend(
-                outgoing[a][: wire.combine_nbytes(self.shape.hidden_size, n)],
-                peer,
-                wire.TAG_COMBINE,
-                f"combine message ({item})",
-            )
-            for a, (peer, n) in enumerate(zip(self.peers, work.transfer["counts"], strict=True))
+            self.link.isend(message.at(n).message, peer, wire.TAG_COMBINE, what)
+            for message, peer, n in zip(outgoing, self.peers, work.transfer["counts"], strict=True)
         ]
-        self.wait(sends, work, "send", f"sending the combine of {item}")
-        charge_link(self.options, work, "send", sends)
+        self.wait(sends, work, "send", "sending the combine of " + name)
+        if self.options.link is not None:
+            charge_link(self.options, work, "send", sends)
         called, returned = work.transfer["compute_ns"]
         self.stamps.add(work.transfer["payload_done_ns"], called, returned, combine_send)
 
@@ -204,7 +199,7 @@ class FfnSide(Side):
         for key in ("counts", "item", "payload_done_ns", "compute_ns"):
             work.transfer.pop(key, None)
 
-    def _follow(self, got: wire.Header, submitted: WorkItem, peer: int) -> WorkItem:
+    def _follow(self, words: tuple[int, ...], submitted: WorkItem, peer: int) -> WorkItem:
         """``follow_stages``: the item's layer and stage identity, learned from the first peer's header.
 
         An owner that cannot know a step's stage count in advance (independent
@@ -218,48 +213,55 @@ class FfnSide(Side):
         the next header).  The other peers' headers are then validated against it as usual, so peers
         that split the same step differently still fail, naming both sides.
         """
-        if got.magic != wire.MAGIC:
+        magic, _, _, _, layer, stage, stages, _, _ = words
+        if magic != wire.MAGIC:
             return submitted  # not this protocol: the header check that follows names the field
-        num_layers = self.shape.num_layers
-        if self._last is None:
-            allowed = {(0, 0)}
+        last = self._last
+        if last is None:
+            allowed = (0, 0)
+        elif last[1] + 1 < last[2]:
+            allowed = (last[0], last[1] + 1)
         else:
-            layer, stage, stages = self._last
-            allowed = {(layer, stage + 1)} if stage + 1 < stages else {((layer + 1) % num_layers, 0)}
-        new_step = (got.layer, got.stage) == (0, 0)
+            allowed = ((last[0] + 1) % self.shape.num_layers, 0)
+        new_step = layer == 0 and stage == 0
         fine = (
-            ((got.layer, got.stage) in allowed or new_step)
-            and 0 <= got.stage < got.stages
-            and (new_step or self._last is None or got.stages == self._last[2])
+            ((layer, stage) == allowed or new_step)
+            and 0 <= stage < stages
+            and (new_step or last is None or stages == last[2])
         )
         if not fine:
-            after = (
-                "the first item"
-                if self._last is None
-                else f"layer={self._last[0]} stage {self._last[1]} of {self._last[2]}"
-            )
-            raise ProtocolError(
-                f"malformed dispatch header from {self.link.describe(peer)}: field 'stage' stage identity out of "
-                f"order: it sent layer={got.layer} stage {got.stage} of {got.stages} (seq={got.seq}) after {after}; "
-                f"{self.link.me} expects {' or '.join(f'layer={layer_} stage {s}' for layer_, s in sorted(allowed))}"
-                + ("" if new_step or self._last is None else f" of {self._last[2]} (a step keeps its stage count)"),
-                peer=peer,
-                peer_name=self.link.describe(peer),
-                field="stage",
-            )
-        self._last = (got.layer, got.stage, got.stages)
-        return WorkItem(got.layer, got.stage, submitted.seq, num_stages=got.stages)
+            raise self._out_of_order(wire.Header.from_words(words), allowed, peer)
+        self._last = (layer, stage, stages)
+        return WorkItem(layer, stage, submitted.seq, num_stages=stages)
+
+    def _out_of_order(self, got: wire.Header, allowed: tuple[int, int], peer: int) -> ProtocolError:
+        """:meth:`_follow`'s error: ``got`` is not the item ``allowed`` (layer, stage) after the last one."""
+        new_step = (got.layer, got.stage) == (0, 0)
+        after = (
+            "the first item"
+            if self._last is None
+            else f"layer={self._last[0]} stage {self._last[1]} of {self._last[2]}"
+        )
+        return ProtocolError(
+            f"malformed dispatch header from {self.link.describe(peer)}: field 'stage' stage identity out of "
+            f"order: it sent layer={got.layer} stage {got.stage} of {got.stages} (seq={got.seq}) after {after}; "
+            f"{self.link.me} expects layer={allowed[0]} stage {allowed[1]}"
+            + ("" if new_step or self._last is None else f" of {self._last[2]} (a step keeps its stage count)"),
+            peer=peer,
+            peer_name=self.link.describe(peer),
+            field="stage",
+        )
 
     # ------------------------------------------------------------------ checks
 
-    def _check_routing(self, staging: torch.Tensor, tokens: int, peer: int) -> None:
-        """Every id in 0..E-1 and every row routed to at least one expert held here: no silent mis-route."""
-        _, _, ids = self.layout.views(staging, tokens)
+    def _check_routing(self, payload: DispatchViews, peer: int) -> None:
+        """Every id of a (non-empty) payload in 0..E-1 and every row routed to at least one expert held here: no
+        silent mis-route."""
         problem = None
-        low, high = (int(v) for v in torch.aminmax(ids))
+        low, high = id_range(payload.ids, payload.id_words)
         if low < 0 or high >= self.shape.num_experts:
             problem = f"expert ids must be in 0..{self.shape.num_experts - 1}, got {low}..{high}"
-        elif not self._holds_all and not self._held[ids.long()].any(dim=1).all():
+        elif not self._holds_all and not self._held[payload.ids.long()].any(dim=1).all():
             problem = (
                 f"a token routed to none of this rank's experts "
                 f"{self.link.topology.placement.ranges(self.held)} was dispatched here"

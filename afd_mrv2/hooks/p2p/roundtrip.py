@@ -18,7 +18,8 @@ import torch
 
 from afd_mrv2.api import supports_in_flight
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.attention import AttentionSide, _Dispatch
+from afd_mrv2.hooks.p2p.attention import _CPU, AttentionSide, Routed, _Dispatch, _tensor_triple
+from afd_mrv2.hooks.p2p.buffers import CombineBuffer, DispatchBuffer, HeaderSlot
 from afd_mrv2.hooks.p2p.common import P2pOptions, P2pShape, charge_link
 from afd_mrv2.hooks.p2p.errors import PeerAborted, PeerError, PeerLost, PeerTimeout
 from afd_mrv2.hooks.p2p.failover import FailoverLog
@@ -33,7 +34,7 @@ RoutedSource = Callable[[WorkItem], Any]
 Sink = Callable[[WorkItem, Any], None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Share:
     """One FFN rank's part of an item on the wire: the message posted to it and the combine due back.
 
@@ -46,7 +47,7 @@ class Share:
     seq: int
     index: torch.Tensor
     mask: torch.Tensor
-    buffer: torch.Tensor  # where the combine lands
+    buffer: CombineBuffer  # where the combine lands
     receive: Pending | None = None
     sends: list[Pending] = field(default_factory=list)
     failed: PeerError | None = None
@@ -57,11 +58,13 @@ class Share:
         return self.index.numel()
 
 
+_ZERO = torch.zeros(())
+
 #: what ends a pair: its FFN rank died, aborted, or stalled past the deadline (a bad header is not one)
 LOSSES = (PeerLost, PeerAborted, PeerTimeout)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CombineInFlight:
     """The combine of one item, posted by ``on_send``: what the owner waits for with :meth:`wait`.
 
@@ -72,7 +75,7 @@ class CombineInFlight:
     side: RoundTripAttentionSide
     item: WorkItem
     dispatch: _Dispatch
-    inbox: list[torch.Tensor]
+    inbox: list[CombineBuffer]
     shares: list[Share]
     delivered_ns: int = 0
     sent_ns: int = 0
@@ -89,25 +92,18 @@ class CombineInFlight:
         if self._result is not None:
             return self._result
         side, item, dispatch = self.side, self.item, self.dispatch
-        hidden_size = side.shape.hidden_size
-        combined = torch.zeros(dispatch.tokens, hidden_size)
         arrived = time.perf_counter()
         nbytes, last_done, waited, whole = 0, 0.0, 0, True
+        action, received = f"receiving the combine of {item}", []
         todo = deque(self.shares)
         while todo:
             share = todo.popleft()
-            peer = side.peers[share.ffn]
             try:
                 if share.failed is not None:
                     raise share.failed
                 assert share.receive is not None
-                side.link.wait(
-                    [share.receive],
-                    timeout_s=side.options.recv_timeout_s,
-                    work=None,
-                    action=f"receiving the combine of {item}",
-                    option="recv_timeout_s",
-                )
+                timeout = side.options.recv_timeout_s
+                side.link.wait([share.receive], timeout_s=timeout, work=None, action=action, option="recv_timeout_s")
             except LOSSES as exc:
                 whole = False
                 self._retire(share)
@@ -115,12 +111,12 @@ class CombineInFlight:
                 continue
             waited, last_done = time.perf_counter_ns(), max(last_done, share.receive.done_at)
             arrived, nbytes = max(arrived, share.receive.done_at), nbytes + share.receive.nbytes
-            sent = WorkItem(item.layer_idx, item.stage_idx, share.seq, item.num_stages)
-            expected = wire.item_header(wire.KIND_COMBINE, peer, side.link.rank, sent, share.count)
-            got = wire.Header.read(wire.header_view(share.buffer))
-            wire.validate_header(got, expected, peer_name=side.link.describe(peer), what="combine", me=side.link.me)
-            if share.count:
-                combined.index_add_(0, share.index, wire.combine_rows(share.buffer, hidden_size, share.count))
+            expected = wire.item_words(
+                wire.KIND_COMBINE, side.peers[share.ffn], side.link.rank, item, share.count, share.seq
+            )
+            wire.check_words(share.buffer.header.words(), expected, what="combine", describe=side.link.describe)
+            received.append(share)
+        combined = _sum(received, dispatch.tokens, side.shape.hidden_size)
         link = side.options.link
         if link is not None:  # the simulated link delivers the bytes later than gloo did
             arrived += link.cost_s("recv", nbytes)
@@ -150,7 +146,22 @@ class CombineInFlight:
         """A lost pair may still write into its combine buffer (a stalled peer): never reuse it."""
         for position, buffer in enumerate(self.inbox):
             if buffer is share.buffer:
-                self.inbox[position] = torch.empty_like(buffer)
+                self.inbox[position] = CombineBuffer(torch.empty_like(buffer.tensor), buffer.hidden_size)
+
+
+def _sum(shares: list[Share], tokens: int, hidden_size: int) -> torch.Tensor:
+    """The [tokens, H] sum of the shares' partials, each added at its rows (``index``), in order, onto zeros.
+
+    One share of every row (its index then is 0..tokens-1: an index is ascending and unique) is ``0 + rows``
+    in one operation, what adding it onto zeros gives bit for bit (-0.0 included).
+    """
+    if len(shares) == 1 and shares[0].count == tokens:
+        return torch.add(shares[0].buffer.at(tokens).rows, _ZERO)  # a 0-dim tensor: a Python 0.0 costs 2x
+    combined = torch.zeros(tokens, hidden_size)
+    for share in shares:
+        if share.count:
+            combined.index_add_(0, share.index, share.buffer.at(share.count).rows)
+    return combined
 
 
 class RoundTripAttentionSide(AttentionSide):
@@ -164,7 +175,7 @@ class RoundTripAttentionSide(AttentionSide):
         self.sink = sink
         # a sink that did not opt in keeps the tensor contract (a wrapper reads ``result.shape``)
         self.sink_accepts_in_flight = supports_in_flight(sink)
-        self._free_inboxes: list[list[torch.Tensor]] = []
+        self._free_inboxes: list[list[CombineBuffer]] = []
         self._inbox_lock = threading.Lock()
         self._pair_seq = [0] * len(self.peers)  # the next message's number on each pair
         self._pair_locks = [threading.Lock() for _ in self.peers]
@@ -173,41 +184,47 @@ class RoundTripAttentionSide(AttentionSide):
         #: where this side's round trips go (docs/internals/p2p-transport.md, "afd_mrv2.hooks.p2p.stamps")
         self.stamps = AttentionStamps()
 
-    def _take_inbox(self) -> list[torch.Tensor]:
+    def _take_inbox(self) -> list[CombineBuffer]:
         """Per FFN rank, uint8 [header + max_tokens * H * 4]: where one item's combines land."""
         with self._inbox_lock:
             if self._free_inboxes:
                 return self._free_inboxes.pop()
-        size = wire.combine_nbytes(self.shape.hidden_size, self.capacity)
-        return [torch.empty(size, dtype=torch.uint8) for _ in self.peers]
+        return [CombineBuffer.empty(self.shape.hidden_size, self.capacity) for _ in self.peers]
 
-    def give_back(self, inbox: list[torch.Tensor]) -> None:
+    def give_back(self, inbox: list[CombineBuffer]) -> None:
         """An inbox whose combines were read (by :meth:`CombineInFlight.wait`) may take another item's."""
         with self._inbox_lock:
             self._free_inboxes.append(inbox)
 
     def on_recv(self, work: Work) -> None:
-        work.transfer["routed"] = self._check_result(work.item, _on_host(self.source(work.item)))
+        routed = self._check_result(work.item, _on_host(self.source(work.item)))
+        work.transfer["routed"], work.transfer["versions"] = routed, _versions(routed)
 
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         entered = time.perf_counter_ns()
-        routed = compute(work.item, work.transfer.pop("routed"))
-        self._pack(work, self._outputs(work), *self._check_result(work.item, routed))
-        dispatch: _Dispatch = work.transfer["dispatch"]
+        checked = work.transfer.pop("routed")
+        routed = compute(work.item, checked)
+        # checked in on_recv: again unless compute returned those tensors, provably unchanged
+        versions = work.transfer.pop("versions")
+        if routed is not checked or versions is None or _versions(checked) != versions:
+            routed = self._check_result(work.item, routed)
+        dispatch = self._pack(work, self._outputs(work), *routed)
         dispatch.entered_ns, dispatch.packed_ns = entered, time.perf_counter_ns()
 
     def on_send(self, work: Work) -> None:
         item, dispatch, slot = work.item, work.transfer["dispatch"], self._outputs(work)
         inbox = self._take_inbox()
-        live = self.live
+        live, kind, name = self.live, self.layout.kind, str(item)
+        what = "combine message (" + name + ")"
         shares = [
-            self._post(item, f, self.layout.kind, slot.headers[f], slot.staging[f], index, mask, inbox[f])
-            for f, (index, mask) in enumerate(zip(dispatch.indices, dispatch.masks, strict=True))
-            if f in live or index.numel()
+            self._post(item, f, kind, slot.headers[f], slot.staging[f], index, dispatch.masks[f], inbox[f], what)
+            for f, index in enumerate(dispatch.indices)
+            if f in live or dispatch.counts[f]
         ]
-        self._await_sends(shares, work, f"dispatching {item}")
+        self._await_sends(shares, work, "dispatching " + name)
         sends_done = time.perf_counter_ns()
-        charge_link(self.options, work, "send", [p for share in shares for p in share.sends])
+        if self.options.link is not None:
+            charge_link(self.options, work, "send", [p for share in shares for p in share.sends])
         sent = shares[0].sent_ns if shares else 0
         in_flight = CombineInFlight(self, item, dispatch, inbox, shares, sent_ns=sent, sends_done_ns=sends_done)
         self.sink(item, in_flight if self.sink_accepts_in_flight else in_flight.wait())
@@ -217,33 +234,29 @@ class RoundTripAttentionSide(AttentionSide):
         item: WorkItem,
         f: int,
         kind: int,
-        header: torch.Tensor,
-        payload: torch.Tensor,
+        header: HeaderSlot,
+        payload: DispatchBuffer,
         index: torch.Tensor,
         mask: torch.Tensor,
-        buffer: torch.Tensor,
+        buffer: CombineBuffer,
+        what: str,
     ) -> Share:
-        """Post FFN rank ``f``'s combine receive, then send it its header and payload, as the next message of
-        the pair (one lock per pair: the pair's messages go out in ``seq`` order, gloo matches in posting order)."""
-        peer, count = self.peers[f], index.numel()
+        """Post FFN rank ``f``'s combine receive (``what`` names it), then send it its header and payload, as the
+        next message of the pair (one lock per pair: the pair's messages go out in ``seq`` order, gloo matches in
+        posting order)."""
+        peer, count, link = self.peers[f], index.numel(), self.link
         with self._pair_locks[f]:
             seq = self._pair_seq[f]
             self._pair_seq[f] += 1
             share = Share(f, seq, index, mask, buffer)
-            sent = WorkItem(item.layer_idx, item.stage_idx, seq, item.num_stages)
-            wire.item_header(kind, self.link.rank, peer, sent, count).write(header)
+            header.write(wire.item_words(kind, link.rank, peer, item, count, seq))
             try:
-                share.receive = self.link.irecv(
-                    buffer[: wire.combine_nbytes(self.shape.hidden_size, count)],
-                    peer,
-                    wire.TAG_COMBINE,
-                    f"combine message ({item})",
-                )
+                share.receive = link.irecv(buffer.at(count).message, peer, wire.TAG_COMBINE, what)
                 share.sent_ns = time.perf_counter_ns()
-                share.sends.append(self.link.isend(header, peer, wire.TAG_DISPATCH_HEADER, "dispatch header"))
+                share.sends.append(link.isend(header.tensor, peer, wire.TAG_DISPATCH_HEADER, "dispatch header"))
                 if count:
-                    message = payload[: self.layout.nbytes(count)]
-                    share.sends.append(self.link.isend(message, peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
+                    message = payload.at(count).message
+                    share.sends.append(link.isend(message, peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload"))
             except LOSSES as exc:  # the pair is already closed
                 share.failed = exc
         return share
@@ -286,18 +299,19 @@ class RoundTripAttentionSide(AttentionSide):
         assert dispatch.routed is not None
         topk_ids = dispatch.routed[2]
         owners = self.route[topk_ids.index_select(0, share.index).long()]
-        shares = []
+        shares, what = [], f"combine message ({item})"
         for g in sorted(self.live):
             pairs = share.mask & (owners == g)
             rows = pairs.any(dim=1).nonzero().squeeze(1)
             if not rows.numel():
                 continue
             index, mask = share.index.index_select(0, rows), pairs.index_select(0, rows)
-            payload = torch.empty(self.layout.nbytes(index.numel()), dtype=torch.uint8)
-            self.pack_rows(payload, index, mask, dispatch.routed)
-            header = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
-            buffer = torch.empty(wire.combine_nbytes(self.shape.hidden_size, index.numel()), dtype=torch.uint8)
-            shares.append(self._post(item, g, self.layout.redispatch_kind, header, payload, index, mask, buffer))
+            payload = DispatchBuffer(torch.empty(self.layout.nbytes(index.numel()), dtype=torch.uint8), self.layout)
+            self.pack_rows(payload.at(index.numel()), index, mask, dispatch.routed)
+            header = HeaderSlot(torch.empty(wire.HEADER_WORDS, dtype=torch.int64))
+            buffer = CombineBuffer.empty(self.shape.hidden_size, index.numel())
+            kind = self.layout.redispatch_kind
+            shares.append(self._post(item, g, kind, header, payload, index, mask, buffer, what))
         self._await_sends(shares, None, f"re-sending FFN rank {share.ffn}'s share of {item}")
         self.failovers.resent(share.ffn, sum(s.count for s in shares))
         return shares
@@ -323,6 +337,7 @@ class RoundTripAttentionSide(AttentionSide):
 
     def on_cleanup(self, work: Work) -> None:
         work.transfer.pop("routed", None)
+        work.transfer.pop("versions", None)
         super().on_cleanup(work)
 
 
@@ -332,7 +347,21 @@ def _on_host(routed: Any) -> Any:
     The caller's tensors may live on an accelerator or be bf16/fp16; anything else
     is passed through for ``_check_result`` to describe.
     """
-    if not (isinstance(routed, tuple) and len(routed) == 3 and all(isinstance(t, torch.Tensor) for t in routed)):
+    triple = _tensor_triple(routed)
+    if triple is None:
         return routed
+    return _host_fp32(triple[0]), triple[1] if triple[1].is_cpu else triple[1].to(_CPU), _host_fp32(triple[2])
+
+
+def _host_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.to("cpu", torch.float32)``; a host fp32 tensor as it is, without the torch call."""
+    return tensor if tensor.is_cpu and tensor.dtype == torch.float32 else tensor.to(_CPU, torch.float32)
+
+
+def _versions(routed: Routed) -> tuple[int, int, int] | None:
+    """The tensors' version counters, each grown by every in-place change (values, shape, storage); None when one
+    is an inference tensor (``torch.inference_mode``, as vLLM's are: they keep no version counter)."""
     hidden, ids, weights = routed
-    return hidden.to("cpu", torch.float32), ids.to("cpu"), weights.to("cpu", torch.float32)
+    if hidden.is_inference() or ids.is_inference() or weights.is_inference():
+        return None
+    return hidden._version, ids._version, weights._version
