@@ -192,25 +192,30 @@ class PeerLink:
         :param option: the connector option holding ``timeout_s``, for messages.
         """
         deadline = time.monotonic() + timeout_s
-        scope = self._scope({p.peer for p in pendings})
         for pending in pendings:
-            while not pending.await_done(_SLICE_S):
-                if work is not None:
-                    work.raise_if_cancelled()
-                self.check_peers(scope)
-                if time.monotonic() >= deadline:
-                    verb = "sent no" if pending.direction == "recv" else "did not accept the"
-                    raise PeerTimeout(
-                        f"{self.me}: {self.describe(pending.peer)} is connected but {verb} {pending.what} "
-                        f"within {timeout_s:g} s ({option}) while {action}: "
-                        "the peer is stalled, deadlocked, or running a different schedule",
-                        peer=pending.peer,
-                        peer_name=self.describe(pending.peer),
-                    )
+            if not pending.await_done(_SLICE_S):  # the scope is made only here and for an error: most are done
+                scope = self._scope({p.peer for p in pendings})
+                while True:
+                    if work is not None:
+                        work.raise_if_cancelled()
+                    self.check_peers(scope)
+                    if time.monotonic() >= deadline:
+                        raise self._timeout(pending, f"within {timeout_s:g} s ({option}) while {action}")
+                    if pending.await_done(_SLICE_S):
+                        break
             if pending.error is not None:
-                self._raise_earlier_loss(pending.done_at, scope)
+                self._raise_earlier_loss(pending.done_at, self._scope({p.peer for p in pendings}))
                 self._raise_if_it_said_why(pending.peer)
                 raise self._lost(pending.peer, f"{pending.what} while {action}", pending.error) from pending.error
+
+    def _timeout(self, pending: Pending, within: str) -> PeerTimeout:
+        verb = "sent no" if pending.direction == "recv" else "did not accept the"
+        return PeerTimeout(
+            f"{self.me}: {self.describe(pending.peer)} is connected but {verb} {pending.what} {within}: "
+            "the peer is stalled, deadlocked, or running a different schedule",
+            peer=pending.peer,
+            peer_name=self.describe(pending.peer),
+        )
 
     def _scope(self, peers: Collection[int] | None) -> Collection[int] | None:
         """The peers whose loss counts for a caller that depends on ``peers``: those on a scoped link,
