@@ -42,6 +42,11 @@ AFD_METRICS: dict[str, tuple[str, str]] = {
     ),
     "afd_expert_replicas": ("gauge", "FFN ranks each routed expert lives on (R)."),
     "afd_role_restarts": ("counter", "Restarts of each role rank that got ready (a lost FFN rank or engine)."),
+    "afd_role_restarts_exhausted": (
+        "gauge",
+        "1 for a lost role rank serve will not restart again (its restarts are used up): serve runs degraded.",
+    ),
+    "afd_degraded": ("gauge", "1 while a role rank is lost (failed over or out of rotation) and not back, else 0."),
     "afd_ffn_items": ("counter", "Work items (MoE layer calls of an engine, re-sends included) each FFN rank served."),
     "afd_ffn_tokens": ("counter", "Tokens each FFN rank computed its experts for (the A/F skew, per rank)."),
     "afd_ffn_redispatched": ("counter", "Re-sent shares each FFN rank served after an Attention engine's failover."),
@@ -86,6 +91,10 @@ class Health:
     figures: Mapping[tuple[str, int], Written] = field(default_factory=dict)
     #: restarts that got ready, by ``"<role> <rank>"``
     restarts: Mapping[str, int] = field(default_factory=dict)
+    #: lost role ranks serve will not restart again, as ``"<role> <rank>"``
+    exhausted: tuple[str, ...] = ()
+    #: role ranks lost and not back, as ``"<role> <rank>"``
+    lost: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,12 @@ def _health_families(health: Health) -> list[Metric]:
     restarts = CounterMetricFamily("afd_role_restarts", AFD_METRICS["afd_role_restarts"][1], labels=["role", "rank"])
     for name, n in sorted(health.restarts.items()):
         restarts.add_metric(name.split(" ", 1), n)
+    exhausted = GaugeMetricFamily(
+        "afd_role_restarts_exhausted", AFD_METRICS["afd_role_restarts_exhausted"][1], labels=["role", "rank"]
+    )
+    for name in health.exhausted:
+        exhausted.add_metric(name.split(" ", 1), 1.0)
+    degraded = GaugeMetricFamily("afd_degraded", AFD_METRICS["afd_degraded"][1], value=1.0 if health.lost else 0.0)
     items = labelled(CounterMetricFamily, "afd_ffn_items", "ffn")
     tokens = labelled(CounterMetricFamily, "afd_ffn_tokens", "ffn")
     redispatched = labelled(CounterMetricFamily, "afd_ffn_redispatched", "ffn")
@@ -191,7 +206,8 @@ def _health_families(health: Health) -> list[Metric]:
                 buckets = [(repr(float(b)), float(c)) for b, c in zip(hist.buckets, hist.counts, strict=True)]
                 buckets.append(("+Inf", float(hist.count)))
                 round_trip.add_metric(label, buckets, float(hist.sum))
-    counts = [failovers, replicas, restarts, items, tokens, redispatched, busy, att_failovers, resent, hidden]
+    counts = [failovers, replicas, restarts, exhausted, degraded, items, tokens, redispatched, busy]
+    counts += [att_failovers, resent, hidden]
     return [*counts, round_trip, *_memory_families(health.figures)]
 
 
@@ -255,6 +271,8 @@ def status(
         "placement": list(health.placement),
         "failovers": health.failovers,
         "restarts": dict(health.restarts),
+        "restarts_exhausted": list(health.exhausted),
+        "degraded": list(health.lost),
         "figures": {f"{role} {rank}": written.as_dict() for (role, rank), written in sorted(health.figures.items())},
         "ready": ready,
         "down": down,

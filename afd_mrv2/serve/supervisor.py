@@ -59,6 +59,8 @@ class Supervisor:
         #: restarts per (role, rank) that got ready
         self.restarts: Counter[tuple[str, int]] = Counter()
         self._restart_attempts: Counter[tuple[str, int]] = Counter()
+        #: role ranks lost with their restarts used up: serve will not start them again
+        self.exhausted: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Future[None]] = []
         self.rendezvous = RendezvousHost(plan.afd, HOST)  # the store serve hosts (afd.rendezvous: external)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
@@ -129,7 +131,11 @@ class Supervisor:
     def _restart_later(self, role: RoleProcess) -> None:
         key = (role.spec.role, role.spec.rank)
         if self._restart_attempts[key] >= MAX_RESTARTS:
-            self._say(f"{role.spec.name}: not restarted again ({MAX_RESTARTS} restarts already)")
+            self.exhausted.add(key)
+            self._say(
+                f"{role.spec.name}: not restarted again ({MAX_RESTARTS} restarts already); serve runs degraded "
+                "(afd_role_restarts_exhausted, afd_degraded)"
+            )
             return
         self._restart_attempts[key] += 1
         self._tasks.append(asyncio.ensure_future(self._restart(role)))
@@ -261,6 +267,8 @@ class Supervisor:
             tuple(self.plan.placement.describe()),
             read_stats(self.plan.run_dir),
             {f"{role} {rank}": n for (role, rank), n in sorted(self.restarts.items())},
+            tuple(f"{role} {rank}" for role, rank in sorted(self.exhausted)),
+            tuple(sorted({f"{r.spec.role} {r.spec.rank}" for r in self.lost})),
         )
 
     def _host_store(self) -> bool:

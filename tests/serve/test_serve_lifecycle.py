@@ -248,9 +248,45 @@ def test_a_killed_engine_of_two_is_restarted_and_the_endpoint_routes_to_it_again
     with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert 'afd_role_restarts_total{rank="1",role="attention"} 1.0' in text, text
+    assert "afd_degraded 0.0" in text and "afd_role_restarts_exhausted{" not in text, text  # it is back
     serve.signal(signal.SIGTERM)
     assert serve.wait() == 0
     assert serve.err_lines()[-1] == f"[serve] stopped every role (SIGTERM) (lost earlier: attention rank 1 (pid {old}))"
+
+
+def test_an_engine_whose_restarts_are_used_up_is_a_metric_and_a_line(start_serve):
+    """After MAX_RESTARTS restarts of one engine its next loss is final: serve serves on with the other one,
+    says so in one line, and ``/metrics`` and ``/afd/status`` say it runs degraded, and why."""
+    from afd_mrv2.serve.supervisor import MAX_RESTARTS
+
+    serve, _ = start_serve(2, 1, {"token_delay": 0.01})
+    url = serve.wait_ready()
+    base = url.removesuffix("/v1")
+    for restart in range(MAX_RESTARTS + 1):
+        os.kill(serve.pids()["attention 1"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        if restart < MAX_RESTARTS:
+            while sum("restarted: ready after" in line for line in serve.err_lines()) <= restart:
+                assert time.monotonic() < deadline and serve.proc.poll() is None, serve.err_lines()
+                time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while not any("not restarted again" in line for line in serve.err_lines()):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.err_lines()
+        time.sleep(0.1)
+    line = next(line for line in serve.err_lines() if "not restarted again" in line)
+    assert line == (
+        f"[serve] attention 1: not restarted again ({MAX_RESTARTS} restarts already); serve runs degraded "
+        "(afd_role_restarts_exhausted, afd_degraded)"
+    ), line
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'afd_role_restarts_exhausted{rank="1",role="attention"} 1.0' in text and "afd_degraded 1.0" in text, text
+    with urllib.request.urlopen(base + "/afd/status", timeout=10) as resp:
+        status = json.loads(resp.read())
+    assert status["restarts_exhausted"] == ["attention 1"] and status["degraded"] == ["attention 1"], status
+    assert post(url + "/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # engine 0 serves on
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
 
 
 def test_with_expert_replicas_a_killed_ffn_rank_is_survived_and_the_last_holder_is_not(start_serve):
@@ -286,6 +322,7 @@ def test_with_expert_replicas_a_killed_ffn_rank_is_survived_and_the_last_holder_
     with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert "afd_ffn_ranks_live 1.0" in text and "afd_ffn_failovers_total 1.0" in text, text
+    assert "afd_degraded 1.0" in text and status["degraded"] == ["ffn 1"], (text, status)
     os.kill(pids["ffn 0"], signal.SIGKILL)
     assert serve.wait() == 1
     assert serve.err_lines()[-1] == (
