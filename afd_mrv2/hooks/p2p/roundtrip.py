@@ -95,9 +95,14 @@ class CombineInFlight:
         arrived = time.perf_counter()
         nbytes, last_done, waited, whole = 0, 0.0, 0, True
         action, received = f"receiving the combine of {item}", []
+        # what can be made before a partial arrives is: the result, each share's expected header
+        combined = torch.zeros(dispatch.tokens, side.shape.hidden_size)
         todo = deque(self.shares)
         while todo:
             share = todo.popleft()
+            expected = wire.item_words(
+                wire.KIND_COMBINE, side.peers[share.ffn], side.link.rank, item, share.count, share.seq
+            )
             try:
                 if share.failed is not None:
                     raise share.failed
@@ -111,12 +116,9 @@ class CombineInFlight:
                 continue
             waited, last_done = time.perf_counter_ns(), max(last_done, share.receive.done_at)
             arrived, nbytes = max(arrived, share.receive.done_at), nbytes + share.receive.nbytes
-            expected = wire.item_words(
-                wire.KIND_COMBINE, side.peers[share.ffn], side.link.rank, item, share.count, share.seq
-            )
             wire.check_words(share.buffer.header.words(), expected, what="combine", describe=side.link.describe)
             received.append(share)
-        combined = _sum(received, dispatch.tokens, side.shape.hidden_size)
+        _sum(received, combined)
         link = side.options.link
         if link is not None:  # the simulated link delivers the bytes later than gloo did
             arrived += link.cost_s("recv", nbytes)
@@ -149,19 +151,18 @@ class CombineInFlight:
                 self.inbox[position] = CombineBuffer(torch.empty_like(buffer.tensor), buffer.hidden_size)
 
 
-def _sum(shares: list[Share], tokens: int, hidden_size: int) -> torch.Tensor:
-    """The [tokens, H] sum of the shares' partials, each added at its rows (``index``), in order, onto zeros.
+def _sum(shares: list[Share], combined: torch.Tensor) -> None:
+    """Add the shares' partials into ``combined`` (zeros [T, H]), each at its rows (``index``), in order.
 
-    One share of every row (its index then is 0..tokens-1: an index is ascending and unique) is ``0 + rows``
-    in one operation, what adding it onto zeros gives bit for bit (-0.0 included).
+    One share of every row (its index then is 0..T-1: an index is ascending and unique) is written as
+    ``rows + 0``, one operation that gives what adding it onto zeros gives, bit for bit (-0.0 included).
     """
-    if len(shares) == 1 and shares[0].count == tokens:
-        return torch.add(shares[0].buffer.at(tokens).rows, _ZERO)  # a 0-dim tensor: a Python 0.0 costs 2x
-    combined = torch.zeros(tokens, hidden_size)
+    if len(shares) == 1 and shares[0].count == combined.shape[0]:
+        torch.add(shares[0].buffer.at(shares[0].count).rows, _ZERO, out=combined)  # a Python 0.0 costs 2x
+        return
     for share in shares:
         if share.count:
             combined.index_add_(0, share.index, share.buffer.at(share.count).rows)
-    return combined
 
 
 class RoundTripAttentionSide(AttentionSide):
