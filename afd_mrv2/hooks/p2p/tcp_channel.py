@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Pending
+from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Flag, Pending
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class TcpChannel(Channel):
 
     def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
         view = wire.host_bytes(tensor)
-        pending = Pending(None, direction, tensor, self.peer, what, self)
+        pending = Pending(None, direction, tensor, self.peer, what, self, Flag())
         pending.posted_at = time.perf_counter()
         if direction == "send":
             self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
