@@ -1,15 +1,10 @@
 """The reaper: nothing of a deployment outlives its supervisor, even a SIGKILLed one.
 
-Each role runs in a session of its own (:mod:`afd_mrv2.serve.roles`), and its leader dies with serve
-(``PR_SET_PDEATHSIG``), but the processes vLLM starts under it (EngineCore, workers) do not: a
-``kill -KILL`` of serve used to leave them running, holding memory (and, on an accelerator, the device).
-
-So serve starts one small process, the reaper, in a session of its own (a signal to serve's process
-group does not reach it), and tells it every role's process group as it starts one, over a pipe only
-serve holds open.  When the pipe ends without serve's ``bye`` (serve died, however), the reaper sends
-SIGTERM to every group still alive, SIGKILL to what is left after ``grace_s``, says so in one line on
-stderr, and exits.  On an orderly stop serve stops its roles itself, then says ``bye``.  The reaper
-forgets a group once it is gone (looked at every second), so a reused process id is never signalled.
+A role's leader dies with serve (``PR_SET_PDEATHSIG``), the processes vLLM starts under it (EngineCore,
+workers) do not.  So serve starts this small process in a session of its own and tells it each role's
+process group over a pipe only serve holds.  When the pipe ends without serve's ``bye``, the reaper sends
+SIGTERM to every group still alive, SIGKILL after ``grace_s``, says so on stderr, and exits.  It forgets a
+group once it is gone (looked at every second), so a reused process id is never signalled.
 
     python -m afd_mrv2.serve.reaper GRACE_S SUPERVISOR_PID   (stdin: lines "+PGID" and "bye")
 """

@@ -1,22 +1,12 @@
 """TcpChannel: a :class:`~afd_mrv2.hooks.p2p.channel.Channel` on one TCP connection per pair, moved by
-the hooks' own threads (RFC 0007, amendment 2).
+the hooks' own threads: no I/O thread, no watcher, no copy on the way out (RFC 0007, amendment 2).
 
-A message is a 12-byte envelope (tag u32, nbytes u64) and the tensor's bytes, handed to the kernel
-with ``sendmsg`` by the posting thread: no copy, no I/O thread, no watcher.  A send Pending is done
-once the kernel took every byte.  When the socket buffer is full the sender waits for room (at most
-``send_timeout_s``; past it the channel is lost, its stream being cut mid-message), and meanwhile
-reads what the peer sent, so two sides sending at once never deadlock.
+A message is a 12-byte envelope (tag u32, nbytes u64) and the tensor's bytes.  The posting thread writes it
+with one ``sendmsg``; the thread that waits in ``await_done`` reads straight into the posted receive.  See
+:class:`TcpChannel` for waiting, full buffers and losses, and docs/internals/p2p-transport.md.
 
-Reads happen in ``await_done``: one waiter at a time reads what has arrived straight into the posted
-receive of its tag (receives of a tag match sends in posting order) and stops at a message boundary
-once its own Pending is done; a message for a tag with no posted receive is kept (a copy, at most
-``max_kept`` per tag) and copied in when one is posted.  A message read in part is resumed by the next
-waiter, so no waiter outstays its slice.  End of stream or a reset: what was received before is read
-first (a peer's last message, its ABORT, is never lost), then every posted and later Pending fails
-with :class:`~afd_mrv2.hooks.p2p.channel.ChannelClosed`.
-
-:func:`listen` / :func:`connect` build a pair: the listening side accepts only a connection that
-presents the pair's token; any other is refused, logged, and the listener keeps waiting.
+:func:`listen` / :func:`connect` build a pair: the listening side accepts only a connection that presents
+the pair's token; any other is refused, logged, and the listener keeps waiting.
 """
 
 from __future__ import annotations
@@ -76,8 +66,23 @@ class _Incoming:
 
 
 class TcpChannel(Channel):
-    """The transfers with one peer (global rank ``peer``) of the pair ``name`` over ``sock`` (connected);
-    see the module docstring."""
+    """The transfers with one peer (global rank ``peer``) of the pair ``name`` over ``sock`` (connected).
+
+    A send Pending is done once the kernel took every byte.  When the socket buffer is full the sender waits
+    for room (at most ``send_timeout_s``; past it the channel is lost, its stream being cut mid-message) and
+    meanwhile reads what the peer sent, so two sides sending at once never deadlock.  A side that neither
+    sends nor waits reads nothing: a peer's large send then waits until this side waits again (the roles
+    always wait on something while their peer sends: the FFN for the next dispatch, the Attention side for
+    the combine).
+
+    One waiter at a time reads what has arrived straight into the posted receive of its tag (receives of a
+    tag match sends in posting order) and stops at a message boundary once its own Pending is done; a
+    message for a tag with no posted receive is kept (a copy, at most ``max_kept`` per tag) and copied in
+    when one is posted.  A message read in part is resumed by the next waiter, so no waiter outstays its
+    slice.  End of stream or a reset: what was received before is read first (a peer's last message, its
+    ABORT, is never lost), then every posted and later Pending fails with
+    :class:`~afd_mrv2.hooks.p2p.channel.ChannelClosed`.
+    """
 
     transport = "tcp"
 
@@ -208,7 +213,11 @@ class TcpChannel(Channel):
         while self.lost is None:
             if until is not None and until.done.is_set() and incoming.got == 0 and not incoming.body:
                 return True
-            view = incoming.target[incoming.got :] if incoming.body else incoming.envelope[incoming.got :]
+            if incoming.body:
+                assert incoming.target is not None  # set with the body
+                view = incoming.target[incoming.got :]
+            else:
+                view = incoming.envelope[incoming.got :]
             try:
                 n = self._sock.recv_into(view)
             except BlockingIOError:
@@ -368,8 +377,7 @@ class TcpListener:
     def _admit(self, conn: socket.socket, address: Any, peer: int, options: dict[str, Any]) -> TcpChannel | None:
         expected = _HELLO + self.endpoints.token.encode()
         try:
-            conn.settimeout(_HELLO_TIMEOUT_S)
-            got = _recv_exact(conn, len(expected))
+            got = _recv_exact(conn, len(expected), time.monotonic() + _HELLO_TIMEOUT_S)
             if secrets.compare_digest(got, expected):
                 conn.sendall(_ACK + self.endpoints.token.encode())
                 return TcpChannel(conn, peer=peer, name=self.name, **options)
@@ -418,8 +426,7 @@ def connect(
                 return None
             if time.monotonic() >= deadline:
                 raise ChannelError(f"tcp pair {name}: the peer did not answer this side's token in time")
-        sock.settimeout(max(0.1, deadline - time.monotonic()))
-        got = _recv_exact(sock, len(expected))
+        got = _recv_exact(sock, len(expected), max(deadline, time.monotonic() + 0.1))
         if not secrets.compare_digest(got, expected):
             raise ChannelError(f"tcp pair {name}: the peer refused this side's token (not this pair's peer)")
         return TcpChannel(sock, peer=peer, name=name, **options)
@@ -431,10 +438,15 @@ def connect(
         raise
 
 
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    """``nbytes`` from a blocking ``sock``; fewer when it closes first."""
+def _recv_exact(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+    """``nbytes`` from ``sock`` by ``deadline`` (``time.monotonic()``; the whole read, not each piece, so a
+    peer that dribbles bytes cannot hold it longer); fewer when it closes first, ``TimeoutError`` when late."""
     got = bytearray()
     while len(got) < nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(left)
         chunk = sock.recv(nbytes - len(got))
         if not chunk:
             break

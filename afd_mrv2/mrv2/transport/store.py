@@ -238,7 +238,8 @@ class RendezvousStore:
         if self.transport.kind == "zmq":
             return self._zmq_channel(name, listening, give_up)
         if listening is not None:
-            return listening[0].accept(peer=0, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up)
+            listener: tcp_channel.TcpListener = listening[0]
+            return listener.accept(peer=0, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up)
         endpoints = Endpoints.from_json(self._store.get(f"{PREFIX}/{name}/tcp/endpoint").decode())
         return tcp_channel.connect(
             endpoints, peer=1, name=name, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up, bind=self._bind

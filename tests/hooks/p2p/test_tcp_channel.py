@@ -444,6 +444,35 @@ def test_the_listener_refuses_a_wrong_token_and_a_silent_connection_logs_each_an
         listener.close()
 
 
+def test_a_connection_that_dribbles_its_token_is_refused_at_the_hello_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hello deadline bounds the whole token, not each piece: a byte every 0.1 s does not hold the
+    listener past it (the token is 46 bytes: 4.6 s at that pace)."""
+    monkeypatch.setattr(tcp_channel, "_HELLO_TIMEOUT_S", 0.5)
+    listener = tcp_channel.listen(name="a0.1-f0.9")
+    slow = socket.create_connection(address(listener.endpoints), timeout=30)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: listener.accept(peer=0, timeout_s=60, give_up=stop.is_set), daemon=True)
+    thread.start()
+    token = HELLO + listener.endpoints.token.encode()
+    start = time.monotonic()
+    try:
+        for byte in token:
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                break  # refused and closed
+            if listener.refused:
+                break
+            time.sleep(0.1)
+        assert listener.refused == 1
+        assert time.monotonic() - start < 3.0  # well before the whole token could have arrived
+    finally:
+        stop.set()
+        thread.join(10)
+        slow.close()
+        listener.close()
+
+
 def test_connect_to_a_listener_that_refuses_this_sides_token_raises_one_line() -> None:
     listener = tcp_channel.listen(name="a0.1-f0.8")
     stop = threading.Event()
