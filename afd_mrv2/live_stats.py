@@ -365,6 +365,25 @@ class StatsWriter:
         self._last = 0.0
         self._lock = threading.Lock()
         self._warned = False
+        self._ticking: threading.Event | None = None
+
+    def start_ticking(self) -> None:
+        """Also write every ``every_s`` on a daemon thread, whether or not anyone calls :meth:`maybe_write`
+        (a role whose figures change only while it serves is then current within ``every_s`` after a burst
+        ends, not at its next request); once, and only with a ``path``.  :meth:`stop_ticking` ends it."""
+        if self.path is None or self._ticking is not None:
+            return
+        stop = self._ticking = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(self.every_s):
+                self.maybe_write(force=True)
+
+        threading.Thread(target=tick, name="afd-live-stats", daemon=True).start()
+
+    def stop_ticking(self) -> None:
+        if self._ticking is not None:
+            self._ticking.set()
 
     def maybe_write(self, *, force: bool = False) -> None:
         if self.path is None:

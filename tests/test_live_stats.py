@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -306,3 +308,33 @@ def test_read_stats_leaves_out_a_refused_document_and_logs_it_once(
     refused = [r.getMessage() for r in caplog.records if "ffn-1.json" in r.getMessage()]
     assert refused == ["afd-mrv2 serve: live figures left out: ffn-1.json.schema: 99, accepted: 2 (another afd-mrv2?)"]
     assert read_stats(tmp_path / "missing") == {}
+
+
+def test_a_ticking_writer_is_current_within_its_period_without_calls_and_stops(tmp_path: Path) -> None:
+    """After a burst nothing calls maybe_write (no MoE call): the ticking thread still writes the latest
+    figures within ``every_s``; once stopped it writes no more."""
+    figures = {"now": FfnFigures(items=1, computed=1, tokens=2, busy_s=0.5, redispatched=0, up_s=1.0, memory=None)}
+    writer = StatsWriter(tmp_path / "ffn-5.json", lambda: figures["now"], every_s=0.2)
+
+    def tickers() -> int:
+        return [t.name for t in threading.enumerate()].count("afd-live-stats")
+
+    before = tickers()  # another test's engine may have one running
+    writer.start_ticking()
+    writer.start_ticking()  # once: a second call starts no second thread
+    assert tickers() == before + 1
+    try:
+        figures["now"] = FfnFigures(items=7, computed=7, tokens=9, busy_s=1.5, redispatched=0, up_s=2.0, memory=None)
+        deadline = time.monotonic() + 10
+        while ("ffn", 5) not in read_stats(tmp_path) or read_stats(tmp_path)[("ffn", 5)].figures.items != 7:
+            assert time.monotonic() < deadline, "the ticking writer never wrote the latest figures"
+            time.sleep(0.05)
+    finally:
+        writer.stop_ticking()
+    time.sleep(0.5)  # a tick in progress ends
+    (tmp_path / "ffn-5.json").unlink()
+    time.sleep(0.6)  # three periods: a live ticker would have written again
+    assert not (tmp_path / "ffn-5.json").exists()
+    assert tickers() == before
+    StatsWriter(None, lambda: figures["now"]).start_ticking()  # no path: no thread
+    assert tickers() == before

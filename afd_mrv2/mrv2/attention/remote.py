@@ -130,6 +130,7 @@ class RemoteExperts:
         self.round_trips = Histogram()  # seconds from dispatch to the combined result, per call
         self._failovers_seen = 0
         self._live = StatsWriter(stats_path(ATTENTION, config.rank), self.live_stats)
+        self._live.start_ticking()  # current within a second after a burst, not at the next request
 
     def add_layer(self, layer_index: int, shape: MoeShape) -> None:
         """Register a MoE layer at construction (every layer before the first call)."""
@@ -292,6 +293,7 @@ class RemoteExperts:
         The FFN ranks end their serving loop with that reason (a process that
         simply exits is noticed too: its connections close).
         """
+        self._live.stop_ticking()
         if self._session is not None:
             self._failover_record = self.failovers()
             self._stamps_record = self.round_trip_stamps()
