@@ -115,6 +115,7 @@ class FfnSide(Side):
         counts = work.transfer["counts"] = [got[-1] for got in words]  # per-item transfer state, until on_send
         if self.on_item is not None:
             self.on_item(item)
+        work.transfer["name"] = str(item)  # for on_send's messages, made here: not next to the compute
         payloads = [
             link.irecv(staging.at(n).message, peer, wire.TAG_DISPATCH_PAYLOAD, "dispatch payload")
             for staging, peer, n in zip(slot.staging, self.peers, counts, strict=True)
@@ -181,8 +182,8 @@ class FfnSide(Side):
         return payload
 
     def on_send(self, work: Work) -> None:
-        item, outgoing = work.transfer.get("item", work.item), self._outgoing(work)
-        combine_send, name = time.perf_counter_ns(), str(item)
+        outgoing = self._outgoing(work)
+        combine_send, name = time.perf_counter_ns(), work.transfer["name"]
         what = "combine message (" + name + ")"
         sends = [
             self.link.isend(message.at(n).message, peer, wire.TAG_COMBINE, what)
@@ -196,7 +197,7 @@ class FfnSide(Side):
 
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
-        for key in ("counts", "item", "payload_done_ns", "compute_ns"):
+        for key in ("counts", "item", "name", "payload_done_ns", "compute_ns"):
             work.transfer.pop(key, None)
 
     def _follow(self, words: tuple[int, ...], submitted: WorkItem, peer: int) -> WorkItem:
