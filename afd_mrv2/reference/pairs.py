@@ -4,7 +4,8 @@ Every Attention rank joins one pair with every FFN rank through
 :meth:`~afd_mrv2.mrv2.transport.store.RendezvousStore.join_pair`, the handshake the vLLM roles use,
 on the store that also starts torch.distributed (``MASTER_ADDR``/``MASTER_PORT``).  Every process takes
 its pairs in one order (Attention index, then FFN index), so the smallest unjoined pair always has both
-sides at it: no process waits on a peer that waits on another.  Each rank is its first incarnation.
+sides at it: no process waits on a peer that waits on another.  Each rank is its first incarnation, and
+the link is unscoped as on gloo's one group (a dead peer fails every wait).
 """
 
 from __future__ import annotations
@@ -50,4 +51,5 @@ def open_pair_link(
                 f"within {timeout_s:g} s"
             )
         pairs[peer] = pair
-    return PeerLink(topology, rank, labels=labels, pairs=pairs)
+    # unscoped, as on the one gloo group: one dead peer fails every wait (the embedded run's rule)
+    return PeerLink(topology, rank, labels=labels, pairs=pairs, scoped=False)
