@@ -249,7 +249,7 @@ class AfdConfig:
     (vLLM path): ``ffn0`` (default), FFN rank 0 hosts the rendezvous store on ``host:port``;
     ``external``, someone else does (``afd-mrv2 serve``'s supervisor), every role is a client,
     and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``transport`` (vLLM
-    path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``gloo`` (default), ``zmq`` or ``tcp``; ``bind``: the
+    path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``tcp`` (default), ``zmq`` or ``gloo``; ``bind``: the
     address a zmq or tcp pair's sockets bind (default: this host's address on the route to ``host``).
     ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
@@ -272,7 +272,7 @@ class AfdConfig:
     rendezvous: str = option(one_of(RENDEZVOUS), "ffn0")
     host: str = option(TEXT, "127.0.0.1")
     port: int = option(integer(1, 65535), 29500)
-    transport: str = option(one_of(TRANSPORTS), "gloo")
+    transport: str = option(one_of(TRANSPORTS), "tcp")
     bind: str | None = option(TEXT, None)
     compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false
     async_mode: bool = option(FLAG, False, key="async")

@@ -86,7 +86,8 @@ def _add_afd_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transport",
         choices=TRANSPORTS,
-        help="what torch_p2p's pairs run on: afd.transport (default gloo; zmq: ZeroMQ sockets, see docs/config.md)",
+        help="what torch_p2p's pairs run on: afd.transport (default tcp: a TCP connection per pair; zmq: ZeroMQ "
+        "sockets; gloo: a gloo group per pair; see docs/config.md)",
     )
     parser.add_argument("--afd", metavar="JSON", help="a base afd section (JSON object) under the flags above")
 

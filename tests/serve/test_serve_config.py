@@ -93,7 +93,8 @@ def test_free_topologies_are_planned(attention, ffn):
 
 
 @pytest.mark.parametrize(
-    ("flag", "base", "expected"), [(None, None, "gloo"), ("zmq", None, "zmq"), (None, "zmq", "zmq")]
+    ("flag", "base", "expected"),
+    [(None, None, "tcp"), ("zmq", None, "zmq"), (None, "zmq", "zmq"), ("gloo", None, "gloo")],
 )
 def test_the_transport_reaches_every_role(flag, base, expected):
     """--transport (or afd.transport under --afd) is every role's afd.transport: the pairs' two sides agree."""
@@ -444,7 +445,8 @@ def test_serve_prints_the_table_its_digest_and_each_ranks_experts(tmp_path) -> N
 @pytest.mark.parametrize(
     ("transport", "afd", "expected"),
     [
-        (None, None, "[serve] transport: gloo (every Attention-FFN pair)"),
+        (None, None, "[serve] transport: tcp (every Attention-FFN pair), pair sockets bound to the route to 127.0.0.1"),
+        ("gloo", None, "[serve] transport: gloo (every Attention-FFN pair)"),
         (
             "zmq",
             None,
