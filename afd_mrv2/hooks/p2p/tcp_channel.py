@@ -11,7 +11,6 @@ the pair's token; any other is refused, logged, and the listener keeps waiting.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import secrets
@@ -23,10 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Flag, Pending
+from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError, Endpoints, Pending
+from afd_mrv2.hooks.p2p.reading import ReaderChannel, finish
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +35,6 @@ _TOKEN_BYTES = 32  # secrets.token_hex(16)
 _HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to present its token
 _POLL_MS = 50  # the longest a blocked sender or a handshake step sleeps before looking again
 _READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
-
-
-def _finish(pending: Pending, error: BaseException | None, at: float | None = None) -> None:
-    pending.error = error
-    pending.done_at = time.perf_counter() if at is None else at
-    pending.done.set()
 
 
 class _Incoming:
@@ -65,7 +57,7 @@ class _Incoming:
         self.got, self.body, self.target, self.pending, self.kept, self.mismatch = 0, False, None, None, None, False
 
 
-class TcpChannel(Channel):
+class TcpChannel(ReaderChannel):
     """The transfers with one peer (global rank ``peer``) of the pair ``name`` over ``sock`` (connected).
 
     A send Pending is done once the kernel took every byte.  When the socket buffer is full the sender waits
@@ -89,59 +81,23 @@ class TcpChannel(Channel):
     def __init__(
         self, sock: socket.socket, *, peer: int, name: str, send_timeout_s: float = 30.0, max_kept: int = 64
     ) -> None:
+        super().__init__(peer=peer, name=name, send_timeout_s=send_timeout_s, max_kept=max_kept, flags=True)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.peer, self.name = peer, name
         self._sock = sock
         self.address = sock.getsockname()[0]  # this side's address of the connection
         self.peer_address = sock.getpeername()[0]
-        self._send_timeout_s, self._max_kept = send_timeout_s, max_kept
         self._readable = select.poll()
         self._readable.register(sock, _READABLE)
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT | select.POLLERR | select.POLLHUP)
-        self._cond = threading.Condition()  # guards the fields below
-        self._reading = False  # a waiter holds the receive side
-        self._posted: dict[int, collections.deque[Pending]] = collections.defaultdict(collections.deque)
-        self._kept: dict[int, collections.deque[bytearray]] = collections.defaultdict(collections.deque)
         self._incoming = _Incoming()  # the reader's only
-        self.lost: ChannelError | None = None
-        self.lost_at = float("inf")
-        self._send_lock = threading.Lock()
-        self._closed = False
 
-    # ------------------------------------------------------------------ posting
+    # ------------------------------------------------------------------ sending
 
-    def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
-        view = wire.host_bytes(tensor)
-        pending = Pending(None, direction, tensor, self.peer, what, self, Flag())
-        pending.posted_at = time.perf_counter()
-        if direction == "send":
-            self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
-            return pending
-        with self._cond:
-            kept = self._kept.get(tag)
-            if kept:
-                message = kept.popleft()
-            elif self.lost is not None:
-                _finish(pending, self.lost)
-                return pending
-            else:
-                self._posted[tag].append(pending)
-                return pending
-        self._deliver(pending, tag, message)
-        return pending
-
-    def _deliver(self, pending: Pending, tag: int, message: bytearray) -> None:
-        if len(message) == pending.nbytes:
-            wire.host_bytes(pending.tensor)[:] = message
-            _finish(pending, None)
-        else:
-            _finish(pending, self._mismatch(pending, tag, len(message)))
-
-    def _post_send(self, pending: Pending, envelope: bytes, view: memoryview) -> None:
+    def _post_send(self, pending: Pending, tag: int, view: memoryview) -> None:
         deadline = time.monotonic() + self._send_timeout_s
-        buffers: list[Any] = [envelope, view]
+        buffers: list[Any] = [_ENVELOPE.pack(tag, pending.nbytes), view]
         with self._send_lock:
             while self.lost is None:
                 try:
@@ -149,17 +105,17 @@ class TcpChannel(Channel):
                 except BlockingIOError:
                     pass
                 except OSError as exc:
-                    self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed ({exc.strerror or exc})"))
+                    self._lose(ChannelClosed(f"{self._pair}: connection closed ({exc.strerror or exc})"))
                     break
                 if not buffers:
-                    _finish(pending, None)
+                    finish(pending, None)
                     return
                 if time.monotonic() >= deadline:  # the stream is cut mid-message: the channel is done
                     text = f"the peer did not accept {pending.what} within {self._send_timeout_s:g} s"
-                    self._lose(ChannelError(f"tcp pair {self.name}: {text}"))
+                    self._lose(ChannelError(f"{self._pair}: {text}"))
                     break
                 self._await_room()
-        _finish(pending, self.lost)
+        finish(pending, self.lost)
 
     def _await_room(self) -> None:
         """Wait up to a poll interval for room to send, reading what the peer sent (if no one else is)."""
@@ -172,39 +128,14 @@ class TcpChannel(Channel):
             finally:
                 self._release_reader()
 
-    # ------------------------------------------------------------------ waiting and reading
+    # ------------------------------------------------------------------ reading
 
-    def await_done(self, pending: Pending, slice_s: float) -> bool:
-        deadline = time.monotonic() + slice_s
-        with self._cond:
-            while self._reading and not pending.done.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    return pending.done.is_set()
-            if pending.done.is_set():
-                return True
-            self._reading = True
-        try:
-            while not self._read_ready(pending):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._readable.poll(max(1, round(left * 1000)))
-        finally:
-            self._release_reader()
-        return pending.done.is_set()
-
-    def _take_reader(self) -> bool:
-        with self._cond:
-            if self._reading or self._closed:
-                return False
-            self._reading = True
-            return True
-
-    def _release_reader(self) -> None:
-        with self._cond:
-            self._reading = False
-            self._cond.notify_all()
+    def _read_until(self, pending: Pending, deadline: float) -> None:
+        while not self._read_ready(pending):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._readable.poll(max(1, round(left * 1000)))
 
     def _read_ready(self, until: Pending | None) -> bool:
         """Read what has arrived, at most up to the message boundary after ``until`` is done; True once it is
@@ -223,27 +154,23 @@ class TcpChannel(Channel):
             except BlockingIOError:
                 return until is None or until.done.is_set()
             except OSError as exc:
-                self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed ({exc.strerror or exc})"))
+                self._lose(ChannelClosed(f"{self._pair}: connection closed ({exc.strerror or exc})"))
                 break
             if n == 0:
-                self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed"))
+                self._lose(ChannelClosed(f"{self._pair}: connection closed"))
                 break
             incoming.got += n
             if not incoming.body and incoming.got == _ENVELOPE.size:
                 self._start_body(*_ENVELOPE.unpack(incoming.envelope))
             if incoming.body and incoming.got == incoming.nbytes:
                 self._end_body()
-                with self._cond:  # the waiter of a receive completed here may be waiting for the reader
-                    self._cond.notify_all()
+                self._wake_waiters()
         return True
 
     def _start_body(self, tag: int, nbytes: int) -> None:
         incoming = self._incoming
         incoming.tag, incoming.nbytes, incoming.got, incoming.body = tag, nbytes, 0, True
-        with self._cond:
-            posted = self._posted.get(tag)
-            pending = posted.popleft() if posted else None
-        incoming.pending = pending
+        pending = incoming.pending = self._take_posted(tag)
         if pending is not None and pending.nbytes == nbytes:
             incoming.target = wire.host_bytes(pending.tensor)
             return
@@ -256,50 +183,21 @@ class TcpChannel(Channel):
         pending, tag, kept, mismatch = incoming.pending, incoming.tag, incoming.kept, incoming.mismatch
         incoming.reset()
         if pending is not None:
-            _finish(pending, self._mismatch(pending, tag, len(kept or b"")) if mismatch else None)
+            finish(pending, self._mismatch(pending, tag, len(kept or b"")) if mismatch else None)
             return
         assert kept is not None
-        with self._cond:  # a receive may have been posted while the body was read
-            posted = self._posted.get(tag)
-            pending = posted.popleft() if posted else None
-            if pending is None:
-                self._kept[tag].append(kept)
-                overflow = len(self._kept[tag]) > self._max_kept
-        if pending is not None:
-            self._deliver(pending, tag, kept)
-        elif overflow:
-            self._lose(ChannelError(f"tcp pair {self.name}: over {self._max_kept} unreceived messages of tag {tag}"))
+        self._keep(tag, kept)
 
-    def _mismatch(self, pending: Pending, tag: int, nbytes: int) -> ChannelError:
-        return ChannelError(
-            f"tcp pair {self.name}: {pending.what} (tag {tag}) expected {pending.nbytes} bytes, the peer sent {nbytes}"
-        )
-
-    def _lose(self, error: ChannelError) -> None:
-        with self._cond:
-            if self.lost is not None:
-                return
-            self.lost, self.lost_at = error, time.perf_counter()
-            failed = [p for queue in self._posted.values() for p in queue]
-            self._posted.clear()
-            incoming = self._incoming.pending
-            if incoming is not None and not incoming.done.is_set():
-                failed.append(incoming)
-            for pending in failed:
-                _finish(pending, error, self.lost_at)
-            self._cond.notify_all()
+    def _lose(self, error: ChannelError, *also: Pending | None) -> None:
+        super()._lose(error, self._incoming.pending, *also)  # the receive being read in part fails too
 
     def close(self) -> None:
         """Close the connection (once; a second call does nothing); Pendings still posted fail.  What the peer
         sent and nobody read is discarded first, so that the close is a FIN after everything this side sent
         (its ABORT included), never a reset that could cost the peer those bytes."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.wait_for(lambda: not self._reading, timeout=1.0)
-            self._reading = True  # nobody reads a closed socket
-        self._lose(ChannelClosed(f"tcp pair {self.name}: connection closed by this side"))
+        if not self._close_reading():
+            return
+        self._lose(ChannelClosed(f"{self._pair}: connection closed by this side"))
         _drain(self._sock)
         with contextlib.suppress(OSError):  # the peer reset it already
             self._sock.shutdown(socket.SHUT_RDWR)

@@ -13,22 +13,20 @@ connecting one's): a peer's last message (its ABORT) is read after it left.  RFC
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import secrets
 import struct
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from afd_mrv2.hooks.p2p import wire
-from afd_mrv2.hooks.p2p.channel import Channel, ChannelClosed, ChannelError, Endpoints, Pending
+from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError, Endpoints, Pending
+from afd_mrv2.hooks.p2p.reading import ReaderChannel, finish
 
 _ENVELOPE = struct.Struct("<IQ")  # tag, nbytes
 _HELLO = b"afd-zmq-token:"
@@ -36,13 +34,7 @@ _LOSS_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _IDS = itertools.count()
 
 
-def _finish(pending: Pending, error: BaseException | None, at: float | None = None) -> None:
-    pending.error = error
-    pending.done_at = time.perf_counter() if at is None else at
-    pending.done.set()
-
-
-class ZmqChannel(Channel):
+class ZmqChannel(ReaderChannel):
     """The transfers with one peer (global rank ``peer``) of the pair ``name``; see the module docstring."""
 
     transport = "zmq"
@@ -51,51 +43,18 @@ class ZmqChannel(Channel):
         self, send: zmq.Socket[Any], recv: zmq.Socket[Any], *, peer: int, name: str,
         send_timeout_s: float = 30.0, max_kept: int = 64,
     ) -> None:  # fmt: skip
-        self.peer, self.name = peer, name
+        super().__init__(peer=peer, name=name, send_timeout_s=send_timeout_s, max_kept=max_kept, flags=False)
         self._send, self._recv = send, recv
         self.endpoint = recv.get_string(zmq.LAST_ENDPOINT)  # where the peer sends ("" if not bound)
-        self._send_timeout_s, self._max_kept = send_timeout_s, max_kept
         # unique addresses: pyzmq's default names one by the socket's fd, which a later socket reuses
         self._monitors = [
             s.get_monitor_socket(_LOSS_EVENTS, f"inproc://afd-zmq-monitor-{next(_IDS)}") for s in (send, recv)
         ]
-        self._cond = threading.Condition()  # guards the fields below
-        self._reading = False  # a waiter holds the receive side
-        self._posted: dict[int, collections.deque[Pending]] = collections.defaultdict(collections.deque)
-        self._kept: dict[int, collections.deque[zmq.Frame]] = collections.defaultdict(collections.deque)
-        self.lost: ChannelError | None = None  # set once, with lost_at (see Channel)
-        self.lost_at = math.inf
-        self._send_lock = threading.Lock()
-        self._closed = False
 
     # ------------------------------------------------------------------ posting
 
-    def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
-        view = wire.host_bytes(tensor)
-        pending = Pending(None, direction, tensor, self.peer, what, self)
-        pending.posted_at = time.perf_counter()
-        if direction == "send":
-            self._post_send(pending, _ENVELOPE.pack(tag, pending.nbytes), view)
-            return pending
-        with self._cond:
-            kept = self._kept.get(tag)
-            if kept:
-                frame = kept.popleft()
-            elif self.lost is not None:
-                _finish(pending, self.lost)
-                return pending
-            else:
-                self._posted[tag].append(pending)
-                return pending
-        if len(frame.buffer) == pending.nbytes:
-            view[:] = frame.buffer
-            _finish(pending, None)
-        else:
-            _finish(pending, self._mismatch(pending, tag, len(frame.buffer)))
-        return pending
-
-    def _post_send(self, pending: Pending, envelope: bytes, view: memoryview) -> None:
-        deadline = time.monotonic() + self._send_timeout_s
+    def _post_send(self, pending: Pending, tag: int, view: memoryview) -> None:
+        deadline, envelope = time.monotonic() + self._send_timeout_s, _ENVELOPE.pack(tag, pending.nbytes)
         with self._send_lock:
             while self.lost is None:
                 try:
@@ -103,50 +62,30 @@ class ZmqChannel(Channel):
                 except zmq.Again:  # high-water mark, or no connection: wait for room, noticing a loss
                     if time.monotonic() >= deadline:
                         text = f"the peer did not accept {pending.what} within {self._send_timeout_s:g} s"
-                        _finish(pending, ChannelError(f"zmq pair {self.name}: {text}"))
+                        finish(pending, ChannelError(f"zmq pair {self.name}: {text}"))
                         return
                     self._send.poll(50, zmq.POLLOUT)
                     self._try_read()
                 else:
-                    _finish(pending, None)
+                    finish(pending, None)
                     return
-        _finish(pending, self.lost)
+        finish(pending, self.lost)
 
     # ------------------------------------------------------------------ waiting
 
-    def await_done(self, pending: Pending, slice_s: float) -> bool:
-        deadline = time.monotonic() + slice_s
-        with self._cond:
-            while self._reading and not pending.done.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    return pending.done.is_set()
-            if pending.done.is_set():
-                return True
-            self._reading = True
-        try:
-            while not pending.done.is_set():
-                left = deadline - time.monotonic()
-                self._read(max(left, 0.0))
-                if left <= 0:
-                    break
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-        return pending.done.is_set()
+    def _read_until(self, pending: Pending, deadline: float) -> None:
+        while not pending.done.is_set():
+            left = deadline - time.monotonic()
+            self._read(max(left, 0.0))
+            if left <= 0:
+                break
 
     def _try_read(self) -> None:
-        with self._cond:
-            if self._reading:
-                return
-            self._reading = True
-        try:
-            self._read(0.0)
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
+        if self._take_reader():
+            try:
+                self._read(0.0)
+            finally:
+                self._release_reader()
 
     def _read(self, timeout_s: float) -> None:
         """Poll up to ``timeout_s``, read every ready message, then act on a disconnect (the reader only).
@@ -156,8 +95,7 @@ class ZmqChannel(Channel):
         """
         if self._recv.poll(math.ceil(timeout_s * 1000), zmq.POLLIN):
             if self._read_ready():
-                with self._cond:
-                    self._cond.notify_all()
+                self._wake_waiters()
         elif any(self._disconnected(m) for m in self._monitors):
             self._read_ready()  # what the peer sent before it left is read before the loss
             self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed"))
@@ -176,25 +114,15 @@ class ZmqChannel(Channel):
             self._lose(ChannelError(f"zmq pair {self.name}: a malformed message ({len(envelope)}-byte envelope)"))
             return True
         tag, nbytes = _ENVELOPE.unpack(envelope)
-        with self._cond:
-            posted = self._posted.get(tag)
-            pending = posted.popleft() if posted else None
+        pending = self._take_posted(tag)
         if pending is None:
-            frame = self._recv.recv(copy=False)
-            with self._cond:
-                self._kept[tag].append(frame)
-                overflow = len(self._kept[tag]) > self._max_kept
-            if overflow:
-                self._lose(
-                    ChannelError(f"zmq pair {self.name}: over {self._max_kept} unreceived messages of tag {tag}")
-                )
-            return overflow
+            return self._keep(tag, self._recv.recv(copy=False).buffer)
         if nbytes != pending.nbytes:
             self._recv.recv(copy=False)
-            _finish(pending, self._mismatch(pending, tag, nbytes))
+            finish(pending, self._mismatch(pending, tag, nbytes))
             return True
         got = self._recv.recv_into(wire.host_bytes(pending.tensor))
-        _finish(pending, None if got == nbytes else self._mismatch(pending, tag, got))
+        finish(pending, None if got == nbytes else self._mismatch(pending, tag, got))
         return True
 
     def _disconnected(self, monitor: zmq.Socket[Any]) -> bool:
@@ -203,31 +131,11 @@ class ZmqChannel(Channel):
             events |= recv_monitor_message(monitor)["event"]
         return bool(events & _LOSS_EVENTS)
 
-    def _mismatch(self, pending: Pending, tag: int, nbytes: int) -> ChannelError:
-        return ChannelError(
-            f"zmq pair {self.name}: {pending.what} (tag {tag}) expected {pending.nbytes} bytes, the peer sent {nbytes}"
-        )
-
-    def _lose(self, error: ChannelError) -> None:
-        with self._cond:
-            if self.lost is not None:
-                return
-            self.lost, self.lost_at = error, time.perf_counter()
-            failed = [p for queue in self._posted.values() for p in queue]
-            self._posted.clear()
-            for pending in failed:
-                _finish(pending, error, self.lost_at)
-            self._cond.notify_all()
-
     def close(self) -> None:
         """Close the sockets (once; a second call does nothing); Pendings still posted fail."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.wait_for(lambda: not self._reading, timeout=1.0)
-            self._reading = True  # nobody reads a closed socket
-        self._lose(ChannelClosed(f"zmq pair {self.name}: connection closed by this side"))
+        if not self._close_reading():
+            return
+        self._lose(ChannelClosed(f"{self._pair}: connection closed by this side"))
         for sock in (self._send, self._recv):
             sock.disable_monitor()
             sock.close()
