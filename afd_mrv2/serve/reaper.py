@@ -6,7 +6,7 @@ process group over a pipe only serve holds.  When the pipe ends without serve's 
 SIGTERM to every group still alive, SIGKILL after ``grace_s``, says so on stderr, and exits.  It forgets a
 group once it is gone (looked at every second), so a reused process id is never signalled.
 
-    python -m afd_mrv2.serve.reaper GRACE_S SUPERVISOR_PID   (stdin: lines "+PGID" and "bye")
+    python -c "$_ENTRY" GRACE_S SUPERVISOR_PID   (stdin: lines "+PGID" and "bye")
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from afd_mrv2.procs import group_alive
 PREFIX = "afd-mrv2 serve reaper"
 _LOOK_S = 1.0  # how often dead groups are forgotten
 _BYE = b"bye"
+#: the reaper process's code: ``-m afd_mrv2.serve.reaper`` would import the package (and this module) first
+_ENTRY = "import sys; from afd_mrv2.serve.reaper import main; sys.exit(main())"
 
 
 class Reaper:
@@ -35,7 +37,7 @@ class Reaper:
 
     def start(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "afd_mrv2.serve.reaper", f"{self.grace_s:g}", str(os.getpid())],
+            [sys.executable, "-c", _ENTRY, f"{self.grace_s:g}", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # a signal to serve's group does not reach it

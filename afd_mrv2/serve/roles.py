@@ -78,6 +78,7 @@ class RoleProcess:
         self.on_exit = on_exit
         self.ready = asyncio.Event()
         self.proc: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
         self.returncode: int | None = None
         #: the first process of the role's group (not its leader) seen to end while the leader ran, at most
         #: CAUSE_WINDOW_S before the leader exited: (pid, name); set when the leader's exit is seen
@@ -100,6 +101,7 @@ class RoleProcess:
         return f"{self.spec.role} rank {self.spec.rank} (pid {self.pid})"
 
     async def start(self) -> None:
+        self.started_at = time.time()  # wall clock, as the roles' live figures stamp their events
         env = {**self.spec.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.spec.argv,

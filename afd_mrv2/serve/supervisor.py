@@ -26,6 +26,7 @@ from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.reaper import Reaper
 from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
+from afd_mrv2.serve.stalls import STALL_LOOK_S, stalled_ffn_ranks
 
 READY_PREFIX = "afd-mrv2 serve: ready at"
 KILL_WAIT_S = 2.0
@@ -178,6 +179,21 @@ class Supervisor:
             back = "the Attention engines take it back at their next step"
         self._say(f"{new.describe()} restarted: ready after {time.monotonic() - started:.1f} s; {back}")
 
+    async def _watch_stalls(self) -> None:
+        """Once a second: an FFN rank an Attention engine stopped routing to while its process runs (a hang,
+        SIGSTOP) is stalled; SIGKILL its group, and its exit takes the usual path (failover, restart)."""
+        while not self.stopping:
+            await asyncio.sleep(STALL_LOOK_S)
+            latest = {r.spec.rank: r for r in self.roles if r.spec.role == FFN}
+            since = {f: r.started_at for f, r in latest.items() if r.ready.is_set() and r.alive()}
+            for f, (engine, reason) in stalled_ffn_ranks(read_stats(self.plan.run_dir), since).items():
+                role = latest[f]
+                self._say(
+                    f"{role.describe()} is stalled: attention rank {engine} stopped routing to it ({reason}) "
+                    "while its process runs: SIGKILL"
+                )
+                role.signal_group(signal.SIGKILL)
+
     def _fail_over(self, role: RoleProcess) -> bool:
         """An FFN rank died while every expert keeps a live holder (``--expert-replicas`` R >= 2): serve on.
         The Attention engines notice the loss themselves and re-send its share to the other holders.
@@ -242,6 +258,7 @@ class Supervisor:
                     and await self._start(self.plan.of(ATTENTION))
                 ):
                     proxy.ready = True
+                    self._tasks.append(asyncio.ensure_future(self._watch_stalls()))
                     print(f"{READY_PREFIX} http://{HOST}:{opts.port}/v1", file=self.out, flush=True)
                     await self._stop.wait()
             finally:

@@ -9,6 +9,8 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 * ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
 * ``report_term``: on SIGTERM print ``term <ROLE> <RANK>``, then exit 0;
 * ``exit_after`` (s): exit with code 3 after this long;
+* ``report_lost_ffn`` (``{"rank": F, "after": S}``): an Attention fake writes live figures saying it stopped
+  routing to FFN rank F, S seconds after it is ready;
 * ``token_delay`` (s, default 0.05): delay between streamed tokens;
 * ``ffn_own_end`` (default true): an FFN fake ends by itself (prints ``afd-mrv2 ffn: done {}``, exits 0)
   once every Attention fake of its serve is gone, as a real FFN rank ends its session when its
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -176,6 +179,8 @@ async def main(argv: list[str]) -> None:
         print(f"listening on {_opt(argv, '--port')}", flush=True)
         if run_dir:
             Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))
+        if "report_lost_ffn" in behaviour and run_dir:
+            BACKGROUND.add(asyncio.ensure_future(report_lost(Path(run_dir), rank, behaviour["report_lost_ffn"])))
     if "grandchild_dies_after" in behaviour:  # like vLLM's EngineCore dying under its API server
         await asyncio.sleep(float(behaviour["grandchild_dies_after"]))
         child.kill()
@@ -187,6 +192,28 @@ async def main(argv: list[str]) -> None:
         print("exiting on purpose", flush=True)
         sys.exit(3)
     await asyncio.sleep(3600)
+
+
+async def report_lost(run_dir: Path, rank: int, spec: dict[str, Any]) -> None:
+    """After ``spec["after"]`` s, write this engine's live figures saying it stopped routing to FFN rank
+    ``spec["rank"]`` (as a real engine's failover after ``recv_timeout_s`` does)."""
+    from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, LostRank, StatsWriter
+
+    await asyncio.sleep(float(spec["after"]))
+    lost = {int(spec["rank"]): LostRank(at=round(time.time(), 3), reason="FFN rank 0 sent nothing within 2 s")}
+    failover = FailoverFigures(
+        failovers=1, lost=lost, first_resend_at={}, resent_items=0, resent_rows=0, rejoins=0, rejoined_at={}
+    )
+    figures = AttentionFigures(
+        calls=0,
+        tokens=0,
+        round_trip_seconds=Histogram().figures(),
+        round_trip_total_s=0.0,
+        hidden_total_s=0.0,
+        failover=failover,
+        memory=None,
+    )
+    StatsWriter(run_dir / f"attention-{rank}.json", lambda: figures).maybe_write(force=True)
 
 
 if __name__ == "__main__":

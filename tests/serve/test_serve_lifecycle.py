@@ -289,6 +289,34 @@ def test_an_engine_whose_restarts_are_used_up_is_a_metric_and_a_line(start_serve
     assert serve.wait() == 0
 
 
+def test_a_stalled_ffn_rank_an_engine_failed_over_is_ended_and_restarted(start_serve):
+    """FFN rank 1 stops (SIGSTOP) and the engine stops routing to it (its live figures say so, as after
+    ``recv_timeout_s``): serve ends the stalled process's group within seconds, fails it over (replicas) and
+    restarts it."""
+    serve, _ = start_serve(
+        1, 2, {"grandchild": True, "report_lost_ffn": {"rank": 1, "after": 1.0}}, "--expert-replicas", "2"
+    )
+    serve.wait_ready()
+    pids = serve.pids()
+    os.kill(pids["ffn 1"], signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not any("restarted: ready after" in line for line in serve.err_lines()):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, serve.err_lines()[-10:]
+        time.sleep(0.1)
+    stalled = [line for line in serve.err_lines() if " is stalled: " in line]
+    assert stalled == [
+        f"[serve] ffn rank 1 (pid {pids['ffn 1']}) is stalled: attention rank 0 stopped routing to it (FFN rank 0 "
+        "sent nothing within 2 s) while its process runs: SIGKILL"
+    ], stalled
+    assert any("its experts are served by their other holders" in line for line in serve.err_lines())
+    assert not alive(pids["ffn 1"]) and not alive(pids["grandchild of ffn 1"])
+    assert serve.pids()["ffn 1"] != pids["ffn 1"]  # restarted, and not ended again (started after the loss)
+    time.sleep(2.5)
+    assert len([line for line in serve.err_lines() if " is stalled: " in line]) == 1
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+
+
 def test_with_expert_replicas_a_killed_ffn_rank_is_survived_and_the_last_holder_is_not(start_serve):
     """``--expert-replicas 2`` at 1A2F: the loss of FFN rank 1 leaves every expert a live holder, so serve
     serves on (the engines fail over by themselves) and says so in one line; losing FFN rank 0 as well
