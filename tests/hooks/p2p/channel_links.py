@@ -1,11 +1,16 @@
-"""Two PeerLinks of 1A1F in this process on a real loopback pair (zmq or tcp), for the hooks' tests."""
+"""Two PeerLinks of 1A1F in this process on a real loopback pair (zmq or tcp), for the hooks' tests, and the
+channel tests' helpers (wait, send, recv, value)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from afd_mrv2.hooks.p2p import tcp_channel, zmq_channel
+from afd_mrv2.hooks.p2p.channel import Channel, Pending
 from afd_mrv2.hooks.p2p.link import Pair, PeerLink
 from afd_mrv2.topology import Topology
 
@@ -25,3 +30,29 @@ def channel_links(topology: Topology, kind: str) -> Iterator[tuple[PeerLink, Pee
     finally:
         for link in (attention, ffn):
             link.release()
+
+
+def wait(channel: Channel, pending: Pending, timeout_s: float = 30.0) -> Pending:
+    """Wait for ``pending`` through ``channel`` in slices, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not channel.await_done(pending, 0.05):
+        assert time.monotonic() < deadline, f"{pending.what} not done within {timeout_s} s"
+    return pending
+
+
+def send(channel: Channel, tag: int, value: float, n: int = 4) -> Pending:
+    """``n`` floats of ``value`` under ``tag``; small, so done on return (copied into zmq, taken by the kernel)."""
+    pending = channel.post("send", torch.full((n,), float(value)), tag, f"send {tag}={value}")
+    assert pending.done.is_set() and pending.error is None
+    return pending
+
+
+def recv(channel: Channel, tag: int, n: int = 4) -> Pending:
+    return channel.post("recv", torch.zeros(n), tag, f"recv {tag}")
+
+
+def value(pending: Pending) -> float:
+    """The one value a received tensor holds in every element."""
+    assert pending.error is None, pending.error
+    assert bool((pending.tensor == pending.tensor[0]).all())
+    return float(pending.tensor[0])

@@ -23,34 +23,12 @@ import torch
 
 from afd_mrv2.hooks.p2p import tcp_channel
 from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError, Endpoints, Pending
+from tests.hooks.p2p.channel_links import recv, send, value, wait
 
 TcpChannel = tcp_channel.TcpChannel
 ENVELOPE = struct.Struct("<IQ")  # the wire format, written by hand here
 HELLO, ACK = b"afd-tcp-token:", b"afd-tcp-ok:"
 BIG = 32 << 20  # bytes: far past loopback's socket buffers
-
-
-def wait(channel: TcpChannel, pending: Pending, timeout_s: float = 30.0) -> Pending:
-    deadline = time.monotonic() + timeout_s
-    while not channel.await_done(pending, 0.05):
-        assert time.monotonic() < deadline, f"{pending.what} not done within {timeout_s} s"
-    return pending
-
-
-def send(channel: TcpChannel, tag: int, value: float, n: int = 4) -> Pending:
-    pending = channel.post("send", torch.full((n,), float(value)), tag, f"send {tag}={value}")
-    assert pending.done.is_set() and pending.error is None  # small: the kernel took it on return
-    return pending
-
-
-def recv(channel: TcpChannel, tag: int, n: int = 4) -> Pending:
-    return channel.post("recv", torch.zeros(n), tag, f"recv {tag}")
-
-
-def value(pending: Pending) -> float:
-    assert pending.error is None, pending.error
-    assert bool((pending.tensor == pending.tensor[0]).all())
-    return float(pending.tensor[0])
 
 
 def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
@@ -97,40 +75,6 @@ def raw() -> Iterator[tuple[TcpChannel, socket.socket]]:
 
 
 # ---------------------------------------------------------------------- matching and kept messages
-
-
-def test_receives_of_a_tag_match_sends_in_posting_order(pair: tuple[TcpChannel, TcpChannel]) -> None:
-    a, f = pair
-    early = [recv(f, 7) for _ in range(2)]  # posted before the messages: read straight into them
-    for v in (1.0, 2.0, 3.0, 4.0):
-        send(a, 7, v)
-    late = [recv(f, 7) for _ in range(2)]
-    assert [value(wait(f, p)) for p in early + late] == [1.0, 2.0, 3.0, 4.0]
-
-
-def test_a_message_read_past_is_kept_and_copied_in_when_its_receive_is_posted(
-    pair: tuple[TcpChannel, TcpChannel],
-) -> None:
-    a, f = pair
-    send(a, 1, 10.0)
-    send(a, 2, 20.0)
-    assert value(wait(f, recv(f, 2))) == 20.0  # its waiter read the tag-1 message past
-    kept = recv(f, 1)
-    assert kept.done.is_set()  # done at posting, nobody read
-    assert value(kept) == 10.0 and kept.done_at > 0
-
-
-def test_several_tags_interleaved(pair: tuple[TcpChannel, TcpChannel]) -> None:
-    a, f = pair
-    for i in range(5):
-        for tag in (3, 1, 2):
-            send(a, tag, tag * 100 + i)
-    posted = {tag: [recv(f, tag) for _ in range(5)] for tag in (2, 3, 1)}
-    for tag in (1, 3, 2):
-        assert [value(wait(f, p)) for p in posted[tag]] == [tag * 100 + i for i in range(5)]
-    back = recv(a, 5)  # and back the other way, interleaved with the first direction
-    send(f, 5, 1.5)
-    assert value(wait(a, back)) == 1.5
 
 
 def test_over_max_kept_unreceived_messages_of_a_tag_lose_the_channel() -> None:

@@ -19,31 +19,9 @@ import torch
 from afd_mrv2.hooks.p2p import zmq_channel  # pyzmq is a dependency: its absence fails, never skips
 from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError
 from afd_mrv2.hooks.p2p.link import Pending
+from tests.hooks.p2p.channel_links import recv, send, value, wait
 
 ZmqChannel = zmq_channel.ZmqChannel
-
-
-def wait(channel: ZmqChannel, pending: Pending, timeout_s: float = 5.0) -> Pending:
-    deadline = time.monotonic() + timeout_s
-    while not channel.await_done(pending, 0.05):
-        assert time.monotonic() < deadline, f"{pending.what} not done within {timeout_s} s"
-    return pending
-
-
-def send(channel: ZmqChannel, tag: int, value: float, n: int = 4) -> Pending:
-    pending = channel.post("send", torch.full((n,), float(value)), tag, f"send {tag}={value}")
-    assert pending.done.is_set() and pending.error is None  # copied into zmq: done on return
-    return pending
-
-
-def recv(channel: ZmqChannel, tag: int, n: int = 4) -> Pending:
-    return channel.post("recv", torch.zeros(n), tag, f"recv {tag}")
-
-
-def value(pending: Pending) -> float:
-    assert pending.error is None, pending.error
-    assert bool((pending.tensor == pending.tensor[0]).all())
-    return float(pending.tensor[0])
 
 
 @pytest.fixture
@@ -52,41 +30,6 @@ def pair() -> Iterator[tuple[ZmqChannel, ZmqChannel]]:
     yield a, f
     a.close()
     f.close()
-
-
-def test_receives_of_a_tag_match_sends_in_posting_order(pair: tuple[ZmqChannel, ZmqChannel]) -> None:
-    a, f = pair
-    early = [recv(f, 7) for _ in range(2)]  # posted before the messages: read straight into them
-    for v in (1.0, 2.0, 3.0, 4.0):
-        send(a, 7, v)
-    late = [recv(f, 7) for _ in range(2)]
-    assert [value(wait(f, p)) for p in early + late] == [1.0, 2.0, 3.0, 4.0]
-
-
-def test_a_message_read_past_is_kept_and_copied_in_when_its_receive_is_posted(
-    pair: tuple[ZmqChannel, ZmqChannel],
-) -> None:
-    a, f = pair
-    send(a, 1, 10.0)
-    send(a, 2, 20.0)
-    assert value(wait(f, recv(f, 2))) == 20.0  # its waiter read the tag-1 message past
-    kept = recv(f, 1)
-    assert kept.done.is_set()  # done at posting, nobody read
-    assert value(kept) == 10.0 and kept.done_at > 0
-
-
-def test_several_tags_interleaved(pair: tuple[ZmqChannel, ZmqChannel]) -> None:
-    a, f = pair
-    for i in range(5):
-        for tag in (3, 1, 2):
-            send(a, tag, tag * 100 + i)
-    posted = {tag: [recv(f, tag) for _ in range(5)] for tag in (2, 3, 1)}
-    for tag in (1, 3, 2):
-        assert [value(wait(f, p)) for p in posted[tag]] == [tag * 100 + i for i in range(5)]
-    # and back the other way, interleaved with the first direction
-    back = recv(a, 5)
-    send(f, 5, 1.5)
-    assert value(wait(a, back)) == 1.5
 
 
 def test_two_waiters_on_one_channel(pair: tuple[ZmqChannel, ZmqChannel]) -> None:
