@@ -216,7 +216,9 @@ def test_an_ffn_rank_reads_the_pages_of_its_experts_not_the_whole_shard(ckpt: Ch
     experts, _ = _residency(experts_file)
     for e in range(half, ckpt.num_experts):
         resident, pages = experts[e]
-        assert resident == pages > 0, f"held expert {e}: {resident} of {pages} pages resident"
+        # all of them were read; the kernel may reclaim a few before mincore looks (this machine runs DAMON's
+        # proactive reclaim, kdamond: 3062 of 3066 pages were left once in CI), never a tensor's worth
+        assert pages > 0 and resident >= 0.99 * pages, f"held expert {e}: {resident} of {pages} pages resident"
     other_resident = sum(experts[e][0] for e in range(half))
     other_pages = sum(experts[e][1] for e in range(half))
     print(f"\n[pages] FFN rank 1 of 2: {other_resident} of {other_pages} pages of experts it does not hold", flush=True)
