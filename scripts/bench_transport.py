@@ -59,6 +59,7 @@ from typing import Any
 
 from serving import ServerError, UsageError, guarded, load_average, parse_cpu_list, write_json
 
+from afd_mrv2.config import TRANSPORTS as PAIR_TRANSPORTS
 from afd_mrv2.table import format_table
 
 PROG = "bench_transport"
@@ -115,7 +116,7 @@ def _open_pair(role: str, store: Any, topology: Any) -> Any:
 
 
 #: name -> transport (``afd.transport``: RFC 0007 decision 1)
-TRANSPORTS = {name: Transport(name, _open_pair) for name in ("gloo", "zmq", "tcp")}
+TRANSPORTS = {name: Transport(name, _open_pair) for name in PAIR_TRANSPORTS}
 
 
 # --------------------------------------------------------------------------------------------- input

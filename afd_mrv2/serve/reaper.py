@@ -43,10 +43,6 @@ class Reaper:
             start_new_session=True,  # a signal to serve's group does not reach it
         )
 
-    @property
-    def pid(self) -> int:
-        return self._proc.pid if self._proc is not None else -1
-
     def watch(self, pgid: int) -> None:
         """Stop process group ``pgid`` should serve die."""
         self._write(f"+{pgid}\n".encode())

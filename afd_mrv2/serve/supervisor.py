@@ -60,8 +60,6 @@ class Supervisor:
         #: restarts per (role, rank) that got ready
         self.restarts: Counter[tuple[str, int]] = Counter()
         self._restart_attempts: Counter[tuple[str, int]] = Counter()
-        #: role ranks lost with their restarts used up: serve will not start them again
-        self.exhausted: set[tuple[str, int]] = set()
         self._tasks: list[asyncio.Future[None]] = []
         self.rendezvous = RendezvousHost(plan.afd, HOST)  # the store serve hosts (afd.rendezvous: external)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
@@ -129,10 +127,13 @@ class Supervisor:
         self.lost.append(role)
         self.gone.append(role)
 
+    def _exhausted(self, role: RoleProcess) -> bool:
+        """Whether ``role``'s rank used up its restarts (a lost one is then not started again)."""
+        return self._restart_attempts[(role.spec.role, role.spec.rank)] >= MAX_RESTARTS
+
     def _restart_later(self, role: RoleProcess) -> None:
         key = (role.spec.role, role.spec.rank)
-        if self._restart_attempts[key] >= MAX_RESTARTS:
-            self.exhausted.add(key)
+        if self._exhausted(role):
             self._say(
                 f"{role.spec.name}: not restarted again ({MAX_RESTARTS} restarts already); serve runs degraded "
                 "(afd_role_restarts_exhausted, afd_degraded)"
@@ -284,7 +285,7 @@ class Supervisor:
             tuple(self.plan.placement.describe()),
             read_stats(self.plan.run_dir),
             {f"{role} {rank}": n for (role, rank), n in sorted(self.restarts.items())},
-            tuple(f"{role} {rank}" for role, rank in sorted(self.exhausted)),
+            tuple(sorted({f"{r.spec.role} {r.spec.rank}" for r in self.lost if self._exhausted(r)})),
             tuple(sorted({f"{r.spec.role} {r.spec.rank}" for r in self.lost})),
         )
 

@@ -41,7 +41,7 @@ class _Incoming:
     """The message being read: its envelope, then its body into ``target`` (a posted receive's bytes,
     a kept copy, or a discard buffer when the sizes disagree)."""
 
-    __slots__ = ("body", "envelope", "got", "kept", "mismatch", "nbytes", "pending", "tag", "target")
+    __slots__ = ("body", "envelope", "got", "kept", "nbytes", "pending", "tag", "target")
 
     def __init__(self) -> None:
         self.envelope = memoryview(bytearray(_ENVELOPE.size))
@@ -51,10 +51,9 @@ class _Incoming:
         self.target: memoryview | None = None
         self.pending: Pending | None = None
         self.kept: bytearray | None = None
-        self.mismatch = False
 
     def reset(self) -> None:
-        self.got, self.body, self.target, self.pending, self.kept, self.mismatch = 0, False, None, None, None, False
+        self.got, self.body, self.target, self.pending, self.kept = 0, False, None, None, None
 
 
 class TcpChannel(ReaderChannel):
@@ -174,16 +173,15 @@ class TcpChannel(ReaderChannel):
         if pending is not None and pending.nbytes == nbytes:
             incoming.target = wire.host_bytes(pending.tensor)
             return
-        incoming.mismatch = pending is not None
         incoming.kept = bytearray(nbytes)
         incoming.target = memoryview(incoming.kept)
 
     def _end_body(self) -> None:
         incoming = self._incoming
-        pending, tag, kept, mismatch = incoming.pending, incoming.tag, incoming.kept, incoming.mismatch
+        pending, tag, kept = incoming.pending, incoming.tag, incoming.kept
         incoming.reset()
-        if pending is not None:
-            finish(pending, self._mismatch(pending, tag, len(kept or b"")) if mismatch else None)
+        if pending is not None:  # read into its tensor, or (a size mismatch) into a copy that fails it
+            finish(pending, None if kept is None else self._mismatch(pending, tag, len(kept)))
             return
         assert kept is not None
         self._keep(tag, kept)
