@@ -1,4 +1,5 @@
-"""The loopback ports serve (and the harness) bind: which are free now, and which the kernel may hand out meanwhile."""
+"""The ports serve (and the harness) bind: which are free now, which the kernel may hand out meanwhile, and
+the local address a host reaches another from."""
 
 from __future__ import annotations
 
@@ -49,12 +50,22 @@ def free_port_block(n: int, *, tries: int = 200) -> int:
     raise AfdError(f"no block of {n} free ports on {HOST} after {tries} tries")
 
 
-def check_ports_free(ports: Sequence[int]) -> None:
-    """Refuse a port some other process holds on the loopback address (before anything starts)."""
+def check_ports_free(ports: Sequence[int], host: str = HOST) -> None:
+    """Refuse a port some other process holds on ``host`` (the loopback address by default), or an address
+    this host does not have (before anything starts)."""
     for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((HOST, port))
+                sock.bind((host, port))
             except OSError as exc:
-                raise AfdError(f"port {port} on {HOST} is not free ({exc.strerror})") from None
+                raise AfdError(f"port {port} on {host} is not free ({exc.strerror})") from None
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address this host reaches ``host:port`` from (a UDP socket's ``getsockname`` after a
+    ``connect``, which sends nothing): ``127.0.0.1`` for a store on loopback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])

@@ -1,4 +1,4 @@
-"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [--ready-timeout-s S] [--stop-grace-s S] [-- EXTRA VLLM ARGS]``.
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--nnodes N --node-rank K --master-addr ADDR] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [--ready-timeout-s S] [--stop-grace-s S] [-- EXTRA VLLM ARGS]``.
 
 Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
 each on its own port) and serves one OpenAI-compatible endpoint in front of
@@ -18,8 +18,10 @@ from typing import NoReturn
 from afd_mrv2.cli import add_command, add_retired_spelling
 from afd_mrv2.config import TRANSPORTS
 from afd_mrv2.errors import AfdError
+from afd_mrv2.ports import HOST
 from afd_mrv2.serve import RoleCommands, ServeOptions, runtime_gate, serve
 from afd_mrv2.serve.app import PlanGate
+from afd_mrv2.serve.nodes import NodeOptions
 from afd_mrv2.serve.plan import DEFAULT_CONNECTOR, DEFAULT_PORT
 from afd_mrv2.serve.proxy import BALANCE
 
@@ -35,8 +37,30 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
     _add_topology_options(parser)
+    _add_node_options(parser)
     _add_afd_options(parser)
     _add_endpoint_options(parser)
+
+
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    """One deployment over several machines: the same command on each, with its node rank (docs/serve.md)."""
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines the deployment spans (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="K", help="this machine's rank, 0..N-1 (default 0)")
+    parser.add_argument(
+        "--master-addr", metavar="ADDR", help="node 0's address: the rendezvous store listens there (needed with N > 1)"
+    )
+    parser.add_argument("--master-port", type=int, metavar="P", help="the rendezvous store's port (default: PORT+A+1)")
+    parser.add_argument(
+        "--node-addr",
+        metavar="ADDR",
+        help="the address this node's roles bind and advertise (default: this host's address on the route to "
+        "--master-addr)",
+    )
+    parser.add_argument(
+        "--layout",
+        metavar="a0=0,f1=1",
+        help="move role ranks to other nodes than the default (each role's ranks in blocks over the nodes)",
+    )
 
 
 def _add_topology_options(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +73,9 @@ def _add_topology_options(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help="the endpoint's port on 127.0.0.1; Attention rank i listens on PORT+1+i (default %(default)s)",
+        help="the endpoint's port (node 0); Attention rank i listens on PORT+1+i of its node (default %(default)s)",
     )
+    parser.add_argument("--host", default=HOST, help="the address the endpoint binds (default %(default)s)")
     parser.add_argument(
         "--expert-replicas",
         type=int,
@@ -121,7 +146,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "serve",
         SUMMARY,
         SUMMARY + ". Everything after -- goes to every role (vLLM engine arguments). "
-        "Prints 'afd-mrv2 serve: ready at http://127.0.0.1:PORT/v1' once when every role is ready.",
+        "Prints 'afd-mrv2 serve: ready at http://HOST:PORT/v1' once when every role is ready (on node 0).",
     )
     _add_options(parser)
     parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS] [-- EXTRA VLLM ARGS]")
@@ -158,6 +183,15 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         balance=args.balance,
         ready_timeout_s=args.ready_timeout_s,
         stop_grace_s=args.stop_grace_s,
+        nodes=NodeOptions(
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            node_addr=args.node_addr,
+            layout=args.layout,
+        ),
+        host=args.host,
     )
 
 

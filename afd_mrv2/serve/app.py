@@ -24,6 +24,7 @@ from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.ports import check_ports_free
 from afd_mrv2.serve import options as serve_options
+from afd_mrv2.serve.agent import NodeAgent
 from afd_mrv2.serve.plan import (
     CPU_BIND_ENV,
     EAGER_FLAG,
@@ -172,7 +173,7 @@ def prepare(opts: ServeOptions, *, commands: RoleCommands | None = None, gate: P
     check_option_names(plan)
     if gate is not None:
         gate(plan)
-    check_ports_free(plan.role_ports)
+    check_ports_free(plan.role_ports, plan.addr)
     facts = checkpoint_facts(opts.model)
     return replace(plan, num_experts=facts.num_experts if facts is not None else None)
 
@@ -185,6 +186,9 @@ def serve(
     out: TextIO | None = None,
     log: TextIO | None = None,
 ) -> int:
-    """Run ``afd-mrv2 serve`` until a signal or a role's death; returns the exit code (AfdError: refused up front)."""
+    """Run ``afd-mrv2 serve`` until a signal or a role's death; returns the exit code (AfdError: refused up front).
+    Node 0 (and a serve on one node) runs the supervisor; any other node its agent (:mod:`.agent`)."""
     plan = prepare(opts, commands=commands, gate=gate)
+    if plan.node != 0:
+        return asyncio.run(NodeAgent(plan, log=log or sys.stderr).run())
     return asyncio.run(Supervisor(plan, out=out or sys.stdout, log=log or sys.stderr).run())

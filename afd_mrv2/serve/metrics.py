@@ -95,6 +95,8 @@ class Health:
     exhausted: tuple[str, ...] = ()
     #: role ranks lost and not back, as ``"<role> <rank>"``
     lost: tuple[str, ...] = ()
+    #: over several nodes: each other node's ``live``, ``joining`` or ``lost: why``, by node rank
+    nodes: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,7 @@ def status(
         "restarts": dict(health.restarts),
         "restarts_exhausted": list(health.exhausted),
         "degraded": list(health.lost),
+        "nodes": dict(health.nodes),
         "figures": {f"{role} {rank}": written.as_dict() for (role, rank), written in sorted(health.figures.items())},
         "ready": ready,
         "down": down,

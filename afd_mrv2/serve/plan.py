@@ -32,6 +32,7 @@ from afd_mrv2.mrv2 import WORKER_EXTENSION
 from afd_mrv2.options import json_object
 from afd_mrv2.placement import Placement
 from afd_mrv2.ports import HOST
+from afd_mrv2.serve.nodes import Layout, NodeOptions
 
 DEFAULT_PORT = 8000
 DEFAULT_CONNECTOR = "torch_p2p"
@@ -75,6 +76,8 @@ class RoleContext:
     #: ``--ubatches N`` for an Attention engine: micro-batches per step on Model Runner V2 with afd-mrv2's
     #: worker (N = 1: unsplit, still V2); None: the flag was not given (vLLM's own runner choice)
     ubatches: int | None = None
+    #: the address the role binds: its node's (127.0.0.1 on one node)
+    host: str = HOST
 
 
 RoleCommand = Callable[[RoleContext], list[str]]
@@ -84,7 +87,7 @@ LOAD_FORMAT = "--load-format"
 
 
 def attention_command(ctx: RoleContext) -> list[str]:
-    """One Attention rank: an independent vLLM OpenAI server (DP=1) on its own loopback port."""
+    """One Attention rank: an independent vLLM OpenAI server (DP=1) on its own port of its node's address."""
     return [
         sys.executable,
         "-m",
@@ -92,7 +95,7 @@ def attention_command(ctx: RoleContext) -> list[str]:
         "--model",
         ctx.model,
         "--host",
-        HOST,
+        ctx.host,
         "--port",
         str(ctx.port),
         ADDITIONAL_CONFIG,
@@ -180,6 +183,10 @@ class ServeOptions:
     balance: str = "least-outstanding"
     ready_timeout_s: float = 900.0
     stop_grace_s: float = 5.0
+    #: ``--nnodes`` and its companions: this node's share of a deployment over several machines
+    nodes: NodeOptions = field(default_factory=NodeOptions)
+    #: ``--host``: the address the endpoint binds (node 0)
+    host: str = HOST
 
 
 @dataclass(frozen=True)
@@ -195,6 +202,9 @@ class RoleSpec:
     #: The cores every process of this role runs on (its front end, EngineCore and workers inherit them);
     #: empty: unpinned (the environment sets the binding).
     cores: tuple[int, ...] = ()
+    #: the node that runs it, and the address it binds there (empty for another node's role: it tells)
+    node: int = 0
+    host: str = HOST
 
     @property
     def name(self) -> str:
@@ -211,6 +221,15 @@ class Plan:
     afd: Mapping[str, Any] = field(default_factory=dict)
     #: the model's routed experts per MoE layer, where its config.json says (set by serve's pre-flight)
     num_experts: int | None = None
+    #: the node this plan runs on, its address, and every role rank's node
+    node: int = 0
+    addr: str = HOST
+    layout: Layout | None = None
+
+    @property
+    def local(self) -> tuple[RoleSpec, ...]:
+        """The roles this node starts."""
+        return tuple(r for r in self.roles if r.node == self.node)
 
     @property
     def expert_replicas(self) -> int:
@@ -232,12 +251,15 @@ class Plan:
 
     @property
     def backends(self) -> tuple[str, ...]:
-        return tuple(f"http://{HOST}:{r.port}" for r in self.of(ATTENTION))
+        """Each Attention engine's URL (empty for another node's engine until that node announces it)."""
+        return tuple(f"http://{r.host}:{r.port}" if r.host else "" for r in self.of(ATTENTION))
 
     @property
     def role_ports(self) -> list[int]:
-        """The ports the roles bind (each Attention engine's, then the AFD rendezvous), after the endpoint's."""
-        return [p for r in self.roles if (p := r.port) is not None] + [int(self.afd["port"])]
+        """The ports this node's roles bind (each local Attention engine's, then the AFD rendezvous on node
+        0), after the endpoint's."""
+        store = [int(self.afd["port"])] if self.node == 0 else []
+        return [p for r in self.local if (p := r.port) is not None] + store
 
 
 def split_additional_config(extra: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -297,10 +319,21 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
         afd["multistream"] = _with_flags(afd, "multistream", enabled=True, depth=_depth_value(opts.depth))
     if opts.ubatches is not None:
         afd["ubatch"] = _with_flags(afd, "ubatch", num_ubatches=opts.ubatches)
-    afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
-    afd.setdefault("host", HOST)
-    afd.setdefault("port", opts.port + opts.attention + 1)
+    _store_where(afd, opts)
     return afd
+
+
+def _store_where(afd: dict[str, Any], opts: ServeOptions) -> None:
+    """Where the rendezvous store listens: serve's own (node 0's over several nodes), unless the section says."""
+    afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
+    afd.setdefault("host", opts.nodes.store_host())
+    afd.setdefault("port", opts.nodes.master_port or opts.port + opts.attention + 1)
+    moved = opts.nodes.master_port is not None and afd["port"] != opts.nodes.master_port
+    if opts.nodes.multi and (afd["rendezvous"] != "external" or afd["host"] != opts.nodes.master_addr or moved):
+        raise AfdError(
+            f"over --nnodes {opts.nodes.nnodes} the rendezvous store is node 0's, on --master-addr: leave "
+            "afd.rendezvous, afd.host and afd.port out"
+        )
 
 
 def _check_own_keys_unset() -> None:
@@ -351,51 +384,78 @@ def check_model_folder(model: str) -> None:
 
 def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
     """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
-    commands = commands or RoleCommands()
     if opts.attention < 1 or opts.ffn < 1:
         raise AfdError(f"--attention and --ffn must be >= 1, got {opts.attention} and {opts.ffn}")
     if not 1 <= opts.port <= 65535 - opts.attention - 1:
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
+    opts.nodes.check()
+    layout = Layout.spread(opts.attention, opts.ffn, opts.nodes.nnodes, opts.nodes.layout)
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
     _check_own_keys_unset()
-    in_env = own_keys_in_env()  # on vLLM-Ascend afd-mrv2's keys travel in each role's environment
     for role in (ATTENTION, FFN):  # the CONFIG admission checks each role's process will run
         run(Subject({**afd, "role": role}), (Stage.CONFIG,))
     num_experts = _resolve_placement(afd, opts.model)
+    addr = opts.nodes.address(int(afd["port"]))
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
-    specs: list[RoleSpec] = []
-    # Attention ranks take the first core blocks, FFN ranks the next ones
-    binds = iter(core_blocks(opts.attention + opts.ffn, _available_cores()))
-    bind = {ATTENTION: [next(binds) for _ in range(opts.attention)], FFN: [next(binds) for _ in range(opts.ffn)]}
-    for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention)):
-        for rank in range(count):
-            section = {**afd, "role": role, RANK_KEY: rank}
-            parse_afd_config(section)  # rank below its role's count
-            additional, own_env = place_own_keys(from_extra, {AFD_KEY: section}, in_env=in_env)
-            env = {**ROLE_ENV, envs.STATS_DIR.name: run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
-            if role == ATTENTION and opts.ubatches is not None:
-                env[envs.V2_MODEL_RUNNER.name] = "1"
-            block = bind[role][rank]
-            if block:
-                env[CPU_BIND_ENV] = ",".join(map(str, block))
-            cores = block if CPU_BIND_ENV not in os.environ else ()  # the user's binding wins: serve pins nothing
-            port = opts.port + 1 + rank if role == ATTENTION else None
-            ready = str(Path(run_dir) / f"ffn-{rank}.ready") if role == FFN else None
-            ctx = RoleContext(
-                model=opts.model,
-                role=role,
-                rank=rank,
-                port=port,
-                additional_config=json.dumps(additional, sort_keys=True),
-                extra=extra,
-                ready_file=ready,
-                ubatches=opts.ubatches if role == ATTENTION else None,
-            )
-            build = commands.attention if role == ATTENTION else commands.ffn
-            specs.append(RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env, cores))
-    return Plan(opts, tuple(specs), run_dir, afd, num_experts)
+    here = opts.nodes.node_rank
+    local = [(role, r) for role, count in ((ATTENTION, opts.attention), (FFN, opts.ffn)) for r in range(count)]
+    local = [(role, r) for role, r in local if layout.node_of(role, r) == here]
+    # this node's Attention ranks take the first core blocks, its FFN ranks the next ones
+    blocks = dict(zip(local, core_blocks(len(local), _available_cores()), strict=True))
+    where = _Where(afd, from_extra, extra, run_dir, addr, commands or RoleCommands(), own_keys_in_env())
+    specs = [
+        _role_spec(opts, where, role, rank, layout.node_of(role, rank), blocks.get((role, rank), ()))
+        for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention))
+        for rank in range(count)
+    ]
+    return Plan(opts, tuple(specs), run_dir, afd, num_experts, here, addr, layout)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What every role spec of one node's plan is built from."""
+
+    afd: dict[str, Any]
+    from_extra: dict[str, Any]
+    extra: tuple[str, ...]
+    run_dir: str
+    addr: str
+    commands: RoleCommands
+    #: on vLLM-Ascend afd-mrv2's keys travel in each role's environment
+    in_env: bool
+
+
+def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: int, block: tuple[int, ...]) -> RoleSpec:
+    """One role rank's spec: its own ``afd`` section, environment, port and command line; another node's
+    role gets its section and port only (that node builds the rest)."""
+    section = {**where.afd, "role": role, RANK_KEY: rank}
+    parse_afd_config(section)  # rank below its role's count
+    port = opts.port + 1 + rank if role == ATTENTION else None
+    if node != opts.nodes.node_rank:
+        return RoleSpec(role, rank, (), section, port, node=node, host="")
+    additional, own_env = place_own_keys(where.from_extra, {AFD_KEY: section}, in_env=where.in_env)
+    env = {**ROLE_ENV, envs.STATS_DIR.name: where.run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
+    if role == ATTENTION and opts.ubatches is not None:
+        env[envs.V2_MODEL_RUNNER.name] = "1"
+    if block:
+        env[CPU_BIND_ENV] = ",".join(map(str, block))
+    cores = block if CPU_BIND_ENV not in os.environ else ()  # the user's binding wins: serve pins nothing
+    ready = str(Path(where.run_dir) / f"ffn-{rank}.ready") if role == FFN else None
+    ctx = RoleContext(
+        model=opts.model,
+        role=role,
+        rank=rank,
+        port=port,
+        additional_config=json.dumps(additional, sort_keys=True),
+        extra=where.extra,
+        ready_file=ready,
+        ubatches=opts.ubatches if role == ATTENTION else None,
+        host=where.addr,
+    )
+    build = where.commands.attention if role == ATTENTION else where.commands.ffn
+    return RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env, cores, node, where.addr)
 
 
 def _resolve_placement(afd: dict[str, Any], model: str) -> int | None:

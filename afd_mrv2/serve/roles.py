@@ -28,7 +28,7 @@ import aiohttp
 
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.procs import group_alive, group_members, start_pinned
-from afd_mrv2.serve.plan import FFN_READY_MARKER, HOST, RoleSpec
+from afd_mrv2.serve.plan import FFN_READY_MARKER, RoleSpec
 
 POLL_S = 0.1
 #: Known noise roles print while they exit: counted, shown as one line at the end instead of each
@@ -99,6 +99,10 @@ class RoleProcess:
 
     def describe(self) -> str:
         return f"{self.spec.role} rank {self.spec.rank} (pid {self.pid})"
+
+    def where(self) -> str:
+        """Where it runs, for a message: ``pid N``."""
+        return f"pid {self.pid}"
 
     async def start(self) -> None:
         self.started_at = time.time()  # wall clock, as the roles' live figures stamp their events
@@ -220,7 +224,7 @@ class RoleProcess:
             await asyncio.sleep(POLL_S)
 
     async def _poll_health(self) -> None:
-        url = f"http://{HOST}:{self.spec.port}/health"
+        url = f"http://{self.spec.host}:{self.spec.port}/health"
         timeout = aiohttp.ClientTimeout(total=2.0)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not self.ready.is_set():

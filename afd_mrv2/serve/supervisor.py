@@ -18,12 +18,13 @@ from typing import Any, TextIO
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.live_stats import read_stats
+from afd_mrv2.live_stats import Written, read_stats
 from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.metrics import Health, RoleState
-from afd_mrv2.serve.plan import HOST, Plan, RoleSpec
+from afd_mrv2.serve.plan import Plan, RoleSpec
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.reaper import Reaper
+from afd_mrv2.serve.remote import NodeWatch, RemoteRole
 from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess, describe_exit
 from afd_mrv2.serve.stalls import STALL_LOOK_S, stalled_ffn_ranks
@@ -61,7 +62,10 @@ class Supervisor:
         self.restarts: Counter[tuple[str, int]] = Counter()
         self._restart_attempts: Counter[tuple[str, int]] = Counter()
         self._tasks: list[asyncio.Future[None]] = []
-        self.rendezvous = RendezvousHost(plan.afd, HOST)  # the store serve hosts (afd.rendezvous: external)
+        # the store serve hosts (afd.rendezvous: external)
+        self.rendezvous = RendezvousHost(plan.afd, plan.options.nodes.store_host())
+        #: the other nodes' heartbeats (over --nnodes; none on one node)
+        self.nodes = NodeWatch(self.rendezvous, range(1, plan.options.nodes.nnodes), self._say)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
         self.failovers = 0
         self.proxy: Proxy | None = None
@@ -133,6 +137,11 @@ class Supervisor:
 
     def _restart_later(self, role: RoleProcess) -> None:
         key = (role.spec.role, role.spec.rank)
+        if role.spec.node in self.nodes.lost:
+            self._say(
+                f"{role.spec.name}: not restarted ({self.nodes.name(role.spec.node)} is lost); serve runs degraded"
+            )
+            return
         if self._exhausted(role):
             self._say(
                 f"{role.spec.name}: not restarted again ({MAX_RESTARTS} restarts already); serve runs degraded "
@@ -152,15 +161,14 @@ class Supervisor:
         if spec.ready_file is not None:
             Path(spec.ready_file).unlink(missing_ok=True)
         started = time.monotonic()
-        new = RoleProcess(spec, self.log, self._on_exit)
+        new = self._new_role(spec, old)
         try:
             await new.start()
         except OSError as exc:
             self._say(f"cannot restart {spec.name}: {exc}")
             return
-        self.reaper.watch(new.pid)
-        self.roles.append(new)
-        self._say(f"{spec.name}: restarting (pid {new.pid})")
+        self._watch(new)
+        self._say(f"{spec.name}: restarting ({new.where()})")
         ready = asyncio.ensure_future(new.ready.wait())
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait(
@@ -174,6 +182,7 @@ class Supervisor:
             self.lost.remove(old)
         self.restarts[(spec.role, spec.rank)] += 1
         if spec.role == ATTENTION and self.proxy is not None:
+            self._route(new)
             self.proxy.revive(spec.rank)
             back = "the endpoint routes to it again"
         else:
@@ -187,7 +196,7 @@ class Supervisor:
             await asyncio.sleep(STALL_LOOK_S)
             latest = {r.spec.rank: r for r in self.roles if r.spec.role == FFN}
             since = {f: r.started_at for f, r in latest.items() if r.ready.is_set() and r.alive()}
-            for f, (engine, reason) in stalled_ffn_ranks(read_stats(self.plan.run_dir), since).items():
+            for f, (engine, reason) in stalled_ffn_ranks(self.figures(), since).items():
                 role = latest[f]
                 self._say(
                     f"{role.describe()} is stalled: attention rank {engine} stopped routing to it ({reason}) "
@@ -243,11 +252,12 @@ class Supervisor:
         self.reaper.start()
         try:
             try:
-                await proxy.start(HOST, opts.port)
+                await proxy.start(opts.host, opts.port)
             except OSError as exc:
                 await proxy.close()
-                raise AfdError(f"cannot listen on {HOST}:{opts.port}: {exc.strerror or exc}") from None
+                raise AfdError(f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}") from None
             self._warn_ephemeral()
+            self._say_nodes()
             self._say_placement()
             self._say_cores()
             self._say_transport()
@@ -260,7 +270,7 @@ class Supervisor:
                 ):
                     proxy.ready = True
                     self._tasks.append(asyncio.ensure_future(self._watch_stalls()))
-                    print(f"{READY_PREFIX} http://{HOST}:{opts.port}/v1", file=self.out, flush=True)
+                    print(f"{READY_PREFIX} http://{opts.host}:{opts.port}/v1", file=self.out, flush=True)
                     await self._stop.wait()
             finally:
                 self.stopping = True
@@ -270,6 +280,7 @@ class Supervisor:
                     task.cancel()
                 await self._stop_roles()
                 self.reaper.close()
+                self.rendezvous.close()
                 await proxy.close()
                 shutil.rmtree(self.plan.run_dir, ignore_errors=True)
         finally:
@@ -283,11 +294,17 @@ class Supervisor:
             self.failovers,
             self.plan.expert_replicas,
             tuple(self.plan.placement.describe()),
-            read_stats(self.plan.run_dir),
+            self.figures(),
             {f"{role} {rank}": n for (role, rank), n in sorted(self.restarts.items())},
             tuple(sorted({f"{r.spec.role} {r.spec.rank}" for r in self.lost if self._exhausted(r)})),
             tuple(sorted({f"{r.spec.role} {r.spec.rank}" for r in self.lost})),
+            self.nodes.state(),
         )
+
+    def figures(self) -> dict[tuple[str, int], Written]:
+        """Every role's live figures: this node's from its run directory, the other nodes' as they last
+        published them through the store."""
+        return {**self.nodes.figures(), **read_stats(self.plan.run_dir)}
 
     def _host_store(self) -> bool:
         """Host the AFD rendezvous store (``afd.rendezvous: external``); False, with the failure set, when the
@@ -297,6 +314,8 @@ class Supervisor:
         except AfdError as exc:
             self.failure = str(exc)
             return False
+        if self.plan.options.nodes.multi:
+            self._tasks.append(asyncio.ensure_future(self.nodes.run()))
         return True
 
     def role_states(self) -> list[RoleState]:
@@ -307,6 +326,17 @@ class Supervisor:
             RoleState(r.spec.role, r.spec.rank, r.pid, r.ready.is_set() and r not in self.lost and r.alive())
             for r in latest.values()
         ]
+
+    def _say_nodes(self) -> None:
+        """Over several nodes: which node runs which roles, and where the store is."""
+        layout, nodes = self.plan.layout, self.plan.options.nodes
+        if layout is None or not nodes.multi:
+            return
+        self._say(
+            f"nodes: {nodes.nnodes}; this is node 0 ({self.plan.addr}); the rendezvous store: {self.rendezvous.where}"
+        )
+        for line in layout.describe():
+            self._say(f"nodes: {line}")
 
     def _warn_ephemeral(self) -> None:
         """One line when a port bound after the FFN ranks start lies in the kernel's ephemeral range
@@ -388,14 +418,13 @@ class Supervisor:
         """Start ``specs`` and wait until all are ready; False when stopped, a role died or time ran out."""
         started = []
         for spec in specs:
-            role = RoleProcess(spec, self.log, self._on_exit)
+            role = self._new_role(spec, None)
             try:
                 await role.start()
             except OSError as exc:
                 self.failure = f"cannot start {spec.name}: {exc}"
                 return False
-            self.reaper.watch(role.pid)
-            self.roles.append(role)
+            self._watch(role)
             started.append(role)
         ready: asyncio.Future[list[bool]] = asyncio.ensure_future(asyncio.gather(*(r.ready.wait() for r in started)))
         stop: asyncio.Future[bool] = asyncio.ensure_future(self._stop.wait())
@@ -407,12 +436,35 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if ready in done and not self._stop.is_set():
+            for role in started:
+                self._route(role)
             self._say(f"{', '.join(r.describe() for r in started)} ready")
             return True
         if not done:
             late = [r.describe() for r in started if not r.ready.is_set()]
             self.failure = f"{', '.join(late)} not ready after {remaining:g} s"
         return False
+
+    def _new_role(self, spec: RoleSpec, previous: RoleProcess | None) -> RoleProcess:
+        """A process of ``spec`` to start: here, or (another node's role) through that node's serve, as the
+        generation after ``previous``."""
+        if spec.node == self.plan.node:
+            return RoleProcess(spec, self.log, self._on_exit)
+        generation = previous.generation + 1 if isinstance(previous, RemoteRole) else 1
+        return RemoteRole(
+            spec, self.log, self._on_exit, rendezvous=self.rendezvous, nodes=self.nodes, generation=generation
+        )
+
+    def _watch(self, role: RoleProcess) -> None:
+        """``role`` is started: one of serve's roles, its group stopped by the reaper should serve die."""
+        if not isinstance(role, RemoteRole):  # another node's reaper watches that node's roles
+            self.reaper.watch(role.pid)
+        self.roles.append(role)
+
+    def _route(self, role: RoleProcess) -> None:
+        """A ready Attention engine of another node: the endpoint routes to the address it advertised."""
+        if isinstance(role, RemoteRole) and role.spec.role == ATTENTION and self.proxy is not None and role.url:
+            self.proxy.backends[role.spec.rank].url = role.url
 
     async def _wait_dead(self, roles: Sequence[RoleProcess], timeout: float) -> list[RoleProcess]:
         """Wait up to ``timeout`` (less on a second signal) for ``roles``' groups to end; return the survivors."""

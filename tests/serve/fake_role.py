@@ -17,7 +17,7 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
   Attention engines are; false: it runs until signalled.  Attention fakes announce their pids as
   ``fake-attention-<rank>.pid`` in ``$AFD_MRV2_STATS_DIR`` (the run directory serve gives every role).
 
-An Attention fake serves ``/health``, ``/v1/models`` and ``/v1/completions`` (a JSON body,
+An Attention fake binds ``--host`` (127.0.0.1 without it) and serves ``/health``, ``/v1/models`` and ``/v1/completions`` (a JSON body,
 or SSE chunks with ``"stream": true``) with aiohttp; the completion names the rank and pid.
 Its ``/metrics`` is what a vLLM OpenAI server exports, made the way vLLM makes it
 (``prometheus_client``; every sample labelled ``engine="0"``, as each independent engine does):
@@ -175,7 +175,7 @@ async def main(argv: list[str]) -> None:
     else:
         runner = web.AppRunner(attention_app(rank, behaviour), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
+        await web.TCPSite(runner, _opt(argv, "--host") or "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
         print(f"listening on {_opt(argv, '--port')}", flush=True)
         if run_dir:
             Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))

@@ -19,7 +19,7 @@ FAKE = str(Path(__file__).with_name("fake_role.py"))
 def fake_command(ctx: RoleContext) -> list[str]:
     argv = [sys.executable, FAKE, ctx.role, str(ctx.rank), "--additional-config", ctx.additional_config]
     if ctx.port is not None:
-        argv += ["--port", str(ctx.port)]
+        argv += ["--port", str(ctx.port), "--host", ctx.host]
     if ctx.ready_file is not None:
         argv += ["--ready-file", ctx.ready_file]
     return [*argv, *ctx.extra]

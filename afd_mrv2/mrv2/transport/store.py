@@ -25,9 +25,12 @@ from afd_mrv2.hooks.p2p.channel import Channel, Endpoints
 from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.placement import PlacementStamp
+from afd_mrv2.ports import route_address
 
 #: Every key of the store lives under this prefix.
 PREFIX = "afd_mrv2/p2p"
+#: serve's own keys, for a deployment over several nodes.
+SERVE = f"{PREFIX}/serve"
 #: A pair group's own timeout (gloo aborts the whole group on expiry): a serving FFN rank waits as long as
 #: its Attention engine stays idle, so a week; dead peers are noticed at once through the link's control channel.
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
@@ -51,15 +54,6 @@ class PairTransport:
     def of(cls, config: AfdConfig) -> PairTransport:
         """``afd.transport`` and ``afd.bind`` of an ``afd`` section."""
         return cls(config.transport, config.bind)
-
-
-def route_address(host: str, port: int) -> str:
-    """The local address this host reaches ``host:port`` from (a UDP socket's ``getsockname`` after a
-    ``connect``, which sends nothing): ``127.0.0.1`` for a store on loopback."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
 
 
 class PlacementMismatch(AfdError):
@@ -94,9 +88,14 @@ class RendezvousStore:
     * ``{pair}/gloo/...``: the pair's gloo rendezvous (gloo's own keys);
     * ``{pair}/zmq/endpoint``, ``{pair}/tcp/endpoint``: on zmq or tcp, where the FFN side listens and the
       pair's token, JSON (:class:`~afd_mrv2.hooks.p2p.channel.Endpoints`), set by the FFN side before its
-      hello.
+      hello;
+    * ``serve/node{k}``, ``serve/node{k}/beat``, ``serve/node{k}/figures``: a serve over several nodes: node
+      ``k``'s address and host (JSON), its heartbeat counter, its roles' live figures (JSON);
+    * ``serve/{rank}/state``, ``serve/{rank}/signal``, ``serve/{rank}/restart``: the process of a role rank as
+      its node sees it (JSON), a signal node 0 asks its node to send it (JSON), the generation node 0 asks
+      its node to start (:mod:`afd_mrv2.serve.agent`).
 
-    Sections: connection; incarnations; losses and the stop key; the pair handshake.
+    Sections: connection; incarnations; losses and the stop key; serve's nodes; the pair handshake.
     """
 
     __slots__ = ("_store", "transport")
@@ -163,6 +162,65 @@ class RendezvousStore:
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called."""
         return bool(self._store.check([f"{PREFIX}/stop"]))
+
+    # ------------------------------------------------------------------ serve's nodes (--nnodes)
+
+    def announce_node(self, node: int, info: dict[str, Any]) -> None:
+        """Node ``node``'s serve is up: its address, host name and pid (JSON)."""
+        self._store.set(f"{SERVE}/node{node}", json.dumps(info, sort_keys=True))
+
+    def node_info(self, node: int) -> dict[str, Any] | None:
+        """What node ``node`` announced (None: not yet)."""
+        return self._object(f"{SERVE}/node{node}")
+
+    def beat(self, node: int) -> int:
+        """One heartbeat of node ``node``'s serve; returns the count."""
+        return int(self._store.add(f"{SERVE}/node{node}/beat", 1))
+
+    def beats(self, node: int) -> int:
+        """Node ``node``'s heartbeats so far (never blocks)."""
+        return int(self._store.add(f"{SERVE}/node{node}/beat", 0))
+
+    def publish_figures(self, node: int, figures: list[dict[str, Any]]) -> None:
+        """Node ``node``'s roles' live figures, as :func:`afd_mrv2.live_stats.read_stats` read them."""
+        self._store.set(f"{SERVE}/node{node}/figures", json.dumps(figures))
+
+    def node_figures(self, node: int) -> list[dict[str, Any]]:
+        value = self._json(f"{SERVE}/node{node}/figures")
+        return value if isinstance(value, list) else []
+
+    def publish_role(self, role: str, index: int, state: dict[str, Any]) -> None:
+        """The process of ``role`` rank ``index`` as its node sees it: generation, pid, ready, exit (JSON)."""
+        self._store.set(f"{SERVE}/{_rank_name(role, index)}/state", json.dumps(state, sort_keys=True))
+
+    def role_state(self, role: str, index: int) -> dict[str, Any] | None:
+        return self._object(f"{SERVE}/{_rank_name(role, index)}/state")
+
+    def request_signal(self, role: str, index: int, generation: int, signum: int) -> None:
+        """Ask the node of ``role`` rank ``index`` to send ``signum`` to that generation's process group."""
+        seq = int(self._store.add(f"{SERVE}/{_rank_name(role, index)}/signals", 1))
+        request = {"generation": generation, "signal": signum, "seq": seq}
+        self._store.set(f"{SERVE}/{_rank_name(role, index)}/signal", json.dumps(request))
+
+    def signal_request(self, role: str, index: int) -> dict[str, Any] | None:
+        """The latest signal asked for ``role`` rank ``index`` (``generation``, ``signal``, ``seq``)."""
+        return self._object(f"{SERVE}/{_rank_name(role, index)}/signal")
+
+    def request_restart(self, role: str, index: int, generation: int) -> None:
+        """Ask the node of ``role`` rank ``index`` to start its process ``generation`` (2, 3, ...)."""
+        self._store.set(f"{SERVE}/{_rank_name(role, index)}/restart", str(generation))
+
+    def restart_request(self, role: str, index: int) -> int:
+        """The latest generation asked for ``role`` rank ``index`` (0: none)."""
+        return int(self._get(f"{SERVE}/{_rank_name(role, index)}/restart") or 0)
+
+    def _json(self, key: str) -> Any:
+        text = self._get(key)
+        return json.loads(text) if text is not None else None
+
+    def _object(self, key: str) -> dict[str, Any] | None:
+        value = self._json(key)
+        return value if isinstance(value, dict) else None
 
     # ------------------------------------------------------------------ the pair handshake
 
