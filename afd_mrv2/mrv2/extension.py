@@ -46,6 +46,15 @@ def _modular(layer: RoutedExperts) -> ExpertsFn:
     return run
 
 
+def allow_amx() -> None:
+    """Ask Linux for this process's AMX tiles, where the CPU has them.  vLLM's CPU MoE kernel (its ``amx`` isa,
+    chosen for bf16 on such CPUs) runs tile instructions, which the kernel allows a process only after it asked
+    (``arch_prctl`` XTILEDATA; SIGILL otherwise).  oneDNN asks on its first AMX matmul; an FFN rank holds only
+    experts and never runs one, so its first MoE call died of SIGILL ("Illegal instruction") before this."""
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def _check_held_layers(layers: Sequence[RoutedExperts], held: Sequence[int]) -> None:
     """Every layer holds exactly ``held``, as ``afd.placement`` gives this rank: the layers were built with its
     held set (afd-mrv2's ``RoutedExperts``), or hold every expert where this rank holds them all (a platform
@@ -90,6 +99,8 @@ class AfdWorkerExtension:
             for layer in layers
         ]
         first = next(layers[0].parameters())
+        if first.device.type == "cpu":
+            allow_amx()
         # started by ffn_role: end with that process while serving (mrv2.leader)
         watch = watch_role_leader(leader_pid(self.vllm_config.additional_config))
         try:
