@@ -2,7 +2,7 @@
 
 Node 0's supervisor (:mod:`afd_mrv2.serve.supervisor`, with :mod:`afd_mrv2.serve.remote`) decides everything
 (failover, restarts, stop); a :class:`NodeAgent` carries it out here.  Every :data:`~.remote.BEAT_S` it
-beats, publishes each of its roles' state (generation, pid, ready, exit, whether its group lives) and live
+beats, publishes each of its roles' state (launch, pid, ready, exit, whether its group lives) and live
 figures, and carries out the signals and restarts node 0 asked for.  It stops its roles and exits when node
 0 sets the stop key (0), on SIGTERM/SIGINT (0), or when node 0 stays silent for
 :data:`~.remote.NODE_SILENT_S` (1, one line naming node 0): nothing of a deployment outlives its node 0.
@@ -40,9 +40,9 @@ class NodeAgent:
         self.rendezvous = RendezvousHost(
             plan.afd, opts.nodes.store_host(), master=False, connect_timeout_s=opts.ready_timeout_s
         )
-        #: the latest process of each local role rank, and its generation
+        #: the latest process of each local role rank, and its launch
         self.roles: dict[tuple[str, int], RoleProcess] = {}
-        self.generation: dict[tuple[str, int], int] = {}
+        self.launch: dict[tuple[str, int], int] = {}
         self._signals_done: dict[tuple[str, int], int] = {}
         self._stop = asyncio.Event()
         self.failure: str | None = None
@@ -115,7 +115,7 @@ class NodeAgent:
         if not self._stop.is_set():
             await asyncio.gather(*(self._start(spec, 1) for spec in self.plan.local if spec.role == ATTENTION))
 
-    async def _start(self, spec: RoleSpec, generation: int) -> RoleProcess | None:
+    async def _start(self, spec: RoleSpec, launch: int) -> RoleProcess | None:
         role = RoleProcess(spec, self.log, self._on_exit)
         try:
             await role.start()
@@ -124,7 +124,7 @@ class NodeAgent:
             return None
         self.reaper.watch(role.pid)
         key = (spec.role, spec.rank)
-        self.roles[key], self.generation[key] = role, generation
+        self.roles[key], self.launch[key] = role, launch
         return role
 
     def _on_exit(self, role: RoleProcess) -> None:
@@ -158,7 +158,7 @@ class NodeAgent:
     async def _publish(self, key: tuple[str, int]) -> None:
         role, spec = self.roles[key], self.roles[key].spec
         state: dict[str, Any] = {
-            "generation": self.generation[key],
+            "launch": self.launch[key],
             "pid": role.pid,
             "started_at": role.started_at,
             "ready": role.ready.is_set(),
@@ -175,12 +175,12 @@ class NodeAgent:
         ask = await self.rendezvous.call(lambda s: s.signal_request(*key))
         if ask and ask["seq"] > self._signals_done.get(key, 0):
             self._signals_done[key] = ask["seq"]
-            if ask["generation"] == self.generation[key]:
+            if ask["launch"] == self.launch[key]:
                 role.signal_group(int(ask["signal"]))
         wanted = await self.rendezvous.call(lambda s: s.restart_request(*key))
-        if wanted and wanted > self.generation[key] and not role.alive():
+        if wanted and wanted > self.launch[key] and not role.alive():
             await role.close()
-            self._say(f"{role.spec.name}: restarting as generation {wanted}, as node 0 asks")
+            self._say(f"{role.spec.name}: restarting as launch {wanted}, as node 0 asks")
             await self._start(role.spec, wanted)
 
     async def _stop_roles(self) -> None:

@@ -93,7 +93,7 @@ class NodeWatch:
 
 
 class RemoteRole(RoleProcess):
-    """One generation of a role rank another node runs, as node 0's supervisor drives it through the store."""
+    """One launch of a role rank another node runs, as node 0's supervisor drives it through the store."""
 
     def __init__(
         self,
@@ -103,12 +103,12 @@ class RemoteRole(RoleProcess):
         *,
         rendezvous: RendezvousHost,
         nodes: NodeWatch,
-        generation: int = 1,
+        launch: int = 1,
     ) -> None:
         super().__init__(spec, log, on_exit)
         self.rendezvous = rendezvous
         self.nodes = nodes
-        self.generation = generation
+        self.launch = launch
         self.url = ""
         self._pid = -1
         self._how = ""
@@ -128,11 +128,11 @@ class RemoteRole(RoleProcess):
         return self._how or "running"
 
     async def start(self) -> None:
-        """Ask its node to start this generation (the first starts with the node), then follow its state."""
+        """Ask its node to start this launch (the first starts with the node), then follow its state."""
         self.started_at = time.time()
-        if self.generation > 1:
-            spec, gen = self.spec, self.generation
-            await self.rendezvous.call(lambda s: s.request_restart(spec.role, spec.rank, gen))
+        if self.launch > 1:
+            spec, launch = self.spec, self.launch
+            await self.rendezvous.call(lambda s: s.request_restart(spec.role, spec.rank, launch))
         self._tasks = [asyncio.ensure_future(self._follow())]
 
     async def _follow(self) -> None:
@@ -144,7 +144,7 @@ class RemoteRole(RoleProcess):
                 self._how = f"{self.nodes.name(spec.node)} {lost}"
                 self._alive = False
                 self._exit(-signal.SIGKILL)
-            elif state and state.get("generation") == self.generation:
+            elif state and state.get("launch") == self.launch:
                 self._take(state)
             await asyncio.sleep(LOOK_S)
 
@@ -171,9 +171,9 @@ class RemoteRole(RoleProcess):
     def signal_group(self, sig: int) -> None:
         """Ask its node to send ``sig`` to its process group (best effort: a lost node's roles are gone)."""
         self.stopping = True
-        spec, gen = self.spec, self.generation
+        spec, launch = self.spec, self.launch
         with contextlib.suppress(RuntimeError):  # no loop: serve is gone, and with it node 0's store
-            ask = self.rendezvous.call(lambda s: s.request_signal(spec.role, spec.rank, gen, sig))
+            ask = self.rendezvous.call(lambda s: s.request_signal(spec.role, spec.rank, launch, sig))
             self._tasks.append(asyncio.ensure_future(ask))
 
     def survivors(self) -> str:

@@ -447,13 +447,11 @@ class Supervisor:
 
     def _new_role(self, spec: RoleSpec, previous: RoleProcess | None) -> RoleProcess:
         """A process of ``spec`` to start: here, or (another node's role) through that node's serve, as the
-        generation after ``previous``."""
+        launch after ``previous``."""
         if spec.node == self.plan.node:
             return RoleProcess(spec, self.log, self._on_exit)
-        generation = previous.generation + 1 if isinstance(previous, RemoteRole) else 1
-        return RemoteRole(
-            spec, self.log, self._on_exit, rendezvous=self.rendezvous, nodes=self.nodes, generation=generation
-        )
+        launch = previous.launch + 1 if isinstance(previous, RemoteRole) else 1
+        return RemoteRole(spec, self.log, self._on_exit, rendezvous=self.rendezvous, nodes=self.nodes, launch=launch)
 
     def _watch(self, role: RoleProcess) -> None:
         """``role`` is started: one of serve's roles, its group stopped by the reaper should serve die."""

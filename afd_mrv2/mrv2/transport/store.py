@@ -92,8 +92,8 @@ class RendezvousStore:
     * ``serve/node{k}``, ``serve/node{k}/beat``, ``serve/node{k}/figures``: a serve over several nodes: node
       ``k``'s address and host (JSON), its heartbeat counter, its roles' live figures (JSON);
     * ``serve/{rank}/state``, ``serve/{rank}/signal``, ``serve/{rank}/restart``: the process of a role rank as
-      its node sees it (JSON), a signal node 0 asks its node to send it (JSON), the generation node 0 asks
-      its node to start (:mod:`afd_mrv2.serve.agent`).
+      its node sees it (JSON), a signal node 0 asks its node to send it (JSON), the launch (1, 2, ...) node 0
+      asks its node to start (:mod:`afd_mrv2.serve.agent`).
 
     Sections: connection; incarnations; losses and the stop key; serve's nodes; the pair handshake.
     """
@@ -190,28 +190,28 @@ class RendezvousStore:
         return value if isinstance(value, list) else []
 
     def publish_role(self, role: str, index: int, state: dict[str, Any]) -> None:
-        """The process of ``role`` rank ``index`` as its node sees it: generation, pid, ready, exit (JSON)."""
+        """The process of ``role`` rank ``index`` as its node sees it: launch, pid, ready, exit (JSON)."""
         self._store.set(f"{SERVE}/{_rank_name(role, index)}/state", json.dumps(state, sort_keys=True))
 
     def role_state(self, role: str, index: int) -> dict[str, Any] | None:
         return self._object(f"{SERVE}/{_rank_name(role, index)}/state")
 
-    def request_signal(self, role: str, index: int, generation: int, signum: int) -> None:
-        """Ask the node of ``role`` rank ``index`` to send ``signum`` to that generation's process group."""
+    def request_signal(self, role: str, index: int, launch: int, signum: int) -> None:
+        """Ask the node of ``role`` rank ``index`` to send ``signum`` to that launch's process group."""
         seq = int(self._store.add(f"{SERVE}/{_rank_name(role, index)}/signals", 1))
-        request = {"generation": generation, "signal": signum, "seq": seq}
+        request = {"launch": launch, "signal": signum, "seq": seq}
         self._store.set(f"{SERVE}/{_rank_name(role, index)}/signal", json.dumps(request))
 
     def signal_request(self, role: str, index: int) -> dict[str, Any] | None:
-        """The latest signal asked for ``role`` rank ``index`` (``generation``, ``signal``, ``seq``)."""
+        """The latest signal asked for ``role`` rank ``index`` (``launch``, ``signal``, ``seq``)."""
         return self._object(f"{SERVE}/{_rank_name(role, index)}/signal")
 
-    def request_restart(self, role: str, index: int, generation: int) -> None:
-        """Ask the node of ``role`` rank ``index`` to start its process ``generation`` (2, 3, ...)."""
-        self._store.set(f"{SERVE}/{_rank_name(role, index)}/restart", str(generation))
+    def request_restart(self, role: str, index: int, launch: int) -> None:
+        """Ask the node of ``role`` rank ``index`` to start its process ``launch`` (2, 3, ...)."""
+        self._store.set(f"{SERVE}/{_rank_name(role, index)}/restart", str(launch))
 
     def restart_request(self, role: str, index: int) -> int:
-        """The latest generation asked for ``role`` rank ``index`` (0: none)."""
+        """The latest launch asked for ``role`` rank ``index`` (0: none)."""
         return int(self._get(f"{SERVE}/{_rank_name(role, index)}/restart") or 0)
 
     def _json(self, key: str) -> Any:
