@@ -110,6 +110,14 @@ ADDITIONAL_CONFIG: Final = EnvVar(
     set_by="serve and the FFN role on vLLM-Ascend, for the engines they start; you, for a `vllm serve` you start "
     "by hand on vLLM-Ascend",
 )
+SECRET: Final = EnvVar(
+    "AFD_MRV2_SECRET",
+    "The deployment's secret (hex): every value a role writes to the rendezvous store carries a keyed MAC of "
+    "it (a value without one is refused and logged), and the tokens of the zmq and tcp pairs are derived from "
+    "it (the store holds only a nonce).  Never on a command line: serve hands it to each role here.",
+    "unset: the store's values carry no MAC and the pairs' tokens lie in the store",
+    set_by="serve, for every role (generated, or read from `--secret-file`); you, for a role you start by hand",
+)
 
 #: Every variable afd-mrv2 reads, in the docs table's order.
 VARIABLES: Final = (
@@ -121,6 +129,7 @@ VARIABLES: Final = (
     LAYOUT_LOG,
     V2_MODEL_RUNNER,
     ADDITIONAL_CONFIG,
+    SECRET,
 )
 
 
@@ -137,6 +146,12 @@ def force_runtime(env: Env | None = None) -> str:
 def no_option_cache(env: Env | None = None) -> bool:
     """Whether ``$AFD_MRV2_NO_OPTION_CACHE`` turns serve's option cache off."""
     return flag(NO_OPTION_CACHE, env)
+
+
+def secret(env: Env | None = None) -> bytes | None:
+    """``$AFD_MRV2_SECRET`` as bytes (hex decoded); None when unset or empty; ValueError when not hex."""
+    value = SECRET.raw(env)
+    return bytes.fromhex(value.strip()) if value and value.strip() else None
 
 
 def stats_dir(env: Env | None = None) -> str | None:

@@ -57,6 +57,12 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         "--master-addr)",
     )
     parser.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="the deployment's secret (at least 16 bytes), the same file on every node; needed with N > 1 "
+        "(default on one node: a fresh one); guards the rendezvous store and the pairs",
+    )
+    parser.add_argument(
         "--layout",
         metavar="a0=0,f1=1",
         help="move role ranks to other nodes than the default (each role's ranks in blocks over the nodes)",
@@ -192,6 +198,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             layout=args.layout,
         ),
         host=args.host,
+        secret_file=args.secret_file,
     )
 
 

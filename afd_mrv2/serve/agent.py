@@ -40,6 +40,7 @@ class NodeAgent:
         self.rendezvous = RendezvousHost(
             plan.afd, opts.nodes.store_host(), master=False, connect_timeout_s=opts.ready_timeout_s
         )
+        self.rendezvous.secret = plan.secret
         #: the latest process of each local role rank, and its launch
         self.roles: dict[tuple[str, int], RoleProcess] = {}
         self.launch: dict[tuple[str, int], int] = {}

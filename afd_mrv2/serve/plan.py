@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -187,6 +188,8 @@ class ServeOptions:
     nodes: NodeOptions = field(default_factory=NodeOptions)
     #: ``--host``: the address the endpoint binds (node 0)
     host: str = HOST
+    #: ``--secret-file``: the deployment's secret, the same file on every node (None: generated on one node)
+    secret_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,8 @@ class Plan:
     node: int = 0
     addr: str = HOST
     layout: Layout | None = None
+    #: the deployment's secret: the store's MACs and the pairs' tokens (None: unguarded, gloo on one node)
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def local(self) -> tuple[RoleSpec, ...]:
@@ -323,6 +328,30 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     return afd
 
 
+def deployment_secret(opts: ServeOptions, transport: str) -> bytes | None:
+    """The deployment's secret: ``--secret-file``'s content (every node is given the same file); on one node
+    without it a fresh one (none for gloo pairs, which it cannot guard).  Over several nodes the file is
+    required and gloo refused: one line each."""
+    secret: bytes | None
+    if opts.secret_file is not None:
+        try:
+            secret = Path(opts.secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise AfdError(f"--secret-file {opts.secret_file}: {exc.strerror or exc}") from None
+        if len(secret) < 16:
+            raise AfdError(f"--secret-file {opts.secret_file}: {len(secret)} bytes; give at least 16")
+    elif opts.nodes.multi:
+        raise AfdError(
+            f"--nnodes {opts.nodes.nnodes} needs --secret-file: a file every node is given (e.g. made with "
+            "'head -c 32 /dev/urandom | xxd -p > FILE'); only processes with it join the deployment"
+        )
+    else:
+        secret = secrets.token_bytes(32) if transport != "gloo" else None
+    if secret is not None and transport == "gloo":
+        raise AfdError("afd.transport gloo cannot be guarded by the deployment's secret: use tcp or zmq")
+    return secret
+
+
 def _store_where(afd: dict[str, Any], opts: ServeOptions) -> None:
     """Where the rendezvous store listens: serve's own (node 0's over several nodes), unless the section says."""
     afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
@@ -397,6 +426,7 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
         run(Subject({**afd, "role": role}), (Stage.CONFIG,))
     num_experts = _resolve_placement(afd, opts.model)
     addr = opts.nodes.address(int(afd["port"]))
+    secret = deployment_secret(opts, str(afd.get("transport", "tcp")))
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     here = opts.nodes.node_rank
@@ -404,13 +434,13 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
     local = [(role, r) for role, r in local if layout.node_of(role, r) == here]
     # this node's Attention ranks take the first core blocks, its FFN ranks the next ones
     blocks = dict(zip(local, core_blocks(len(local), _available_cores()), strict=True))
-    where = _Where(afd, from_extra, extra, run_dir, addr, commands or RoleCommands(), own_keys_in_env())
+    where = _Where(afd, from_extra, extra, run_dir, addr, commands or RoleCommands(), own_keys_in_env(), secret)
     specs = [
         _role_spec(opts, where, role, rank, layout.node_of(role, rank), blocks.get((role, rank), ()))
         for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention))
         for rank in range(count)
     ]
-    return Plan(opts, tuple(specs), run_dir, afd, num_experts, here, addr, layout)
+    return Plan(opts, tuple(specs), run_dir, afd, num_experts, here, addr, layout, secret)
 
 
 @dataclass(frozen=True)
@@ -425,6 +455,7 @@ class _Where:
     commands: RoleCommands
     #: on vLLM-Ascend afd-mrv2's keys travel in each role's environment
     in_env: bool
+    secret: bytes | None
 
 
 def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: int, block: tuple[int, ...]) -> RoleSpec:
@@ -437,6 +468,8 @@ def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: in
         return RoleSpec(role, rank, (), section, port, node=node, host="")
     additional, own_env = place_own_keys(where.from_extra, {AFD_KEY: section}, in_env=where.in_env)
     env = {**ROLE_ENV, envs.STATS_DIR.name: where.run_dir, **own_env}  # STATS_DIR: its live figures (/metrics)
+    if where.secret is not None:
+        env[envs.SECRET.name] = where.secret.hex()
     if role == ATTENTION and opts.ubatches is not None:
         env[envs.V2_MODEL_RUNNER.name] = "1"
     if block:

@@ -35,6 +35,7 @@ class RendezvousHost:
     ) -> None:
         self.store: RendezvousStore | None = None
         self.master = master
+        self.secret: bytes | None = None
         self.connect_timeout_s = connect_timeout_s
         self._where = (
             (str(afd.get("host", default_host)), int(afd["port"])) if afd.get("rendezvous") == "external" else None
@@ -56,7 +57,9 @@ class RendezvousHost:
 
         host, port = self._where
         try:
-            self.store = RendezvousStore.connect(host, port, master=self.master, timeout_s=self.connect_timeout_s)
+            self.store = RendezvousStore.connect(
+                host, port, master=self.master, timeout_s=self.connect_timeout_s, secret=self.secret
+            )
         except (RuntimeError, OSError) as exc:
             verb = "host" if self.master else "reach"
             raise AfdError(

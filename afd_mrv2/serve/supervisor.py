@@ -64,6 +64,7 @@ class Supervisor:
         self._tasks: list[asyncio.Future[None]] = []
         # the store serve hosts (afd.rendezvous: external)
         self.rendezvous = RendezvousHost(plan.afd, plan.options.nodes.store_host())
+        self.rendezvous.secret = plan.secret
         #: the other nodes' heartbeats (over --nnodes; none on one node)
         self.nodes = NodeWatch(self.rendezvous, range(1, plan.options.nodes.nnodes), self._say)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)

@@ -8,7 +8,10 @@ server) and serve's supervisor (:mod:`afd_mrv2.serve.rendezvous`) go through its
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import logging
 import os
 import socket
 import time
@@ -18,6 +21,7 @@ from typing import Any, final
 
 import torch.distributed as dist
 
+from afd_mrv2 import envs
 from afd_mrv2.config import TRANSPORTS, AfdConfig
 from afd_mrv2.errors import AfdError
 from afd_mrv2.hooks.p2p import Pair, tcp_channel, zmq_channel
@@ -27,6 +31,9 @@ from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.placement import PlacementStamp
 from afd_mrv2.ports import route_address
 
+log = logging.getLogger(__name__)
+#: Between a value and its MAC in the store, with a deployment secret.
+_MAC_SEP = "\x1f"
 #: Every key of the store lives under this prefix.
 PREFIX = "afd_mrv2/p2p"
 #: serve's own keys, for a deployment over several nodes.
@@ -54,6 +61,10 @@ class PairTransport:
     def of(cls, config: AfdConfig) -> PairTransport:
         """``afd.transport`` and ``afd.bind`` of an ``afd`` section."""
         return cls(config.transport, config.bind)
+
+
+class StrangerValue(AfdError):
+    """A value in the store without the deployment's MAC: written by a process without its secret."""
 
 
 class PlacementMismatch(AfdError):
@@ -98,25 +109,43 @@ class RendezvousStore:
     Sections: connection; incarnations; losses and the stop key; serve's nodes; the pair handshake.
     """
 
-    __slots__ = ("_store", "transport")
+    __slots__ = ("_secret", "_store", "transport")
 
-    def __init__(self, store: dist.Store, *, transport: PairTransport = PairTransport()) -> None:
+    def __init__(
+        self, store: dist.Store, *, transport: PairTransport = PairTransport(), secret: bytes | None = None
+    ) -> None:
         """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object.  Pairs this
-        side joins run on ``transport``."""
+        side joins run on ``transport``.  With the deployment's ``secret`` every value written carries its
+        MAC and every value read must (:class:`StrangerValue`), and the zmq and tcp pairs' tokens derive from
+        it; gloo pairs are refused then (gloo's own keys in the store carry no MAC)."""
         if transport.kind not in TRANSPORTS:
             raise ValueError(f"transport {transport.kind!r}: not one of {', '.join(TRANSPORTS)}")
+        if secret is not None and transport.kind == "gloo":
+            raise AfdError(
+                "afd.transport gloo cannot be guarded by the deployment's secret (gloo's own rendezvous keys "
+                "carry no MAC): use tcp or zmq"
+            )
         self._store = store
         self.transport = transport
+        self._secret = secret
 
     # ------------------------------------------------------------------ connection
 
     @classmethod
     def connect(
-        cls, host: str, port: int, *, master: bool, timeout_s: float = 600.0, transport: PairTransport = PairTransport()
+        cls,
+        host: str,
+        port: int,
+        *,
+        master: bool,
+        timeout_s: float = 600.0,
+        transport: PairTransport = PairTransport(),
+        secret: bytes | None = None,
     ) -> RendezvousStore:
         """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``);
         pairs joined through it run on ``transport`` (a zmq or tcp one without ``bind`` binds the route to
-        ``host``)."""
+        ``host``); guarded by ``secret``, else by ``$AFD_MRV2_SECRET`` where it is set."""
+        secret = secret if secret is not None else envs.secret()
         if transport.kind != "gloo" and transport.bind is None:
             transport = PairTransport(transport.kind, route_address(host, port))
         return cls(
@@ -124,6 +153,7 @@ class RendezvousStore:
                 host, port, is_master=master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
             ),
             transport=transport,
+            secret=secret,
         )
 
     # ------------------------------------------------------------------ incarnations
@@ -132,7 +162,7 @@ class RendezvousStore:
         """This process as the next incarnation of ``role`` rank ``index`` (1, 2, ...); its label (pid, host)
         goes into the store for the peers' messages."""
         incarnation = int(self._store.add(self._counter(role, index), 1))
-        self._store.set(self._label(role, index, incarnation), f"pid {os.getpid()} on {socket.gethostname()}")
+        self._set(self._label(role, index, incarnation), f"pid {os.getpid()} on {socket.gethostname()}")
         return incarnation
 
     def latest(self, role: str, index: int) -> int:
@@ -148,7 +178,7 @@ class RendezvousStore:
     def mark_lost(self, role: str, index: int) -> None:
         """Say that ``role`` rank ``index``'s latest incarnation is gone (serve, on a loss): a process that
         starts meanwhile (a restarted engine) does not wait for it, and joins its next incarnation later."""
-        self._store.set(self._lost(role, index), str(self.latest(role, index)))
+        self._set(self._lost(role, index), str(self.latest(role, index)))
 
     def lost_incarnation(self, role: str, index: int) -> int:
         """The incarnation of ``role`` rank ``index`` last marked lost (0: none)."""
@@ -157,17 +187,17 @@ class RendezvousStore:
     def request_stop(self) -> None:
         """Tell every role on this store that the deployment is stopping: FFN ranks then serve no new
         incarnation of an engine, and their sessions end once their engines left."""
-        self._store.set(f"{PREFIX}/stop", "1")
+        self._set(f"{PREFIX}/stop", "1")
 
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called."""
-        return bool(self._store.check([f"{PREFIX}/stop"]))
+        return self._get(f"{PREFIX}/stop") == "1"
 
     # ------------------------------------------------------------------ serve's nodes (--nnodes)
 
     def announce_node(self, node: int, info: dict[str, Any]) -> None:
         """Node ``node``'s serve is up: its address, host name and pid (JSON)."""
-        self._store.set(f"{SERVE}/node{node}", json.dumps(info, sort_keys=True))
+        self._set(f"{SERVE}/node{node}", json.dumps(info, sort_keys=True))
 
     def node_info(self, node: int) -> dict[str, Any] | None:
         """What node ``node`` announced (None: not yet)."""
@@ -183,7 +213,7 @@ class RendezvousStore:
 
     def publish_figures(self, node: int, figures: list[dict[str, Any]]) -> None:
         """Node ``node``'s roles' live figures, as :func:`afd_mrv2.live_stats.read_stats` read them."""
-        self._store.set(f"{SERVE}/node{node}/figures", json.dumps(figures))
+        self._set(f"{SERVE}/node{node}/figures", json.dumps(figures))
 
     def node_figures(self, node: int) -> list[dict[str, Any]]:
         value = self._json(f"{SERVE}/node{node}/figures")
@@ -191,7 +221,7 @@ class RendezvousStore:
 
     def publish_role(self, role: str, index: int, state: dict[str, Any]) -> None:
         """The process of ``role`` rank ``index`` as its node sees it: launch, pid, ready, exit (JSON)."""
-        self._store.set(f"{SERVE}/{_rank_name(role, index)}/state", json.dumps(state, sort_keys=True))
+        self._set(f"{SERVE}/{_rank_name(role, index)}/state", json.dumps(state, sort_keys=True))
 
     def role_state(self, role: str, index: int) -> dict[str, Any] | None:
         return self._object(f"{SERVE}/{_rank_name(role, index)}/state")
@@ -200,7 +230,7 @@ class RendezvousStore:
         """Ask the node of ``role`` rank ``index`` to send ``signum`` to that launch's process group."""
         seq = int(self._store.add(f"{SERVE}/{_rank_name(role, index)}/signals", 1))
         request = {"launch": launch, "signal": signum, "seq": seq}
-        self._store.set(f"{SERVE}/{_rank_name(role, index)}/signal", json.dumps(request))
+        self._set(f"{SERVE}/{_rank_name(role, index)}/signal", json.dumps(request))
 
     def signal_request(self, role: str, index: int) -> dict[str, Any] | None:
         """The latest signal asked for ``role`` rank ``index`` (``launch``, ``signal``, ``seq``)."""
@@ -208,7 +238,7 @@ class RendezvousStore:
 
     def request_restart(self, role: str, index: int, launch: int) -> None:
         """Ask the node of ``role`` rank ``index`` to start its process ``launch`` (2, 3, ...)."""
-        self._store.set(f"{SERVE}/{_rank_name(role, index)}/restart", str(launch))
+        self._set(f"{SERVE}/{_rank_name(role, index)}/restart", str(launch))
 
     def restart_request(self, role: str, index: int) -> int:
         """The latest launch asked for ``role`` rank ``index`` (0: none)."""
@@ -249,14 +279,14 @@ class RendezvousStore:
         me = 0 if role == ATTENTION else 1
         listening = self._listen(name) if role == FFN and self.transport.kind != "gloo" else None
         try:
-            self._store.set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
-            self._store.set(f"{PREFIX}/{name}/hello/{mine}", "1")
+            self._set(f"{PREFIX}/{name}/placement/{mine}", json.dumps([placement.digest, placement.summary]))
+            self._set(f"{PREFIX}/{name}/hello/{mine}", "1")
             hello = f"{PREFIX}/{name}/hello/{theirs}"
             while not self._store.check([hello]):
                 if give_up():
                     return None
                 time.sleep(POLL_S)
-            digest, summary = json.loads(self._store.get(f"{PREFIX}/{name}/placement/{theirs}").decode())
+            digest, summary = json.loads(self._value(f"{PREFIX}/{name}/placement/{theirs}"))
             peer = PlacementStamp(digest, summary)
             if peer != placement:
                 stamps = (placement, peer) if role == ATTENTION else (peer, placement)
@@ -286,8 +316,14 @@ class RendezvousStore:
                 opened = zmq_channel.listen(peer=0, name=name, bind=self._bind)
         except Exception as exc:
             raise AfdError(f"afd.bind: cannot bind {self._bind!r} for pair {name}: {exc}") from exc
-        self._store.set(f"{PREFIX}/{name}/{self.transport.kind}/endpoint", opened[1].to_json())
-        return opened
+        mine = opened[1]
+        self._set(f"{PREFIX}/{name}/{self.transport.kind}/endpoint", mine.to_json())
+        if self._secret is None:
+            return opened
+        local = Endpoints(mine.endpoint, self._token(name, mine.token))  # what is checked: derived, never stored
+        if isinstance(opened[0], tcp_channel.TcpListener):
+            opened[0].endpoints = local
+        return opened[0], local
 
     def _open_channel(
         self, name: str, listening: tuple[Any, Endpoints] | None, give_up: Callable[[], bool]
@@ -298,7 +334,7 @@ class RendezvousStore:
         if listening is not None:
             listener: tcp_channel.TcpListener = listening[0]
             return listener.accept(peer=0, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up)
-        endpoints = Endpoints.from_json(self._store.get(f"{PREFIX}/{name}/tcp/endpoint").decode())
+        endpoints = self._peer_endpoints(name)
         return tcp_channel.connect(
             endpoints, peer=1, name=name, timeout_s=TOKEN_TIMEOUT_S, give_up=give_up, bind=self._bind
         )
@@ -315,8 +351,7 @@ class RendezvousStore:
         if listening is not None:
             channel, endpoints = listening
         else:
-            key = f"{PREFIX}/{name}/zmq/endpoint"
-            endpoints = Endpoints.from_json(self._store.get(key).decode())
+            endpoints = self._peer_endpoints(name)
             channel = zmq_channel.connect(endpoints, peer=1, name=name, bind=self._bind)
         try:
             joined = zmq_channel.exchange_token(
@@ -369,5 +404,45 @@ class RendezvousStore:
         return f"{PREFIX}/{_rank_name(role, index)}/lost"
 
     def _get(self, key: str) -> str | None:
-        """The value of ``key``, None when it is not set (never blocks)."""
-        return self._store.get(key).decode() if self._store.check([key]) else None
+        """The value of ``key``, None when it is not set or (with a secret) its MAC is wrong (never blocks)."""
+        if not self._store.check([key]):
+            return None
+        try:
+            return self._value(key)
+        except StrangerValue as exc:
+            log.warning("%s", exc)
+            return None
+
+    # ------------------------------------------------------------------ the deployment's secret
+
+    def _set(self, key: str, value: str) -> None:
+        """Write ``value``, with its MAC when the deployment has a secret."""
+        self._store.set(key, value if self._secret is None else f"{value}{_MAC_SEP}{self._mac(key, value)}")
+
+    def _value(self, key: str) -> str:
+        """The value of ``key`` (waits for it, up to the store's timeout); :class:`StrangerValue` when the
+        deployment has a secret and the value lacks its MAC (a process without the secret wrote it)."""
+        raw = self._store.get(key).decode()
+        if self._secret is None:
+            return raw
+        value, sep, mac = raw.rpartition(_MAC_SEP)
+        if not sep or not hmac.compare_digest(mac, self._mac(key, value)):
+            raise StrangerValue(f"rendezvous store: refused the value of {key}: it lacks the deployment's MAC "
+                                "(a process without the deployment's secret wrote it)")  # fmt: skip
+        return value
+
+    def _mac(self, key: str, value: str) -> str:
+        assert self._secret is not None
+        return hmac.new(self._secret, f"{key}\n{value}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _token(self, name: str, nonce: str) -> str:
+        """Pair ``name``'s token: with a secret, derived from it and the published ``nonce`` (the store holds
+        only the nonce, so a reader of the store cannot present it); else the nonce itself."""
+        if self._secret is None:
+            return nonce
+        return hmac.new(self._secret, f"pair {name} {nonce}".encode(), hashlib.sha256).hexdigest()[: len(nonce)]
+
+    def _peer_endpoints(self, name: str) -> Endpoints:
+        """Where the FFN side of pair ``name`` listens, with the token to present."""
+        published = Endpoints.from_json(self._value(f"{PREFIX}/{name}/{self.transport.kind}/endpoint"))
+        return Endpoints(published.endpoint, self._token(name, published.token))

@@ -1,0 +1,154 @@
+"""``afd-mrv2 serve`` over two machines on real vLLM: two hosts made of namespaces (tests/netns.py).
+
+2 Attention + 2 FFN ranks over 2 nodes (A0, F0 on node 0; A1, F1 on node 1), ``--expert-replicas 2``, the tiny
+Mixtral checkpoint, V1 CPU runner, the default transport (tcp).  Each node has its own network, PID
+namespace, host name and temporary directory, so a loopback literal, a hostname fallback, a cross-node
+``/proc`` read or a shared run directory fails it.  Requests are sent from inside node 0.
+
+* the same 2A2F serve on node 0 alone answers 32 greedy completions first (the single-host reference);
+* over two nodes: 32/32 identical to it, max |logprob difference| <= 1e-5; node 1's TCP connections reach
+  node addresses only, node 0's among them (the cross-node pairs);
+* node 1 killed whole (its PID namespace's init): node 0 says node 1 is lost within 10 s, and serves on
+  (every later request answered by Attention rank 0);
+* SIGTERM to node 0's serve: it exits 0 and leaves no process on node 0 within its stop grace + 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from afd_mrv2.harness.client import compare
+from tests.netns import Cluster, Node, require_namespaces
+from tests.vllm.harness import make_model
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1500)]
+
+READY = "afd-mrv2 serve: ready at"
+START_S = 600.0
+PORT = 18000
+CLIENT = """
+import json, sys
+from afd_mrv2.harness.client import body, complete_all, greedy, prompts
+url, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+answers = complete_all(url, [body(model, p, 16, logprobs=1, return_token_ids=True) for p in prompts(n)])
+print(json.dumps([[s, greedy(a) if s == 200 else str(a)[:300], a.get("pid") if isinstance(a, dict) else None]
+                  for s, a in answers]))
+"""
+
+
+class Lines:
+    """Every line of a pipe with its arrival time (monotonic), read by a daemon thread."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.timed: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
+
+    def _read(self, pipe: Any) -> None:
+        for line in pipe:
+            self.timed.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for _, line in self.timed]
+
+
+class NodeServe:
+    """``afd-mrv2 serve`` on one node, its stdout and stderr read line by line."""
+
+    def __init__(self, node: Node, model: Path, *args: str) -> None:
+        argv = [sys.executable, "-m", "afd_mrv2.cli", "serve", str(model), "--attention", "2", "--ffn", "2"]
+        argv += ["--expert-replicas", "2", "--port", str(PORT), "--stop-grace-s", "5", *args]
+        self.proc = node.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.out, self.err = Lines(self.proc.stdout), Lines(self.proc.stderr)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_S
+        while not any(line.startswith(READY) for line in self.out.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("serve not ready:\n" + "\n".join(self.err.lines[-60:]))
+            time.sleep(0.5)
+
+    def said(self, pattern: str) -> float | None:
+        """When (monotonic) a stderr line matching ``pattern`` arrived; None if none did."""
+        return next((t for t, line in self.err.timed if re.search(pattern, line)), None)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout)
+
+
+def answers(node: Node, url: str, model: Path, n: int = 32) -> list[list[Any]]:
+    done = node.run([sys.executable, "-c", CLIENT, url, str(model), str(n)], timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def greedy_of(got: list[list[Any]]) -> list[Any]:
+    bad = [a for a in got if a[0] != 200]
+    assert not bad, bad[:3]
+    return [tuple(a[1]) for a in got]
+
+
+def peers(node: Node) -> set[str]:
+    """The remote addresses of the node's established TCP connections."""
+    lines = node.run(["ss", "-tnH", "state", "established"]).stdout.splitlines()
+    return {line.split()[-1].rsplit(":", 1)[0].strip("[]") for line in lines if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("nodes") / "mixtral", "mixtral")
+
+
+def test_two_nodes_equal_one_and_survive_the_loss_of_a_node(model: Path) -> None:
+    require_namespaces()
+    with Cluster(2) as cluster:
+        node0, node1 = cluster.nodes
+        url = f"http://{node0.addr}:{PORT}"
+        alone = NodeServe(node0, model, "--host", node0.addr)
+        alone.wait_ready()
+        reference = greedy_of(answers(node0, url, model))
+        assert alone.stop() == 0
+
+        common = ("--nnodes", "2", "--master-addr", node0.addr, "--host", node0.addr)
+        second = NodeServe(node1, model, *common, "--node-rank", "1")  # any order: node 1 first
+        first = NodeServe(node0, model, *common, "--node-rank", "0")
+        first.wait_ready()
+        got = greedy_of(answers(node0, url, model))
+        versus = compare(got, reference)
+        print(f"two nodes vs one: {versus}")
+        assert versus["identical"] == 32 and versus["max_logprob_diff"] <= 1e-5, versus
+        seen = peers(node1)
+        print(f"node 1's TCP peers: {sorted(seen)}")
+        assert node0.addr in seen and seen <= {node0.addr, node1.addr, "127.0.0.1", "::1", "::ffff:127.0.0.1"}, seen
+
+        killed = time.monotonic()
+        node1.kill()
+        deadline = killed + 10.0
+        while (
+            first.said(r"node 1 .* is silent for .*: every role on it is lost") is None and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        lost_at = first.said(r"node 1 .* is silent for .*: every role on it is lost")
+        assert lost_at is not None and lost_at - killed <= 10.0, "\n".join(first.err.lines[-40:])
+        print(f"node 1 lost {lost_at - killed:.1f} s after its kill")
+        after = answers(node0, url, model, n=8)
+        assert all(a[0] == 200 for a in after), after
+        assert first.proc.poll() is None
+
+        stopped = time.monotonic()
+        assert first.stop(timeout=40.0) == 0
+        while len(node0.pids()) > 1 and time.monotonic() < stopped + 15.0:
+            time.sleep(0.2)
+        assert len(node0.pids()) <= 1, f"left on node 0: {node0.pids()}"
+        assert second.proc.poll() is not None
