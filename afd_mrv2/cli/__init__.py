@@ -33,6 +33,7 @@ COMMANDS = {
     "make-model": "afd_mrv2.cli.make_model",
     "plan": "afd_mrv2.cli.plan",
     "serve": "afd_mrv2.cli.serve",
+    "ffn": "afd_mrv2.cli.ffn",
 }
 
 

@@ -5,7 +5,8 @@
 * :mod:`~afd_mrv2.serve.roles`: one role process (process group, prefixed log, readiness);
 * :mod:`~afd_mrv2.serve.proxy`: the balancing, streaming aiohttp proxy;
 * :mod:`~afd_mrv2.serve.supervisor`: start order, the ready line, signals, faults;
-* :mod:`~afd_mrv2.serve.app`: :func:`serve`, the checks before anything starts.
+* :mod:`~afd_mrv2.serve.app`: :func:`serve`, the checks before anything starts;
+* over several machines: :mod:`~.nodes` (layout), :mod:`~.remote` (node 0's view), :mod:`~.agent` (the others).
 
 See docs/serve.md.
 """

@@ -45,8 +45,9 @@ def test_values_carry_the_mac_and_a_value_a_stranger_wrote_is_refused_and_logged
 
 
 def test_gloo_pairs_are_refused_with_a_secret() -> None:
+    store = RendezvousStore(dist.HashStore(), transport=PairTransport("gloo"), secret=SECRET)
     with pytest.raises(AfdError, match="gloo cannot be guarded"):
-        RendezvousStore(dist.HashStore(), transport=PairTransport("gloo"), secret=SECRET)
+        store.join_pair(FFN, (0, 1), (0, 1), placement=RING.stamp)
 
 
 def test_a_tcp_pair_joins_with_a_derived_token_and_a_reader_of_the_store_cannot_present_it(

@@ -117,14 +117,9 @@ class RendezvousStore:
         """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object.  Pairs this
         side joins run on ``transport``.  With the deployment's ``secret`` every value written carries its
         MAC and every value read must (:class:`StrangerValue`), and the zmq and tcp pairs' tokens derive from
-        it; gloo pairs are refused then (gloo's own keys in the store carry no MAC)."""
+        it; gloo pairs are refused then, at their join (gloo's own keys in the store carry no MAC)."""
         if transport.kind not in TRANSPORTS:
             raise ValueError(f"transport {transport.kind!r}: not one of {', '.join(TRANSPORTS)}")
-        if secret is not None and transport.kind == "gloo":
-            raise AfdError(
-                "afd.transport gloo cannot be guarded by the deployment's secret (gloo's own rendezvous keys "
-                "carry no MAC): use tcp or zmq"
-            )
         self._store = store
         self.transport = transport
         self._secret = secret
@@ -274,6 +269,11 @@ class RendezvousStore:
         join, on tcp a connection without the token is refused and logged while the FFN side waits on).
         The Attention rank is rank 0 of the pair.
         """
+        if self._secret is not None and self.transport.kind == "gloo":
+            raise AfdError(
+                "afd.transport gloo cannot be guarded by the deployment's secret (gloo's own rendezvous keys "
+                "carry no MAC): use tcp or zmq"
+            )
         name = pair_name(*attention, *ffn)
         mine, theirs = ("attention", "ffn") if role == ATTENTION else ("ffn", "attention")
         me = 0 if role == ATTENTION else 1
