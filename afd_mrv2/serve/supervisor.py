@@ -38,6 +38,8 @@ FFN_TERM_S = 1.0
 EXIT_STOPPED, EXIT_FAILED = 0, 1
 #: How long the reaper gives a dead serve's roles between its SIGTERM and its SIGKILL.
 REAP_GRACE_S = 5.0
+#: While roles start: one line this often naming those not ready yet.
+WAITING_SAY_S = 30.0
 #: The most restarts of one role rank in one serve run.
 MAX_RESTARTS = 3
 #: An FFN rank that exits 0 by itself ended its session because its Attention engines were gone: the
@@ -431,7 +433,15 @@ class Supervisor:
         stop: asyncio.Future[bool] = asyncio.ensure_future(self._stop.wait())
         remaining = self.plan.options.ready_timeout_s
         waits: set[asyncio.Future[Any]] = {ready, stop}
-        done, pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        deadline = time.monotonic() + remaining
+        while True:  # one line per WAITING_SAY_S naming what is not ready yet: a start that hangs says where
+            left = deadline - time.monotonic()
+            done, pending = await asyncio.wait(
+                waits, timeout=min(WAITING_SAY_S, max(left, 0)), return_when=asyncio.FIRST_COMPLETED
+            )
+            if done or left <= WAITING_SAY_S:
+                break
+            self._say(f"waiting {remaining - left + WAITING_SAY_S:.0f} s for: {self._not_ready(started)}")
         for task in pending:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -442,9 +452,22 @@ class Supervisor:
             self._say(f"{', '.join(r.describe() for r in started)} ready")
             return True
         if not done:
-            late = [r.describe() for r in started if not r.ready.is_set()]
-            self.failure = f"{', '.join(late)} not ready after {remaining:g} s"
+            self.failure = f"{self._not_ready(started)} not ready after {remaining:g} s"
         return False
+
+    def _not_ready(self, roles: Sequence[RoleProcess]) -> str:
+        """The roles not ready yet; another node's, with whether that node has joined."""
+        parts = []
+        for role in roles:
+            if role.ready.is_set():
+                continue
+            if isinstance(role, RemoteRole) and role.spec.node not in self.nodes.info:
+                parts.append(
+                    f"{role.spec.name} (node {role.spec.node} has not joined the store on {self.rendezvous.where})"
+                )
+            else:
+                parts.append(role.describe())
+        return ", ".join(parts)
 
     def _new_role(self, spec: RoleSpec, previous: RoleProcess | None) -> RoleProcess:
         """A process of ``spec`` to start: here, or (another node's role) through that node's serve, as the
