@@ -230,17 +230,17 @@ def _address(endpoint: str) -> tuple[str, int]:
 
 
 class TcpListener:
-    """The listening side (the FFN's) of one pair: a socket on an ephemeral port of ``bind`` and a fresh
-    token, published as :attr:`endpoints`; :meth:`accept` takes the one connection that presents it."""
+    """The listening side (the FFN's) of one pair: a socket on an ephemeral port of ``bind`` and a token (a
+    fresh one unless given), as :attr:`endpoints`; :meth:`accept` takes the one connection that presents it."""
 
-    def __init__(self, *, name: str, bind: str = "127.0.0.1") -> None:
+    def __init__(self, *, name: str, bind: str = "127.0.0.1", token: str | None = None) -> None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self.name = name
         self._sock = socket.create_server((bind, 0), family=family, backlog=8)
         self._sock.setblocking(False)
         host, port = self._sock.getsockname()[:2]
         self.endpoints = Endpoints(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}",
-                                   secrets.token_hex(_TOKEN_BYTES // 2))  # fmt: skip
+                                   token or secrets.token_hex(_TOKEN_BYTES // 2))  # fmt: skip
         self.refused = 0
 
     def accept(
@@ -289,9 +289,10 @@ class TcpListener:
         self._sock.close()
 
 
-def listen(*, name: str, bind: str = "127.0.0.1") -> TcpListener:
-    """The listening side of pair ``name`` on ``bind``; publish its :attr:`TcpListener.endpoints`."""
-    return TcpListener(name=name, bind=bind)
+def listen(*, name: str, bind: str = "127.0.0.1", token: str | None = None) -> TcpListener:
+    """The listening side of pair ``name`` on ``bind``, expecting ``token`` (a fresh one by default); publish
+    its :attr:`TcpListener.endpoints` (or, where the token is derived from a secret, its endpoint only)."""
+    return TcpListener(name=name, bind=bind, token=token)
 
 
 def connect(

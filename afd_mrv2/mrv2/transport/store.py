@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -306,24 +307,22 @@ class RendezvousStore:
                 listening[0].close()
 
     def _listen(self, name: str) -> tuple[Any, Endpoints]:
-        """The FFN side of a zmq or tcp pair: its socket bound (a zmq channel, a tcp listener), where and the
-        token published."""
+        """The FFN side of a zmq or tcp pair: its socket bound (a zmq channel, a tcp listener) and the endpoints
+        it checks; where it listens is published with the token, or (with a secret) with the nonce the token
+        derives from (:meth:`_token`)."""
+        nonce = secrets.token_hex(16)
+        token = self._token(name, nonce)
         try:
             if self.transport.kind == "tcp":
-                listener = tcp_channel.listen(name=name, bind=self._bind)
+                listener = tcp_channel.listen(name=name, bind=self._bind, token=token)
                 opened: tuple[Any, Endpoints] = (listener, listener.endpoints)
             else:
-                opened = zmq_channel.listen(peer=0, name=name, bind=self._bind)
+                channel, bound = zmq_channel.listen(peer=0, name=name, bind=self._bind)
+                opened = (channel, Endpoints(bound.endpoint, token))
         except Exception as exc:
             raise AfdError(f"afd.bind: cannot bind {self._bind!r} for pair {name}: {exc}") from exc
-        mine = opened[1]
-        self._set(f"{PREFIX}/{name}/{self.transport.kind}/endpoint", mine.to_json())
-        if self._secret is None:
-            return opened
-        local = Endpoints(mine.endpoint, self._token(name, mine.token))  # what is checked: derived, never stored
-        if isinstance(opened[0], tcp_channel.TcpListener):
-            opened[0].endpoints = local
-        return opened[0], local
+        self._set(f"{PREFIX}/{name}/{self.transport.kind}/endpoint", Endpoints(opened[1].endpoint, nonce).to_json())
+        return opened
 
     def _open_channel(
         self, name: str, listening: tuple[Any, Endpoints] | None, give_up: Callable[[], bool]
