@@ -145,6 +145,8 @@ def kill_ffn_mid_stream(
     back = first.said(r"ffn rank 1 \(pid \d+ on node 1 .*\) restarted")
     assert back is not None, "\n".join(first.err.lines[-40:])
     print(f"FFN rank 1 restarted on node 1 {back - killed:.1f} s after its kill")
+    again = answers(node0, url, model, n=8)  # served with it back (the engines take it back at a step boundary)
+    assert all(a[0] == 200 for a in again), [a for a in again if a[0] != 200][:2]
 
 
 @pytest.fixture(scope="module")
