@@ -12,6 +12,7 @@ Everything after ``--`` goes to every role's command line; an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -203,7 +204,16 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 
 
 def run(args: argparse.Namespace, *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> int:
-    return serve(options_from_args(args), commands=commands, gate=gate)
+    opts = options_from_args(args)
+    code = serve(opts, commands=commands, gate=gate)
+    if opts.nodes.multi:
+        # Every role is stopped and the last line written.  Over several nodes a store call may still be blocked
+        # on a cut link (a daemon thread inside torch's TCPStore); the interpreter's finalization would wait on
+        # that store's lock for as long as the cut lasts, so end here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str], *, commands: RoleCommands | None = None, gate: PlanGate | None = runtime_gate) -> int:

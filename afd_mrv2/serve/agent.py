@@ -11,7 +11,6 @@ figures, and carries out the signals and restarts node 0 asked for.  It stops it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +28,8 @@ from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import POLL_S, RoleProcess
 
 EXIT_STOPPED, EXIT_FAILED = 0, 1
+#: The longest a heartbeat (or the stop key's look) waits for node 0's store.
+BEAT_CALL_S = 1.0
 
 
 class NodeAgent:
@@ -132,23 +133,36 @@ class NodeAgent:
         self._say(f"{role.describe()} exited ({role.describe_exit()})")
 
     async def _beat(self) -> None:
-        """Beat, publish, carry out node 0's asks; stop when node 0 says so or stays silent."""
+        """Beat every BEAT_S, on its own (a slow publish never delays it); stop when node 0 is gone, stays
+        silent for NODE_SILENT_S (each beat waits at most BEAT_CALL_S: a cut is seen within about 6 s), or says
+        stop."""
         last_heard = time.monotonic()
-        while not self._stop.is_set():
-            if await self.rendezvous.call(lambda s: s.beat(self.node)) is not None:
-                last_heard = time.monotonic()
-            elif self.rendezvous.error is not None:
-                self.failure = f"node 0's rendezvous store ({self.rendezvous.where}) is gone: {self.rendezvous.error}"
-                self._stop.set()
-                return
-            elif time.monotonic() - last_heard >= NODE_SILENT_S:
-                self.failure = f"node 0 ({self.rendezvous.where}) is silent for {time.monotonic() - last_heard:.1f} s"
-                self._stop.set()
-                return
-            if await self.rendezvous.call(lambda s: s.stop_requested()):
-                self._say("node 0 stops the deployment")
-                self._stop.set()
-                return
+        report = asyncio.ensure_future(self._report())
+        try:
+            while not self._stop.is_set():
+                self.rendezvous.take_error()  # what this beat meets, not what an earlier publish met
+                beat = await self.rendezvous.call(lambda s: s.beat(self.node), BEAT_CALL_S)
+                gone = self.rendezvous.take_error()
+                if beat is not None:
+                    last_heard = time.monotonic()
+                elif gone is not None:
+                    self.failure = f"node 0's rendezvous store ({self.rendezvous.where}) is gone: {gone}"
+                    break
+                silent = time.monotonic() - last_heard
+                if silent >= NODE_SILENT_S:
+                    self.failure = f"node 0 ({self.rendezvous.where}) is silent for {silent:.1f} s"
+                    break
+                if beat is not None and await self.rendezvous.call(lambda s: s.stop_requested(), BEAT_CALL_S):
+                    self._say("node 0 stops the deployment")
+                    break
+                await asyncio.sleep(BEAT_S)
+        finally:
+            report.cancel()
+            self._stop.set()
+
+    async def _report(self) -> None:
+        """Publish each role's state and the figures, carry out node 0's asks, every BEAT_S."""
+        while True:
             for key in list(self.roles):
                 await self._publish(key)
                 await self._carry_out(key)
@@ -199,6 +213,6 @@ class NodeAgent:
                 role.signal_group(signal.SIGKILL)
         for role in ordered:
             await role.close()
-        with contextlib.suppress(Exception):
+        if self.failure is None:  # node 0 hears how they ended (a silent or gone one would not)
             for key in self.roles:
                 await self._publish(key)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from afd_mrv2.errors import AfdError
@@ -42,8 +42,6 @@ class RendezvousHost:
         )
         #: why the last store call failed, when it raised (a closed connection: the store's host is gone)
         self.error: str | None = None
-        # a store call blocked by a cut link holds one thread; the others go on (and time out too)
-        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="afd-serve-store")
 
     @property
     def where(self) -> str:
@@ -72,14 +70,31 @@ class RendezvousHost:
         store = self.store
         if store is None:
             return None
-        future = asyncio.get_running_loop().run_in_executor(self._threads, fn, store)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(store)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        # a daemon thread per call: one blocked by a cut link neither holds the others nor keeps serve from exiting
+        threading.Thread(target=run, name="afd-serve-store", daemon=True).start()
         try:
             return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, ValueError):  # no answer in time; a value that is no JSON
             return None
-        except (RuntimeError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError) as exc:  # torch's store raises these for a closed connection
             self.error = (str(exc).splitlines() or [type(exc).__name__])[0]
             return None
+
+    def take_error(self) -> str | None:
+        """Why a store call raised since the last look (None: none did), and forget it."""
+        error, self.error = self.error, None
+        return error
 
     def mark_lost(self, role: str, rank: int) -> None:
         """An engine that starts while ``role`` rank ``rank`` is lost (a restarted engine) must not wait for it."""
@@ -94,5 +109,14 @@ class RendezvousHost:
                 self.store.request_stop()
 
     def close(self) -> None:
-        """Let go of the store calls' threads (one blocked by a cut link is left to end by itself)."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Nothing to let go of: a store call blocked by a cut link runs on a daemon thread, left to end."""
+
+
+def _settle(future: asyncio.Future[T], result: T | None, exc: BaseException | None) -> None:
+    """Hand a store call's outcome to its awaiting side, unless that gave up (timed out) meanwhile."""
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
