@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_mrv2.config import TRANSPORTS
+from tests.mrv2.conftest import PROCESS_TRANSPORTS
 from tests.procs import Proc, afd, child_env, running
 
 # A smaller model than the default keeps each run to a few seconds on 2 shared cores.
@@ -92,7 +92,7 @@ def test_2a1f_skewed_routing_matches_the_reference(skewed_2a1f: dict) -> None:
     assert skewed_2a1f["routing_stats"]["hot_expert_share"] >= 0.7
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
 def test_2a2f_skewed_routing_matches_the_reference(tmp_path: Path, transport: str) -> None:
     report = run_json(
         tmp_path, "--attention", "2", "--ffn", "2", "--routing", "skewed", "--depths", "3", "--buffers", "3", "2",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_mrv2.config import TRANSPORTS
+from tests.mrv2.conftest import PROCESS_TRANSPORTS
 from tests.procs import Proc, afd, gone, running, workers
 
 # Long enough to be mid-run when the fault comes, small enough to start fast.
@@ -80,7 +80,7 @@ def failure_line(err: list[str], name: str) -> tuple[int, str]:
     raise AssertionError(f"no failure line for {name}:\n" + "\n".join(err[-30:]))
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
 def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path, transport: str) -> None:
     proc = afd("run", "--out", str(tmp_path), *LONG, "--attention", "2", "--ffn", "2", "--transport", transport)
     with running(proc, out_dir=tmp_path):
@@ -105,7 +105,7 @@ def test_killed_ffn_process_every_other_process_exits_naming_it(tmp_path: Path, 
     assert "first: FFN rank 0 (global rank 2) (killed by SIGKILL)" in proc.stderr
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
 def test_stalled_peer_fails_the_waiting_side_at_the_deadline(tmp_path: Path, transport: str) -> None:
     proc = afd(
         "run", "--out", str(tmp_path), *LONG, "--recv-timeout-s", "2", "--grace-s", "5", "--transport", transport
