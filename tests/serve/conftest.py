@@ -21,6 +21,26 @@ HARNESS = str(Path(__file__).with_name("serve_harness.py"))
 READY = "afd-mrv2 serve: ready at"
 
 
+def read_lines(
+    proc: subprocess.Popen[str],
+) -> tuple[list[tuple[float, str]], list[tuple[float, str]], list[threading.Thread]]:
+    """Collect ``proc``'s stdout and stderr lines with their arrival times (``time.monotonic()``), each on a
+    daemon thread: (stdout lines, stderr lines, the two threads)."""
+    out: list[tuple[float, str]] = []
+    err: list[tuple[float, str]] = []
+
+    def read(stream: object, into: list[tuple[float, str]]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append((time.monotonic(), line.rstrip("\n")))
+
+    threads = [
+        threading.Thread(target=read, args=pair, daemon=True) for pair in ((proc.stdout, out), (proc.stderr, err))
+    ]
+    for thread in threads:
+        thread.start()
+    return out, err, threads
+
+
 class Serve:
     """One ``serve`` child: stdout and stderr lines with arrival times, the role pids it logged."""
 
@@ -34,19 +54,7 @@ class Serve:
             env=env,
             start_new_session=True,
         )
-        self.out: list[tuple[float, str]] = []
-        self.err: list[tuple[float, str]] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _read(stream: object, into: list[tuple[float, str]]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            into.append((time.monotonic(), line.rstrip("\n")))
+        self.out, self.err, self._threads = read_lines(self.proc)
 
     def wait_ready(self, timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout

@@ -11,13 +11,13 @@ import re
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tests.netns import Cluster, Node
+from tests.serve.conftest import read_lines
 
 HARNESS = str(Path(__file__).with_name("serve_harness.py"))
 READY = "afd-mrv2 serve: ready at"
@@ -107,19 +107,7 @@ class NodeServe:
             stderr=subprocess.PIPE,
             text=True,
         )
-        self.out: list[tuple[float, str]] = []
-        self.err: list[tuple[float, str]] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _read(stream: Any, into: list[tuple[float, str]]) -> None:
-        for line in stream:
-            into.append((time.monotonic(), line.rstrip("\n")))
+        self.out, self.err, self._threads = read_lines(self.proc)
 
     def err_lines(self) -> list[str]:
         return [line for _, line in self.err]
