@@ -39,9 +39,8 @@ class NodeAgent:
         self.node = plan.node
         opts = plan.options
         self.rendezvous = RendezvousHost(
-            plan.afd, opts.nodes.store_host(), master=False, connect_timeout_s=opts.ready_timeout_s
+            plan.afd, opts.nodes.store_host(), master=False, connect_timeout_s=opts.ready_timeout_s, secret=plan.secret
         )
-        self.rendezvous.secret = plan.secret
         #: the latest process of each local role rank, and its launch
         self.roles: dict[tuple[str, int], RoleProcess] = {}
         self.launch: dict[tuple[str, int], int] = {}
@@ -68,7 +67,6 @@ class NodeAgent:
         finally:
             await self._stop_roles()
             self.reaper.close()
-            self.rendezvous.close()
             shutil.rmtree(self.plan.run_dir, ignore_errors=True)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)

@@ -28,14 +28,22 @@ CALL_TIMEOUT_S = 2.0
 
 class RendezvousHost:
     """The store on ``afd.host:afd.port`` when the ``afd`` section says ``rendezvous: external``; else nothing.
-    ``master``: host it (node 0); else connect to it, waiting up to ``connect_timeout_s`` for node 0."""
+    ``master``: host it (node 0); else connect to it, waiting up to ``connect_timeout_s`` for node 0.  ``secret``:
+    the deployment's (the store's MACs); None: ``$AFD_MRV2_SECRET`` where set.  A store call blocked by a cut
+    link runs on a daemon thread of its own, left to end: nothing to close."""
 
     def __init__(
-        self, afd: Mapping[str, Any], default_host: str, *, master: bool = True, connect_timeout_s: float = 30.0
+        self,
+        afd: Mapping[str, Any],
+        default_host: str,
+        *,
+        master: bool = True,
+        connect_timeout_s: float = 30.0,
+        secret: bytes | None = None,
     ) -> None:
         self.store: RendezvousStore | None = None
         self.master = master
-        self.secret: bytes | None = None
+        self.secret = secret
         self.connect_timeout_s = connect_timeout_s
         self._where = (
             (str(afd.get("host", default_host)), int(afd["port"])) if afd.get("rendezvous") == "external" else None
@@ -107,9 +115,6 @@ class RendezvousHost:
         if self.store is not None:
             with contextlib.suppress(RuntimeError, OSError):
                 self.store.request_stop()
-
-    def close(self) -> None:
-        """Nothing to let go of: a store call blocked by a cut link runs on a daemon thread, left to end."""
 
 
 def _settle(future: asyncio.Future[T], result: T | None, exc: BaseException | None) -> None:

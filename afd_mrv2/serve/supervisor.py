@@ -65,8 +65,7 @@ class Supervisor:
         self._restart_attempts: Counter[tuple[str, int]] = Counter()
         self._tasks: list[asyncio.Future[None]] = []
         # the store serve hosts (afd.rendezvous: external)
-        self.rendezvous = RendezvousHost(plan.afd, plan.options.nodes.store_host())
-        self.rendezvous.secret = plan.secret
+        self.rendezvous = RendezvousHost(plan.afd, plan.options.nodes.store_host(), secret=plan.secret)
         #: the other nodes' heartbeats (over --nnodes; none on one node)
         self.nodes = NodeWatch(self.rendezvous, range(1, plan.options.nodes.nnodes), self._say)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
@@ -283,7 +282,6 @@ class Supervisor:
                     task.cancel()
                 await self._stop_roles()
                 self.reaper.close()
-                self.rendezvous.close()
                 await proxy.close()
                 shutil.rmtree(self.plan.run_dir, ignore_errors=True)
         finally:
