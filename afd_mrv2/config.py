@@ -251,6 +251,8 @@ class AfdConfig:
     and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``transport`` (vLLM
     path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``tcp`` (default), ``zmq`` or ``gloo``; ``bind``: the
     address a zmq or tcp pair's sockets bind (default: this host's address on the route to ``host``).
+    ``join_timeout_s`` (vLLM path): how long an Attention engine waits for the store and for each FFN rank to
+    register at its first rendezvous (default 600; ``afd-mrv2 serve`` sets its ready timeout).
     ``connector_extra_config``
     is parsed by the connector (:func:`parse_section` on its own options dataclass).
     """
@@ -274,6 +276,7 @@ class AfdConfig:
     port: int = option(integer(1, 65535), 29500)
     transport: str = option(one_of(TRANSPORTS), "tcp")
     bind: str | None = option(TEXT, None)
+    join_timeout_s: float = option(number(0.0), 600.0)
     compute_gate_on_attention: bool = option(FLAG, True)  # the only value the vLLM path serves; camp2p: false
     async_mode: bool = option(FLAG, False, key="async")
     observers: tuple[str, ...] = option(NAMES, ())

@@ -357,6 +357,7 @@ def _store_where(afd: dict[str, Any], opts: ServeOptions) -> None:
     afd.setdefault("rendezvous", "external")  # the supervisor hosts the store: restarted roles rejoin
     afd.setdefault("host", opts.nodes.store_host())
     afd.setdefault("port", opts.nodes.master_port or opts.port + opts.attention + 1)
+    afd.setdefault("join_timeout_s", opts.ready_timeout_s)  # an engine waits for its FFN ranks as long as serve does
     moved = opts.nodes.master_port is not None and afd["port"] != opts.nodes.master_port
     if opts.nodes.multi and (afd["rendezvous"] != "external" or afd["host"] != opts.nodes.master_addr or moved):
         raise AfdError(

@@ -31,6 +31,7 @@ from afd_mrv2.mrv2.transport.store import (
 )
 from afd_mrv2.placement import Placement
 from afd_mrv2.procs import free_port
+from afd_mrv2.topology import Topology
 
 RING = Placement.ring(8, 2)
 
@@ -299,3 +300,25 @@ def test_a_restarted_ffn_rank_with_another_table_is_raised_by_the_rejoiner_at_th
     assert str(ffn_side["raised"]).endswith(
         "holds " + Placement.ring(8, 2, 2).stamp.short + " (ring, 8 experts on 2 FFN ranks, 2 replicas)"
     )
+
+
+def test_an_engine_says_which_ffn_rank_it_waits_for_and_gives_up_at_the_join_timeout(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FFN rank 0 registers, rank 1 never does: the engine names rank 1 while it waits, then gives up."""
+    from afd_mrv2.mrv2.transport import pairs
+
+    monkeypatch.setattr(pairs, "WAITING_SAY_S", 0.2)
+    store = RendezvousStore(dist.HashStore())
+    topology = Topology.over(1, Placement.ring(4, 2, 1))
+    store.register(FFN, 0)
+    ffn0 = threading.Thread(
+        target=store.join_pair, args=(FFN, (0, 1), (0, 1)), kwargs={"placement": topology.placement.stamp}, daemon=True
+    )
+    ffn0.start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="attention rank 0: FFN rank 1 did not register within 1 s"):
+        pairs.open_attention_link(store, topology, 0, connect_timeout_s=1.0)
+    assert time.monotonic() - started < 3
+    said = [r.getMessage() for r in caplog.records if "has not registered" in r.getMessage()]
+    assert said and all(s.startswith("attention rank 0: FFN rank 1 has not registered") for s in said), said

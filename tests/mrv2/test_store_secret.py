@@ -1,7 +1,8 @@
 """The deployment's secret on the rendezvous store: MACs on the values, pair tokens derived from it.
 
-A process without the secret can read the store (torch's TCPStore authenticates nobody) but cannot write a value
-a member takes, cannot stop the deployment, and cannot present a pair's token: the store holds only a nonce.
+On any store (these run on torch's HashStore: the guarded store that admits members only is
+tests/mrv2/test_guarded_store.py), a process without the secret cannot write a value a member takes, cannot
+stop the deployment, and cannot present a pair's token: the store holds only a nonce.
 """
 
 from __future__ import annotations

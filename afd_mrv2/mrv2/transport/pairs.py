@@ -5,6 +5,7 @@ See docs/internals/p2p-transport.md, "afd_mrv2.mrv2.transport.pairs".
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -14,6 +15,10 @@ from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.transport.store import POLL_S, PREFIX, PairTransport, RendezvousStore
 from afd_mrv2.placement import PlacementStamp
 from afd_mrv2.topology import FFN, Topology
+
+log = logging.getLogger(__name__)
+#: How often an Attention engine waiting at its first rendezvous says for which FFN rank.
+WAITING_SAY_S = 30.0
 
 
 def open_attention_link(
@@ -48,9 +53,21 @@ def _join_ffn(
 ) -> tuple[int, Pair | None]:
     """(FFN rank ``f``'s incarnation, the pair joined with it), or (that incarnation, None) when it is marked
     lost; follows a newer incarnation that registers meanwhile."""
+    say_at = time.monotonic() + WAITING_SAY_S
     while True:
         j = store.latest(FFN, f)
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if not j and now >= say_at:
+            say_at = now + WAITING_SAY_S
+            waited = connect_timeout_s - (deadline - now)
+            log.warning(
+                "attention rank %d: FFN rank %d has not registered in the rendezvous store yet (%.0f s of %g s)",
+                attention[0],
+                f,
+                waited,
+                connect_timeout_s,
+            )
+        if now > deadline:
             raise TimeoutError(
                 f"attention rank {attention[0]}: FFN rank {f} did not {'register' if not j else 'join'} within "
                 f"{connect_timeout_s:g} s (store {PREFIX} on the AFD port)"
@@ -86,8 +103,15 @@ class AttentionLinkOpening:
 
     def _open(self, config: AfdConfig, topology: Topology) -> None:
         try:
-            store = RendezvousStore.connect(config.host, config.port, master=False, transport=PairTransport.of(config))
-            self._result = (store, *open_attention_link(store, topology, config.rank))
+            store = RendezvousStore.connect(
+                config.host,
+                config.port,
+                master=False,
+                timeout_s=config.join_timeout_s,
+                transport=PairTransport.of(config),
+            )
+            link = open_attention_link(store, topology, config.rank, connect_timeout_s=config.join_timeout_s)
+            self._result = (store, *link)
         except BaseException as exc:  # noqa: BLE001 - raised on the waiting thread by wait()
             self._error = exc
 

@@ -1,8 +1,9 @@
 """The AFD rendezvous store: its key layout, the processes' incarnations and the pair handshake.
 
-:class:`RendezvousStore` wraps the :class:`torch.distributed.TCPStore` on ``afd.host:afd.port``
-and is the only code that names a key in it; roles (:mod:`.pairs`, :mod:`.rejoin`, the FFN
-server) and serve's supervisor (:mod:`afd_mrv2.serve.rendezvous`) go through its methods.
+:class:`RendezvousStore` wraps the store on ``afd.host:afd.port`` (torch's TCPStore; with the
+deployment's secret, :class:`~.guarded_store.GuardedStore`, which admits members only) and is the
+only code that names a key in it; roles (:mod:`.pairs`, :mod:`.rejoin`, the FFN server) and serve's
+supervisor (:mod:`afd_mrv2.serve.rendezvous`) go through its methods.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import torch.distributed as dist
 
@@ -29,6 +30,7 @@ from afd_mrv2.hooks.p2p import Pair, tcp_channel, zmq_channel
 from afd_mrv2.hooks.p2p.channel import Channel, Endpoints
 from afd_mrv2.hooks.p2p.gloo_channel import GlooChannel
 from afd_mrv2.items import ATTENTION, FFN
+from afd_mrv2.mrv2.transport.guarded_store import GuardedStore
 from afd_mrv2.placement import PlacementStamp
 from afd_mrv2.ports import route_address
 
@@ -62,6 +64,16 @@ class PairTransport:
     def of(cls, config: AfdConfig) -> PairTransport:
         """``afd.transport`` and ``afd.bind`` of an ``afd`` section."""
         return cls(config.transport, config.bind)
+
+
+class KeyValueStore(Protocol):
+    """What :class:`RendezvousStore` asks of a store: torch's :class:`~torch.distributed.Store`, or a
+    :class:`~.guarded_store.GuardedStore`."""
+
+    def set(self, key: str, value: str, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def add(self, key: str, value: int, /) -> int: ...
+    def check(self, keys: list[str], /) -> bool: ...
 
 
 class StrangerValue(AfdError):
@@ -113,7 +125,7 @@ class RendezvousStore:
     __slots__ = ("_secret", "_store", "transport")
 
     def __init__(
-        self, store: dist.Store, *, transport: PairTransport = PairTransport(), secret: bytes | None = None
+        self, store: KeyValueStore, *, transport: PairTransport = PairTransport(), secret: bytes | None = None
     ) -> None:
         """Wrap an open ``store`` (:meth:`connect` opens one); it lives as long as this object.  Pairs this
         side joins run on ``transport``.  With the deployment's ``secret`` every value written carries its
@@ -140,17 +152,18 @@ class RendezvousStore:
     ) -> RendezvousStore:
         """The store on ``host:port``: hosted here (``master``) or connected to (retrying until ``timeout_s``);
         pairs joined through it run on ``transport`` (a zmq or tcp one without ``bind`` binds the route to
-        ``host``); guarded by ``secret``, else by ``$AFD_MRV2_SECRET`` where it is set."""
+        ``host``); guarded by ``secret``, else by ``$AFD_MRV2_SECRET`` where it is set: then the store is a
+        :class:`~.guarded_store.GuardedStore` (members only), else torch's TCPStore (anyone)."""
         secret = secret if secret is not None else envs.secret()
         if transport.kind != "gloo" and transport.bind is None:
             transport = PairTransport(transport.kind, route_address(host, port))
-        return cls(
-            dist.TCPStore(
-                host, port, is_master=master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-            ),
-            transport=transport,
-            secret=secret,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store: KeyValueStore
+        if secret is not None:
+            store = GuardedStore(host, port, secret=secret, master=master, timeout=timeout)
+        else:
+            store = dist.TCPStore(host, port, is_master=master, timeout=timeout, wait_for_workers=False)
+        return cls(store, transport=transport, secret=secret)
 
     # ------------------------------------------------------------------ incarnations
 
@@ -299,6 +312,7 @@ class RendezvousStore:
                 if listening is not None and listening[0] is channel:
                     listening = None  # a zmq pair owns its bound socket (a tcp listener closes: the pair has its own)
                 return Pair(channel, me, 1 - me, name)
+            assert isinstance(self._store, dist.Store)  # a GuardedStore comes with a secret: gloo was refused
             gloo = dist.PrefixStore(f"{PREFIX}/{name}/gloo", self._store)
             group = dist.ProcessGroupGloo(gloo, me, 2, datetime.timedelta(seconds=idle_timeout_s))
             return Pair(GlooChannel(group, 1 - me), me, 1 - me, name)
