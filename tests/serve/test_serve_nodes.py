@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -30,6 +31,25 @@ from tests.serve.nodes_support import (
     start_client,
 )
 
+#: a process without the secret: a raw connection with a made-up proof and a request, then a member's client
+#: with another secret; prints what each got
+STRANGER = """
+import datetime, socket, sys
+from afd_mrv2.mrv2.transport.guarded_store import GuardedStore, StoreError
+host, port = sys.argv[1], int(sys.argv[2])
+raw = socket.create_connection((host, port), timeout=10)
+raw.recv(33, socket.MSG_WAITALL)
+raw.sendall(bytes(48) + b'{"op": "check", "keys": ["afd_mrv2/p2p/stop"]}')
+try:
+    print("nothing" if raw.recv(4096) == b"" else "data")
+except ConnectionResetError:
+    print("nothing")
+try:
+    GuardedStore(host, port, secret=bytes(32), master=False, timeout=datetime.timedelta(seconds=5))
+    print("admitted")
+except StoreError:
+    print("refused")
+"""
 #: a node silent this long is lost (afd_mrv2.serve.remote.NODE_SILENT_S), seen from either side
 SILENT_S = 5.0
 #: how long the link is cut
@@ -104,6 +124,13 @@ def test_two_nodes_serve_with_both_engines_and_bind_their_own_addresses(cluster)
         assert (afd["role"], afd["rank"], afd["host"]) == (role, int(rank), node0.addr), afd
         if name.startswith("attention"):
             assert argv[argv.index("--host") + 1] == node.addr, (name, argv)
+    # a stranger on node 1 (no secret) reaches the store's port: it gets the challenge only, and node 0 logs it
+    store_port = json.loads(argvs["ffn 1"][1][argvs["ffn 1"][1].index("--additional-config") + 1])["afd"]["port"]
+    done = cluster.nodes[1].run([sys.executable, "-c", STRANGER, node0.addr, str(store_port)], timeout=30)
+    assert done.returncode == 0 and done.stdout.split() == ["nothing", "refused"], (done.stdout, done.stderr[-600:])
+    refused = f"rendezvous store on {node0.addr}:{store_port}: refused a connection from {cluster.nodes[1].addr}: "
+    serve0.wait_for(refused + "a wrong proof (not the deployment's secret)", 5)
+    assert [r["status"] for r in send_completions(node0, url, 2)] == [200] * 2  # members unaffected
     serve0.proc.send_signal(signal.SIGTERM)
     assert serve0.wait(STOP_GRACE_S + 10) == 0
     assert serve1.wait(STOP_GRACE_S + 10) == 0
