@@ -67,8 +67,9 @@ NO_OPTION_CACHE: Final = EnvVar(
 )
 STATS_DIR: Final = EnvVar(
     "AFD_MRV2_STATS_DIR",
-    "The folder a role process writes its live figures to (`<role>-<rank>.json`), which serve's `/metrics` reads.",
-    "unset: no live figures are written",
+    "serve's run folder, given to every role (a custom role command may keep files there).  Live figures no "
+    "longer go there: each role publishes them in the rendezvous store.",
+    "unset: no run folder",
     set_by="serve, for every role (its run folder)",
 )
 LAUNCHER: Final = EnvVar(

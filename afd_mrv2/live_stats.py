@@ -2,15 +2,14 @@
 
 One typed record per role (:class:`AttentionFigures`, :class:`FfnFigures`), a codec
 (:func:`encode` / :func:`decode`: a JSON-able dict with a schema version, refusing unknown and
-missing fields) and, today, a file transport: :class:`StatsWriter` and :func:`read_stats`
-(docs/serve.md, "Metrics and status").  Writers build records and readers get records: how
-they travel is this module's business alone.
+missing fields) and :class:`FiguresPublisher`, which hands a role's record to the rendezvous store
+every second on a thread of its own (serve reads them back from there, on any node: docs/serve.md,
+"Metrics and status").
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import threading
@@ -18,15 +17,12 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, final
 
-from afd_mrv2 import envs
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.pipeline.metrics import fraction
 
-STATS_DIR_ENV = envs.STATS_DIR.name
 WRITE_EVERY_S = 1.0
 #: Upper bounds (seconds) of the Attention side's round-trip histogram.
 ROUND_TRIP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -335,77 +331,76 @@ def decode(role: str, doc: object, *, where: str = "live figures") -> Written:
     )
 
 
-# -- the file transport ------------------------------------------------------------------------------
+# -- the publisher ------------------------------------------------------------------------------------
 
-#: What a role hands :class:`StatsWriter`: a function building its record now.  A dict (the record's
-#: document without ``schema``, ``at``, ``pid``; without ``memory``: None) is converted on write, with a
+#: What a role hands :class:`FiguresPublisher`: a function building its record now.  A dict (the record's
+#: document without ``schema``, ``at``, ``pid``; without ``memory``: None) is converted, with a
 #: DeprecationWarning, for one more version.
 Build = Callable[[], Figures | dict[str, Any]]
+#: Where a role's figures go: the rendezvous store's ``publish_live`` for that role, bound by the role.
+Publish = Callable[[Written], None]
 
 
-def stats_path(role: str, rank: int) -> Path | None:
-    """Where role ``role`` rank ``rank`` writes its figures; None without ``$AFD_MRV2_STATS_DIR``."""
-    folder = envs.stats_dir()
-    return Path(folder) / f"{role}-{rank}.json" if folder else None
-
-
-class StatsWriter:
-    """Writes ``build()`` to ``path`` at most every ``every_s`` (or at once with ``force``); thread-safe.
-
-    A role process's vLLM worker is not the process serve talks HTTP to, so it writes its figures to
-    ``$AFD_MRV2_STATS_DIR/<role>-<rank>.json`` (serve sets the folder to its run folder): to a temporary
-    file first, renamed over the old one, so a reader never sees half a document.  Without the
-    variable (``path`` None) nothing is written.
+class FiguresPublisher:
+    """Builds a ``role``'s figures with ``build`` and hands them to ``publish`` every ``every_s``, on a daemon
+    thread of its own: never on the caller's thread (a store behind a cut link blocks only that thread), and
+    whether or not the role serves (current within ``every_s`` after a burst).  :meth:`nudge` publishes at
+    once (a failover); :meth:`stop` publishes a last time.  A publish that raises is dropped: figures are best
+    effort, and the next period tries again.
     """
 
-    def __init__(self, path: Path | None, build: Build, every_s: float = WRITE_EVERY_S) -> None:
-        self.path = path
+    def __init__(self, role: str, publish: Publish, build: Build, every_s: float = WRITE_EVERY_S) -> None:
+        if role not in RECORDS:
+            raise FiguresError(f"no live figures for role {role!r}; accepted: {sorted(RECORDS)}")
+        self.role = role
+        self.publish = publish
         self.build = build
         self.every_s = every_s
-        self._last = 0.0
-        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
         self._warned = False
-        self._ticking: threading.Event | None = None
+        #: how many publishes went through
+        self.published = 0
 
-    def start_ticking(self) -> None:
-        """Also write every ``every_s`` on a daemon thread, whether or not anyone calls :meth:`maybe_write`
-        (a role whose figures change only while it serves is then current within ``every_s`` after a burst
-        ends, not at its next request); once, and only with a ``path``.  :meth:`stop_ticking` ends it."""
-        if self.path is None or self._ticking is not None:
+    def start(self) -> None:
+        """Start the publishing thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="afd-live-stats", daemon=True)
+            self._thread.start()
+
+    def nudge(self) -> None:
+        """Publish now rather than at the end of the period."""
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Publish a last time and end the thread (waiting up to ``timeout_s`` for that publish)."""
+        thread = self._thread
+        if thread is None:
             return
-        stop = self._ticking = threading.Event()
+        self._stopping.set()
+        self._wake.set()
+        thread.join(timeout_s)
 
-        def tick() -> None:
-            while not stop.wait(self.every_s):
-                self.maybe_write(force=True)
-
-        threading.Thread(target=tick, name="afd-live-stats", daemon=True).start()
-
-    def stop_ticking(self) -> None:
-        if self._ticking is not None:
-            self._ticking.set()
-
-    def maybe_write(self, *, force: bool = False) -> None:
-        if self.path is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self.every_s:
-            return
-        if not self._lock.acquire(blocking=force):
-            return  # another thread is writing right now
+    def publish_now(self) -> None:
+        """Build and publish on this thread (what the publishing thread does each period)."""
+        written = Written(figures=self._figures(), at=round(time.time(), 3), pid=os.getpid())
         try:
-            self._last = now
-            written = Written(figures=self._figures(self.path), at=round(time.time(), 3), pid=os.getpid())
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            try:
-                tmp.write_text(json.dumps(encode(written), sort_keys=True))
-                os.replace(tmp, self.path)
-            except OSError:  # the run folder is gone (serve is stopping): figures are best effort
-                pass
-        finally:
-            self._lock.release()
+            self.publish(written)
+        except Exception as exc:  # noqa: BLE001 - best effort: the store may be gone or cut off
+            log.debug("live figures of %s not published: %s", self.role, exc)
+        else:
+            self.published += 1
 
-    def _figures(self, path: Path) -> Figures:
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            self.publish_now()
+            if self._stopping.is_set():
+                return
+
+    def _figures(self) -> Figures:
         built = self.build()
         if not isinstance(built, dict):
             return built
@@ -416,44 +411,7 @@ class StatsWriter:
                 DeprecationWarning,
                 stacklevel=3,
             )
-        role = path.stem.rpartition("-")[0]
-        record = RECORDS.get(role)
-        if record is None:
-            raise FiguresError(f"{path.name}: no live figures for role {role!r}; accepted: {sorted(RECORDS)}")
-        return record.from_dict({"memory": None, **built}, path.name)  # a schema-1 builder has no memory
-
-
-def read_stats(folder: str | Path) -> dict[tuple[str, int], Written]:
-    """Every role's last figures in ``folder``: ``{(role, rank): written}``.  A file that does not parse is
-    left out; one the codec refuses too, logged once."""
-    out: dict[tuple[str, int], Written] = {}
-    try:
-        paths = list(Path(folder).glob("*-*.json"))
-    except OSError:
-        return out
-    for path in paths:
-        role, _, rank = path.stem.rpartition("-")
-        if not rank.isdigit():
-            continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        try:
-            out[(role, int(rank))] = decode(role, doc, where=path.name)
-        except FiguresError as exc:
-            _refused(str(exc))
-    return out
-
-
-_REFUSED: set[str] = set()
-
-
-def _refused(message: str) -> None:
-    """Log a refused document once per message (serve reads the folder at every scrape)."""
-    if message not in _REFUSED:
-        _REFUSED.add(message)
-        log.warning("afd-mrv2 serve: live figures left out: %s", message)
+        return RECORDS[self.role].from_dict({"memory": None, **built}, self.role)  # a schema-1 builder has no memory
 
 
 class Histogram:

@@ -1,16 +1,14 @@
-"""The live figures' records and codec (:mod:`afd_mrv2.live_stats`): what each role builds, the document the
-file transport carries (the keys serve read before the records, plus ``schema``), and what the codec
-refuses, naming the key."""
+"""The live figures' records and codec (:mod:`afd_mrv2.live_stats`): what each role builds, the document its
+publisher hands the rendezvous store (the keys serve read before the records, plus ``schema``), what the codec
+refuses, naming the key, and the publisher's thread."""
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 import warnings
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,14 +20,13 @@ from afd_mrv2.live_stats import (
     FailoverFigures,
     FfnFigures,
     FiguresError,
+    FiguresPublisher,
     Histogram,
     LostRank,
     MemoryFigures,
-    StatsWriter,
     Written,
     decode,
     encode,
-    read_stats,
 )
 
 #: The keys serve's /metrics and /afd/status read before the records (the documents' keys then).
@@ -236,14 +233,15 @@ def check_memory(figures: MemoryFigures | None) -> None:
     assert 0 < figures.peak_rss_bytes <= peak_rss_bytes()
 
 
-def test_the_attention_side_builds_its_record_from_what_it_measured(
-    tmp_path: Path, monkeypatch: Any, afd_load: Any
-) -> None:
-    from afd_mrv2.config import parse_afd_config
-    from afd_mrv2.live_stats import STATS_DIR_ENV
-    from afd_mrv2.mrv2.attention.remote import RemoteExperts
+def test_the_attention_side_builds_its_record_from_what_it_measured(afd_load: Any) -> None:
+    """An engine's record is what it measured; it publishes it in the store once its link's opening reached
+    the store (nothing before)."""
+    import torch.distributed as dist
 
-    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
+    from afd_mrv2.config import parse_afd_config
+    from afd_mrv2.mrv2.attention.remote import RemoteExperts
+    from afd_mrv2.mrv2.transport.store import RendezvousStore
+
     section = {"connector": "torch_p2p", "port": 29500, "compute_gate_on_attention": True, "role": "attention"}
     experts = RemoteExperts(parse_afd_config(section), max_tokens=16)
     experts.meter.round_trip(0, 0, 1_000_000)  # micro-batch 0's round trip: 1 ms ...
@@ -256,13 +254,22 @@ def test_the_attention_side_builds_its_record_from_what_it_measured(
     assert figures.memory is None  # no afd load in this process
     assert figures.round_trip_total_s == pytest.approx(0.001) and figures.hidden_fraction == pytest.approx(0.4)
     assert figures.round_trip_seconds.count == 1 and figures.round_trip_seconds.counts[1] == 1  # le 0.001
-    experts._live.maybe_write(force=True)
-    assert read_stats(tmp_path)[("attention", 0)].figures == figures
+    experts._live.publish_now()  # no store reached yet: nothing to publish to, nothing raised
+
+    class Reached:  # an opening that reached the store (AttentionLinkOpening.store)
+        store = RendezvousStore(dist.HashStore())
+
+    experts._opening = Reached()  # type: ignore[assignment]
+    experts._live.publish_now()
+    doc = Reached.store.live("attention", 0)
+    assert doc is not None and decode("attention", doc).figures == figures
     afd_load()
     figures = experts.live_stats()
     check_memory(figures.memory)
-    experts._live.maybe_write(force=True)
-    assert read_stats(tmp_path)[("attention", 0)].figures == figures
+    experts._live.publish_now()
+    doc = Reached.store.live("attention", 0)
+    assert doc is not None and decode("attention", doc).figures == figures
+    experts._live.stop()
 
 
 def test_the_ffn_record_is_what_the_servers_old_dict_said(afd_load: Any) -> None:
@@ -282,59 +289,66 @@ def test_the_ffn_record_is_what_the_servers_old_dict_said(afd_load: Any) -> None
     check_memory(report.figures(redispatched=1, up_s=3.5).memory)
 
 
-def test_a_writer_building_a_dict_still_writes_the_record_with_a_deprecation(tmp_path: Path) -> None:
+def test_a_publisher_building_a_dict_still_publishes_the_record_with_a_deprecation() -> None:
     old = {k: v for k, v in FFN.as_dict().items() if k != "memory"}  # a schema-1 builder's dict
-    writer = StatsWriter(tmp_path / "ffn-3.json", lambda: old, every_s=0.0)
+    got: list[Written] = []
+    publisher = FiguresPublisher("ffn", got.append, lambda: old)
     with pytest.warns(DeprecationWarning, match="return an AttentionFigures or FfnFigures"):
-        writer.maybe_write()
+        publisher.publish_now()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        writer.maybe_write(force=True)  # warned once per writer, not at every write
-    assert read_stats(tmp_path)[("ffn", 3)].figures == FFN
-    bad = StatsWriter(tmp_path / "ffn-4.json", lambda: {**old, "busy": 1}, every_s=0.0)
-    with pytest.warns(DeprecationWarning), pytest.raises(FiguresError, match=r"ffn-4.json: unknown \['busy'\]"):
-        bad.maybe_write()
+        publisher.publish_now()  # warned once per publisher, not at every publish
+    assert [w.figures for w in got] == [FFN, FFN] and publisher.published == 2
+    bad = FiguresPublisher("ffn", got.append, lambda: {**old, "busy": 1})
+    with pytest.warns(DeprecationWarning), pytest.raises(FiguresError, match=r"ffn: unknown \['busy'\]"):
+        bad.publish_now()
+    with pytest.raises(FiguresError, match="no live figures for role 'proxy'"):
+        FiguresPublisher("proxy", got.append, lambda: FFN)
 
 
-def test_read_stats_leaves_out_a_refused_document_and_logs_it_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    StatsWriter(tmp_path / "ffn-0.json", lambda: FFN).maybe_write()
-    (tmp_path / "ffn-1.json").write_text(json.dumps({**ffn_doc(), SCHEMA_KEY: 99}))
-    (tmp_path / "notes-x.json").write_text("{}")  # not a role's file: not read
-    with caplog.at_level(logging.WARNING, logger="afd_mrv2.live_stats"):
-        assert set(read_stats(tmp_path)) == {("ffn", 0)}
-        assert set(read_stats(tmp_path)) == {("ffn", 0)}
-    refused = [r.getMessage() for r in caplog.records if "ffn-1.json" in r.getMessage()]
-    assert refused == ["afd-mrv2 serve: live figures left out: ffn-1.json.schema: 99, accepted: 2 (another afd-mrv2?)"]
-    assert read_stats(tmp_path / "missing") == {}
-
-
-def test_a_ticking_writer_is_current_within_its_period_without_calls_and_stops(tmp_path: Path) -> None:
-    """After a burst nothing calls maybe_write (no MoE call): the ticking thread still writes the latest
-    figures within ``every_s``; once stopped it writes no more."""
+def test_a_publisher_publishes_every_period_off_the_callers_thread_and_drops_a_failed_publish() -> None:
+    """After a burst nothing calls it: its own thread still publishes the latest figures within ``every_s``;
+    a publish that raises (the store cut off) is dropped and the next period tries again; a nudge publishes at
+    once; stop publishes a last time, and then no more."""
     figures = {"now": FfnFigures(items=1, computed=1, tokens=2, busy_s=0.5, redispatched=0, up_s=1.0, memory=None)}
-    writer = StatsWriter(tmp_path / "ffn-5.json", lambda: figures["now"], every_s=0.2)
+    got: list[tuple[str, Written]] = []
+    failing = {"on": True}
 
-    def tickers() -> int:
+    def publish(written: Written) -> None:
+        if failing["on"]:
+            raise RuntimeError("the store did not answer")
+        got.append((threading.current_thread().name, written))
+
+    publisher = FiguresPublisher("ffn", publish, lambda: figures["now"], every_s=0.2)
+
+    def publishers() -> int:
         return [t.name for t in threading.enumerate()].count("afd-live-stats")
 
-    before = tickers()  # another test's engine may have one running
-    writer.start_ticking()
-    writer.start_ticking()  # once: a second call starts no second thread
-    assert tickers() == before + 1
-    try:
-        figures["now"] = FfnFigures(items=7, computed=7, tokens=9, busy_s=1.5, redispatched=0, up_s=2.0, memory=None)
-        deadline = time.monotonic() + 10
-        while ("ffn", 5) not in read_stats(tmp_path) or read_stats(tmp_path)[("ffn", 5)].figures.items != 7:
-            assert time.monotonic() < deadline, "the ticking writer never wrote the latest figures"
-            time.sleep(0.05)
-    finally:
-        writer.stop_ticking()
-    time.sleep(0.5)  # a tick in progress ends
-    (tmp_path / "ffn-5.json").unlink()
-    time.sleep(0.6)  # three periods: a live ticker would have written again
-    assert not (tmp_path / "ffn-5.json").exists()
-    assert tickers() == before
-    StatsWriter(None, lambda: figures["now"]).start_ticking()  # no path: no thread
-    assert tickers() == before
+    before = publishers()  # another test's engine may have one running
+    publisher.start()
+    publisher.start()  # once: a second call starts no second thread
+    assert publishers() == before + 1
+    time.sleep(0.5)
+    assert got == [] and publisher.published == 0  # failed, dropped, still running
+    failing["on"] = False
+    figures["now"] = FfnFigures(items=7, computed=7, tokens=9, busy_s=1.5, redispatched=0, up_s=2.0, memory=None)
+    deadline = time.monotonic() + 10
+    while not got or got[-1][1].figures.items != 7:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the publisher never published the latest figures"
+        time.sleep(0.02)
+    assert {name for name, _ in got} == {"afd-live-stats"}
+    publisher.every_s = 60.0
+    time.sleep(0.3)  # the period in progress ends; the next is a minute
+    count = len(got)
+    publisher.nudge()
+    deadline = time.monotonic() + 5
+    while len(got) == count:
+        assert time.monotonic() < deadline, "a nudge did not publish"
+        time.sleep(0.01)
+    figures["now"] = replace(figures["now"], items=9)
+    publisher.stop()
+    assert got[-1][1].figures.items == 9  # type: ignore[union-attr]
+    assert publishers() == before
+    count = len(got)
+    time.sleep(0.3)
+    assert len(got) == count

@@ -2,8 +2,8 @@
 
 Node 0's supervisor (:mod:`afd_mrv2.serve.supervisor`, with :mod:`afd_mrv2.serve.remote`) decides everything
 (failover, restarts, stop); a :class:`NodeAgent` carries it out here.  Every :data:`~.remote.BEAT_S` it
-beats, publishes each of its roles' state (launch, pid, ready, exit, whether its group lives) and live
-figures, and carries out the signals and restarts node 0 asked for.  It stops its roles and exits when node
+beats, publishes each of its roles' state (launch, pid, ready, exit, whether its group lives; each role
+publishes its own live figures), and carries out the signals and restarts node 0 asked for.  It stops its roles and exits when node
 0 sets the stop key (0), on SIGTERM/SIGINT (0), or when node 0 stays silent for
 :data:`~.remote.NODE_SILENT_S` (1, one line naming node 0): nothing of a deployment outlives its node 0.
 """
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.live_stats import encode, read_stats
 from afd_mrv2.serve.plan import Plan, RoleSpec
 from afd_mrv2.serve.reaper import Reaper
 from afd_mrv2.serve.remote import BEAT_S, NODE_SILENT_S
@@ -159,13 +158,11 @@ class NodeAgent:
             self._stop.set()
 
     async def _report(self) -> None:
-        """Publish each role's state and the figures, carry out node 0's asks, every BEAT_S."""
+        """Publish each role's state, carry out node 0's asks, every BEAT_S."""
         while True:
             for key in list(self.roles):
                 await self._publish(key)
                 await self._carry_out(key)
-            figures = [{"role": r, "rank": k, "doc": encode(w)} for (r, k), w in read_stats(self.plan.run_dir).items()]
-            await self.rendezvous.call(lambda s, f=figures: s.publish_figures(self.node, f))  # type: ignore[misc]
             await asyncio.sleep(BEAT_S)
 
     async def _publish(self, key: tuple[str, int]) -> None:

@@ -83,7 +83,7 @@ class RoleState:
 @dataclass(frozen=True)
 class Health:
     """What the supervisor knows beyond the role processes: failovers, the placement, and each role's live
-    figures (:func:`afd_mrv2.live_stats.read_stats`: ``{(role, rank): written}``)."""
+    figures (:meth:`afd_mrv2.serve.figures.FiguresReader.figures`: ``{(role, rank): written}``)."""
 
     failovers: int = 0
     replicas: int = 1

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from afd_mrv2.live_stats import FiguresError, Written, decode
 from afd_mrv2.serve.plan import RoleSpec
 from afd_mrv2.serve.rendezvous import RendezvousHost
 from afd_mrv2.serve.roles import RoleProcess
@@ -42,18 +41,6 @@ class NodeWatch:
         #: lost nodes and why
         self.lost: dict[int, str] = {}
         self.info: dict[int, dict[str, Any]] = {}
-        self._figures: dict[int, list[dict[str, Any]]] = {}
-
-    def figures(self) -> dict[tuple[str, int], Written]:
-        """The live figures every live node last published (a lost node's are dropped: its roles are gone)."""
-        out = {}
-        for node, docs in self._figures.items():
-            if node in self.lost:
-                continue
-            for doc in docs:
-                with contextlib.suppress(FiguresError, KeyError, TypeError):
-                    out[(str(doc["role"]), int(doc["rank"]))] = decode(str(doc["role"]), doc["doc"])
-        return out
 
     def name(self, node: int) -> str:
         """``node 1 (10.0.0.2, host node1)`` once it announced itself, else ``node 1``."""
@@ -80,9 +67,6 @@ class NodeWatch:
                     info = await self.rendezvous.call(lambda s, n=node: s.node_info(n))  # type: ignore[misc]
                     if info:
                         self.info[node] = info
-                figures = await self.rendezvous.call(lambda s, n=node: s.node_figures(n))  # type: ignore[misc]
-                if figures is not None:
-                    self._figures[node] = figures
                 last = self._seen.get(node)
                 if count and (last is None or count != last[0]):
                     self._seen[node] = (count, now)

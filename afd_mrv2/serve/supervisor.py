@@ -18,8 +18,9 @@ from typing import Any, TextIO
 from afd_mrv2.config import parse_afd_config
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
-from afd_mrv2.live_stats import Written, read_stats
+from afd_mrv2.live_stats import Written
 from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
+from afd_mrv2.serve.figures import FiguresReader
 from afd_mrv2.serve.metrics import Health, RoleState
 from afd_mrv2.serve.plan import Plan, RoleSpec
 from afd_mrv2.serve.proxy import Proxy
@@ -68,6 +69,8 @@ class Supervisor:
         self.rendezvous = RendezvousHost(plan.afd, plan.options.nodes.store_host(), secret=plan.secret)
         #: the other nodes' heartbeats (over --nnodes; none on one node)
         self.nodes = NodeWatch(self.rendezvous, range(1, plan.options.nodes.nnodes), self._say)
+        #: every role's live figures, as each published them in the store
+        self.live = FiguresReader(self.rendezvous, [(spec.role, spec.rank) for spec in plan.roles], self._say)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
         self.failovers = 0
         self.proxy: Proxy | None = None
@@ -303,9 +306,10 @@ class Supervisor:
         )
 
     def figures(self) -> dict[tuple[str, int], Written]:
-        """Every role's live figures: this node's from its run directory, the other nodes' as they last
-        published them through the store."""
-        return {**self.nodes.figures(), **read_stats(self.plan.run_dir)}
+        """Every role's live figures as it last published them in the store, on any node (a lost node's
+        left out: its roles are gone)."""
+        lost = {(spec.role, spec.rank) for spec in self.plan.roles if spec.node in self.nodes.lost}
+        return {key: written for key, written in self.live.figures().items() if key not in lost}
 
     def _host_store(self) -> bool:
         """Host the AFD rendezvous store (``afd.rendezvous: external``); False, with the failure set, when the
@@ -315,6 +319,8 @@ class Supervisor:
         except AfdError as exc:
             self.failure = str(exc)
             return False
+        if self.rendezvous.store is not None:
+            self._tasks.append(asyncio.ensure_future(self.live.run()))
         if self.plan.options.nodes.multi:
             self._tasks.append(asyncio.ensure_future(self.nodes.run()))
         return True

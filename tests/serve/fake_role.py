@@ -9,8 +9,9 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 * ``ignore_term``: ignore SIGTERM (serve must escalate to SIGKILL);
 * ``report_term``: on SIGTERM print ``term <ROLE> <RANK>``, then exit 0;
 * ``exit_after`` (s): exit with code 3 after this long;
-* ``report_lost_ffn`` (``{"rank": F, "after": S}``): an Attention fake writes live figures saying it stopped
-  routing to FFN rank F, S seconds after it is ready;
+* ``report_lost_ffn`` (``{"rank": F, "after": S}``): an Attention fake publishes live figures in the rendezvous
+  store (its ``afd`` section's, with serve's secret) saying it stopped routing to FFN rank F, S seconds after
+  it is ready;
 * ``token_delay`` (s, default 0.05): delay between streamed tokens;
 * ``ffn_own_end`` (default true): an FFN fake ends by itself (prints ``afd-mrv2 ffn: done {}``, exits 0)
   once every Attention fake of its serve is gone, as a real FFN rank ends its session when its
@@ -179,8 +180,9 @@ async def main(argv: list[str]) -> None:
         print(f"listening on {_opt(argv, '--port')}", flush=True)
         if run_dir:
             Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))
-        if "report_lost_ffn" in behaviour and run_dir:
-            BACKGROUND.add(asyncio.ensure_future(report_lost(Path(run_dir), rank, behaviour["report_lost_ffn"])))
+        if "report_lost_ffn" in behaviour:
+            afd = json.loads(_opt(argv, "--additional-config") or "{}")["afd"]
+            BACKGROUND.add(asyncio.ensure_future(report_lost(afd, rank, behaviour["report_lost_ffn"])))
     if "grandchild_dies_after" in behaviour:  # like vLLM's EngineCore dying under its API server
         await asyncio.sleep(float(behaviour["grandchild_dies_after"]))
         child.kill()
@@ -194,10 +196,12 @@ async def main(argv: list[str]) -> None:
     await asyncio.sleep(3600)
 
 
-async def report_lost(run_dir: Path, rank: int, spec: dict[str, Any]) -> None:
-    """After ``spec["after"]`` s, write this engine's live figures saying it stopped routing to FFN rank
-    ``spec["rank"]`` (as a real engine's failover after ``recv_timeout_s`` does)."""
-    from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, LostRank, StatsWriter
+async def report_lost(afd: dict[str, Any], rank: int, spec: dict[str, Any]) -> None:
+    """After ``spec["after"]`` s, publish this engine's live figures saying it stopped routing to FFN rank
+    ``spec["rank"]`` (as a real engine's failover after ``recv_timeout_s`` does), in the store as a real
+    engine's publisher does."""
+    from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, FiguresPublisher, Histogram, LostRank, encode
+    from afd_mrv2.mrv2.transport.store import RendezvousStore
 
     await asyncio.sleep(float(spec["after"]))
     lost = {int(spec["rank"]): LostRank(at=round(time.time(), 3), reason="FFN rank 0 sent nothing within 2 s")}
@@ -213,7 +217,11 @@ async def report_lost(run_dir: Path, rank: int, spec: dict[str, Any]) -> None:
         failover=failover,
         memory=None,
     )
-    StatsWriter(run_dir / f"attention-{rank}.json", lambda: figures).maybe_write(force=True)
+    store = await asyncio.to_thread(RendezvousStore.connect, afd["host"], int(afd["port"]), master=False, timeout_s=10)
+    publisher = FiguresPublisher(
+        "attention", lambda w: store.publish_live("attention", rank, encode(w)), lambda: figures
+    )
+    await asyncio.to_thread(publisher.publish_now)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import urllib.request
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,11 +64,11 @@ def test_afd_metrics_count_live_roles_and_endpoint_requests() -> None:
     assert doc["live"] == {"attention": [0], "ffn": [0]} and doc["lost"] == {"attention": [], "ffn": [1]}
 
 
-def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> None:
-    """What each role process writes (its typed record, through the live-stats files) is read back and shown
-    per rank: the FFN ranks' items, tokens, re-sends and busy fraction; the engines' failovers, round-trip
-    histogram and hidden fraction; each role rank's memory figures where it has them.  ``/afd/status`` shows
-    each record as the file holds it, less its schema."""
+def test_live_figures_of_the_roles_become_per_rank_metrics() -> None:
+    """What each role process publishes (its typed record, through the rendezvous store) is read back and
+    shown per rank: the FFN ranks' items, tokens, re-sends and busy fraction; the engines' failovers,
+    round-trip histogram and hidden fraction; each role rank's memory figures where it has them.
+    ``/afd/status`` shows each record as the role published it, less its schema."""
     from afd_mrv2.live_stats import (
         SCHEMA_KEY,
         SCHEMA_VERSION,
@@ -78,9 +77,8 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
         FfnFigures,
         Histogram,
         MemoryFigures,
-        StatsWriter,
-        read_stats,
     )
+    from tests.serve.figures_support import new_store, publish, raw_set, read_back
 
     hist = Histogram()
     for seconds in (0.002, 0.004, 0.3):
@@ -107,11 +105,12 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
             peak_rss_bytes=9_000_000,
         ),
     )
-    StatsWriter(tmp_path / "attention-0.json", lambda: attention).maybe_write()
+    store = new_store()
+    publish(store, "attention", 0, attention)
     ffn = FfnFigures(items=40, computed=38, tokens=300, busy_s=1.0, redispatched=3, up_s=4.0, memory=None)
-    StatsWriter(tmp_path / "ffn-0.json", lambda: ffn).maybe_write()
-    (tmp_path / "ffn-1.json").write_text("{half a docu")  # unreadable: left out, never an error
-    figures = read_stats(tmp_path)
+    publish(store, "ffn", 0, ffn)
+    raw_set(store, "ffn", 1, {"half": "a document"})  # refused: left out, never an error
+    figures = read_back(store, [("attention", 0), ("ffn", 0), ("ffn", 1), ("attention", 1)]).figures()
     assert set(figures) == {("attention", 0), ("ffn", 0)} and figures[("ffn", 0)].at > 0
     assert figures[("ffn", 0)].figures == ffn and figures[("attention", 0)].figures == attention
     health = metrics.Health(failovers=1, replicas=2, placement=("FFN rank 0: experts 0-7",), figures=figures)
@@ -142,8 +141,9 @@ def test_live_figures_of_the_roles_become_per_rank_metrics(tmp_path: Path) -> No
     doc = metrics.status(1, 2, [], [], True, None, health)
     assert doc["topology"]["expert_replicas"] == 2 and doc["failovers"] == 1
     assert doc["placement"] == ["FFN rank 0: experts 0-7"] and doc["figures"]["ffn 0"]["items"] == 40
-    for role in ("ffn", "attention"):  # the status shows the file's document (its keys in the file's order)
-        written = json.loads((tmp_path / f"{role}-0.json").read_text())
+    for role in ("ffn", "attention"):  # the status shows the published document (its keys in its order)
+        written = store.live(role, 0)
+        assert written is not None
         assert written.pop(SCHEMA_KEY) == SCHEMA_VERSION
         assert doc["figures"][f"{role} 0"] == written and json.dumps(doc["figures"][f"{role} 0"]) == json.dumps(written)
     assert set(doc["figures"]["ffn 0"]) == {

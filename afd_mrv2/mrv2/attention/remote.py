@@ -28,7 +28,7 @@ from afd_mrv2.hooks.p2p import P2pShape, PeerLink
 from afd_mrv2.hooks.p2p.roundtrip import RoundTripAttentionSide
 from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.items import ATTENTION, WorkItem
-from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, Histogram, StatsWriter, stats_path
+from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, FiguresPublisher, Histogram, Written, encode
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
@@ -129,8 +129,9 @@ class RemoteExperts:
         self.steps = 0  # forwards seen (calls of the first MoE layer)
         self.round_trips = Histogram()  # seconds from dispatch to the combined result, per call
         self._failovers_seen = 0
-        self._live = StatsWriter(stats_path(ATTENTION, config.rank), self.live_stats)
-        self._live.start_ticking()  # current within a second after a burst, not at the next request
+        # through the store every second, on a thread of its own: current after a burst, never on the model's thread
+        self._live = FiguresPublisher(ATTENTION, self._publish_live, self.live_stats)
+        self._live.start()
 
     def add_layer(self, layer_index: int, shape: MoeShape) -> None:
         """Register a MoE layer at construction (every layer before the first call)."""
@@ -208,10 +209,17 @@ class RemoteExperts:
         self.tokens[tokens] += 1
         log = session.failover_log
         failovers = log.count if log is not None else 0
-        self._live.maybe_write(force=failovers != self._failovers_seen)  # a failover is shown at once
+        if failovers != self._failovers_seen:
+            self._live.nudge()  # a failover is shown at once
         self._failovers_seen = failovers
         routed: torch.Tensor = out.to(device=x.device, dtype=x.dtype)  # the connector's result is untyped
         return routed
+
+    def _publish_live(self, written: Written) -> None:
+        """Into the rendezvous store, once the link's opening reached it (nothing to show before)."""
+        store = self._opening.store if self._opening is not None else None
+        if store is not None:
+            store.publish_live(ATTENTION, self.config.rank, encode(written))
 
     def live_stats(self) -> AttentionFigures:
         """What serve's ``/metrics`` shows of this engine (:mod:`afd_mrv2.live_stats`)."""
@@ -258,7 +266,7 @@ class RemoteExperts:
         moe = next(iter(self._layers.values()))
         config = self.config
         topology = self._topology(moe)
-        opening = self._opening or AttentionLinkOpening(config, topology)
+        opening = self._opening = self._opening or AttentionLinkOpening(config, topology)
         store, link, me, joined = opening.wait()
         shape = P2pShape(moe.hidden_size, moe.top_k, moe.num_experts, len(self._order), self.max_tokens)
         exchange = UBatchExchange()
@@ -293,7 +301,7 @@ class RemoteExperts:
         The FFN ranks end their serving loop with that reason (a process that
         simply exits is noticed too: its connections close).
         """
-        self._live.stop_ticking()
+        self._live.stop()
         if self._session is not None:
             self._failover_record = self.failovers()
             self._stamps_record = self.round_trip_stamps()

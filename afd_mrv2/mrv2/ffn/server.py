@@ -24,7 +24,7 @@ from afd_mrv2.hooks.p2p.ffn import FfnSide
 from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
-from afd_mrv2.live_stats import FfnFigures, StatsWriter, stats_path
+from afd_mrv2.live_stats import FfnFigures, FiguresPublisher, Written, encode
 from afd_mrv2.mrv2.ffn.loop import FfnLoop
 from afd_mrv2.mrv2.ffn.report import FfnReport, overlap_figures
 from afd_mrv2.mrv2.shape import MoeShape
@@ -246,7 +246,8 @@ class FfnServer:
             for a in range(self.topology.num_attention)
         ]
         self._started = time.monotonic()
-        figures = StatsWriter(stats_path(FFN, self.index), self.live)
+        figures = FiguresPublisher(FFN, self._publish_live, self.live)
+        figures.start()
         for thread in threads:
             thread.start()
         self.wait(threads, figures)
@@ -264,12 +265,15 @@ class FfnServer:
         )
         self.incarnation = self.store.register(FFN, self.index)
 
-    def wait(self, threads: Sequence[threading.Thread], figures: StatsWriter) -> None:
+    def wait(self, threads: Sequence[threading.Thread], figures: FiguresPublisher) -> None:
         """Until every loop ended (each when its own engine leaves) or one failed on its own; the live
-        figures are written meanwhile, and once more at the end."""
+        figures are published meanwhile (every second, by ``figures``' thread), and once more at the end."""
         while not self._own_fault.wait(SESSION_POLL_S) and any(thread.is_alive() for thread in threads):
-            figures.maybe_write()
-        figures.maybe_write(force=True)
+            pass
+        figures.stop()
+
+    def _publish_live(self, written: Written) -> None:
+        self.store.publish_live(FFN, self.index, encode(written))
 
     def shut_down(self, threads: Sequence[threading.Thread]) -> FfnReport:
         """The loops get ``grace_s`` to end, then their links are aborted; the report, with the traces' overlap."""

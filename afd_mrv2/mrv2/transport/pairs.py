@@ -95,6 +95,8 @@ class AttentionLinkOpening:
         """Open the link of Attention rank ``config.rank`` on the store at ``config.host:config.port``, its
         pairs on ``afd.transport``."""
         self._result: tuple[RendezvousStore, PeerLink, int, dict[int, int]] | None = None
+        #: the store, once reached (the link may still be opening)
+        self.store: RendezvousStore | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._open, args=(config, topology), name=f"afd-open-attention{config.rank}", daemon=True
@@ -103,7 +105,7 @@ class AttentionLinkOpening:
 
     def _open(self, config: AfdConfig, topology: Topology) -> None:
         try:
-            store = RendezvousStore.connect(
+            store = self.store = RendezvousStore.connect(
                 config.host,
                 config.port,
                 master=False,

@@ -106,6 +106,7 @@ class RendezvousStore:
     * ``{rank}.{incarnation}/label``: that process's ``pid N on HOST``, for messages;
     * ``{rank}/lost``: the rank's incarnation serve last saw lost (:meth:`mark_lost`, :meth:`lost_incarnation`);
     * ``stop``: the deployment is stopping (:meth:`request_stop`);
+    * ``{rank}/figures``: the rank's live figures, JSON (:meth:`publish_live`, every second);
     * ``{pair}/placement/{attention|ffn}``: that side's placement stamp, JSON (:meth:`join_pair`), set
       before its hello;
     * ``{pair}/hello/{attention|ffn}``: a side of a pair is there (:meth:`join_pair`);
@@ -113,13 +114,13 @@ class RendezvousStore:
     * ``{pair}/zmq/endpoint``, ``{pair}/tcp/endpoint``: on zmq or tcp, where the FFN side listens and the
       pair's token, JSON (:class:`~afd_mrv2.hooks.p2p.channel.Endpoints`), set by the FFN side before its
       hello;
-    * ``serve/node{k}``, ``serve/node{k}/beat``, ``serve/node{k}/figures``: a serve over several nodes: node
-      ``k``'s address and host (JSON), its heartbeat counter, its roles' live figures (JSON);
+    * ``serve/node{k}``, ``serve/node{k}/beat``: a serve over several nodes: node ``k``'s address and host
+      (JSON), its heartbeat counter;
     * ``serve/{rank}/state``, ``serve/{rank}/signal``, ``serve/{rank}/restart``: the process of a role rank as
       its node sees it (JSON), a signal node 0 asks its node to send it (JSON), the launch (1, 2, ...) node 0
       asks its node to start (:mod:`afd_mrv2.serve.agent`).
 
-    Sections: connection; incarnations; losses and the stop key; serve's nodes; the pair handshake.
+    Sections: connection; incarnations; losses and the stop key; live figures; serve's nodes; the pair handshake.
     """
 
     __slots__ = ("_secret", "_store", "transport")
@@ -202,6 +203,16 @@ class RendezvousStore:
         """Whether :meth:`request_stop` was called."""
         return self._get(f"{PREFIX}/stop") == "1"
 
+    # ------------------------------------------------------------------ live figures
+
+    def publish_live(self, role: str, index: int, doc: dict[str, Any]) -> None:
+        """``role`` rank ``index``'s live figures, as :func:`afd_mrv2.live_stats.encode` made them (JSON)."""
+        self._set(self._figures(role, index), json.dumps(doc, sort_keys=True))
+
+    def live(self, role: str, index: int) -> dict[str, Any] | None:
+        """What ``role`` rank ``index`` last published (None: nothing yet); never blocks."""
+        return self._object(self._figures(role, index))
+
     # ------------------------------------------------------------------ serve's nodes (--nnodes)
 
     def announce_node(self, node: int, info: dict[str, Any]) -> None:
@@ -219,14 +230,6 @@ class RendezvousStore:
     def beats(self, node: int) -> int:
         """Node ``node``'s heartbeats so far (never blocks)."""
         return int(self._store.add(f"{SERVE}/node{node}/beat", 0))
-
-    def publish_figures(self, node: int, figures: list[dict[str, Any]]) -> None:
-        """Node ``node``'s roles' live figures, as :func:`afd_mrv2.live_stats.read_stats` read them."""
-        self._set(f"{SERVE}/node{node}/figures", json.dumps(figures))
-
-    def node_figures(self, node: int) -> list[dict[str, Any]]:
-        value = self._json(f"{SERVE}/node{node}/figures")
-        return value if isinstance(value, list) else []
 
     def publish_role(self, role: str, index: int, state: dict[str, Any]) -> None:
         """The process of ``role`` rank ``index`` as its node sees it: launch, pid, ready, exit (JSON)."""
@@ -411,6 +414,10 @@ class RendezvousStore:
     @staticmethod
     def _label(role: str, index: int, incarnation: int) -> str:
         return f"{PREFIX}/{_rank_name(role, index)}.{incarnation}/label"
+
+    @staticmethod
+    def _figures(role: str, index: int) -> str:
+        return f"{PREFIX}/{_rank_name(role, index)}/figures"
 
     @staticmethod
     def _lost(role: str, index: int) -> str:
