@@ -66,7 +66,8 @@ class Pending:
     """
 
     __slots__ = (
-        "channel", "direction", "done", "done_at", "error", "nbytes", "peer", "posted_at", "tensor", "what", "work",
+        "channel", "direction", "done", "done_at", "error", "nbytes", "peer", "posted_at", "tag", "tensor", "what",
+        "work",
     )  # fmt: skip
 
     def __init__(
@@ -90,6 +91,7 @@ class Pending:
         self.posted_at = 0.0
         self.done_at = 0.0  # when it completed (the simulated link starts there), or its failure was seen
         self.error: BaseException | None = None
+        self.tag = -1  # the tag it was posted under, where the channel records it (the readers' channels)
 
     def await_done(self, slice_s: float) -> bool:
         """Wait at most ``slice_s`` for this operation through its channel; True once done (or failed)."""

@@ -49,7 +49,7 @@ class ReaderChannel(Channel):
     def post(self, direction: str, tensor: torch.Tensor, tag: int, what: str) -> Pending:
         view = wire.host_bytes(tensor)
         pending = Pending(None, direction, tensor, self.peer, what, self, Flag() if self._flags else None)
-        pending.posted_at = time.perf_counter()
+        pending.posted_at, pending.tag = time.perf_counter(), tag
         if direction == "send":
             self._post_send(pending, tag, view)
             return pending

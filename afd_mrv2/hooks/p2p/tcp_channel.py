@@ -34,6 +34,11 @@ _ACK = b"afd-tcp-ok:"
 _TOKEN_BYTES = 32  # secrets.token_hex(16)
 _HELLO_TIMEOUT_S = 5.0  # how long an accepted connection may take to present its token
 _POLL_MS = 50  # the longest a blocked sender or a handshake step sleeps before looking again
+#: how long a wait may look at the socket without sleeping before it sleeps in ``poll`` (see ``_read_until``)
+SPIN_S = 100e-6
+#: a wait spins only while the waits for its tag typically (a moving average) end within this
+SPIN_WHEN_S = 4 * SPIN_S
+_TYPICAL_CAP_S = 0.01  # one long wait (an idle peer) counts as this much in the average
 _READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
@@ -70,7 +75,8 @@ class TcpChannel(ReaderChannel):
     tag match sends in posting order) and stops at a message boundary once its own Pending is done; a
     message for a tag with no posted receive is kept (a copy, at most ``max_kept`` per tag) and copied in
     when one is posted.  A message read in part is resumed by the next waiter, so no waiter outstays its
-    slice.  End of stream or a reset: what was received before is read first (a peer's last message, its
+    slice.  A wait reads without sleeping for up to :data:`SPIN_S` before it sleeps in ``poll``, while the
+    waits for its tag typically end within :data:`SPIN_WHEN_S` (``_read_until``).  End of stream or a reset: what was received before is read first (a peer's last message, its
     ABORT, is never lost), then every posted and later Pending fails with
     :class:`~afd_mrv2.hooks.p2p.channel.ChannelClosed`.
     """
@@ -91,6 +97,11 @@ class TcpChannel(ReaderChannel):
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT | select.POLLERR | select.POLLHUP)
         self._incoming = _Incoming()  # the reader's only
+        # the reader's only: the Pending whose wait began last, when it began, and per tag a moving average of
+        # how long a wait took (s)
+        self._waiting: Pending | None = None
+        self._waiting_since = 0.0
+        self._typical: dict[int, float] = {}
 
     # ------------------------------------------------------------------ sending
 
@@ -130,11 +141,35 @@ class TcpChannel(ReaderChannel):
     # ------------------------------------------------------------------ reading
 
     def _read_until(self, pending: Pending, deadline: float) -> None:
+        """Read until ``pending`` is done or ``deadline``; between reads, sleep in ``poll``.  The first slice of
+        a wait spins first (reads without sleeping, up to :data:`SPIN_S`: a wake-up from ``poll`` costs tens of
+        us) when the waits for its tag typically end within :data:`SPIN_WHEN_S`; a rank whose messages come
+        seldom (an idle one, or one waiting on ms of compute) therefore never spins."""
+        now = time.monotonic()
+        tag = pending.tag
+        if self._waiting is not pending and deadline - now > SPIN_S:  # the first slice of its wait
+            self._waiting, self._waiting_since = pending, now
+            if self._typical.get(tag, 0.0) <= SPIN_WHEN_S:
+                until = now + SPIN_S
+                while not self._read_ready(pending):
+                    if time.monotonic() >= until:
+                        break
+                else:
+                    self._learn(tag)
+                    return
         while not self._read_ready(pending):
             left = deadline - time.monotonic()
             if left <= 0:
-                break
+                return
             self._readable.poll(max(1, round(left * 1000)))
+        if self._waiting is pending:
+            self._learn(tag)
+
+    def _learn(self, tag: int) -> None:
+        """The wait that began at ``_waiting_since`` for a message of ``tag`` ended now."""
+        took = min(time.monotonic() - self._waiting_since, _TYPICAL_CAP_S)
+        typical = self._typical.get(tag, 0.0)
+        self._typical[tag] = typical + (took - typical) / 8
 
     def _read_ready(self, until: Pending | None) -> bool:
         """Read what has arrived, at most up to the message boundary after ``until`` is done; True once it is

@@ -213,6 +213,51 @@ def test_a_message_arriving_in_pieces_is_resumed_across_slices_and_waiters(
     assert value(wait(channel, other)) == 6.0 and channel.lost is None
 
 
+def test_a_wait_spins_only_while_the_waits_for_its_tag_are_short(
+    pair: tuple[TcpChannel, TcpChannel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait first reads without sleeping (up to SPIN_S), unless the waits for its tag typically took longer
+    than SPIN_WHEN_S: then it sleeps in poll after one read and costs (almost) no CPU while nothing comes."""
+    a, f = pair
+    monkeypatch.setattr(tcp_channel, "SPIN_S", 0.005)  # long enough to read twice, however loaded the host
+    monkeypatch.setattr(tcp_channel, "SPIN_WHEN_S", 0.001)  # a 0.2 s wait counts 10 ms: the average 1.25 ms
+    reads, before_poll = [0], []
+    read_ready, readable = f._read_ready, f._readable
+
+    def counted(until: Pending | None) -> bool:
+        reads[0] += 1
+        return read_ready(until)
+
+    class Poll:
+        def poll(self, timeout_ms: int) -> list[tuple[int, int]]:
+            before_poll.append(reads[0])
+            return readable.poll(timeout_ms)
+
+    monkeypatch.setattr(f, "_read_ready", counted)
+    monkeypatch.setattr(f, "_readable", Poll())
+
+    def idle_wait(tag: int) -> tuple[int, float]:
+        """Reads before the first poll, and CPU seconds, of a 50 ms wait on ``tag`` for nothing."""
+        reads[0], cpu = 0, time.thread_time()
+        before_poll.clear()
+        assert not f.await_done(recv(f, tag), 0.05)
+        return before_poll[0], time.thread_time() - cpu
+
+    for _ in range(5):  # quick waits: the message is there
+        send(a, 1, 1.0)
+        assert value(wait(f, recv(f, 1))) == 1.0
+    assert idle_wait(1)[0] >= 2  # spun
+    late = recv(f, 2)
+    timer = threading.Timer(0.2, lambda: send(a, 2, 2.0))
+    timer.start()
+    assert value(wait(f, late)) == 2.0  # a long wait for tag 2
+    timer.join()
+    reads_first, cpu_s = idle_wait(2)
+    assert reads_first == 1 and cpu_s < 0.004  # no spin: straight to poll
+    assert idle_wait(3)[0] >= 2  # another tag still spins
+    assert f.lost is None
+
+
 def test_a_message_cut_by_the_loss_fails_its_receive(raw: tuple[TcpChannel, socket.socket]) -> None:
     channel, sock = raw
     target = recv(channel, 5, n=1000)
