@@ -203,6 +203,14 @@ def test_metrics_carry_the_engines_vllm_metrics_by_attention_rank_and_the_afd_on
     with urllib.request.urlopen(served.url + "/afd/status", timeout=30) as resp:
         status = json.loads(resp.read())
     assert status["live"] == {"attention": [0], "ffn": [0]} and status["ready"] is True
+    # every role's figures come through the store, current while idle: published within the last 1.5 s
+    time.sleep(2.0)  # no request runs now
+    with urllib.request.urlopen(served.url + "/afd/status", timeout=30) as resp:
+        idle = json.loads(resp.read())
+    now = time.time()
+    for role in ("attention 0", "ffn 0"):
+        assert now - idle["figures"][role]["at"] <= 1.5 + 0.5, (role, now, idle["figures"][role])
+    assert idle["figures"]["attention 0"]["calls"] > 0 and idle["figures"]["ffn 0"]["items"] > 0, idle["figures"]
 
 
 def test_sigterm_stops_serve_within_10s(served: Serve) -> None:
