@@ -322,3 +322,29 @@ def test_an_engine_says_which_ffn_rank_it_waits_for_and_gives_up_at_the_join_tim
     assert time.monotonic() - started < 3
     said = [r.getMessage() for r in caplog.records if "has not registered" in r.getMessage()]
     assert said and all(s.startswith("attention rank 0: FFN rank 1 has not registered") for s in said), said
+
+
+def test_an_ffn_rank_serve_marked_lost_is_dropped_from_the_link_so_a_wait_on_it_fails_over_at_once() -> None:
+    """A cut link sends no reset: the engine's wait on the FFN rank would last recv_timeout_s.  Serve marks the
+    rank lost in the store (its node silent); the rejoiner's thread drops it from the link within a look, so the
+    wait raises PeerLost (which the connector fails over) naming serve's mark."""
+    from afd_mrv2.hooks.p2p import wire
+    from afd_mrv2.hooks.p2p.errors import PeerLost
+    from afd_mrv2.mrv2.transport.rejoin import Rejoiner
+    from tests.hooks.p2p.channel_links import channel_links
+
+    topology = Topology(1, 1, 2)
+    store = RendezvousStore(dist.HashStore())
+    me = store.register(ATTENTION, 0)
+    assert store.register(FFN, 0) == 1
+    with channel_links(topology, "tcp") as (attention, _ffn):
+        rejoiner = Rejoiner(store, topology, 0, me, {0: 1}, lambda: set(), link=attention)
+        try:
+            pending = attention.irecv(torch.zeros(8, dtype=torch.int64), 1, wire.TAG_COMBINE, "combine")
+            threading.Timer(0.3, store.mark_lost, args=(FFN, 0)).start()
+            started = time.monotonic()
+            with pytest.raises(PeerLost, match=r"serve marked it lost .* \[incarnation 1\]"):
+                attention.wait([pending], timeout_s=30, work=None, action="receiving", option="recv_timeout_s")
+            assert time.monotonic() - started < 3.0  # a look every 0.5 s, not the 30 s deadline
+        finally:
+            rejoiner.close()

@@ -106,6 +106,8 @@ class PeerLink:
         self.role, self.index = topology.role_of(rank)
         self._lock = threading.Lock()
         self._control: dict[int, Pending] = {}
+        #: peers counted as lost by someone who knows better than their connection (a partition): why
+        self._declared: dict[int, str] = {}
         for peer in list(self._pairs):
             self._listen(peer)
 
@@ -142,6 +144,7 @@ class PeerLink:
         with self._lock:
             old = self._pairs.get(peer)
             self._pairs[peer] = pair
+            self._declared.pop(peer, None)
             if label is not None:
                 self.labels[peer] = label
         if old is not None and old.channel is not pair.channel:
@@ -166,7 +169,20 @@ class PeerLink:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
         return self._post("recv", tensor, peer, tag, what)
 
+    def lose(self, peer: int, reason: str) -> None:
+        """Count ``peer`` as lost from now on, for ``reason``, though its connection may look open (a cut
+        link sends no reset): the waits that depend on it and every post to it raise :class:`PeerLost`
+        naming ``reason``, until a new pair with it is installed (:meth:`install`)."""
+        with self._lock:
+            self._declared[peer] = reason
+
+    def _declared_loss(self, peer: int, reason: str) -> PeerLost:
+        return PeerLost(f"{self.me}: lost {self.describe(peer)}: {reason}", peer=peer, peer_name=self.describe(peer))
+
     def _post(self, direction: str, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Pending:
+        declared = self._declared.get(peer)
+        if declared is not None:
+            raise self._declared_loss(peer, declared)
         pair = self._pairs.get(peer)
         if pair is None:
             raise PeerLost(
@@ -233,6 +249,9 @@ class PeerLink:
             if peers is None or peer in peers:
                 pending.await_done(0.0)  # a channel whose waiter reads (zmq) reads what is there
         self._raise_earlier_loss(float("inf"), peers)
+        for peer, reason in list(self._declared.items()):
+            if peers is None or peer in peers:
+                raise self._declared_loss(peer, reason)
         aborted: tuple[int, str] | None = None
         for peer, pending in self._control.items():
             if peers is not None and peer not in peers:

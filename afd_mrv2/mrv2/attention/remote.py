@@ -281,7 +281,8 @@ class RemoteExperts:
         route_around_missing(link, failover)
         rejoiner = None
         if config.rendezvous == "external" and config.expert_replicas > 1 and failover is not None:
-            rejoiner = Rejoiner(store, topology, config.rank, me, joined, functools.partial(_lost, topology, failover))
+            lost = functools.partial(_lost, topology, failover)
+            rejoiner = Rejoiner(store, topology, config.rank, me, joined, lost, link=link)
         return _Session(link, plugins, backend, executor, exchange, failover, rejoiner)
 
     def create_streams(self, roles: tuple[str, ...]) -> tuple[DeviceBackend, dict[str, Stream]]:

@@ -8,6 +8,8 @@ routing to (``lost()``) and, when one has a newer incarnation, joins that pair: 
 rendezvous runs on this thread, never on the model's.  The pair then waits in
 :meth:`Rejoiner.take` until the model's next step boundary, where the owner installs it
 in the link and the connector routes to the rank again: no step mixes two incarnations of a rank.
+The same thread drops from the link an FFN rank serve marked lost (its node silent: a cut link sends
+no reset), so that the waits on it fail over at once rather than at ``recv_timeout_s``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Rejoiner:
         me: int,
         joined: dict[int, int],
         lost: Callable[[], set[int]],
+        link: PeerLink | None = None,
     ) -> None:
         self.store = store
         self.topology = topology
@@ -68,6 +71,8 @@ class Rejoiner:
         self.me = me
         self.joined = dict(joined)
         self.lost = lost
+        self.link = link
+        self._dropped: set[tuple[int, int]] = set()  # (FFN rank, incarnation) dropped from the link
         self._ready: queue.SimpleQueue[Comeback] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._mismatch: PlacementMismatch | None = None  # raised by take(): the restarted rank's table differs
@@ -76,6 +81,7 @@ class Rejoiner:
 
     def _watch(self) -> None:
         while not self._closed.wait(WATCH_S):
+            self._drop_marked_lost()
             for f in sorted(self.lost()):
                 try:
                     latest = self.store.latest(FFN, f)
@@ -100,6 +106,25 @@ class Rejoiner:
                 if pair is not None:
                     self.joined[f] = latest
                     self._ready.put(Comeback(f, pair, self.store.label(FFN, f, latest)))
+
+    def _drop_marked_lost(self) -> None:
+        """The FFN ranks whose incarnation this side holds a pair with and serve marked lost: lost in the link."""
+        if self.link is None:
+            return
+        held = set(self.link.peers)
+        for f, j in list(self.joined.items()):
+            if (f, j) in self._dropped or self.topology.global_rank(FFN, f) not in held:
+                continue
+            try:
+                marked = self.store.lost_incarnation(FFN, f) == j
+            except Exception:  # noqa: BLE001 - the store is gone (serve stops): nothing to learn
+                return
+            if marked:
+                self._dropped.add((f, j))
+                self.link.lose(
+                    self.topology.global_rank(FFN, f),
+                    f"the deployment's serve marked it lost (its process or its node is gone) [incarnation {j}]",
+                )
 
     def take(self) -> list[Comeback]:
         """The pairs joined since the last call (call it between two steps); a restarted FFN rank whose placement

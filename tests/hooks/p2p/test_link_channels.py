@@ -119,3 +119,26 @@ def test_a_closed_peer_is_a_loss_naming_the_pair_and_the_transport(links: tuple[
         attention.wait(
             [attention.isend(_header(), 1, wire.TAG_DISPATCH_HEADER, "dispatch header")], timeout_s=5, work=None, **WAIT
         )
+
+
+def test_a_peer_declared_lost_fails_the_wait_at_once_and_every_post_until_a_new_pair(
+    links: tuple[PeerLink, PeerLink],
+) -> None:
+    """A cut link sends no reset: whoever knows the peer is gone (serve, its node silent) says so with
+    ``lose``; a wait on that peer ends within a slice, long before its deadline, naming the reason, and so does
+    any post to it."""
+    attention, _ = links
+    pending = attention.irecv(_header(), 1, wire.TAG_COMBINE, "combine message")
+    threading.Timer(0.2, attention.lose, args=(1, "serve declared it lost (node 1 is silent)")).start()
+    start = time.monotonic()
+    with pytest.raises(PeerLost) as info:
+        attention.wait([pending], timeout_s=30, work=None, **WAIT)
+    assert 0.2 <= time.monotonic() - start < 1.5 and info.value.peer == 1
+    assert str(info.value) == (
+        "attention rank 0 (global rank 0): lost FFN rank 0 (global rank 1): serve declared it lost (node 1 is silent)"
+    )
+    with pytest.raises(PeerLost, match="serve declared it lost"):
+        attention.isend(_header(), 1, wire.TAG_DISPATCH_HEADER, "dispatch header")
+    with pytest.raises(PeerLost, match="serve declared it lost"):
+        attention.check_peers([1])
+    attention.check_peers([])  # a wait that does not depend on it is unaffected
