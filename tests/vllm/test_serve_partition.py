@@ -4,7 +4,9 @@
 the tiny Mixtral checkpoint in fp32; requests from inside node 0.  A stream of greedy completions runs; 0.8 s in
 (both engines' requests in flight), node 1's link goes down for 30 s (more requests start meanwhile), then up.
 
-* no request (streamed) goes longer than the engines' ``recv_timeout_s`` + 5 s without a byte;
+* no request (streamed) takes longer than the engines' ``recv_timeout_s`` + 5 s, wall time: node 0 marks node
+  1's roles lost ~5 s into the cut and the engines drop those FFN ranks at once (``PeerLink.lose``), so the
+  requests on Attention rank 0 fail over then, not at ``recv_timeout_s``;
 * every error is a request to Attention rank 1 (node 1); every request Attention rank 0 took is answered;
 * node 0 declares node 1 lost, says so in ``/afd/status`` after the cable is back, and answers new requests
   with rank 0 only; node 1's serve noticed node 0's silence during the cut and exited 1 on its own;
@@ -205,7 +207,7 @@ def test_a_30_s_partition_of_node_1(model: Path) -> None:
         print(f"node 0's serve after the cut:\n{timeline(first, cut)}\nnode 1's:\n{timeline(second, cut)}")
         in_flight = {error is None for wall, _, error, start in waits if start < 0 < start + wall}
         assert in_flight == {True, False}, f"not both engines had a request in flight at the cut: {waits}"
-        assert max(w[1] for w in waits) <= bound, f"{waits}\n{serve_lines(first)}"
+        assert max(w[0] for w in waits) <= bound, f"{waits}\n{serve_lines(first)}"
         assert all("attention 1" in str(error) for _, _, error, _ in failed), f"{failed}\n{serve_lines(first)}"
         took = [a - b for a, b in zip(finished(afd_status(node0, url)), before, strict=True)]
         assert sum(took) == len(STARTS) and len(ok) >= took[0], (took, waits)  # rank 0's requests all answered
