@@ -149,6 +149,19 @@ def kill_ffn_mid_stream(
     assert all(a[0] == 200 for a in again), [a for a in again if a[0] != 200][:2]
 
 
+def start_two_nodes(cluster: Cluster, model: Path) -> tuple[NodeServe, NodeServe]:
+    """Serve on node 1, then on node 0 (every node given the same secret file); node 0 ready."""
+    node0, node1 = cluster.nodes
+    secret = os.urandom(32).hex()
+    for node in cluster.nodes:
+        (node.tmp / "secret").write_text(secret)
+    common = ("--nnodes", "2", "--master-addr", node0.addr, "--host", node0.addr)
+    second = NodeServe(node1, model, *common, "--node-rank", "1", "--secret-file", str(node1.tmp / "secret"))
+    first = NodeServe(node0, model, *common, "--node-rank", "0", "--secret-file", str(node0.tmp / "secret"))
+    first.wait_ready()
+    return first, second
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("nodes") / "mixtral", "mixtral")
@@ -164,13 +177,7 @@ def test_two_nodes_equal_one_and_survive_the_loss_of_a_node(model: Path) -> None
         reference = greedy_of(answers(node0, url, model))
         assert alone.stop() == 0
 
-        secret = os.urandom(32).hex()
-        for node in cluster.nodes:  # every node is given the same file
-            (node.tmp / "secret").write_text(secret)
-        common = ("--nnodes", "2", "--master-addr", node0.addr, "--host", node0.addr)
-        second = NodeServe(node1, model, *common, "--node-rank", "1", "--secret-file", str(node1.tmp / "secret"))
-        first = NodeServe(node0, model, *common, "--node-rank", "0", "--secret-file", str(node0.tmp / "secret"))
-        first.wait_ready()
+        first, second = start_two_nodes(cluster, model)
         got = greedy_of(answers(node0, url, model))
         versus = compare(got, reference)
         print(f"two nodes vs one: {versus}")

@@ -21,7 +21,7 @@ import pytest
 from tests.netns import Cluster, Node, require_namespaces
 from tests.serve.nodes_support import only_init
 from tests.vllm.harness import make_model
-from tests.vllm.test_serve_nodes import PORT, NodeServe, answers
+from tests.vllm.test_serve_nodes import PORT, NodeServe, answers, start_two_nodes
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1500)]
 
@@ -35,15 +35,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_both(cluster: Cluster, model: Path) -> tuple[NodeServe, NodeServe]:
-    """Node 1's serve, then node 0's (one secret file on both); node 0 ready and serving both engines."""
-    node0, node1 = cluster.nodes
-    secret = os.urandom(32).hex()
-    for node in cluster.nodes:
-        (node.tmp / "secret").write_text(secret)
-    common = ("--nnodes", "2", "--master-addr", node0.addr, "--host", node0.addr)
-    second = NodeServe(node1, model, *common, "--node-rank", "1", "--secret-file", str(node1.tmp / "secret"))
-    first = NodeServe(node0, model, *common, "--node-rank", "0", "--secret-file", str(node0.tmp / "secret"))
-    first.wait_ready()
+    """Both nodes' serves; node 0 ready and answering."""
+    first, second = start_two_nodes(cluster, model)
+    node0 = cluster.nodes[0]
     assert all(a[0] == 200 for a in answers(node0, f"http://{node0.addr}:{PORT}", model, n=4))
     return first, second
 

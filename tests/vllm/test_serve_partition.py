@@ -16,7 +16,6 @@ the tiny Mixtral checkpoint in fp32; requests from inside node 0.  A stream of g
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from afd_mrv2.hooks.p2p.common import parse_options
 from tests.netns import Cluster, Node, require_namespaces
 from tests.serve.nodes_support import afd_status, only_init
 from tests.vllm.harness import make_model
-from tests.vllm.test_serve_nodes import PORT, NodeServe, answers
+from tests.vllm.test_serve_nodes import PORT, NodeServe, answers, start_two_nodes
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1500)]
 
@@ -130,19 +129,6 @@ def timeline(serve: NodeServe, since: float) -> str:
     )
 
 
-def start_both(cluster: Cluster, model: Path) -> tuple[NodeServe, NodeServe]:
-    """Node 1's serve, then node 0's (the same secret file on both); node 0 ready."""
-    node0, node1 = cluster.nodes
-    secret = os.urandom(32).hex()
-    for node in cluster.nodes:
-        (node.tmp / "secret").write_text(secret)
-    common = ("--nnodes", "2", "--master-addr", node0.addr, "--host", node0.addr)
-    second = NodeServe(node1, model, *common, "--node-rank", "1", "--secret-file", str(node1.tmp / "secret"))
-    first = NodeServe(node0, model, *common, "--node-rank", "0", "--secret-file", str(node0.tmp / "secret"))
-    first.wait_ready()
-    return first, second
-
-
 def stream_through_a_cut(
     node0: Node, node1: Node, second: NodeServe, url: str, model: Path
 ) -> tuple[list[list[Any]], float, float, float | None]:
@@ -173,7 +159,7 @@ def test_a_30_s_partition_of_node_1(model: Path) -> None:
     with Cluster(2) as cluster:
         node0, node1 = cluster.nodes
         url = f"http://{node0.addr}:{PORT}"
-        first, second = start_both(cluster, model)
+        first, second = start_two_nodes(cluster, model)
         bound = recv_timeout_s(node0) + 5.0
         warm = time.monotonic()
         assert all(a[0] == 200 for a in answers(node0, url, model, n=8))
