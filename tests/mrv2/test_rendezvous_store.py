@@ -148,8 +148,10 @@ def test_a_tcp_stranger_without_the_token_is_refused_and_logged_and_the_pair_sti
 
     def join(who: str, on: RendezvousStore = store) -> None:
         role = FFN if who == FFN else ATTENTION
+        # the misled side never gives up: its refusal must come as an error, even once the real pair joined
+        give_up = (lambda: False) if who == "misled" else (lambda: FFN in joined)
         try:
-            joined[who] = on.join_pair(role, (0, 1), (1, 1), placement=RING.stamp, give_up=lambda: FFN in joined)
+            joined[who] = on.join_pair(role, (0, 1), (1, 1), placement=RING.stamp, give_up=give_up)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             joined[who] = exc
 
