@@ -113,7 +113,8 @@ class Rejoiner:
             return
         held = set(self.link.peers)
         for f, j in list(self.joined.items()):
-            if (f, j) in self._dropped or self.topology.global_rank(FFN, f) not in held:
+            peer = self.topology.global_rank(FFN, f)
+            if (f, j) in self._dropped or peer not in held:
                 continue
             try:
                 marked = self.store.lost_incarnation(FFN, f) == j
@@ -122,7 +123,7 @@ class Rejoiner:
             if marked:
                 self._dropped.add((f, j))
                 self.link.lose(
-                    self.topology.global_rank(FFN, f),
+                    peer,
                     f"the deployment's serve marked it lost (its process or its node is gone) [incarnation {j}]",
                 )
 
