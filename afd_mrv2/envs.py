@@ -119,6 +119,14 @@ SECRET: Final = EnvVar(
     "unset: the store's values carry no MAC and the pairs' tokens lie in the store",
     set_by="serve, for every role (generated, or read from `--secret-file`); you, for a role you start by hand",
 )
+TCP_SPIN: Final = EnvVar(
+    "AFD_MRV2_TCP_SPIN",
+    "How a tcp pair's wait may read without sleeping, trading CPU for wake-ups (docs/internals/p2p-transport.md): "
+    "`on` spins at once while the waits for a message kind are short, and after regular longer ones sleeps "
+    "until just before the message is due, then spins briefly; `short` only the first; `off` never (every "
+    "wait sleeps in `poll`).",
+    "on",
+)
 
 #: Every variable afd-mrv2 reads, in the docs table's order.
 VARIABLES: Final = (
@@ -131,7 +139,11 @@ VARIABLES: Final = (
     V2_MODEL_RUNNER,
     ADDITIONAL_CONFIG,
     SECRET,
+    TCP_SPIN,
 )
+
+#: The values of ``$AFD_MRV2_TCP_SPIN``.
+TCP_SPIN_VALUES: Final = ("on", "short", "off")
 
 
 def flag(var: EnvVar, env: Env | None = None) -> bool:
@@ -153,6 +165,15 @@ def secret(env: Env | None = None) -> bytes | None:
     """``$AFD_MRV2_SECRET`` as bytes (hex decoded); None when unset or empty; ValueError when not hex."""
     value = SECRET.raw(env)
     return bytes.fromhex(value.strip()) if value and value.strip() else None
+
+
+def tcp_spin(env: Env | None = None) -> str:
+    """``$AFD_MRV2_TCP_SPIN`` (one of :data:`TCP_SPIN_VALUES`, any case); ``"on"`` when unset or blank;
+    ValueError naming the variable otherwise."""
+    value = (TCP_SPIN.raw(env) or "").strip().lower() or "on"
+    if value not in TCP_SPIN_VALUES:
+        raise ValueError(f"{TCP_SPIN.name} must be one of {', '.join(TCP_SPIN_VALUES)}, got {value!r}")
+    return value
 
 
 def stats_dir(env: Env | None = None) -> str | None:

@@ -11,8 +11,10 @@ the pair's token; any other is refused, logged, and the listener keeps waiting.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import os
 import secrets
 import select
 import socket
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from afd_mrv2 import envs
 from afd_mrv2.hooks.p2p import wire
 from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError, Endpoints, Pending
 from afd_mrv2.hooks.p2p.reading import ReaderChannel, finish
@@ -39,7 +42,15 @@ SPIN_S = 100e-6
 #: a wait spins only while the waits for its tag typically (a moving average) end within this
 SPIN_WHEN_S = 4 * SPIN_S
 _TYPICAL_CAP_S = 0.01  # one long wait (an idle peer) counts as this much in the average
+#: a longer wait sleeps until this long before the shortest of the last :data:`RECENT_WAITS` waits for its tag
+#: would end, then reads without sleeping (yielding the core to any other runnable thread) for up to
+#: :data:`WAKE_WINDOW_S` before it sleeps in ``poll`` again: the wake-up lands before the message does
+WAKE_EARLY_S = 150e-6
+WAKE_WINDOW_S = 400e-6  # 0: a longer wait never wakes early
+RECENT_WAITS = 8
+_WAKE_LONGEST_S = 0.1  # waits this long or longer (an idle peer) never wake early
 _READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
+_FD_SETSIZE = 1024  # select's limit on a descriptor's number
 
 
 class _Incoming:
@@ -61,6 +72,44 @@ class _Incoming:
         self.got, self.body, self.target, self.pending, self.kept = 0, False, None, None, None
 
 
+class _WaitTimes:
+    """Per tag, how long the reader's waits took, and how the next wait should begin (:meth:`plan`).
+
+    Short waits (a moving average within :data:`SPIN_WHEN_S`: a peer answering within microseconds) spin at
+    once.  Longer ones (a peer computing for ms) doze until :data:`WAKE_EARLY_S` before the shortest of the last
+    :data:`RECENT_WAITS` would have ended, then spin for up to :data:`WAKE_WINDOW_S`.  A rank whose waits are
+    long (:data:`_WAKE_LONGEST_S`: an idle one) never spins.  ``spin`` (``$AFD_MRV2_TCP_SPIN``): ``"short"``
+    spins only at once, ``"off"`` never.
+    """
+
+    __slots__ = ("_average", "_recent", "_spin")
+
+    def __init__(self, spin: str = "on") -> None:
+        self._spin = spin
+        self._average: dict[int, float] = {}
+        self._recent: dict[int, collections.deque[float]] = {}
+
+    def learn(self, tag: int, took: float) -> None:
+        average = self._average.get(tag, 0.0)
+        self._average[tag] = average + (min(took, _TYPICAL_CAP_S) - average) / 8
+        recent = self._recent.get(tag)
+        if recent is None:
+            recent = self._recent[tag] = collections.deque(maxlen=RECENT_WAITS)
+        recent.append(took)
+
+    def plan(self, tag: int) -> tuple[float, float]:
+        """(doze, spin) in seconds for a wait for ``tag`` beginning now; a spin of 0: sleep in ``poll`` at once."""
+        if self._spin == "off":
+            return 0.0, 0.0
+        if self._average.get(tag, 0.0) <= SPIN_WHEN_S:
+            return 0.0, SPIN_S
+        recent = self._recent[tag]
+        soonest = min(recent)
+        if self._spin == "short" or not WAKE_WINDOW_S or len(recent) < RECENT_WAITS or soonest >= _WAKE_LONGEST_S:
+            return 0.0, 0.0
+        return max(0.0, soonest - WAKE_EARLY_S), WAKE_WINDOW_S
+
+
 class TcpChannel(ReaderChannel):
     """The transfers with one peer (global rank ``peer``) of the pair ``name`` over ``sock`` (connected).
 
@@ -75,9 +124,10 @@ class TcpChannel(ReaderChannel):
     tag match sends in posting order) and stops at a message boundary once its own Pending is done; a
     message for a tag with no posted receive is kept (a copy, at most ``max_kept`` per tag) and copied in
     when one is posted.  A message read in part is resumed by the next waiter, so no waiter outstays its
-    slice.  A wait reads without sleeping for up to :data:`SPIN_S` before it sleeps in ``poll``, while the
-    waits for its tag typically end within :data:`SPIN_WHEN_S` (``_read_until``).  End of stream or a reset: what was received before is read first (a peer's last message, its
-    ABORT, is never lost), then every posted and later Pending fails with
+    slice.  A wait may read without sleeping for a while before it sleeps in ``poll``: at once while the waits
+    for its tag are short, or just before its message is due after longer ones (:class:`_WaitTimes`).  End of
+    stream or a reset: what was received before is read first (a peer's last message, its ABORT, is never
+    lost), then every posted and later Pending fails with
     :class:`~afd_mrv2.hooks.p2p.channel.ChannelClosed`.
     """
 
@@ -97,11 +147,10 @@ class TcpChannel(ReaderChannel):
         self._writable = select.poll()
         self._writable.register(sock, select.POLLOUT | select.POLLERR | select.POLLHUP)
         self._incoming = _Incoming()  # the reader's only
-        # the reader's only: the Pending whose wait began last, when it began, and per tag a moving average of
-        # how long a wait took (s)
+        # the reader's only: the Pending whose wait began last, when it began, and per tag how long waits took
         self._waiting: Pending | None = None
         self._waiting_since = 0.0
-        self._typical: dict[int, float] = {}
+        self._waits = _WaitTimes(envs.tcp_spin())
 
     # ------------------------------------------------------------------ sending
 
@@ -142,20 +191,18 @@ class TcpChannel(ReaderChannel):
 
     def _read_until(self, pending: Pending, deadline: float) -> None:
         """Read until ``pending`` is done or ``deadline``; between reads, sleep in ``poll``.  The first slice of
-        a wait spins first (reads without sleeping, up to :data:`SPIN_S`: a wake-up from ``poll`` costs tens of
-        us) when the waits for its tag typically end within :data:`SPIN_WHEN_S`; a rank whose messages come
-        seldom (an idle one, or one waiting on ms of compute) therefore never spins."""
+        a wait may read without sleeping for a while first (a wake-up from ``poll`` costs tens of us, more on an
+        idle core of a VM): at once while the waits for its tag are short (:data:`SPIN_S`), or just before the
+        message is due after a longer one (:data:`WAKE_EARLY_S`); see :class:`_WaitTimes`."""
         now = time.monotonic()
-        tag = pending.tag
         if self._waiting is not pending and deadline - now > SPIN_S:  # the first slice of its wait
             self._waiting, self._waiting_since = pending, now
-            if self._typical.get(tag, 0.0) <= SPIN_WHEN_S:
-                until = now + SPIN_S
-                while not self._read_ready(pending):
-                    if time.monotonic() >= until:
-                        break
-                else:
-                    self._learn(tag)
+            doze_s, spin_s = self._waits.plan(pending.tag)
+            if spin_s and doze_s + spin_s < deadline - now:
+                if doze_s:
+                    self._doze(doze_s)
+                if self._spin(pending, time.monotonic() + spin_s, yielding=doze_s > 0):
+                    self._learn(pending.tag)
                     return
         while not self._read_ready(pending):
             left = deadline - time.monotonic()
@@ -163,13 +210,28 @@ class TcpChannel(ReaderChannel):
                 return
             self._readable.poll(max(1, round(left * 1000)))
         if self._waiting is pending:
-            self._learn(tag)
+            self._learn(pending.tag)
+
+    def _spin(self, pending: Pending, until: float, *, yielding: bool) -> bool:
+        """Read without sleeping until ``pending`` is done (True) or ``until`` (False)."""
+        while not self._read_ready(pending):
+            if time.monotonic() >= until:
+                return False
+            if yielding:  # an early wake-up must not take the core from a thread with work (the model's)
+                os.sched_yield()
+        return True
+
+    def _doze(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` (to the microsecond: ``select``), or until something arrives."""
+        fd = self._sock.fileno()
+        if fd < _FD_SETSIZE:
+            select.select([fd], [], [], seconds)
+        else:  # select cannot watch it: poll, to the millisecond below
+            self._readable.poll(int(seconds * 1000))
 
     def _learn(self, tag: int) -> None:
         """The wait that began at ``_waiting_since`` for a message of ``tag`` ended now."""
-        took = min(time.monotonic() - self._waiting_since, _TYPICAL_CAP_S)
-        typical = self._typical.get(tag, 0.0)
-        self._typical[tag] = typical + (took - typical) / 8
+        self._waits.learn(tag, time.monotonic() - self._waiting_since)
 
     def _read_ready(self, until: Pending | None) -> bool:
         """Read what has arrived, at most up to the message boundary after ``until`` is done; True once it is

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from afd_mrv2 import envs
 from afd_mrv2.hooks.p2p import tcp_channel
 from afd_mrv2.hooks.p2p.channel import ChannelClosed, ChannelError, Endpoints, Pending
 from tests.hooks.p2p.channel_links import recv, send, value, wait
@@ -258,6 +259,76 @@ def test_a_wait_spins_only_while_the_waits_for_its_tag_are_short(
     assert f.lost is None
 
 
+def test_the_plan_of_a_wait_follows_the_recent_waits_for_its_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short waits spin at once; regular longer ones doze until WAKE_EARLY_S before the shortest recent one
+    would end, then spin for WAKE_WINDOW_S; too little history, an idle peer, or a window of 0: no spin."""
+    waits = tcp_channel._WaitTimes()
+    assert waits.plan(1) == (0.0, tcp_channel.SPIN_S)  # nothing known: spin (an answer may be quick)
+    for _ in range(20):
+        waits.learn(1, 50e-6)
+    assert waits.plan(1) == (0.0, tcp_channel.SPIN_S)
+    for took in [5e-3] * (tcp_channel.RECENT_WAITS - 1):
+        waits.learn(2, took)
+    assert waits.plan(2) == (0.0, 0.0)  # not enough history yet
+    waits.learn(2, 3e-3)
+    doze, spin = waits.plan(2)
+    assert doze == pytest.approx(3e-3 - tcp_channel.WAKE_EARLY_S) and spin == tcp_channel.WAKE_WINDOW_S
+    for _ in range(tcp_channel.RECENT_WAITS):
+        waits.learn(3, 0.2)  # an idle peer
+    assert waits.plan(3) == (0.0, 0.0)
+    short, off = tcp_channel._WaitTimes("short"), tcp_channel._WaitTimes("off")  # $AFD_MRV2_TCP_SPIN
+    for times in (short, off):
+        for took in [50e-6] * 20 + [3e-3] * tcp_channel.RECENT_WAITS:
+            times.learn(1 if took < 1e-3 else 0, took)  # tag 1: the short waits, tag 0: the longer ones
+    assert short.plan(1) == (0.0, tcp_channel.SPIN_S) and short.plan(0) == (0.0, 0.0)
+    assert off.plan(1) == off.plan(0) == (0.0, 0.0)
+    monkeypatch.setattr(tcp_channel, "WAKE_WINDOW_S", 0.0)
+    assert waits.plan(2) == (0.0, 0.0) and waits.plan(1) == (0.0, tcp_channel.SPIN_S)
+
+
+def test_the_spin_setting_is_read_from_the_environment_and_a_bad_value_is_named() -> None:
+    assert envs.tcp_spin({}) == "on" and envs.tcp_spin({"AFD_MRV2_TCP_SPIN": " Short "}) == "short"
+    with pytest.raises(ValueError, match=r"^AFD_MRV2_TCP_SPIN must be one of on, short, off, got 'fast'$"):
+        envs.tcp_spin({"AFD_MRV2_TCP_SPIN": "fast"})
+
+
+def test_a_regular_longer_wait_dozes_then_reads_without_sleeping_before_its_message_is_due(
+    pair: tuple[TcpChannel, TcpChannel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After waits of about 20 ms, the next wait sleeps (in select, no read) for most of its time and is
+    reading without sleeping before the message comes: no sleep in poll at all when it comes within the
+    window, and the CPU it used is a fraction of the wait."""
+    monkeypatch.setattr(tcp_channel, "WAKE_EARLY_S", 0.004)  # wide enough for a timer on a loaded host
+    monkeypatch.setattr(tcp_channel, "WAKE_WINDOW_S", 0.008)
+    a, f = pair
+    polls, readable = [0], f._readable
+
+    class Poll:
+        def poll(self, timeout_ms: int) -> list[tuple[int, int]]:
+            polls[0] += 1
+            return readable.poll(timeout_ms)
+
+    monkeypatch.setattr(f, "_readable", Poll())
+
+    def late_wait(delay_s: float) -> tuple[float, float, int]:
+        """Wall and CPU seconds of a wait for a message sent ``delay_s`` after it began, and its polls."""
+        pending, polls[0] = recv(f, 7), 0
+        timer = threading.Timer(delay_s, lambda: send(a, 7, 7.0))
+        start, cpu = time.monotonic(), time.thread_time()
+        timer.start()
+        assert value(wait(f, pending)) == 7.0
+        timer.join()
+        return time.monotonic() - start, time.thread_time() - cpu, polls[0]
+
+    for _ in range(tcp_channel.RECENT_WAITS):
+        late_wait(0.02)
+    took = [late_wait(0.02) for _ in range(5)]
+    # a late timer (a loaded host) misses the window: then the wait sleeps in poll as before, so ask for most
+    assert sum(1 for _, _, polls_made in took if polls_made == 0) >= 3, took
+    assert all(cpu < 0.5 * wall for wall, cpu, _ in took), took  # dozed: not a spin of the whole wait
+    assert f.lost is None
+
+
 def test_a_message_cut_by_the_loss_fails_its_receive(raw: tuple[TcpChannel, socket.socket]) -> None:
     channel, sock = raw
     target = recv(channel, 5, n=1000)
@@ -317,6 +388,7 @@ def test_close_is_idempotent_fails_what_is_posted_and_the_peer_reads_what_came_b
 
 PEER = """
 import os, sys, time, torch
+from afd_mrv2 import envs
 from afd_mrv2.hooks.p2p import tcp_channel
 listener = tcp_channel.listen(name="peer")
 print(listener.endpoints.to_json(), flush=True)
