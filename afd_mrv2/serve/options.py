@@ -13,6 +13,7 @@ parser in the child, which stays the authority.  ``AFD_MRV2_NO_OPTION_CACHE=1`` 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -76,11 +77,11 @@ def load(vllm: str | None = None) -> dict[str, bool] | None:
     return {str(k): bool(v) for k, v in options.items()}
 
 
-def parser_options(parsers: Iterable[object]) -> dict[str, bool]:
+def parser_options(parsers: Iterable[argparse.ArgumentParser]) -> dict[str, bool]:
     """Every option string of these argparse parsers -> whether it takes a value (``nargs`` not 0)."""
     found: dict[str, bool] = {}
     for parser in parsers:
-        for action in getattr(parser, "_actions", []):
+        for action in parser._actions:  # argparse keeps every action here (vLLM's parsers subclass it)
             for option in action.option_strings:
                 found[option] = action.nargs != 0
     return found

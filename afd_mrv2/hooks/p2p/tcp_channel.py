@@ -87,15 +87,14 @@ class _WaitTimes:
     def __init__(self, spin: str = "on") -> None:
         self._spin = spin
         self._average: dict[int, float] = {}
-        self._recent: dict[int, collections.deque[float]] = {}
+        self._recent: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=RECENT_WAITS)
+        )
 
     def learn(self, tag: int, took: float) -> None:
         average = self._average.get(tag, 0.0)
         self._average[tag] = average + (min(took, _TYPICAL_CAP_S) - average) / 8
-        recent = self._recent.get(tag)
-        if recent is None:
-            recent = self._recent[tag] = collections.deque(maxlen=RECENT_WAITS)
-        recent.append(took)
+        self._recent[tag].append(took)
 
     def plan(self, tag: int) -> tuple[float, float]:
         """(doze, spin) in seconds for a wait for ``tag`` beginning now; a spin of 0: sleep in ``poll`` at once."""
