@@ -90,6 +90,8 @@ SIDES = ("plain", "blocking", "ubatch")
 #: serve --stop-grace-s: a vLLM Attention engine on a loaded 2-core machine takes several seconds to exit, and
 #: an FFN role reports only after its engines are gone (serve's default 5 s grace SIGKILLs it first).
 STOP_GRACE_S = 60.0
+#: a round trip's overhead over the FFN compute (2c) that the analytic block also evaluates the limit at
+OVERHEAD_BAR_MS = 0.5
 OVERLAP_SUMS = ("steps", "round_trips", "round_trip_total_ms", "hidden_total_ms", "computes", "compute_total_ms")
 
 
@@ -446,6 +448,10 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
     c = (unsplit["round_trip_ms"] - big_f) / 2
     num, terms = big_a + big_f + 2 * c, {"N a": n * a, "N f": n * f, "a + f + 2c": a + f + 2 * c}
     limit = num / max(terms.values())
+
+    def limit_at(overhead_ms: float) -> float:  # the same computes, a round trip costing F + overhead
+        return (big_a + big_f + overhead_ms) / max(n * a, n * f, a + f + overhead_ms)
+
     speedup = (
         blocking["median_forward_ms"] / ubatch["median_forward_ms"]
         if blocking["median_forward_ms"] and ubatch["median_forward_ms"]
@@ -465,6 +471,9 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
         "terms_ms": terms,
         "bound_by": max(terms, key=lambda k: terms[k]),
         "analytic_limit": limit,
+        # what a faster transport could give these computes: a free one (2c = 0), and one at OVERHEAD_BAR_MS
+        "limit_free_transport": limit_at(0.0),
+        "limit_at_overhead_bar": limit_at(OVERHEAD_BAR_MS),
         "measured_forward_speedup": speedup,
         "fraction_of_limit": speedup / limit if speedup is not None else None,
     }
@@ -980,6 +989,9 @@ def report(result: dict[str, Any]) -> str:
             + f") = {lim['analytic_limit']:.3f} (bound by {lim['bound_by']})",
             f"  measured forward speedup (blocking / ubatch median forward ms) = "
             f"{_ms(lim['measured_forward_speedup'], 3)}: {_ms(lim['fraction_of_limit'], 3)} of the limit",
+            f"  the same computes with a faster transport: {lim['limit_free_transport']:.3f} with a free one "
+            f"(2c = 0), {lim['limit_at_overhead_bar']:.3f} at 2c = {OVERHEAD_BAR_MS:g} ms (per MoE layer; a "
+            "forward also fills and drains the pipeline once)",
         ]
     lines += ["", *round_trip_table(result["round_trip"]), ""]
     if any(result["ffn_reports"].values()):

@@ -239,6 +239,9 @@ def test_analytic_limit_from_its_inputs() -> None:
     assert got["bound_by"] == "a + f + 2c" and got["analytic_limit"] == pytest.approx(15.0 / 11.5)
     assert got["measured_forward_speedup"] == pytest.approx(20.0 / 16.0)
     assert got["fraction_of_limit"] == pytest.approx(1.25 / (15.0 / 11.5))
+    # the same computes with a faster transport: (A + F + 2c) / max(N a, N f, a + f + 2c) at 2c = 0 and 0.5 ms
+    assert got["limit_free_transport"] == pytest.approx(9.0 / 6.0)
+    assert got["limit_at_overhead_bar"] == pytest.approx(9.5 / 6.0)
     result["ffn_reports"]["ubatch"] = []
     assert bench.analytic(result, 2)["why_not"] == "no FFN 'done' report (computed items) from the ubatch side"
 
@@ -254,6 +257,7 @@ def test_report_prints_every_side_the_ratios_and_the_formula_inputs() -> None:
     for name in ("A = 5.000 ms", "F = 4.000 ms", "a = 3.000 ms", "f = 2.500 ms", "c = 3.000 ms"):
         assert name in text, name
     assert "= 1.304 (bound by a + f + 2c)" in text and "0.958 of the limit" in text
+    assert "with a faster transport: 1.500 with a free one (2c = 0), 1.583 at 2c = 0.5 ms" in text
     assert "ubatch/plain: tok/s 0.960 (equal cores: plain pinned to 2, ubatch to 2)" in text
     assert "where a round trip goes (us, means over the whole run, 1A1F)" in text
     assert _cells(text, "wire out") == ["1.0", "n/a"] and _cells(text, "FFN compute") == ["4.0", "4.0"]
