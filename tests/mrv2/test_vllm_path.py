@@ -186,8 +186,9 @@ def test_local_routing_weighs_other_blocks_zero_and_shifts_ids_into_the_block() 
     assert got_ids.dtype == ids.dtype
     same_ids, masked = local_routing(ids, weights, range(2, 4), 4, shift=False)
     assert same_ids.tolist() == [[3, 3], [2, 2]] and masked.tolist() == got_w.tolist()
-    every_id, every_w = local_routing(ids, weights, range(0, 4), 4, shift=False)
-    assert every_id is ids and every_w is weights  # every expert held, every pair computed: as given
+    for shift in (False, True):  # every expert held, every pair computed: as given, shifted or not
+        every_id, every_w = local_routing(ids, weights, range(0, 4), 4, shift=shift)
+        assert every_id is ids and every_w is weights
     # replicas: every expert held (R = F), but the Attention side sent the pair routed elsewhere with weight 0
     routed = torch.tensor([[0.5, 0.0], [0.0, 1.0]])
     got_ids, got_w = local_routing(ids, routed, range(0, 4), 4, shift=True)

@@ -106,8 +106,14 @@ def local_routing(
     pair computed here: the kernel, which computes every top-k slot, then loads no expert's weights for it
     that the row does not need anyway (with replicas, the other blocks' experts).  A 0-weight slot adds
     exactly 0, so the output is the same.
+
+    A rank that holds every expert (``held`` ascending: ``0 .. num_experts - 1``, so a shift changes no id)
+    only looks for 0-weight pairs, with one operation: this runs next to the MoE compute on every item,
+    where each small torch operation costs tens of us (docs/internals/vllm-roles.md).
     """
-    if len(held) == num_experts and not shift:
+    if len(held) == num_experts:  # every expert held: the ids are already the held positions
+        if bool(weights.all()):  # no 0-weight pair (one without replicas never gets one)
+            return topk_ids, weights
         mine = weights != 0
     else:
         position = torch.full((num_experts,), -1, dtype=torch.long)
