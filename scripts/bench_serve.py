@@ -426,6 +426,28 @@ def ffn_compute_per_item(reports: list[dict[str, Any]]) -> dict[str, Any] | None
     return {"busy_s": busy, "computed": computed, "ms": 1000 * busy / computed, "tokens_per_item": tokens}
 
 
+def schedule_forward_ms(n: int, layers: int, a: float, f: float, c: float) -> float:
+    """A forward's MoE part as a schedule: ``layers`` MoE layers, ``n`` micro-batches, the Attention side
+    computing ``a`` per micro-batch and layer and the FFN ``f`` per item, each one at a time and in order
+    (layer by layer, micro-batch by micro-batch), ``c`` per transfer each way.  The pipeline fills and drains
+    once per forward, which the per-layer limit leaves out; ``n = 1`` is the blocking forward,
+    ``layers * (a + f + 2c)``."""
+    attention_free = ffn_free = 0.0
+    back = [0.0] * n  # when each micro-batch's last combine arrived
+    for _ in range(layers):
+        for u in range(n):
+            attention_free = max(attention_free, back[u]) + a
+            ffn_free = max(ffn_free, attention_free + c) + f
+            back[u] = ffn_free + c
+    return max(back)
+
+
+def _moe_layers(reports: list[dict[str, Any]]) -> int | None:
+    """The MoE layers an FFN side's ``done`` report names (``moe_layers``), or None."""
+    found = {int(r["report"]["moe_layers"]) for r in reports if "moe_layers" in r["report"]}
+    return found.pop() if len(found) == 1 else None
+
+
 def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
     """The limit of the forward speedup, (A + F + 2c) / max(N a, N f, a + f + 2c), and its inputs (or why not)."""
     blocking, ubatch = result["sides"]["blocking"], result["sides"]["ubatch"]
@@ -452,6 +474,14 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
     def limit_at(overhead_ms: float) -> float:  # the same computes, a round trip costing F + overhead
         return (big_a + big_f + overhead_ms) / max(n * a, n * f, a + f + overhead_ms)
 
+    layers = _moe_layers(result["ffn_reports"]["blocking"])
+
+    def forward_bound(transfer_ms: float) -> float | None:  # the schedule of a whole forward (fill and drain)
+        if layers is None:
+            return None
+        blocking_ms = schedule_forward_ms(1, layers, big_a, big_f, transfer_ms)
+        return blocking_ms / schedule_forward_ms(n, layers, a, f, transfer_ms)
+
     speedup = (
         blocking["median_forward_ms"] / ubatch["median_forward_ms"]
         if blocking["median_forward_ms"] and ubatch["median_forward_ms"]
@@ -474,6 +504,10 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
         # what a faster transport could give these computes: a free one (2c = 0), and one at OVERHEAD_BAR_MS
         "limit_free_transport": limit_at(0.0),
         "limit_at_overhead_bar": limit_at(OVERHEAD_BAR_MS),
+        # the same as a schedule of a whole forward of ``moe_layers`` layers (None without the FFN's report of it)
+        "moe_layers": layers,
+        "forward_bound": forward_bound(c),
+        "forward_bound_free_transport": forward_bound(0.0),
         "measured_forward_speedup": speedup,
         "fraction_of_limit": speedup / limit if speedup is not None else None,
     }
@@ -993,6 +1027,12 @@ def report(result: dict[str, Any]) -> str:
             f"(2c = 0), {lim['limit_at_overhead_bar']:.3f} at 2c = {OVERHEAD_BAR_MS:g} ms (per MoE layer; a "
             "forward also fills and drains the pipeline once)",
         ]
+        if lim["forward_bound"] is not None:
+            lines.append(
+                f"  a whole forward as a schedule ({lim['moe_layers']} MoE layers, {n} micro-batches, filled and "
+                f"drained once): {lim['forward_bound']:.3f} with this c, {lim['forward_bound_free_transport']:.3f} "
+                "with a free transport"
+            )
     lines += ["", *round_trip_table(result["round_trip"]), ""]
     if any(result["ffn_reports"].values()):
         lines += [

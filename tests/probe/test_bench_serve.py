@@ -242,8 +242,32 @@ def test_analytic_limit_from_its_inputs() -> None:
     # the same computes with a faster transport: (A + F + 2c) / max(N a, N f, a + f + 2c) at 2c = 0 and 0.5 ms
     assert got["limit_free_transport"] == pytest.approx(9.0 / 6.0)
     assert got["limit_at_overhead_bar"] == pytest.approx(9.5 / 6.0)
+    assert got["moe_layers"] is None and got["forward_bound"] is None  # the FFN reports name no moe_layers
     result["ffn_reports"]["ubatch"] = []
     assert bench.analytic(result, 2)["why_not"] == "no FFN 'done' report (computed items) from the ubatch side"
+
+
+def test_a_forward_as_a_schedule_fills_and_drains_its_pipeline_once() -> None:
+    """Blocking: layers * (a + f + 2c).  Two micro-batches of a = 1, f = 2, c = 0: the FFN is busy from t = 1
+    on, so two layers end at 1 + 4 * 2 = 9 (blocking 2 * (2 + 4) = 12); a transfer of 0.5 delays the first
+    item's arrival and the last combine (10), and a side that waits longer for its combines than it
+    computes is bound by the round trip (a = 1, f = 0.1, c = 2: each layer waits a + f + 2c after the first)."""
+    assert bench.schedule_forward_ms(1, 4, 2.0, 3.0, 0.5) == pytest.approx(4 * (2.0 + 3.0 + 1.0))
+    assert bench.schedule_forward_ms(2, 2, 1.0, 2.0, 0.0) == pytest.approx(9.0)
+    assert bench.schedule_forward_ms(2, 2, 1.0, 2.0, 0.5) == pytest.approx(10.0)
+    assert bench.schedule_forward_ms(2, 2, 1.0, 0.1, 2.0) == pytest.approx(2 * (1.0 + 0.1 + 4.0) + 1.0)
+    result = _result()
+    for side in ("blocking", "ubatch"):
+        result["ffn_reports"][side][0]["report"]["moe_layers"] = 2
+    got = bench.analytic(result, 2)  # A = 5, F = 4, a = 3, f = 2.5, c = 3 (test_analytic_limit_from_its_inputs)
+    blocking = 2 * (5.0 + 4.0 + 6.0)
+    assert got["moe_layers"] == 2
+    assert got["forward_bound"] == pytest.approx(blocking / bench.schedule_forward_ms(2, 2, 3.0, 2.5, 3.0))
+    assert got["forward_bound_free_transport"] == pytest.approx(18.0 / bench.schedule_forward_ms(2, 2, 3.0, 2.5, 0.0))
+    result["analytic"] = got
+    result["ratios"] = {"ubatch/blocking tok_s": 1.2, "ubatch/blocking forward_ms": 0.8, "ubatch/plain tok_s": 0.96}
+    text = bench.report(result)
+    assert "a whole forward as a schedule (2 MoE layers, 2 micro-batches, filled and drained once):" in text
 
 
 def test_report_prints_every_side_the_ratios_and_the_formula_inputs() -> None:
