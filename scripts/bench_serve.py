@@ -469,10 +469,11 @@ def analytic(result: dict[str, Any], n: int) -> dict[str, Any]:
     big_a, big_f, a, f = unsplit["compute_ms"], ffn_b["ms"], split["compute_ms"], ffn_u["ms"]
     c = (unsplit["round_trip_ms"] - big_f) / 2
     num, terms = big_a + big_f + 2 * c, {"N a": n * a, "N f": n * f, "a + f + 2c": a + f + 2 * c}
-    limit = num / max(terms.values())
 
     def limit_at(overhead_ms: float) -> float:  # the same computes, a round trip costing F + overhead
         return (big_a + big_f + overhead_ms) / max(n * a, n * f, a + f + overhead_ms)
+
+    limit = limit_at(2 * c)
 
     layers = _moe_layers(result["ffn_reports"]["blocking"])
 
