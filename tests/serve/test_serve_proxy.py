@@ -89,3 +89,57 @@ def test_health_models_and_status_pass_through(start_serve):
     assert missing == 404
     serve.signal(signal.SIGINT)
     assert serve.wait() == 0
+
+
+def _wait_line(serve, text: str, timeout: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [line for line in serve.err_lines() if text in line]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no line with {text!r} within {timeout} s:\n" + "\n".join(serve.err_lines()))
+
+
+def test_a_request_whose_engine_cannot_be_reached_goes_to_another_and_the_engine_is_suspect(start_serve):
+    """Engine 1 stops listening while its process runs (serve sees no exit): every request still gets its answer,
+    from engine 0; engine 1 is suspect (one line, no new request tries it) until its ``/health`` answers again,
+    then the endpoint balances over both."""
+    closing = {"rank": 1, "after": 0.5, "for": 4.0}
+    serve, _ = start_serve(2, 1, {"token_delay": 0.01, "close_listener": closing})
+    url = serve.wait_ready()
+    _wait_line(serve, "[attention 1] listener closed")
+    results = asyncio.run(_clients(url))  # each asserts its 200 and a whole answer
+    assert Counter(r["rank"] for r in results) == {0: CLIENTS}
+    assert all(r["done"] for r in results)
+    line = _wait_line(serve, "cannot be reached")
+    assert line.startswith("[proxy] attention 1 cannot be reached (ClientConnectorError: Cannot connect to host ")
+    assert line.endswith(
+        "the request goes to attention 0; attention 1 is suspect until its /health answers "
+        "(requests already sent to it are retried too)"
+    )
+    assert sum("cannot be reached" in line for line in serve.err_lines()) == 1  # one line, however many retried
+    _wait_line(serve, "[attention 1] listener open again")
+    _wait_line(serve, "[proxy] attention 1 answers /health again: it takes requests", timeout=5.0)
+    again = asyncio.run(_clients(url))
+    assert Counter(r["rank"] for r in again) == {0: CLIENTS // 2, 1: CLIENTS // 2}
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+
+
+def test_with_no_other_engine_an_unreachable_one_answers_502(start_serve):
+    serve, _ = start_serve(1, 1, {"close_listener": {"rank": 0, "after": 0.3}})
+    url = serve.wait_ready()
+    _wait_line(serve, "[attention 0] listener closed")
+
+    async def one() -> tuple[int, dict[str, object]]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/completions", json={"prompt": "x", "max_tokens": 2}) as resp,
+        ):
+            return resp.status, await resp.json()
+
+    status, body = asyncio.run(one())
+    assert status == 502 and body["error"]["message"].startswith("attention 0 failed: ClientConnectorError"), body
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0

@@ -6,6 +6,9 @@ Each case is one subprocess (tests/vllm/attention_load.py: vLLM builds the model
 world of 1 over gloo; a fresh vLLM per case) on the make-model tiny Qwen2-MoE (2 MoE layers, 8 experts) or
 a copy of it quantized by afd_mrv2.checkpoints.quantize: ``fp8_block`` (128x128 block scales,
 ``weight_scale_inv``, DeepSeek-V3's layout) and ``w8a8`` (compressed-tensors int8 on the routed experts).
+Building a quantized checkpoint's real method needs its CPU kernel, hence AMX tiles (the ``amx`` cases); the
+placeholders' names need no kernel on the ``w8a8`` checkpoint (its attention layers are not quantized) and run
+everywhere.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ REAL = {
 }
 
 
-@pytest.mark.parametrize("kind", ["unquantized", "fp8_block", "w8a8"])
+@pytest.mark.parametrize(
+    "kind",
+    ["unquantized", pytest.param("fp8_block", marks=pytest.mark.amx), pytest.param("w8a8", marks=pytest.mark.amx)],
+)
 def test_attention_layer_has_the_real_methods_parameters_with_0_experts_and_reads_no_expert_weight(
     kind: str, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -95,16 +101,23 @@ def test_attention_layer_has_the_real_methods_parameters_with_0_experts_and_read
     assert len(expert_weights) == 48 and afd["tensors_yielded"] == len(on_disk) - 48
 
 
-def test_fp8_block_checkpoint_fails_with_the_placeholders_the_attention_layer_had(
-    checkpoints: dict[str, Path], tmp_path: Path
+#: per checkpoint, the scale parameter its experts' first checkpoint weight misses on the placeholders
+MISSING_SCALE = {"fp8_block": "weight_scale_inv", "w8a8": "weight_scale"}
+
+
+@pytest.mark.parametrize("kind", [pytest.param("fp8_block", marks=pytest.mark.amx), "w8a8"])
+def test_a_quantized_checkpoint_fails_with_the_placeholders_the_attention_layer_had(
+    kind: str, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """Pinned: the stand-in built without the real method (only w13_weight/w2_weight, as before RFC 0006 item 3,
-    and as vLLM-Ascend's layer still gets it) cannot load a checkpoint whose experts carry scales."""
-    report = _run(checkpoints["fp8_block"], "placeholders", tmp_path)
+    and as vLLM-Ascend's layer still gets it) cannot load a checkpoint whose experts carry scales.  ``fp8_block``
+    quantizes the attention layers too (their fp8 kernel needs AMX); ``w8a8`` only the experts."""
+    report = _run(checkpoints[kind], "placeholders", tmp_path)
     assert report["loaded"] is False
+    scale = MISSING_SCALE[kind]
     assert report["error"] == (
-        "AttributeError: Layer model.layers.0.mlp.experts has no parameter 'w2_weight_scale_inv' for checkpoint "
-        "weight 'model.layers.0.mlp.experts.0.down_proj.weight_scale_inv'"
+        f"AttributeError: Layer model.layers.0.mlp.experts has no parameter 'w2_{scale}' for checkpoint "
+        f"weight 'model.layers.0.mlp.experts.0.down_proj.{scale}'"
     )
     assert report["params"]["model.layers.0.mlp.experts"] == {
         "w13_weight": [[0], "torch.bfloat16", 0],

