@@ -200,7 +200,9 @@ def test_two_nodes_equal_one_and_survive_the_loss_of_a_node(model: Path) -> None
         after = answers(node0, url, model, n=8)
         failed = [(a[0], a[1]) for a in after if a[0] != 200]
         retried = [line for line in first.err.lines if "cannot be reached" in line]
-        print(f"after the loss: {len(after) - len(failed)}/{len(after)} answered; endpoint retries: {retried or 'none'}")
+        print(
+            f"after the loss: {len(after) - len(failed)}/{len(after)} answered; endpoint retries: {retried or 'none'}"
+        )
         assert not failed, f"{failed[:2]}\n" + "\n".join(
             line for line in first.err.lines[-80:] if "[serve]" in line or "rror" in line
         )
