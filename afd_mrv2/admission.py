@@ -23,7 +23,7 @@ from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import ConfigError, PluginError
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.plugins import check_plugins, entry_points
-from afd_mrv2.support_matrix import RULES, Deployment, Rule
+from afd_mrv2.support_matrix import RULES, Deployment, Rule, known_fact
 
 #: The compat decision for a tuple of required capabilities (``check_runtime`` by default; tests pass their own).
 Gate = Callable[[tuple[str, ...]], Decision]
@@ -357,6 +357,51 @@ def _seam_microbatching(subject: Subject) -> None:
         )
 
 
+def _attention_group(subject: Subject) -> None:
+    """An Attention engine's DP x TP ranks are one lock-step group of ``afd.attention_group_size`` ranks."""
+    config, deployment = subject.config, subject.deployment
+    if config.role != ATTENTION:
+        return
+    known_fact(deployment, "afd.attention_group_size", "data_parallel_size", "tensor_parallel_size")
+    dp, tp = deployment.data_parallel_size, deployment.tensor_parallel_size
+    if dp * tp > 1:  # each process's own AFD rank comes from these (process_rank)
+        known_fact(deployment, "afd.attention_group_size", "data_parallel_rank", "tensor_parallel_rank")
+    if dp * tp != config.attention_group_size:
+        raise ConfigError(
+            "afd.attention_group_size",
+            f"this Attention engine runs data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} ranks in "
+            f"lock-step, one group; the section says {config.attention_group_size}: set it to {dp * tp} "
+            "(afd-mrv2 serve does)",
+        )
+    if deployment.sequence_parallel and dp * tp > 1:
+        raise ConfigError(
+            "afd.attention_group_size",
+            "sequence-parallel MoE needs expert parallelism among the Attention ranks, which hold no expert with "
+            "AFD; leave it off",
+        )
+
+
+def _lora(subject: Subject) -> None:
+    """Both roles: the MoE seam's stand-in and the FFN role's experts serve no adapter (and the stand-in's
+    ``supports_internal_mk``, which LoRA's MoE layer reads, would mislead it)."""
+    deployment = subject.deployment
+    known_fact(deployment, "afd", "lora")
+    if deployment.lora:
+        raise ConfigError("afd", "LoRA adapters (--enable-lora) are not served with AFD: start the engine without them")
+
+
+def _elastic_ep(subject: Subject) -> None:
+    """Elastic EP re-stages a quant method that says ``supports_internal_mk``: the stand-in has no kernel to
+    re-stage, and AFD's expert placement is its own."""
+    deployment = subject.deployment
+    known_fact(deployment, "afd", "elastic_ep")
+    if deployment.elastic_ep:
+        raise ConfigError(
+            "afd",
+            "elastic expert parallelism (--enable-elastic-ep) is not served with AFD: start the engine without it",
+        )
+
+
 # ------------------------------------------------------------------ MODEL
 
 _MOE_ONLY = (
@@ -427,6 +472,15 @@ CHECKS: tuple[Check, ...] = (
     ),
     *(_matrix(rule) for rule in RULES),
     Check("seam-native-ubatching", Stage.VLLM_CONFIG, "VllmConfig: native_dbo, num_ubatches", _seam_microbatching),
+    Check(
+        "seam-attention-group",
+        Stage.VLLM_CONFIG,
+        "afd.role, afd.attention_group_size; VllmConfig: data_parallel_size, tensor_parallel_size, their ranks, "
+        "sequence_parallel",
+        _attention_group,
+    ),
+    Check("seam-lora", Stage.VLLM_CONFIG, "VllmConfig: lora_config", _lora),
+    Check("seam-elastic-ep", Stage.VLLM_CONFIG, "VllmConfig: parallel_config.enable_elastic_ep", _elastic_ep),
     Check(
         "routed-experts",
         Stage.MODEL,

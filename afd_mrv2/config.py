@@ -251,6 +251,12 @@ class AfdConfig:
     and a role that restarts rejoins its peers (:mod:`afd_mrv2.mrv2.transport.pairs`).  ``transport`` (vLLM
     path and ``afd-mrv2 run``): what torch_p2p's pairs run on, ``tcp`` (default), ``zmq`` or ``gloo``; ``bind``: the
     address a zmq or tcp pair's sockets bind (default: this host's address on the route to ``host``).
+    ``attention_group_size`` (vLLM path; default 1): the Attention ranks that step in lock-step, one vLLM
+    deployment's data-parallel x tensor-parallel ranks (consecutive AFD ranks, ``num_attention_ranks`` a
+    multiple of it); an FFN rank computes each layer once for a whole group.  In such an engine
+    (``data_parallel_size`` x ``tensor_parallel_size`` equal to it) every process gets the same section:
+    ``rank`` then names the group's first AFD rank, and each process's own is
+    ``rank + data_parallel_rank * tensor_parallel_size + tensor_parallel_rank`` (docs/vllm.md, "Attention groups: data and tensor parallelism (M:N)").
     ``join_timeout_s`` (vLLM path): how long an Attention engine waits for the store and for each FFN rank to
     register at its first rendezvous (default 600; ``afd-mrv2 serve`` sets its ready timeout).
     ``connector_extra_config``
@@ -262,6 +268,7 @@ class AfdConfig:
     rank: int = option(integer(0, (1 << 16) - 1), 0)
     num_attention_ranks: int = option(integer(1, 1 << 16), 1)
     num_ffn_ranks: int = option(integer(1, 1 << 16), 1)
+    attention_group_size: int = option(integer(1, 1 << 16), 1)
     expert_replicas: int = option(integer(1, 1 << 16), 1)
     placement: PlacementConfig | None = option(
         Check(
@@ -284,6 +291,12 @@ class AfdConfig:
     multistream: MultistreamConfig = section(MultistreamConfig)
     async_moe: AsyncMoeConfig = section(AsyncMoeConfig)
     ubatch: UBatchConfig = section(UBatchConfig)
+
+    @property
+    def attention_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The Attention ranks of each lock-step group (``attention_group_size`` consecutive ranks each)."""
+        size = self.attention_group_size
+        return tuple(tuple(range(g, g + size)) for g in range(0, self.num_attention_ranks, size))
 
     def placement_for(self, num_experts: int, *, key: str = "afd") -> Placement:
         """The placement of the model's ``num_experts`` routed experts: ``placement``'s table (its expert count
@@ -320,6 +333,18 @@ def parse_afd_config(raw: object, *, key: str = "afd") -> AfdConfig:
         raise ConfigError(
             f"{key}.rank",
             f"expected an integer in 0..{ranks - 1} (num_{config.role}_ranks is {ranks}), got {config.rank}",
+        )
+    group = config.attention_group_size
+    if config.num_attention_ranks % group:
+        raise ConfigError(
+            f"{key}.attention_group_size",
+            f"expected a divisor of num_attention_ranks ({config.num_attention_ranks}), got {group}",
+        )
+    if config.role == ATTENTION and config.rank % group:
+        raise ConfigError(
+            f"{key}.rank",
+            f"expected the first rank of an Attention group (a multiple of attention_group_size {group}), "
+            f"got {config.rank}",
         )
     if config.expert_replicas > config.num_ffn_ranks:
         raise ConfigError(

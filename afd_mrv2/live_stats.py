@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, final
 
 from afd_mrv2.errors import AfdError
@@ -250,11 +250,19 @@ class FfnFigures:
     """Seconds since the rank started serving."""
     memory: MemoryFigures | None
     """What the rank read and holds, None where it did not load with the ``afd`` load format."""
+    ranks_per_call: Mapping[int, int] = field(default_factory=dict)
+    """Expert computations by how many Attention ranks contributed rows to each (M:N: an Attention group's
+    ranks meet in one computation; a rank that sent 0 rows does not count)."""
 
     @property
     def busy_fraction(self) -> float:
         """The share of :attr:`up_s` spent computing experts (0 before the rank served)."""
         return fraction(self.busy_s, self.up_s)
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens per expert computation (0 before the first)."""
+        return fraction(self.tokens, self.computed)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -265,6 +273,7 @@ class FfnFigures:
             "redispatched": self.redispatched,
             "up_s": self.up_s,
             "memory": _memory_doc(self.memory),
+            "ranks_per_call": {str(n): c for n, c in sorted(self.ranks_per_call.items())},
         }
 
     @classmethod
@@ -278,6 +287,7 @@ class FfnFigures:
             redispatched=_int(d["redispatched"], f"{where}.redispatched"),
             up_s=_float(d["up_s"], f"{where}.up_s"),
             memory=_memory(d["memory"], f"{where}.memory"),
+            ranks_per_call=_counts(d["ranks_per_call"], f"{where}.ranks_per_call"),
         )
 
 
@@ -455,6 +465,13 @@ def _exact(doc: object, where: str, record: type) -> Mapping[str, Any]:
         said = [f"missing {missing}" if missing else "", f"unknown {unknown}" if unknown else ""]
         raise FiguresError(f"{where}: {', '.join(s for s in said if s)}; accepted: {sorted(names)}")
     return doc
+
+
+def _counts(value: object, where: str) -> dict[int, int]:
+    """``{"1": n1, "2": n2, ...}`` as ``{1: n1, 2: n2, ...}``, else :class:`FiguresError`."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and k.isdigit() for k in value):
+        raise FiguresError(f"{where}: expected an object of counts keyed by integers, got {value!r}")
+    return {int(k): _int(v, f"{where}.{k}") for k, v in value.items()}
 
 
 def _int(value: object, where: str) -> int:

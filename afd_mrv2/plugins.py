@@ -197,6 +197,9 @@ class FfnContext(RoleContext):
     follow_stages: bool = False
     #: torch_p2p: called with each item's identity as received, once its headers were validated.
     on_item: Callable[[WorkItem], None] | None = None
+    #: torch_p2p: called before each item's compute with the rows each of :attr:`attention_peers` sent in it (one
+    #: expert computation over all of them; an item whose rows are all 0 computes nothing).
+    on_rows: Callable[[WorkItem, Sequence[int]], None] | None = None
     #: camp2p: ``stage_token_counts(item)``, the tokens each Attention rank sends in ``item``.
     stage_token_counts: Callable[[WorkItem], Sequence[int]] | None = None
     #: camp2p: the HCCL expert-parallel group of the FFN ranks (optional).

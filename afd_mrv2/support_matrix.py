@@ -26,6 +26,13 @@ class Deployment:
     enforce_eager: bool = True  # no graph capture, no torch.compile (model_config.enforce_eager)
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    #: this process's data-parallel rank (``parallel_config.data_parallel_rank``) and tensor-parallel rank
+    #: (``parallel_config.rank`` modulo the TP size: a worker's rank in its engine, pipeline parallelism 1)
+    data_parallel_rank: int = 0
+    tensor_parallel_rank: int = 0
+    #: LoRA adapters are served (``lora_config`` set); elastic expert parallelism (``enable_elastic_ep``)
+    lora: bool = False
+    elastic_ep: bool = False
     sequence_parallel: bool = False
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
@@ -38,7 +45,7 @@ class Deployment:
     unknown: tuple[tuple[str, str], ...] = ()
 
 
-def _known(deployment: Deployment, key: str, *facts: str) -> None:
+def known_fact(deployment: Deployment, key: str, *facts: str) -> None:
     """Refuse, naming ``key``, when a fact the rule for ``key`` needs could not be read."""
     for fact, where in deployment.unknown:
         if fact in facts:
@@ -49,7 +56,7 @@ def _camasync_native_dbo(config: AfdConfig, deployment: Deployment) -> None:
     if config.connector != "camasync":
         return
     key = "afd.async_moe.enabled" if config.async_moe.enabled else "afd.connector"
-    _known(deployment, key, "native_dbo")
+    known_fact(deployment, key, "native_dbo")
     if deployment.native_dbo:
         raise ConfigError(
             key,
@@ -62,7 +69,7 @@ def _camasync_native_dbo(config: AfdConfig, deployment: Deployment) -> None:
 def _camasync_eager(config: AfdConfig, deployment: Deployment) -> None:
     if config.connector != "camasync":
         return
-    _known(deployment, "afd.connector", "enforce_eager")
+    known_fact(deployment, "afd.connector", "enforce_eager")
     if not deployment.enforce_eager:
         raise ConfigError(
             "afd.connector", "CAMAsync runs eager only (its operators have no graph path); set enforce_eager"
@@ -72,7 +79,7 @@ def _camasync_eager(config: AfdConfig, deployment: Deployment) -> None:
 def _async_moe_dcp(config: AfdConfig, deployment: Deployment) -> None:
     if not config.async_moe.enabled:
         return
-    _known(deployment, "afd.async_moe.enabled", "decode_context_parallel_size")
+    known_fact(deployment, "afd.async_moe.enabled", "decode_context_parallel_size")
     if deployment.decode_context_parallel_size > 1:
         raise ConfigError(
             "afd.async_moe.enabled",
@@ -84,7 +91,7 @@ def _async_moe_dcp(config: AfdConfig, deployment: Deployment) -> None:
 def _token_split_pcp(config: AfdConfig, deployment: Deployment) -> None:
     if not (config.async_moe.enabled and config.async_moe.split == "token"):
         return
-    _known(deployment, "afd.async_moe.split", "prefill_context_parallel_size")
+    known_fact(deployment, "afd.async_moe.split", "prefill_context_parallel_size")
     if deployment.prefill_context_parallel_size > 1:
         raise ConfigError(
             "afd.async_moe.split",
@@ -96,7 +103,7 @@ def _token_split_pcp(config: AfdConfig, deployment: Deployment) -> None:
 def _multistream_eager(config: AfdConfig, deployment: Deployment) -> None:
     if not config.multistream.active_for(config.role):
         return
-    _known(deployment, "afd.multistream.enabled", "enforce_eager")
+    known_fact(deployment, "afd.multistream.enabled", "enforce_eager")
     if not deployment.enforce_eager:
         raise ConfigError(
             "afd.multistream.enabled",
@@ -107,7 +114,7 @@ def _multistream_eager(config: AfdConfig, deployment: Deployment) -> None:
 
 def _native_ubatch_count(config: AfdConfig, deployment: Deployment) -> None:
     del config  # every config: AFD pairs at most two stages per step
-    _known(deployment, "afd.connector", "native_dbo", "num_ubatches")
+    known_fact(deployment, "afd.connector", "native_dbo", "num_ubatches")
     if deployment.native_dbo and deployment.num_ubatches > ASYNC_MOE_STAGES:
         raise ConfigError(
             "afd.connector",
@@ -127,8 +134,8 @@ def _ubatch_runner(config: AfdConfig, deployment: Deployment) -> None:
         return
     n = config.ubatch.num_ubatches
     key = "afd.ubatch.num_ubatches"
-    _known(deployment, key, *UBATCH_RUNNER_FACTS)
-    _known(deployment, key, *UBATCH_LAYOUT_FACTS)
+    known_fact(deployment, key, *UBATCH_RUNNER_FACTS)
+    known_fact(deployment, key, *UBATCH_LAYOUT_FACTS)
     if not deployment.v2_runner:
         raise ConfigError(
             key,

@@ -54,10 +54,13 @@ def test_the_checks_are_one_ordered_list_grouped_by_stage() -> None:
         "runtime-pair",
         *(rule.name for rule in RULES),  # the support matrix, in its own order
         "seam-native-ubatching",
+        "seam-attention-group",
+        "seam-lora",
+        "seam-elastic-ep",
         "routed-experts",
         "expert-placement",
     ]
-    assert len(set(names)) == len(names) == 17
+    assert len(set(names)) == len(names) == 20
     stages = [check.stage for check in CHECKS]
     assert stages == sorted(stages)  # what needs less is checked first
     assert all(check.reads for check in CHECKS)

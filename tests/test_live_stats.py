@@ -32,7 +32,7 @@ from afd_mrv2.live_stats import (
 #: The keys serve's /metrics and /afd/status read before the records (the documents' keys then).
 #: Schema 2 added ``memory``.
 ATTENTION_KEYS = {"calls", "tokens", "round_trip_seconds", "round_trip_total_s", "hidden_total_s", "failover", "memory"}
-FFN_KEYS = {"items", "redispatched", "computed", "tokens", "busy_s", "up_s", "memory"}
+FFN_KEYS = {"items", "redispatched", "computed", "tokens", "busy_s", "up_s", "memory", "ranks_per_call"}
 FAILOVER_KEYS = {"failovers", "lost", "first_resend_at", "resent_items", "resent_rows", "rejoins", "rejoined_at"}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from afd_mrv2.cli import add_command
 from afd_mrv2.errors import AfdError, ConfigError
@@ -42,7 +42,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder (or its config.json)")
-    parser.add_argument("--attention", type=int, required=True, metavar="A", help="Attention engines")
+    parser.add_argument("--attention", type=int, required=True, metavar="A", help="Attention data-parallel ranks")
+    parser.add_argument(
+        "--attention-groups",
+        type=int,
+        default=1,
+        metavar="G",
+        help="vLLM deployments the A ranks form (as serve's flag; default %(default)s)",
+    )
+    parser.add_argument(
+        "--attention-tp", type=int, default=1, metavar="T", help="tensor-parallel ranks of each Attention DP rank"
+    )
     parser.add_argument("--ffn", type=int, required=True, metavar="F", help="FFN ranks")
     parser.add_argument("--expert-replicas", type=int, default=1, metavar="R", help="holders per expert (1..F)")
     parser.add_argument(
@@ -84,6 +94,39 @@ def _check_fit(plans: list[RolePlan], memory: int) -> None:
         raise AfdError(f"plan does not fit --device-memory {gib(memory)} (weights held): {'; '.join(over)}")
 
 
+def groups(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The Attention groups serve would start: each one vLLM deployment, its DP x TP processes' AFD ranks."""
+    if args.attention_groups < 1 or args.attention % args.attention_groups or args.attention_tp < 1:
+        raise AfdError(
+            f"--attention-groups must divide --attention ({args.attention}) and --attention-tp be >= 1, got "
+            f"{args.attention_groups} and {args.attention_tp}"
+        )
+    dp = args.attention // args.attention_groups
+    size = dp * args.attention_tp
+    return [
+        {
+            "group": g,
+            "data_parallel": dp,
+            "tensor_parallel": args.attention_tp,
+            "afd_ranks": [*range(g * size, (g + 1) * size)],
+        }
+        for g in range(args.attention_groups)
+    ]
+
+
+def _groups_line(args: argparse.Namespace) -> str:
+    layout = groups(args)
+    first = layout[0]
+    shape = f"DP {first['data_parallel']}" + (f" x TP {first['tensor_parallel']}" if args.attention_tp > 1 else "")
+    from afd_mrv2.placement import Placement
+
+    listed = "; ".join(f"group {g['group']}: AFD ranks {Placement.ranges(g['afd_ranks'])}" for g in layout)
+    return (
+        f"Attention: {len(layout)} vLLM deployment{'s' * (len(layout) != 1)} of {shape} ({listed}); each FFN rank "
+        f"computes each MoE layer {len(layout)} time{'s' * (len(layout) != 1)} per step, once per group"
+    )
+
+
 def _as_json(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, plans: list[RolePlan]) -> str:
     roles = [
         {
@@ -111,6 +154,7 @@ def _as_json(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, pl
             "mtp_bytes_left_out": sizes.mtp,
             "kinds": dict(sizes.kinds),
             "attention": args.attention,
+            "attention_groups": groups(args),
             "ffn": args.ffn,
             "expert_replicas": args.expert_replicas,
             "roles": roles,
@@ -137,6 +181,7 @@ def _text(sizes: ModelBytes, params: ModelBytes, args: argparse.Namespace, plans
             head,
             format_table(["kind", "bytes", "GiB", "share"], kinds),
             format_table(["role", "ranks", "experts each", "weights each", "reads at start"], roles),
+            _groups_line(args),
             NOTE + _scales_note(sizes),
         ]
     )
@@ -157,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     memory = None if args.device_memory is None else parse_size(args.device_memory)
     sizes = size_checkpoint(args.model)
     params = size_checkpoint(args.model, parameters=True)
+    groups(args)  # the layout is checked before any reading
     plans = plan_roles(sizes, args.attention, args.ffn, args.expert_replicas)
     if memory is not None:
         _check_fit(plans, memory)

@@ -1,4 +1,4 @@
-"""``afd-mrv2 serve MODEL --attention A --ffn F [--port PORT] [--nnodes N --node-rank K --master-addr ADDR] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [--ready-timeout-s S] [--stop-grace-s S] [-- EXTRA VLLM ARGS]``.
+"""``afd-mrv2 serve MODEL --attention A --ffn F [--attention-groups G] [--attention-tp T] [--port PORT] [--nnodes N --node-rank K --master-addr ADDR] [--expert-replicas R] [--ubatches N] [--depth D|auto] [--connector NAME] [--ready-timeout-s S] [--stop-grace-s S] [-- EXTRA VLLM ARGS]``.
 
 Starts F FFN role processes and A independent vLLM Attention engines (DP=1,
 each on its own port) and serves one OpenAI-compatible endpoint in front of
@@ -72,7 +72,28 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_topology_options(parser: argparse.ArgumentParser) -> None:
     """The roles, their ports, replicas and restarts."""
-    parser.add_argument("--attention", type=int, metavar="A", help="Attention ranks: independent vLLM engines")
+    parser.add_argument(
+        "--attention",
+        type=int,
+        metavar="A",
+        help="Attention data-parallel ranks: the DP ranks of one vLLM deployment (vLLM's own DP engine cores, "
+        "front end and balancing; an FFN rank computes each layer once for all of them)",
+    )
+    parser.add_argument(
+        "--attention-groups",
+        type=int,
+        default=1,
+        metavar="G",
+        help="split the A ranks into G independent vLLM deployments of A/G DP ranks each, behind serve's endpoint "
+        "(G = A: independent engines; a group's loss leaves the others serving; default %(default)s)",
+    )
+    parser.add_argument(
+        "--attention-tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel ranks of each Attention DP rank (each sends its share of the tokens; default %(default)s)",
+    )
     parser.add_argument(
         "--ffn", type=int, metavar="F", help="FFN ranks (any number >= 1): experts are sharded over them"
     )
@@ -80,7 +101,7 @@ def _add_topology_options(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help="the endpoint's port (node 0); Attention rank i listens on PORT+1+i of its node (default %(default)s)",
+        help="the endpoint's port (node 0); Attention group i listens on PORT+1+i of its node (default %(default)s)",
     )
     parser.add_argument("--host", default=HOST, help="the address the endpoint binds (default %(default)s)")
     parser.add_argument(
@@ -98,7 +119,7 @@ def _add_topology_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-restart-attention",
         action="store_true",
-        help="with --attention >= 2: leave a lost Attention engine lost instead of restarting it",
+        help="with --attention-groups >= 2: leave a lost Attention group lost instead of restarting it",
     )
 
 
@@ -176,6 +197,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(
         model=args.model,
         attention=args.attention,
+        attention_groups=args.attention_groups,
+        attention_tp=args.attention_tp,
         ffn=args.ffn,
         port=args.port,
         depth=args.depth,

@@ -266,6 +266,84 @@ FFN_MODEL_SEAMS: tuple[Seam, ...] = (
     ),
 )
 
+#: An Attention group (one vLLM deployment's DP x TP ranks): what the seam's rows and rank come from.
+GROUP_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm",
+        MOE_RUNNER,
+        "MoERunner.do_naive_dispatch_combine",
+        "the runner dispatches tokens among DP ranks (naive all-gather, then combine) unless the quant method "
+        "says supports_internal_mk: the Attention stand-in says it does, so each DP rank sends only its own rows",
+        params=(),
+        uses=("dp_size", "is_sequence_parallel", "supports_internal_mk"),
+        decorators=("property",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        METHOD,
+        "FusedMoEMethodBase.supports_internal_mk",
+        "overridden by the Attention stand-in (True); also read by LoRA's MoE layer and elastic EP, which "
+        "admission refuses with AFD (seam-lora, seam-elastic-ep)",
+        params=(),
+        decorators=("property",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        MOE_RUNNER,
+        "MoERunner._maybe_reduce_final_output",
+        "under TP the runner all-reduces the MoE output over the TP group: each TP rank's rows (zeros elsewhere) "
+        "sum to every row, so a rank sends only its share of the tokens",
+        uses=("tp_size", "tensor_model_parallel_all_reduce"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.forward_context",
+        "ForwardContext",
+        "is_padding: the padded rows of the current forward (a DP rank's dummy forward is padding only); the seam "
+        "sends only the real rows (RowShare)",
+        fields=("is_padding",),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.forward_context",
+        "is_forward_context_available",
+        "RowShare's padding mask: read only inside a forward",
+        params=(),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.forward_context",
+        "get_forward_context",
+        "RowShare's padding mask: the current forward's context (vLLM 0.32's V1 and V2 runners set is_padding; "
+        "where a runner sets none every row is sent, a dummy forward's one row too)",
+        params=(),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.config.parallel",
+        "ParallelConfig",
+        "an Attention process's AFD rank: data_parallel_rank * tensor_parallel_size + rank % tensor_parallel_size "
+        "(rank: the worker's rank in its engine); admission reads enable_elastic_ep",
+        fields=("data_parallel_size", "data_parallel_rank", "tensor_parallel_size", "rank", "enable_elastic_ep"),
+        capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.v1.engine.core",
+        "DPEngineCoreProc.run_busy_loop",
+        "a MoE model's DP ranks step in lock-step: a rank without work runs a dummy batch in every step of a wave, "
+        "so every rank calls every MoE layer in every step (one FFN computation per layer for the group)",
+        uses=("execute_dummy_batch", "_has_global_unfinished_reqs"),
+        capability=MOE,
+    ),
+)
+
 MOE_SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm",
@@ -508,6 +586,7 @@ MOE_SEAMS: tuple[Seam, ...] = (
         capability=MOE,
     ),
     *HELD_SEAMS,
+    *GROUP_SEAMS,
     *LOADER_SEAMS,
     *FFN_MODEL_SEAMS,
     Seam(

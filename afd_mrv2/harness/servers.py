@@ -266,12 +266,24 @@ class ServeTopology:
     stop_grace: float | None = None
     #: any further serve flags, as given (``("--connector", "my_link")``)
     flags: tuple[str, ...] = ()
+    #: serve --attention-groups G: None gives each Attention rank its own engine (G = A, the harness's default
+    #: since before groups); 1: one vLLM data-parallel deployment of all of them
+    groups: int | None = None
+    #: serve --attention-tp T
+    tp: int = 1
+
+    @property
+    def engines(self) -> int:
+        """The Attention role processes (vLLM servers): one per group."""
+        return self.attention if self.groups is None else self.groups
 
     @property
     def label(self) -> str:
         depth = f"-d{self.depth}" if self.depth else ""
         ubatches = f"-u{self.ubatches}" if self.ubatches is not None else ""
-        return f"{self.attention}a{self.ffn}f{depth}{ubatches}"
+        layout = "" if self.groups is None else f"-dp{self.attention // self.groups}"
+        layout += f"-tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.attention}a{self.ffn}f{layout}{depth}{ubatches}"
 
     def ports(self) -> int:
         """How many consecutive ports serve needs: endpoint, one per engine, the AFD rendezvous."""
@@ -305,7 +317,9 @@ class ServeServer(Child):
         self.topology = topology
         exe = Path(sys.executable).with_name("afd-mrv2")
         cmd = [str(exe), "serve", str(model), "--attention", str(topology.attention), "--ffn", str(topology.ffn)]
-        cmd += ["--port", str(port)]
+        cmd += ["--attention-groups", str(topology.engines), "--port", str(port)]
+        if topology.tp > 1:
+            cmd += ["--attention-tp", str(topology.tp)]
         if topology.depth:
             cmd += ["--depth", topology.depth]
         if topology.ubatches is not None:
@@ -324,8 +338,8 @@ class ServeServer(Child):
         self._out = LineReader(self.proc.stdout)
 
     def engine_urls(self) -> list[str]:
-        """Each Attention engine's own vLLM server (``PORT+1+i``)."""
-        return [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(self.topology.attention)]
+        """Each Attention group's own vLLM server (``PORT+1+i``; a group of one: an engine)."""
+        return [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(self.topology.engines)]
 
     @property
     def stdout(self) -> list[str]:

@@ -10,12 +10,14 @@ contract in :mod:`afd_mrv2.compat.moe_seams`): docs/vllm.md, "Admission".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from afd_mrv2.admission import Gate, ModelFacts, Stage, Subject, afd_section, run
 from afd_mrv2.config import AfdConfig
+from afd_mrv2.items import ATTENTION
 from afd_mrv2.support_matrix import Deployment
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,15 @@ def deployment_of(vllm_config: Any, *, triton: bool | None = None) -> Deployment
     readers: dict[str, Callable[[], int]] = {
         "data_parallel_size": lambda: int(pc.data_parallel_size),
         "tensor_parallel_size": lambda: int(pc.tensor_parallel_size),
+        "data_parallel_rank": lambda: int(pc.data_parallel_rank),
+        "tensor_parallel_rank": lambda: int(pc.rank) % max(1, int(pc.tensor_parallel_size)),
         "prefill_context_parallel_size": lambda: int(pc.prefill_context_parallel_size),
         "decode_context_parallel_size": lambda: int(pc.decode_context_parallel_size),
     }
-    sizes = {name: _read(name, f"parallel_config.{name}", read, unknown) for name, read in readers.items()}
+    fields = {"tensor_parallel_rank": "rank"}  # a worker's rank in its engine (pipeline parallelism 1: its TP rank)
+    sizes = {
+        name: _read(name, f"parallel_config.{fields.get(name, name)}", read, unknown) for name, read in readers.items()
+    }
     eager = _eager(vc)
     if eager is None:
         unknown.append(("enforce_eager", "model_config.enforce_eager (nor compilation_config.mode / cudagraph_mode)"))
@@ -96,6 +103,8 @@ def deployment_of(vllm_config: Any, *, triton: bool | None = None) -> Deployment
             )
         )
     v2 = _read("v2_runner", "use_v2_model_runner", lambda: bool(vc.use_v2_model_runner), unknown)
+    lora = _read("lora", "lora_config", lambda: vc.lora_config is not None, unknown)
+    elastic = _read("elastic_ep", "parallel_config.enable_elastic_ep", lambda: bool(pc.enable_elastic_ep), unknown)
     triton = _has_triton() if triton is None else triton
     if triton is None:
         unknown.append(("triton", "vllm.triton_utils.HAS_TRITON"))
@@ -111,10 +120,22 @@ def deployment_of(vllm_config: Any, *, triton: bool | None = None) -> Deployment
         enforce_eager=default.enforce_eager if eager is None else eager,
         sequence_parallel=bool(sp),
         v2_runner=default.v2_runner if v2 is None else v2,
+        lora=bool(lora),
+        elastic_ep=bool(elastic),
         triton=default.triton if triton is None else triton,
         unknown=tuple(unknown),
-        **{name: 1 if value is None else value for name, value in sizes.items()},
+        **{name: (0 if name.endswith("_rank") else 1) if value is None else value for name, value in sizes.items()},
     )
+
+
+def process_rank(config: AfdConfig, deployment: Deployment) -> AfdConfig:
+    """``config`` with this process's own AFD rank: on an Attention engine of ``attention_group_size`` > 1 (one
+    vLLM deployment's DP x TP ranks), ``rank`` names the group's first AFD rank and every process of it adds its
+    ``data_parallel_rank * tensor_parallel_size + tensor_parallel_rank``; otherwise ``config`` itself."""
+    if config.role != ATTENTION or config.attention_group_size == 1:
+        return config
+    offset = deployment.data_parallel_rank * deployment.tensor_parallel_size + deployment.tensor_parallel_rank
+    return dataclasses.replace(config, rank=config.rank + offset)
 
 
 def check_vllm_deployment(config: AfdConfig, vllm_config: Any, *, triton: bool | None = None) -> Deployment:
@@ -155,7 +176,8 @@ def admit(
         deployment=lambda: deployment_of(vllm_config, triton=triton),
         model=lambda: model_facts(vllm_config.model_config),
     )
-    return run(subject, (Stage.CONFIG, Stage.RUNTIME, Stage.VLLM_CONFIG, *((Stage.MODEL,) if model else ())))
+    config = run(subject, (Stage.CONFIG, Stage.RUNTIME, Stage.VLLM_CONFIG, *((Stage.MODEL,) if model else ())))
+    return process_rank(config, subject.deployment)  # an Attention group's process: its own rank (DP x TP)
 
 
 def model_facts(model_config: Any) -> ModelFacts:

@@ -154,6 +154,17 @@ def load_handoff() -> Handoff:
     return Handoff(active=dbo_enabled, current=dbo_current_ubatch_id, hand_over=dbo_yield)
 
 
+def load_padding_mask() -> Callable[[], Any]:
+    """The current forward's padding mask, read from vLLM's forward context (``ForwardContext.is_padding``; None
+    outside a forward or where vLLM set none), as :class:`~afd_mrv2.mrv2.attention.rows.RowShare` reads it."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    def mask() -> Any:
+        return get_forward_context().is_padding if is_forward_context_available() else None
+
+    return mask
+
+
 def load_ubatch_api() -> UBatchApi:
     """The micro-batching pieces of the installed vLLM (imports the V2 runner's modules: Triton)."""
     from vllm.forward_context import create_forward_context, override_forward_context

@@ -36,6 +36,7 @@ from afd_mrv2.serve.plan import (
     ServeOptions,
     build_plan,
     check_model_folder,
+    group_engine_args,
     split_additional_config,
 )
 from afd_mrv2.serve.supervisor import Supervisor
@@ -69,7 +70,9 @@ class DeploymentCheck:
         # the Attention engine's runner choice (V2 for micro-batching) decides what its config says; the extra
         # engine arguments serve adds for it (worker, eager) too; the FFN role's check reads neither
         role_env = {k: v for k, v in attention.env.items() if k != CPU_BIND_ENV}
-        attention_args = [EAGER_FLAG] if plan.options.ubatches is not None and EAGER_FLAG not in extra else []
+        opts = plan.options
+        attention_args = [EAGER_FLAG] if opts.ubatches is not None and EAGER_FLAG not in extra else []
+        attention_args += group_engine_args(opts.attention // opts.attention_groups, opts.attention_tp)
         self._folder = tempfile.TemporaryDirectory(prefix="afd-mrv2-serve-check-")
         self._out = Path(self._folder.name) / "deployment.json"
         cmd = [*DEPLOYMENT_CHECK, plan.options.model, "--out", str(self._out)]

@@ -49,6 +49,12 @@ AFD_METRICS: dict[str, tuple[str, str]] = {
     "afd_degraded": ("gauge", "1 while a role rank is lost (failed over or out of rotation) and not back, else 0."),
     "afd_ffn_items": ("counter", "Work items (MoE layer calls of an engine, re-sends included) each FFN rank served."),
     "afd_ffn_tokens": ("counter", "Tokens each FFN rank computed its experts for (the A/F skew, per rank)."),
+    "afd_ffn_expert_calls": ("counter", "Expert computations of each FFN rank (one per MoE layer call it computed)."),
+    "afd_ffn_ranks_per_call": (
+        "counter",
+        "Expert computations of each FFN rank by how many Attention ranks contributed rows to each (M:N).",
+    ),
+    "afd_ffn_tokens_per_call": ("gauge", "Tokens per expert computation of each FFN rank, since it started."),
     "afd_ffn_redispatched": ("counter", "Re-sent shares each FFN rank served after an Attention engine's failover."),
     "afd_ffn_busy_fraction": ("gauge", "Share of each FFN rank's serving time spent computing experts."),
     "afd_attention_failovers": ("counter", "FFN ranks each Attention engine stopped routing to and failed over."),
@@ -108,14 +114,21 @@ class EngineCount:
     in_flight: int
 
 
-def relabel(text: str, rank: int) -> list[Metric]:
-    """The metric families of one engine's ``/metrics`` text, each sample labelled ``engine=<rank>``."""
+def relabel(text: str, first: int) -> list[Metric]:
+    """The metric families of one backend's ``/metrics`` text (an independent engine's, or a data-parallel
+    group's, whose vLLM labels each DP rank's samples ``engine="i"``), each sample labelled
+    ``engine=<first + i>`` (``first`` for a sample without the label)."""
     families = []
     for family in text_string_to_metric_families(text):
-        samples = [s._replace(labels={**s.labels, "engine": str(rank)}) for s in family.samples]
+        samples = [s._replace(labels={**s.labels, "engine": _engine(s.labels, first)}) for s in family.samples]
         family.samples = samples
         families.append(family)
     return families
+
+
+def _engine(labels: Mapping[str, str], first: int) -> str:
+    own = labels.get("engine", "0")
+    return str(first + int(own)) if own.isdigit() else str(first)
 
 
 def merge(families: Iterable[Metric]) -> list[Metric]:
@@ -186,6 +199,11 @@ def _health_families(health: Health) -> list[Metric]:
     degraded = GaugeMetricFamily("afd_degraded", AFD_METRICS["afd_degraded"][1], value=1.0 if health.lost else 0.0)
     items = labelled(CounterMetricFamily, "afd_ffn_items", "ffn")
     tokens = labelled(CounterMetricFamily, "afd_ffn_tokens", "ffn")
+    calls = labelled(CounterMetricFamily, "afd_ffn_expert_calls", "ffn")
+    per_call = CounterMetricFamily(
+        "afd_ffn_ranks_per_call", AFD_METRICS["afd_ffn_ranks_per_call"][1], labels=["ffn", "ranks"]
+    )
+    tokens_per_call = labelled(GaugeMetricFamily, "afd_ffn_tokens_per_call", "ffn")
     redispatched = labelled(CounterMetricFamily, "afd_ffn_redispatched", "ffn")
     busy = labelled(GaugeMetricFamily, "afd_ffn_busy_fraction", "ffn")
     att_failovers = labelled(CounterMetricFamily, "afd_attention_failovers", "engine")
@@ -198,6 +216,10 @@ def _health_families(health: Health) -> list[Metric]:
             case FfnFigures() as ffn:
                 items.add_metric(label, float(ffn.items))
                 tokens.add_metric(label, float(ffn.tokens))
+                calls.add_metric(label, float(ffn.computed))
+                tokens_per_call.add_metric(label, ffn.tokens_per_call)
+                for ranks, n in sorted(ffn.ranks_per_call.items()):
+                    per_call.add_metric([str(rank), str(ranks)], float(n))
                 redispatched.add_metric(label, float(ffn.redispatched))
                 busy.add_metric(label, ffn.busy_fraction)
             case AttentionFigures() as engine:
@@ -208,7 +230,8 @@ def _health_families(health: Health) -> list[Metric]:
                 buckets = [(repr(float(b)), float(c)) for b, c in zip(hist.buckets, hist.counts, strict=True)]
                 buckets.append(("+Inf", float(hist.count)))
                 round_trip.add_metric(label, buckets, float(hist.sum))
-    counts = [failovers, replicas, restarts, exhausted, degraded, items, tokens, redispatched, busy]
+    counts = [failovers, replicas, restarts, exhausted, degraded, items, tokens, calls, per_call, tokens_per_call]
+    counts += [redispatched, busy]
     counts += [att_failovers, resent, hidden]
     return [*counts, round_trip, *_memory_families(health.figures)]
 

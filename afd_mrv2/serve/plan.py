@@ -37,8 +37,11 @@ from afd_mrv2.serve.nodes import Layout, NodeOptions
 
 DEFAULT_PORT = 8000
 DEFAULT_CONNECTOR = "torch_p2p"
-#: The key serve adds to each role's ``afd`` section: the rank within its role (``AfdConfig.rank``).
+#: The key serve adds to each role's ``afd`` section: the rank within its role (``AfdConfig.rank``; an Attention
+#: group's first rank).
 RANK_KEY = "rank"
+#: The Attention ranks of each lock-step group (``AfdConfig.attention_group_size``), in every role's section.
+GROUP_KEY = "attention_group_size"
 #: vLLM's CPU thread binding; serve pins each role to its own cores unless the environment sets it.
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 #: Every role's environment defaults (serve's own environment wins): nothing is downloaded, 1 GiB of CPU KV cache.
@@ -79,6 +82,10 @@ class RoleContext:
     ubatches: int | None = None
     #: the address the role binds: its node's (127.0.0.1 on one node)
     host: str = HOST
+    #: an Attention group's data-parallel ranks and each one's tensor-parallel ranks (1 and 1: one engine of one
+    #: process, as before groups)
+    dp_size: int = 1
+    tp_size: int = 1
 
 
 RoleCommand = Callable[[RoleContext], list[str]]
@@ -87,8 +94,14 @@ RoleCommand = Callable[[RoleContext], list[str]]
 LOAD_FORMAT = "--load-format"
 
 
+#: vLLM's flags that lay an engine out over processes: serve sets them for an Attention group (``--attention``,
+#: ``--attention-groups``, ``--attention-tp``); after ``--`` they would reach the FFN role too.
+GROUP_FLAGS = ("--data-parallel-size", "--tensor-parallel-size", "--api-server-count")
+
+
 def attention_command(ctx: RoleContext) -> list[str]:
-    """One Attention rank: an independent vLLM OpenAI server (DP=1) on its own port of its node's address."""
+    """One Attention group: one vLLM OpenAI server on its own port of its node's address, its ``dp_size``
+    data-parallel ranks (vLLM's own DP engine cores and coordinator, one API server) of ``tp_size`` each."""
     return [
         sys.executable,
         "-m",
@@ -103,10 +116,22 @@ def attention_command(ctx: RoleContext) -> list[str]:
         ctx.additional_config,
         WORKER_EXTENSION_FLAG,
         WORKER_EXTENSION,
+        *group_engine_args(ctx.dp_size, ctx.tp_size),
         *ubatch_engine_args(ctx),
         *load_format_args(ctx),
         *ctx.extra,
     ]
+
+
+def group_engine_args(dp_size: int, tp_size: int) -> list[str]:
+    """An Attention group's layout: ``--data-parallel-size`` with one API server, ``--tensor-parallel-size``
+    (nothing for a group of one process)."""
+    args = []
+    if dp_size > 1:
+        args += ["--data-parallel-size", str(dp_size), "--api-server-count", "1"]
+    if tp_size > 1:
+        args += ["--tensor-parallel-size", str(tp_size)]
+    return args
 
 
 def load_format_args(ctx: RoleContext) -> list[str]:
@@ -163,9 +188,15 @@ class ServeOptions:
     """The parsed command line of ``afd-mrv2 serve``."""
 
     model: str
+    #: ``--attention A``: Attention data-parallel ranks, all groups together
     attention: int
     ffn: int
     port: int = DEFAULT_PORT
+    #: ``--attention-groups G``: the A ranks as G independent vLLM deployments of A/G DP ranks each (1: one group;
+    #: A: independent engines)
+    attention_groups: int = 1
+    #: ``--attention-tp T``: tensor-parallel ranks of each Attention DP rank (the FFN ranks take none)
+    attention_tp: int = 1
     depth: str | None = None
     #: ``--expert-replicas R``: afd.expert_replicas, on how many FFN ranks each routed expert lives (None: as configured)
     expert_replicas: int | None = None
@@ -211,8 +242,25 @@ class RoleSpec:
 
     @property
     def name(self) -> str:
-        """``attention 0``: the log prefix and the name in messages."""
+        """``attention 0``: the log prefix and the name in messages (an Attention role's rank: its group's index)."""
         return f"{self.role} {self.rank}"
+
+    @property
+    def afd_ranks(self) -> tuple[int, ...]:
+        """The AFD ranks of its processes: an Attention group's (``afd.rank`` onward, ``attention_group_size`` of
+        them), an FFN rank's own."""
+        if self.role != ATTENTION:
+            return (self.rank,)
+        first, size = int(self.afd.get(RANK_KEY, self.rank)), int(self.afd.get(GROUP_KEY, 1))
+        return tuple(range(first, first + size))
+
+    @property
+    def title(self) -> str:
+        """``attention rank 0`` (a group of one process) or ``attention group 0 (AFD ranks 0-1)``."""
+        ranks = self.afd_ranks
+        if len(ranks) == 1:
+            return f"{self.role} rank {self.rank}"
+        return f"{self.role} group {self.rank} (AFD ranks {ranks[0]}-{ranks[-1]})"
 
 
 @dataclass(frozen=True)
@@ -305,7 +353,9 @@ def _base_afd(opts: ServeOptions, from_extra: Mapping[str, Any]) -> dict[str, An
     afd = dict(base)
     if opts.afd_json is not None:
         afd.update(json_object(opts.afd_json, "--afd"))
-    flags = [("num_attention_ranks", "--attention", opts.attention), ("num_ffn_ranks", "--ffn", opts.ffn)]
+    ranks = opts.attention * opts.attention_tp
+    flags = [("num_attention_ranks", "--attention x --attention-tp", ranks), ("num_ffn_ranks", "--ffn", opts.ffn)]
+    flags.append((GROUP_KEY, "--attention / --attention-groups x --attention-tp", ranks // opts.attention_groups))
     if opts.expert_replicas is not None:
         flags.append(("expert_replicas", "--expert-replicas", opts.expert_replicas))
     for key, flag, value in flags:
@@ -412,14 +462,38 @@ def check_model_folder(model: str) -> None:
         raise AfdError(f"model folder {model} has no config.json (a Hugging Face checkpoint folder has one)")
 
 
-def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
-    """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
+def _check_topology(opts: ServeOptions) -> None:
+    """The counts of the command line, and the layout flags that must not go to every role; one line each."""
     if opts.attention < 1 or opts.ffn < 1:
         raise AfdError(f"--attention and --ffn must be >= 1, got {opts.attention} and {opts.ffn}")
+    if opts.attention_groups < 1 or opts.attention % opts.attention_groups:
+        raise AfdError(
+            f"--attention-groups must divide --attention ({opts.attention}) into groups of equal size, "
+            f"got {opts.attention_groups}"
+        )
+    if opts.attention_tp < 1:
+        raise AfdError(f"--attention-tp must be >= 1, got {opts.attention_tp}")
     if not 1 <= opts.port <= 65535 - opts.attention - 1:
         raise AfdError(f"--port must leave room for {opts.attention} engine ports above it, got {opts.port}")
+    given = [flag for flag in GROUP_FLAGS for arg in opts.extra if arg == flag or arg.startswith(flag + "=")]
+    if given:
+        raise AfdError(
+            f"{given[0]} after -- would reach every role, the FFN ranks too: lay the Attention role out with "
+            "--attention (DP ranks), --attention-groups and --attention-tp"
+        )
+
+
+def _processes(opts: ServeOptions) -> list[tuple[str, int, int]]:
+    """``(role, rank, processes)`` of every role rank, Attention groups first (each group's DP x TP processes)."""
+    per_group = opts.attention // opts.attention_groups * opts.attention_tp
+    return [(ATTENTION, g, per_group) for g in range(opts.attention_groups)] + [(FFN, f, 1) for f in range(opts.ffn)]
+
+
+def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir: str | None = None) -> Plan:
+    """Validate everything and lay out the processes; raises :class:`AfdError` (one line) on bad input."""
+    _check_topology(opts)
     opts.nodes.check()
-    layout = Layout.spread(opts.attention, opts.ffn, opts.nodes.nnodes, opts.nodes.layout)
+    layout = Layout.spread(opts.attention_groups, opts.ffn, opts.nodes.nnodes, opts.nodes.layout)
     from_extra, extra = split_additional_config(opts.extra)
     afd = _base_afd(opts, from_extra)
     _check_own_keys_unset()
@@ -431,14 +505,14 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
     # created by the supervisor when it starts (nothing is written before the checks passed)
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     here = opts.nodes.node_rank
-    local = [(role, r) for role, count in ((ATTENTION, opts.attention), (FFN, opts.ffn)) for r in range(count)]
-    local = [(role, r) for role, r in local if layout.node_of(role, r) == here]
-    # this node's Attention ranks take the first core blocks, its FFN ranks the next ones
-    blocks = dict(zip(local, core_blocks(len(local), _available_cores()), strict=True))
+    local = [(role, r, n) for role, r, n in _processes(opts) if layout.node_of(role, r) == here]
+    # this node's Attention processes take the first core blocks, its FFN ranks the next ones
+    blocks = iter(core_blocks(sum(n for _, _, n in local), _available_cores()))
+    cores = {(role, r): [next(blocks) for _ in range(n)] for role, r, n in local}
     where = _Where(afd, from_extra, extra, run_dir, addr, commands or RoleCommands(), own_keys_in_env(), secret)
     specs = [
-        _role_spec(opts, where, role, rank, layout.node_of(role, rank), blocks.get((role, rank), ()))
-        for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention))
+        _role_spec(opts, where, role, rank, layout.node_of(role, rank), cores.get((role, rank), []))
+        for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention_groups))
         for rank in range(count)
     ]
     return Plan(opts, tuple(specs), run_dir, afd, num_experts, here, addr, layout, secret)
@@ -459,10 +533,14 @@ class _Where:
     secret: bytes | None
 
 
-def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: int, block: tuple[int, ...]) -> RoleSpec:
-    """One role rank's spec: its own ``afd`` section, environment, port and command line; another node's
-    role gets its section and port only (that node builds the rest)."""
-    section = {**where.afd, "role": role, RANK_KEY: rank}
+def _role_spec(
+    opts: ServeOptions, where: _Where, role: str, rank: int, node: int, blocks: Sequence[tuple[int, ...]]
+) -> RoleSpec:
+    """One role rank's spec (an Attention group's: its first AFD rank in its section, one core block per process):
+    its own ``afd`` section, environment, port and command line; another node's role gets its section and port
+    only (that node builds the rest)."""
+    first = rank * int(where.afd[GROUP_KEY]) if role == ATTENTION else rank
+    section = {**where.afd, "role": role, RANK_KEY: first}
     parse_afd_config(section)  # rank below its role's count
     port = opts.port + 1 + rank if role == ATTENTION else None
     if node != opts.nodes.node_rank:
@@ -473,10 +551,11 @@ def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: in
         env[envs.SECRET.name] = where.secret.hex()
     if role == ATTENTION and opts.ubatches is not None:
         env[envs.V2_MODEL_RUNNER.name] = "1"
-    if block:
-        env[CPU_BIND_ENV] = ",".join(map(str, block))
-    cores = block if CPU_BIND_ENV not in os.environ else ()  # the user's binding wins: serve pins nothing
+    if any(blocks):  # one entry per process (vLLM slices it by DP rank, then TP rank)
+        env[CPU_BIND_ENV] = "|".join(",".join(map(str, block)) for block in blocks)
+    cores = tuple(sorted({c for block in blocks for c in block})) if CPU_BIND_ENV not in os.environ else ()
     ready = str(Path(where.run_dir) / f"ffn-{rank}.ready") if role == FFN else None
+    attention = role == ATTENTION
     ctx = RoleContext(
         model=opts.model,
         role=role,
@@ -485,10 +564,12 @@ def _role_spec(opts: ServeOptions, where: _Where, role: str, rank: int, node: in
         additional_config=json.dumps(additional, sort_keys=True),
         extra=where.extra,
         ready_file=ready,
-        ubatches=opts.ubatches if role == ATTENTION else None,
+        ubatches=opts.ubatches if attention else None,
         host=where.addr,
+        dp_size=opts.attention // opts.attention_groups if attention else 1,
+        tp_size=opts.attention_tp if attention else 1,
     )
-    build = where.commands.attention if role == ATTENTION else where.commands.ffn
+    build = where.commands.attention if attention else where.commands.ffn
     return RoleSpec(role, rank, tuple(build(ctx)), section, port, ready, env, cores, node, where.addr)
 
 

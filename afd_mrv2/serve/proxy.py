@@ -65,6 +65,8 @@ class NotSent(Exception):
 class Backend:
     name: str
     url: str
+    #: the endpoint's ``engine`` label of its first vLLM engine (a group's DP rank i is ``engine + i``)
+    engine: int = 0
     outstanding: int = 0
     served: int = 0
     #: why this engine is out of the rotation (None: serving)
@@ -93,12 +95,15 @@ class Proxy:
         num_ffn: int = 0,
         roles: metrics.RoleStates = tuple,
         health: metrics.HealthNow = metrics.Health,
+        engines: Sequence[int] | None = None,
     ) -> None:
-        """``backends``: the Attention engines in rank order; ``roles``: the role processes' states now
-        (for ``/metrics`` and ``/afd/status``), ``num_ffn`` the topology's FFN ranks."""
+        """``backends``: the Attention groups (a group of one: an engine) in rank order; ``roles``: the role
+        processes' states now (for ``/metrics`` and ``/afd/status``), ``num_ffn`` the topology's FFN ranks;
+        ``engines``: each backend's first ``engine`` label (its first DP rank; default: its index)."""
         if balance not in BALANCE:
             raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
-        self.backends = [Backend(name, url) for name, url in backends]
+        firsts = list(range(len(backends))) if engines is None else list(engines)
+        self.backends = [Backend(name, url, first) for (name, url), first in zip(backends, firsts, strict=True)]
         self.balance = balance
         self.log = log
         self.num_ffn = num_ffn
@@ -216,7 +221,7 @@ class Proxy:
                 if resp.status != 200:
                     return None
                 text = (await resp.read()).decode(errors="replace")
-            return metrics.relabel(text, rank)
+            return metrics.relabel(text, backend.engine)
         except (*BACKEND_ERRORS, ValueError) as exc:
             log.debug("metrics of %s: %s", backend.name, exc)
             return None

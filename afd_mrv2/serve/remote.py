@@ -103,7 +103,7 @@ class RemoteRole(RoleProcess):
         return self._pid
 
     def describe(self) -> str:
-        return f"{self.spec.role} rank {self.spec.rank} (pid {self._pid} on {self.nodes.name(self.spec.node)})"
+        return f"{self.spec.title} (pid {self._pid} on {self.nodes.name(self.spec.node)})"
 
     def where(self) -> str:
         return f"on {self.nodes.name(self.spec.node)}"

@@ -98,7 +98,7 @@ class RoleProcess:
         return self.proc.pid if self.proc is not None else -1
 
     def describe(self) -> str:
-        return f"{self.spec.role} rank {self.spec.rank} (pid {self.pid})"
+        return f"{self.spec.title} (pid {self.pid})"
 
     def where(self) -> str:
         """Where it runs, for a message: ``pid N``."""

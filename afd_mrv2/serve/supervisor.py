@@ -70,7 +70,8 @@ class Supervisor:
         #: the other nodes' heartbeats (over --nnodes; none on one node)
         self.nodes = NodeWatch(self.rendezvous, range(1, plan.options.nodes.nnodes), self._say)
         #: every role's live figures, as each published them in the store
-        self.live = FiguresReader(self.rendezvous, [(spec.role, spec.rank) for spec in plan.roles], self._say)
+        ranks = [(spec.role, a) for spec in plan.roles for a in spec.afd_ranks]
+        self.live = FiguresReader(self.rendezvous, ranks, self._say)
         #: FFN ranks lost and failed over (``afd_ffn_failovers_total``)
         self.failovers = 0
         self.proxy: Proxy | None = None
@@ -126,7 +127,7 @@ class Supervisor:
         role.signal_group(signal.SIGKILL)  # what is left of its group (vLLM's EngineCore, its worker) serves no one
         self._say(
             f"{reason}: the endpoint serves on with {', '.join(b.name for b in others)} "
-            f"({len(others)} of {len(proxy.backends)} Attention engines)"
+            f"({len(others)} of {len(proxy.backends)} Attention {'engines' if len(role.spec.afd_ranks) == 1 else 'groups'})"
         )
         if self.plan.options.restart_attention:
             self._restart_later(role)
@@ -251,8 +252,15 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         opts = self.plan.options
         names = [(r.name, url) for r, url in zip(self.plan.of(ATTENTION), self.plan.backends, strict=True)]
+        per_group = opts.attention // opts.attention_groups
         proxy = self.proxy = Proxy(
-            names, balance=opts.balance, log=self.log, num_ffn=opts.ffn, roles=self.role_states, health=self.health
+            names,
+            balance=opts.balance,
+            log=self.log,
+            num_ffn=opts.ffn,
+            roles=self.role_states,
+            health=self.health,
+            engines=[g * per_group for g in range(opts.attention_groups)],
         )
         self.reaper.start()
         try:
@@ -308,7 +316,7 @@ class Supervisor:
     def figures(self) -> dict[tuple[str, int], Written]:
         """Every role's live figures as it last published them in the store, on any node (a lost node's
         left out: its roles are gone)."""
-        lost = {(spec.role, spec.rank) for spec in self.plan.roles if spec.node in self.nodes.lost}
+        lost = {(spec.role, a) for spec in self.plan.roles if spec.node in self.nodes.lost for a in spec.afd_ranks}
         return {key: written for key, written in self.live.figures().items() if key not in lost}
 
     def _host_store(self) -> bool:

@@ -17,7 +17,7 @@ import pytest
 from afd_mrv2.admission import ModelFacts, Stage, Subject, checkpoint_facts, run
 from afd_mrv2.config import AfdConfig, parse_afd_config
 from afd_mrv2.errors import ConfigError
-from afd_mrv2.mrv2.deployment import check_vllm_deployment, deployment_of
+from afd_mrv2.mrv2.deployment import admit, check_vllm_deployment, deployment_of
 from afd_mrv2.support_matrix import Deployment, check_deployment
 
 
@@ -36,6 +36,9 @@ class Parallel:
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     use_sequence_parallel_moe: bool = False
+    data_parallel_rank: int = 0
+    rank: int = 0
+    enable_elastic_ep: bool = False
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Config:
     compilation_config: object = field(default_factory=Compilation)
     use_v2_model_runner: bool = True
     additional_config: dict = field(default_factory=dict)
+    lora_config: object = None
 
 
 @dataclass
@@ -123,6 +127,9 @@ def test_a_missing_field_is_unknown_and_refused_where_a_rule_needs_it(caplog: py
         "num_ubatches": "parallel_config.num_ubatches",
         "prefill_context_parallel_size": "parallel_config.prefill_context_parallel_size",
         "decode_context_parallel_size": "parallel_config.decode_context_parallel_size",
+        "data_parallel_rank": "parallel_config.data_parallel_rank",
+        "tensor_parallel_rank": "parallel_config.rank",
+        "elastic_ep": "parallel_config.enable_elastic_ep",
     }
     assert "parallel_config.use_ubatching" in caplog.text  # said, not silently defaulted
     # native micro-batching is checked for every config: unknown, it is refused, naming the field
@@ -152,7 +159,7 @@ def test_no_config_fields_at_all_refuses_rather_than_guessing() -> None:
 def test_native_microbatching_is_refused_on_the_vllm_path() -> None:
     config = Config(Parallel(use_ubatching=True, num_ubatches=2, data_parallel_size=2), Model(True))
     with pytest.raises(ConfigError) as info:
-        check_vllm_deployment(afd(), config, triton=True)
+        check_vllm_deployment(afd(num_attention_ranks=2, attention_group_size=2), config, triton=True)
     assert info.value.key == "afd" and "2 micro-batches per step" in str(info.value)
     assert "\n" not in str(info.value) and "afd.ubatch.num_ubatches" in str(info.value)
 
@@ -342,3 +349,61 @@ def test_admit_runs_the_stages_a_process_knows_in_order() -> None:
         admit(dbo, gate=gate, triton=True, model=True)
     assert info.value.key == "afd" and "micro-batches per step" in str(info.value)
     assert admit(Config(), gate=gate) is None and len(asked) == 3
+
+
+def group(**extra: object) -> AfdConfig:
+    return afd(num_attention_ranks=4, attention_group_size=2, **extra)
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "dp_rank", "worker", "first", "rank"),
+    [
+        (2, 1, 0, 0, 0, 0),
+        (2, 1, 1, 0, 0, 1),
+        (2, 1, 1, 0, 2, 3),  # the second group of two: its section names AFD rank 2 first
+        (1, 2, 0, 1, 2, 3),  # TP2: the worker's rank in its engine is its TP rank
+    ],
+)
+def test_an_attention_group_process_derives_its_rank_from_vllm(dp, tp, dp_rank, worker, first, rank) -> None:
+    """Every process of one vLLM deployment gets the same section; its AFD rank comes from its DP and TP ranks."""
+    config = Config(Parallel(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_rank=dp_rank, rank=worker))
+    config.additional_config = {"afd": {"connector": "torch_p2p", "role": "attention", "num_attention_ranks": 4}}
+    config.additional_config["afd"] |= {"attention_group_size": 2, "rank": first}
+    admitted = admit(config, gate=lambda caps: SimpleNamespace(accepted=True), triton=True)
+    assert admitted is not None and admitted.rank == rank
+
+
+def test_an_engine_whose_layout_is_not_its_group_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_vllm_deployment(group(), Config(Parallel(data_parallel_size=2, tensor_parallel_size=2)), triton=True)
+    assert str(info.value) == (
+        "afd.attention_group_size: this Attention engine runs data_parallel_size 2 x tensor_parallel_size 2 = 4 ranks "
+        "in lock-step, one group; the section says 2: set it to 4 (afd-mrv2 serve does)"
+    )
+    check_vllm_deployment(group(), Config(Parallel(data_parallel_size=2)), triton=True)
+    check_vllm_deployment(afd(role="ffn", num_attention_ranks=4, attention_group_size=2), Config(), triton=True)
+    with pytest.raises(
+        ConfigError, match=r"^afd\.attention_group_size: sequence-parallel MoE needs expert parallelism"
+    ):
+        check_vllm_deployment(
+            group(), Config(Parallel(data_parallel_size=2, use_sequence_parallel_moe=True)), triton=True
+        )
+
+
+def test_lora_and_elastic_ep_are_refused_on_both_roles() -> None:
+    for role in ("attention", "ffn"):
+        with pytest.raises(ConfigError, match=r"^afd: LoRA adapters \(--enable-lora\) are not served with AFD"):
+            check_vllm_deployment(afd(role=role), Config(lora_config=object()), triton=True)
+        with pytest.raises(ConfigError, match=r"^afd: elastic expert parallelism \(--enable-elastic-ep\)"):
+            check_vllm_deployment(afd(role=role), Config(Parallel(enable_elastic_ep=True)), triton=True)
+
+
+def test_a_group_s_first_rank_and_size_are_checked_in_the_section() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^afd\.attention_group_size: expected a divisor of num_attention_ranks \(4\), got 3$"
+    ):
+        afd(num_attention_ranks=4, attention_group_size=3)
+    with pytest.raises(ConfigError, match=r"^afd\.rank: expected the first rank of an Attention group"):
+        afd(num_attention_ranks=4, attention_group_size=2, rank=1)
+    assert group().attention_groups == ((0, 1), (2, 3))
+    assert afd(num_attention_ranks=3).attention_groups == ((0,), (1,), (2,))

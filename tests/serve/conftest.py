@@ -105,9 +105,13 @@ def start_serve() -> Iterator[object]:
     started: list[Serve] = []
 
     def start(attention: int, ffn: int, behaviour: dict[str, object] | None = None, *extra: str) -> tuple[Serve, int]:
+        """``attention`` fake engines (``--attention-groups`` = ``--attention``: independent engines, each a role
+        process, unless ``extra`` says), ``ffn`` fake FFN ranks."""
         port = free_port_block(attention + 2)
+        groups = [] if "--attention-groups" in extra else ["--attention-groups", str(attention)]
         serve = Serve(
-            ["/models/fake", "--attention", str(attention), "--ffn", str(ffn), "--port", str(port), *extra], behaviour
+            ["/models/fake", "--attention", str(attention), *groups, "--ffn", str(ffn), "--port", str(port), *extra],
+            behaviour,
         )
         started.append(serve)
         return serve, port

@@ -66,6 +66,8 @@ def serve_args(cluster: Cluster, node_rank: int, *extra: str) -> list[str]:
         "/models/fake",
         "--attention",
         "2",
+        "--attention-groups",
+        "2",
         "--ffn",
         "2",
         "--port",

@@ -44,7 +44,7 @@ def platform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _plan() -> Plan:
-    return build_plan(ServeOptions("/models/m", 2, 1, port=9000, extra=EXTRA), run_dir="/run/x")
+    return build_plan(ServeOptions("/models/m", 2, 1, port=9000, extra=EXTRA, attention_groups=2), run_dir="/run/x")
 
 
 def _additional_config(spec: RoleSpec) -> dict[str, object]:

@@ -81,7 +81,7 @@ def test_bad_input_exit_2_one_line_nothing_started(args, key, no_spawn, capsys):
 @pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (1, 2), (2, 3)], ids=["3A2F", "1A2F", "2A3F"])
 def test_free_topologies_are_planned(attention, ffn):
     """F need not divide A nor be <= it: one process per rank, each with a valid afd section."""
-    plan = build_plan(ServeOptions("m", attention, ffn, port=9000), run_dir="/run/x")
+    plan = build_plan(ServeOptions("m", attention, ffn, port=9000, attention_groups=attention), run_dir="/run/x")
     assert [r.name for r in plan.roles] == [f"ffn {f}" for f in range(ffn)] + [
         f"attention {a}" for a in range(attention)
     ]
@@ -115,7 +115,8 @@ def test_free_topology_passes_the_cli_up_to_the_runtime_gate(no_spawn, capsys):
         raise AfdError("runtime refused: vLLM is not installed")
 
     port = free_port_block(4)
-    rc = serve_cli.main(["/m", "--attention", "3", "--ffn", "2", "--port", str(port)], commands=commands, gate=refuse)
+    argv = ["/m", "--attention", "3", "--attention-groups", "3", "--ffn", "2", "--port", str(port)]
+    rc = serve_cli.main(argv, commands=commands, gate=refuse)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["afd-mrv2 serve: error: runtime refused: vLLM is not installed"]
     assert gated == [["ffn 0", "ffn 1", "attention 0", "attention 1", "attention 2"]]  # planned, nothing started
@@ -177,6 +178,7 @@ def test_plan_roles_ports_and_commands():
     opts = ServeOptions(
         model="/models/m",
         attention=4,
+        attention_groups=4,
         ffn=2,
         port=9000,
         depth="auto",
@@ -237,7 +239,7 @@ def test_rank_is_an_afd_option_checked_per_process():
     assert parse_afd_config({"connector": "x", "role": "ffn", "rank": 0}).rank == 0
     with pytest.raises(ConfigError, match=r"^afd\.rank: expected an integer in 0\.\.0 \(num_ffn_ranks is 1\), got 1$"):
         parse_afd_config({"connector": "x", "role": "ffn", "rank": 1})
-    plan = build_plan(ServeOptions("m", 2, 1, port=9000), run_dir="/run/x")
+    plan = build_plan(ServeOptions("m", 2, 1, port=9000, attention_groups=2), run_dir="/run/x")
     assert {(r.role, parse_afd_config(r.afd).rank) for r in plan.roles} == {
         ("ffn", 0),
         ("attention", 0),
@@ -253,7 +255,9 @@ def test_role_commands_are_data():
         seen.append((ctx.role, ctx.rank, ctx.port))
         return ["fake", ctx.role]
 
-    plan = build_plan(ServeOptions("m", 2, 1, port=9000), RoleCommands(attention=fake, ffn=ffn_command))
+    plan = build_plan(
+        ServeOptions("m", 2, 1, port=9000, attention_groups=2), RoleCommands(attention=fake, ffn=ffn_command)
+    )
     assert seen == [("attention", 0, 9001), ("attention", 1, 9002)]
     assert plan.of("attention")[0].argv == ("fake", "attention")
     assert RoleCommands().attention is attention_command
@@ -294,7 +298,7 @@ def test_runtime_gate_requires_what_every_role_process_will_require(monkeypatch,
 
 
 def test_ubatches_selects_v2_the_afd_worker_and_eager_for_the_attention_engines_only() -> None:
-    plan = build_plan(ServeOptions("/models/m", 2, 1, ubatches=2, extra=("--dtype", "float32")))
+    plan = build_plan(ServeOptions("/models/m", 2, 1, ubatches=2, extra=("--dtype", "float32"), attention_groups=2))
     for spec in plan.roles:
         assert spec.afd["ubatch"] == {"num_ubatches": 2}
         if spec.role == "attention":
@@ -374,12 +378,12 @@ def test_test_port_blocks_avoid_the_kernels_ephemeral_range():
 def test_serve_warns_when_a_port_bound_after_the_ffn_ranks_is_ephemeral(tmp_path):
     eph = ephemeral_ports()
     log = io.StringIO()
-    risky = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start + 100))
+    risky = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start + 100, attention_groups=2))
     Supervisor(risky, out=io.StringIO(), log=log)._warn_ephemeral()
     line = log.getvalue().strip()
     assert line.startswith("[serve] warning: port(s) ") and f"{eph.start + 101}, {eph.start + 102}" in line
     assert f"--port below {eph.start - 4}" in line and len(line.splitlines()) == 1
-    safe = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start - 10))
+    safe = build_plan(ServeOptions(str(tmp_path), 2, 1, port=eph.start - 10, attention_groups=2))
     quiet = io.StringIO()
     Supervisor(safe, out=io.StringIO(), log=quiet)._warn_ephemeral()
     assert quiet.getvalue() == ""
@@ -487,3 +491,58 @@ def test_attention_engines_load_with_the_afd_format_unless_told_otherwise_or_on_
     ascend = Runtime("3.11.7", "0.30.0", "0.30.0rc2", "2.10.0", "2.10.0.post4", "9.2.0")
     monkeypatch.setattr(detect, "detect_runtime", lambda: ascend)
     assert "--load-format" not in attention_argv()
+
+
+def test_an_attention_group_is_one_vllm_deployment_of_its_dp_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--attention 2``: one Attention role process, vLLM's DP front end over two DP ranks, each pinned to its
+    own core through vLLM's pipe-separated binding; every role's section says the group's size."""
+    monkeypatch.setattr(serve_plan, "_available_cores", lambda: [0, 1, 2])
+    monkeypatch.delenv(serve_plan.CPU_BIND_ENV, raising=False)
+    plan = build_plan(ServeOptions("/models/m", 2, 1, port=9000), run_dir="/run/x")
+    assert [r.name for r in plan.roles] == ["ffn 0", "attention 0"]
+    group = plan.of("attention")[0]
+    argv = list(group.argv)
+    assert argv[argv.index("--data-parallel-size") + 1] == "2" and argv[argv.index("--api-server-count") + 1] == "1"
+    assert "--tensor-parallel-size" not in argv and argv[argv.index("--port") + 1] == "9001"
+    assert group.env[serve_plan.CPU_BIND_ENV] == "0|1" and group.cores == (0, 1)
+    assert plan.of("ffn")[0].env[serve_plan.CPU_BIND_ENV] == "2"
+    assert (group.afd["rank"], group.afd["attention_group_size"], group.afd["num_attention_ranks"]) == (0, 2, 2)
+    assert plan.of("ffn")[0].afd["attention_group_size"] == 2 and group.afd_ranks == (0, 1)
+    assert group.title == "attention group 0 (AFD ranks 0-1)"
+    assert "--data-parallel-size" not in plan.of("ffn")[0].argv
+    assert plan.backends == ("http://127.0.0.1:9001",)
+
+
+def test_groups_and_tensor_parallel_ranks_are_laid_out_per_group() -> None:
+    plan = build_plan(ServeOptions("/models/m", 4, 1, port=9000, attention_groups=2, attention_tp=2), run_dir="/x")
+    groups = plan.of("attention")
+    assert [(g.afd["rank"], g.afd_ranks) for g in groups] == [(0, (0, 1, 2, 3)), (4, (4, 5, 6, 7))]
+    assert all(g.afd["num_attention_ranks"] == 8 and g.afd["attention_group_size"] == 4 for g in groups)
+    for g in groups:
+        argv = list(g.argv)
+        assert argv[argv.index("--data-parallel-size") + 1] == "2"
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    one = build_plan(ServeOptions("/models/m", 2, 1, port=9000, attention_groups=2), run_dir="/x").of("attention")
+    assert [(g.afd["rank"], g.title) for g in one] == [(0, "attention rank 0"), (1, "attention rank 1")]
+    assert all("--data-parallel-size" not in g.argv for g in one)
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        ({"attention": 3, "attention_groups": 2}, "--attention-groups must divide --attention (3) into groups"),
+        ({"attention": 2, "attention_tp": 0}, "--attention-tp must be >= 1, got 0"),
+        (
+            {"attention": 2, "extra": ("--data-parallel-size", "2")},
+            "--data-parallel-size after -- would reach every role, the FFN ranks too",
+        ),
+        (
+            {"attention": 1, "extra": ("--tensor-parallel-size=2",)},
+            "--tensor-parallel-size after -- would reach every role",
+        ),
+    ],
+)
+def test_a_bad_group_layout_is_refused_in_one_line(opts: dict[str, object], line: str) -> None:
+    with pytest.raises(AfdError) as info:
+        build_plan(ServeOptions("/models/m", ffn=1, port=9000, **opts), run_dir="/x")  # type: ignore[arg-type]
+    assert str(info.value).startswith(line) and "\n" not in str(info.value)

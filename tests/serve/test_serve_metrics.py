@@ -107,7 +107,16 @@ def test_live_figures_of_the_roles_become_per_rank_metrics() -> None:
     )
     store = new_store()
     publish(store, "attention", 0, attention)
-    ffn = FfnFigures(items=40, computed=38, tokens=300, busy_s=1.0, redispatched=3, up_s=4.0, memory=None)
+    ffn = FfnFigures(
+        items=40,
+        computed=38,
+        tokens=300,
+        busy_s=1.0,
+        redispatched=3,
+        up_s=4.0,
+        memory=None,
+        ranks_per_call={1: 8, 2: 30},
+    )
     publish(store, "ffn", 0, ffn)
     raw_set(store, "ffn", 1, {"half": "a document"})  # refused: left out, never an error
     figures = read_back(store, [("attention", 0), ("ffn", 0), ("ffn", 1), ("attention", 1)]).figures()
@@ -154,6 +163,7 @@ def test_live_figures_of_the_roles_become_per_rank_metrics() -> None:
         "redispatched",
         "up_s",
         "memory",
+        "ranks_per_call",
         "at",
         "pid",
     }
@@ -209,3 +219,33 @@ def test_metrics_and_status_on_a_running_serve(start_serve) -> None:
     assert sum(e["finished"] for e in doc["requests"].values()) == 5
     serve.signal(signal.SIGTERM)
     assert serve.wait() == 0
+
+
+def test_an_ffn_rank_s_expert_calls_and_ranks_per_call_are_metrics_and_status() -> None:
+    """M:N counted: per FFN rank, its expert computations, how many Attention ranks met in each, tokens per call."""
+    from afd_mrv2.live_stats import FfnFigures
+    from tests.serve.figures_support import new_store, publish, read_back
+
+    store = new_store()
+    ffn = FfnFigures(
+        items=40,
+        computed=38,
+        tokens=300,
+        busy_s=1.0,
+        redispatched=0,
+        up_s=4.0,
+        memory=None,
+        ranks_per_call={1: 8, 2: 30},
+    )
+    publish(store, "ffn", 0, ffn)
+    figures = read_back(store, [("ffn", 0)]).figures()
+    assert figures[("ffn", 0)].figures == ffn
+    health = metrics.Health(failovers=0, replicas=1, placement=(), figures=figures)
+    got = samples(metrics.render(metrics.afd_families(2, 1, [], [], {}, ready=True, health=health)).decode())
+    ffn0 = (("ffn", "0"),)
+    assert got[("afd_ffn_expert_calls_total", ffn0)] == 38
+    assert abs(got[("afd_ffn_tokens_per_call", ffn0)] - 300 / 38) < 1e-9
+    assert got[("afd_ffn_ranks_per_call_total", (("ffn", "0"), ("ranks", "1")))] == 8
+    assert got[("afd_ffn_ranks_per_call_total", (("ffn", "0"), ("ranks", "2")))] == 30
+    doc = metrics.status(2, 1, [], [], True, None, health)
+    assert doc["figures"]["ffn 0"]["ranks_per_call"] == {"1": 8, "2": 30}

@@ -65,8 +65,10 @@ class Serve(ServeServer):
         attention: int = 1,
         ffn: int = 1,
         env: dict[str, str] | None = None,
+        groups: int | None = None,
+        tp: int = 1,
     ) -> None:
-        topology = ServeTopology(attention, ffn, flags=flags)
+        topology = ServeTopology(attention, ffn, flags=flags, groups=groups, tp=tp)
         super().__init__(model, port, log, topology, ENGINE_ARGS if extra is None else extra, env)
 
     def wait_ready(self, timeout_s: float = TEST_START_TIMEOUT_S) -> float:

@@ -71,6 +71,7 @@ class NodeServe:
 
     def __init__(self, node: Node, model: Path, *args: str) -> None:
         argv = [sys.executable, "-m", "afd_mrv2.cli", "serve", str(model), "--attention", "2", "--ffn", "2"]
+        argv += ["--attention-groups", "2"]  # two independent engines, one on each node
         argv += ["--expert-replicas", "2", "--port", str(PORT), "--stop-grace-s", "5", *args]
         argv += ["--", *ENGINE_ARGS]  # fp32, as every equivalence test: a bound of 1e-4 means something
         self.proc = node.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

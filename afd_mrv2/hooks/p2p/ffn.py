@@ -46,10 +46,12 @@ class FfnSide(Side):
         peers: Sequence[int] | None = None,
         follow_stages: bool = False,
         on_item: Callable[[WorkItem], None] | None = None,
+        on_rows: Callable[[WorkItem, Sequence[int]], None] | None = None,
     ) -> None:
         super().__init__(link, shape, options)
         self.follow_stages = follow_stages
         self.on_item = on_item
+        self.on_rows = on_rows
         self._last: tuple[int, int, int] | None = None  # follow_stages: (layer, stage, stages) of the last item
         self.held = link.topology.held_by(link.index)  # the experts this rank keeps (with replicas: R blocks)
         self._held = torch.zeros(shape.num_experts, dtype=torch.bool)
@@ -65,6 +67,9 @@ class FfnSide(Side):
                     f"{link.me}: peers must be distinct attention ranks among global ranks {self.peers}, got {list(peers)}"
                 )
             self.peers = list(peers)
+        #: follow_stages: the next message number of each peer's pair, and headers received but not yet served
+        self._seq = [0] * len(self.peers)
+        self._stash: dict[int, tuple[int, ...]] = {}
 
     def _inputs(self, work: Work) -> _Inputs:
         if work.inputs.state is None:
@@ -93,26 +98,27 @@ class FfnSide(Side):
     def on_recv(self, work: Work) -> None:
         item, slot, link = work.item, self._inputs(work), self.link
         action = f"receiving {item}"
+        fresh = [i for i in range(len(self.peers)) if i not in self._stash]
         headers = [
-            link.irecv(header.tensor, peer, wire.TAG_DISPATCH_HEADER, "dispatch header")
-            for header, peer in zip(slot.headers, self.peers, strict=True)
+            link.irecv(slot.headers[i].tensor, self.peers[i], wire.TAG_DISPATCH_HEADER, "dispatch header")
+            for i in fresh
         ]
         self.wait(headers, work, "recv", action)
-        words = [header.words() for header in slot.headers]
-        kind = self.layout.kind
+        words = [self._stash.pop(i) if i not in fresh else slot.headers[i].words() for i in range(len(self.peers))]
+        kind, served = self.layout.kind, list(range(len(self.peers)))
         if self.follow_stages:
-            first = words[0]
-            if first[1] == self.layout.redispatch_kind and first[0] == wire.MAGIC:  # a failover's re-send
-                kind = first[1]
-                item = WorkItem(first[4], first[5], item.seq, num_stages=max(first[6], 1))
-                self.redispatched += 1
-            else:
-                item = self._follow(first, item, self.peers[0])
+            item, kind, served = self._identify(words, item)
             work.transfer["item"] = item
-        for got, peer in zip(words, self.peers, strict=True):
-            expected = wire.item_words(kind, peer, link.rank, item, 0)
-            wire.check_words(got, expected, what="dispatch", describe=link.describe, max_tokens=self.capacity)
-        counts = work.transfer["counts"] = [got[-1] for got in words]  # per-item transfer state, until on_send
+        seqs = [self._expected_seq(i, item) for i in range(len(self.peers))]
+        for i in served:
+            expected = wire.item_words(kind, self.peers[i], link.rank, item, 0, seqs[i])
+            wire.check_words(words[i], expected, what="dispatch", describe=link.describe, max_tokens=self.capacity)
+            if self.follow_stages:
+                self._seq[i] += 1
+        # per-item transfer state, until on_send: every peer's rows (0 for one not served by this item), whom it
+        # answers, and with which message numbers
+        counts = work.transfer["counts"] = [words[i][-1] if i in served else 0 for i in range(len(self.peers))]
+        work.transfer["served"], work.transfer["seqs"] = served, seqs
         if self.on_item is not None:
             self.on_item(item)
         work.transfer["name"] = str(item)  # for on_send's messages, made here: not next to the compute
@@ -124,17 +130,39 @@ class FfnSide(Side):
         self.wait(payloads, work, "recv", action)
         received = headers + payloads
         # the last frame read: a payload, or the header of an item with no rows here
-        work.transfer["payload_done_ns"] = int(max(p.done_at for p in received) * 1e9)
+        work.transfer["payload_done_ns"] = int(max((p.done_at for p in received), default=time.perf_counter()) * 1e9)
         for staging, peer, n in zip(slot.staging, self.peers, counts, strict=True):
             if n:
                 self._check_routing(staging.at(n), peer)
         if self.options.link is not None:
             charge_link(self.options, work, "recv", received)
 
+    def _identify(self, words: list[tuple[int, ...]], submitted: WorkItem) -> tuple[WorkItem, int, list[int]]:
+        """``follow_stages``: what this item is, learned from the peers' headers: (item, kind, the peers it
+        serves).  A failover's re-send from one peer (kind ``redispatch``) is served alone, as it comes: the
+        other peers' headers, the next item of the group or re-sends of their own, wait for the next item
+        (:attr:`_stash`), so re-sends from several ranks of a group, interleaved with the group's next items
+        in any order, are each served once.  Otherwise the first peer's header names the group's item
+        (:meth:`_follow`)."""
+        for i, got in enumerate(words):
+            if got[0] == wire.MAGIC and got[1] == self.layout.redispatch_kind:
+                self._stash.update((j, w) for j, w in enumerate(words) if j != i)
+                self.redispatched += 1
+                item = WorkItem(got[4], got[5], submitted.seq, num_stages=max(got[6], 1))
+                return item, got[1], [i]
+        return self._follow(words[0], submitted, self.peers[0]), self.layout.kind, list(range(len(words)))
+
+    def _expected_seq(self, i: int, item: WorkItem) -> int:
+        """The message number peer ``i``'s next header must carry: its own count on the pair with
+        ``follow_stages`` (re-sends make the pairs of a group diverge), the item's otherwise."""
+        return self._seq[i] if self.follow_stages else item.seq
+
     def on_compute(self, work: Work, compute: ComputeFn) -> None:
         item, slot, hidden_size = work.transfer.get("item", work.item), self._inputs(work), self.shape.hidden_size
         counts: list[int] = work.transfer["counts"]
         total = sum(counts)
+        if self.on_rows is not None:
+            self.on_rows(item, counts)
         output: torch.Tensor | None = None
         if total:
             payload = self._gather(slot, counts, total)
@@ -146,9 +174,10 @@ class FfnSide(Side):
                 raise TypeError(f"FFN compute for {item} must return a [{total}, {hidden_size}] tensor, got {got}")
         else:
             called = returned = time.perf_counter_ns()  # no row here: no compute, a span of 0
-        start, rank = 0, self.link.rank
-        for message, peer, n in zip(self._outgoing(work), self.peers, counts, strict=True):
-            message.header.write(wire.item_words(wire.KIND_COMBINE, rank, peer, item, n))
+        start, rank, outgoing, seqs = 0, self.link.rank, self._outgoing(work), work.transfer["seqs"]
+        for i in work.transfer["served"]:
+            message, peer, n = outgoing[i], self.peers[i], counts[i]
+            message.header.write(wire.item_words(wire.KIND_COMBINE, rank, peer, item, n, seqs[i]))
             if n:
                 assert output is not None  # n rows: total > 0, so compute ran and returned a tensor
                 message.at(n).rows.copy_(output if n == total else output[start : start + n])
@@ -185,9 +214,10 @@ class FfnSide(Side):
         outgoing = self._outgoing(work)
         combine_send, name = time.perf_counter_ns(), work.transfer["name"]
         what = "combine message (" + name + ")"
+        counts = work.transfer["counts"]
         sends = [
-            self.link.isend(message.at(n).message, peer, wire.TAG_COMBINE, what)
-            for message, peer, n in zip(outgoing, self.peers, work.transfer["counts"], strict=True)
+            self.link.isend(outgoing[i].at(counts[i]).message, self.peers[i], wire.TAG_COMBINE, what)
+            for i in work.transfer["served"]
         ]
         self.wait(sends, work, "send", "sending the combine of " + name)
         if self.options.link is not None:
@@ -197,7 +227,7 @@ class FfnSide(Side):
 
     def on_cleanup(self, work: Work) -> None:
         # Nothing to cancel (gloo cannot); pending operations keep their buffers alive.
-        for key in ("counts", "item", "name", "payload_done_ns", "compute_ns"):
+        for key in ("counts", "served", "seqs", "item", "name", "payload_done_ns", "compute_ns"):
             work.transfer.pop(key, None)
 
     def _follow(self, words: tuple[int, ...], submitted: WorkItem, peer: int) -> WorkItem:

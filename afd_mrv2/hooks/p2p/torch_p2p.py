@@ -52,6 +52,7 @@ class TorchP2pConnector(SupportsFailover):
                 peers=context.attention_peers,
                 follow_stages=context.follow_stages,
                 on_item=context.on_item,
+                on_rows=context.on_rows,
             )
         elif context.sink is not None:  # an exchange owner: each item is one round trip
             source = context.need(context.source, "source")

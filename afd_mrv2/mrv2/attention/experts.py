@@ -24,11 +24,12 @@ from vllm.model_executor.models.utils import extract_layer_index
 from afd_mrv2.errors import ConfigError
 from afd_mrv2.items import ATTENTION
 from afd_mrv2.mrv2.attention.remote import attach
+from afd_mrv2.mrv2.attention.rows import RowShare
 from afd_mrv2.mrv2.attention.standin import RemoteExpertsMethod
 from afd_mrv2.mrv2.deployment import admit
 from afd_mrv2.mrv2.held import HeldExpertMap, role_held_set
 from afd_mrv2.mrv2.shape import MoeShape
-from afd_mrv2.mrv2.upstream import load_handoff
+from afd_mrv2.mrv2.upstream import load_handoff, load_padding_mask
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,12 @@ class AfdRoutedExperts(RoutedExperts):
                 f"parameter names, and it cannot be built here ({type(exc).__name__}: {exc})",
             ) from exc
         vllm_config = get_current_vllm_config()
-        remote = attach(config, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, handoff=load_handoff())
+        parallel = vllm_config.parallel_config
+        share = RowShare(
+            parallel.tensor_parallel_size, parallel.rank % parallel.tensor_parallel_size, load_padding_mask()
+        )
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        remote = attach(config, max_tokens=max_tokens, handoff=load_handoff(), share=share)
         layer_index = extract_layer_index(prefix)
         shape = MoeShape(moe_config.hidden_dim, moe_config.experts_per_token, moe_config.num_experts)
         remote.add_layer(layer_index, shape)

@@ -32,6 +32,7 @@ from afd_mrv2.live_stats import AttentionFigures, FailoverFigures, FiguresPublis
 from afd_mrv2.mrv2.attention.exchange import UBatchExchange
 from afd_mrv2.mrv2.attention.handoff import Handoff, SiblingFailed, SplitStep, current_step
 from afd_mrv2.mrv2.attention.overlap import OverlapMeter
+from afd_mrv2.mrv2.attention.rows import RowShare
 from afd_mrv2.mrv2.memory import current_memory
 from afd_mrv2.mrv2.shape import MoeShape
 from afd_mrv2.mrv2.transport.pairs import AttentionLinkOpening
@@ -105,15 +106,23 @@ class RemoteExperts:
     :param open_early: open the link on a thread of its own once the first MoE layer is registered
         (:class:`~afd_mrv2.mrv2.transport.pairs.AttentionLinkOpening`; what vLLM's process does,
         :func:`attach`), not at the first transfer.
+    :param share: which rows of each call this process sends (its real tokens, its TP share): all by default.
     """
 
     def __init__(
-        self, config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None, open_early: bool = False
+        self,
+        config: AfdConfig,
+        *,
+        max_tokens: int,
+        handoff: Handoff | None = None,
+        open_early: bool = False,
+        share: RowShare | None = None,
     ) -> None:
         check_vllm_path(config)
         self.config = config
         self.max_tokens = max_tokens
         self.handoff = handoff
+        self.share = share or RowShare()
         self.meter = OverlapMeter()
         self.items_by_stage_count: Counter[int] = Counter()  # stage count n -> items sent with it
         self._resumed_ns = 0  # unsplit steps: when the model last got back to compute
@@ -170,7 +179,19 @@ class RemoteExperts:
     def exchange(
         self, layer_index: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The routed experts' output for ``x``, computed by the FFN role (see docs/internals/vllm-roles.md)."""
+        """The routed experts' output for ``x``, computed by the FFN role for this process's rows (its real
+        tokens, its TP share: :class:`RowShare`); zeros on every other row (see docs/internals/vllm-roles.md)."""
+        start, stop = self.share.span(x.shape[0])
+        if (start, stop) == (0, x.shape[0]):
+            return self._round_trip(layer_index, x, topk_weights, topk_ids)
+        part = self._round_trip(layer_index, x[start:stop], topk_weights[start:stop], topk_ids[start:stop])
+        out = torch.zeros_like(x)
+        out[start:stop] = part
+        return out
+
+    def _round_trip(
+        self, layer_index: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         session = self._open()
         ordinal = self._order.index(layer_index)
         step = self.split_step()
@@ -351,12 +372,14 @@ _PROCESS: RemoteExperts | None = None
 _PROCESS_LOCK = threading.Lock()
 
 
-def attach(config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None) -> RemoteExperts:
+def attach(
+    config: AfdConfig, *, max_tokens: int, handoff: Handoff | None = None, share: RowShare | None = None
+) -> RemoteExperts:
     """This process's :class:`RemoteExperts`, created by the first AFD layer."""
     global _PROCESS
     with _PROCESS_LOCK:
         if _PROCESS is None:
-            _PROCESS = RemoteExperts(config, max_tokens=max_tokens, handoff=handoff, open_early=True)
+            _PROCESS = RemoteExperts(config, max_tokens=max_tokens, handoff=handoff, open_early=True, share=share)
         elif _PROCESS.config != config:
             raise ConfigError("afd", "one process serves one afd section; a second, different one was given")
         return _PROCESS

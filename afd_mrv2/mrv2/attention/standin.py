@@ -111,6 +111,14 @@ class WeightlessExpertsMethod(FusedMoEMethodBase):
 class RemoteExpertsMethod(WeightlessExpertsMethod):
     """Attention role: the routed experts run on the FFN role (one AFD round trip per call)."""
 
+    @property
+    def supports_internal_mk(self) -> bool:
+        """True: vLLM's MoE runner then skips its naive dispatch and combine among data-parallel ranks
+        (``MoERunner.do_naive_dispatch_combine``): each Attention rank sends its own tokens to the FFN ranks,
+        none to its DP peers, which hold no expert either (docs/vllm.md, "Attention groups: data and tensor parallelism (M:N)").
+        vLLM's LoRA and elastic EP also read this flag; the support matrix refuses both with AFD."""
+        return True
+
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         assert remote.OP_NAME == "afd_mrv2::remote_routed_experts"
         routed: torch.Tensor = torch.ops.afd_mrv2.remote_routed_experts(x, topk_weights, topk_ids, self.layer_index)

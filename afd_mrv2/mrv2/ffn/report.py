@@ -30,7 +30,9 @@ class FfnReport:
     by token count).  ``items_by_stage_count``: items served per stage count as the
     wire named it (``{1: ...}`` unsplit steps, ``{2: ...}`` steps of two micro-batches).
     ``redispatched``: of the items, the re-sends an Attention rank made here after it lost another FFN
-    rank holding the same experts (expert replicas).
+    rank holding the same experts (expert replicas).  ``ranks_per_call``: per expert computation, how many
+    Attention ranks contributed rows to it (a rank that sent 0 rows does not count; an Attention group's
+    ranks meet in one computation, M:N).
     """
 
     moe_layers: int
@@ -41,6 +43,7 @@ class FfnReport:
     tokens_per_item: Counter[int] = field(default_factory=Counter)
     items_per_attention: Counter[int] = field(default_factory=Counter)
     items_by_stage_count: Counter[int] = field(default_factory=Counter)
+    ranks_per_call: Counter[int] = field(default_factory=Counter)
     #: attention rank index -> why its loop ended
     ends: dict[int, str] = field(default_factory=dict)
     #: attention rank index -> its executor at the end: pipelined (multistream) or serialized, buffers in/out
@@ -61,6 +64,14 @@ class FfnReport:
         with self._lock:
             self.items_by_stage_count[item.num_stages] += 1
 
+    def rows_seen(self, item: WorkItem, rows: Sequence[int]) -> None:
+        """An item's rows per Attention rank of its loop, before its compute (the connector's ``on_rows``)."""
+        del item
+        contributors = sum(1 for n in rows if n)
+        if contributors:
+            with self._lock:
+                self.ranks_per_call[contributors] += 1
+
     def record(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self.computed += 1
@@ -80,6 +91,7 @@ class FfnReport:
                 redispatched=redispatched,
                 up_s=up_s,
                 memory=current_memory(),
+                ranks_per_call=dict(self.ranks_per_call),
             )
 
     def loop_ended(self, attention: int, served: int, end: str, executor: Executor, redispatched: int = 0) -> None:
@@ -117,6 +129,11 @@ class FfnReport:
             "items_per_attention": {str(a): n for a, n in sorted(self.items_per_attention.items())},
             "items_by_stage_count": {str(n): c for n, c in sorted(self.items_by_stage_count.items())},
             "computed": self.computed,
+            "expert_calls": self.computed,
+            "ranks_per_call": {str(n): c for n, c in sorted(self.ranks_per_call.items())},
+            "tokens_per_call": round(sum(t * n for t, n in self.tokens_per_item.items()) / self.computed, 2)
+            if self.computed
+            else 0.0,
             "redispatched": self.redispatched,
             "busy_s": round(self.busy_s, 6),
             "end": self.end,

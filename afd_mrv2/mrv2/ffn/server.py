@@ -21,6 +21,7 @@ from afd_mrv2.devices import make_backend
 from afd_mrv2.errors import ConfigError, PipelineError
 from afd_mrv2.hooks.p2p import P2pShape, PeerAborted, PeerLink, PeerLost
 from afd_mrv2.hooks.p2p.ffn import FfnSide
+from afd_mrv2.hooks.p2p.link import Pair
 from afd_mrv2.hooks.p2p.torch_p2p import TorchP2pConnector
 from afd_mrv2.hooks.quant import dequantize_per_token
 from afd_mrv2.items import ATTENTION, FFN, WorkItem
@@ -36,6 +37,15 @@ from afd_mrv2.topology import Topology
 
 #: One MoE layer's routed experts: ``(x [N, H], topk_weights [N, k], topk_ids [N, k] int32) -> [N, H]``.
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: The Attention ranks of one lock-step group (``AfdConfig.attention_groups``): one loop serves them.
+Group = tuple[int, ...]
+
+
+def _name(group: Group) -> str:
+    """``attention rank 0`` or ``attention group 0-1`` (ranks), for messages and thread names."""
+    if len(group) == 1:
+        return f"attention rank {group[0]}"
+    return f"attention group {group[0]}-{group[-1]}"
 
 
 def ffn_serving_config(raw_afd: Mapping[str, Any]) -> AfdConfig:
@@ -167,9 +177,9 @@ def serve_ffn(
 @final
 class FfnServer:
     """One FFN rank's serving session (see docs/internals/vllm-roles.md), in named steps: :meth:`run` opens the
-    rendezvous store and registers this process (:meth:`open`), starts one thread per Attention rank in
-    :meth:`attend` (that rank's incarnations, each served by a loop from :meth:`make_loop` in
-    :meth:`serve`), then waits for the session (:meth:`wait`) and ends it (:meth:`shut_down`).
+    rendezvous store and registers this process (:meth:`open`), starts one thread per Attention group in
+    :meth:`attend` (its incarnations, each served by one loop from :meth:`make_loop` in :meth:`serve` over
+    every rank of the group), then waits for the session (:meth:`wait`) and ends it (:meth:`shut_down`).
     The parameters are :func:`serve_ffn`'s.
     """
 
@@ -235,21 +245,21 @@ class FfnServer:
         self._compute_lock = threading.Lock()  # one device: the loops' expert computations take turns
         self._p2p_shape = P2pShape(shape.hidden_size, shape.top_k, shape.num_experts, len(experts), max_tokens)
         self._traces: list[Trace] = []
-        self._links: dict[int, PeerLink] = {}  # attention rank -> the link its loop runs on now
-        self._connectors: dict[int, list[object]] = {a: [] for a in range(self.topology.num_attention)}
+        self._links: dict[Group, PeerLink] = {}  # attention group -> the link its loop runs on now
+        self._connectors: dict[Group, list[object]] = {group: [] for group in config.attention_groups}
         self._own_fault = threading.Event()  # a loop failed on its own (not because its peer left): the end
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ the session
 
     def run(self) -> FfnReport:
-        """Serve every Attention rank until the session ends; the report."""
+        """Serve every Attention group until the session ends; the report."""
         self.open()
         threads = [
             threading.Thread(
-                target=self.attend, args=(a,), name=f"afd-ffn{self.index}-serves-attention{a}", daemon=True
+                target=self.attend, args=(group,), name=f"afd-ffn{self.index}-serves-{_name(group)}", daemon=True
             )
-            for a in range(self.topology.num_attention)
+            for group in self.config.attention_groups
         ]
         self._started = time.monotonic()
         figures = FiguresPublisher(FFN, self._publish_live, self.live)
@@ -304,55 +314,62 @@ class FfnServer:
         redispatched = sum(_redispatched(c) for each in self._connectors.values() for c in each)
         return self.report.figures(redispatched=redispatched, up_s=round(time.monotonic() - self._started, 3))
 
-    # ------------------------------------------------------------------ one Attention rank
+    # ------------------------------------------------------------------ one Attention group
 
-    def attend(self, a: int) -> None:
-        """Serve Attention rank ``a``'s incarnations (on this rank's thread for it); a store that stops
-        answering (its host is gone: serve stopped) ends the wait for the next one."""
+    def attend(self, group: Group) -> None:
+        """Serve an Attention group's incarnations (on this rank's thread for it: one lock-step vLLM deployment's
+        ranks, or one engine); a store that stops answering (its host is gone: serve stopped) ends the wait for
+        the next one."""
         try:
-            self._attend_incarnations(a)
+            self._attend_incarnations(group)
         except PlacementMismatch as exc:  # the tables differ: the session ends, the line on both sides
-            self.report.waiting_ended(a, str(exc))
+            for a in group:
+                self.report.waiting_ended(a, str(exc))
             self._own_fault.set()
             raise
         except (RuntimeError, OSError) as exc:
-            self.report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
+            for a in group:
+                self.report.waiting_ended(a, f"the rendezvous store stopped answering: {str(exc).splitlines()[0]}")
 
-    def _attend_incarnations(self, a: int) -> None:
-        """Each incarnation of Attention rank ``a`` on a pair of its own: the first one, and with ``rejoin``
-        the next one after the last left (a restarted engine), until the session is done."""
-        served = 0
+    def _attend_incarnations(self, group: Group) -> None:
+        """Each incarnation of the group on pairs of its own: the first one, and with ``rejoin`` the next one after
+        the last left (a restarted engine: every rank of a group restarts with it), until the session is done."""
+        served = dict.fromkeys(group, 0)
         while not self._done():
-            i = self.store.latest(ATTENTION, a)
-            if i <= served:
+            latest = {a: self.store.latest(ATTENTION, a) for a in group}
+            if any(latest[a] <= served[a] for a in group):
                 time.sleep(POLL_S)
                 continue
-            link = self._pair_link(a, i)
+            link = self._group_link(group, latest)
             if link is None:
                 continue
-            self.serve(a, self.make_loop(a, link))
-            served = i
+            self.serve(group, self.make_loop(group, link))
+            served = latest
             if not self.rejoin:
                 return
 
-    def _pair_link(self, a: int, i: int) -> PeerLink | None:
-        """A link on the pair with incarnation ``i`` of Attention rank ``a``, None when the session ended
-        or a newer incarnation came first."""
-        pair = self.store.join_pair(
-            FFN,
-            (a, i),
-            (self.index, self.incarnation),
-            placement=self.topology.placement.stamp,
-            give_up=functools.partial(self._moved_on, a, i),
-        )
-        if pair is None:
-            return None
-        peer = self.topology.global_rank(ATTENTION, a)
-        labels = {
-            peer: self.store.label(ATTENTION, a, i),
-            self.me: self.store.label(FFN, self.index, self.incarnation),
-        }
-        return PeerLink(self.topology, self.me, pairs={peer: pair}, labels=labels)
+    def _group_link(self, group: Group, incarnations: Mapping[int, int]) -> PeerLink | None:
+        """A link on the pairs with the given incarnation of each rank of ``group``, None when the session ended
+        or a newer incarnation came first (the pairs joined so far are closed)."""
+        pairs: dict[int, Pair] = {}
+        labels = {self.me: self.store.label(FFN, self.index, self.incarnation)}
+        for a in group:
+            i = incarnations[a]
+            pair = self.store.join_pair(
+                FFN,
+                (a, i),
+                (self.index, self.incarnation),
+                placement=self.topology.placement.stamp,
+                give_up=functools.partial(self._moved_on, a, i),
+            )
+            if pair is None:
+                for joined in pairs.values():
+                    joined.channel.close()
+                return None
+            peer = self.topology.global_rank(ATTENTION, a)
+            pairs[peer] = pair
+            labels[peer] = self.store.label(ATTENTION, a, i)
+        return PeerLink(self.topology, self.me, pairs=pairs, labels=labels)
 
     def _moved_on(self, a: int, i: int) -> bool:
         return self._done() or self.store.latest(ATTENTION, a) != i
@@ -363,32 +380,34 @@ class FfnServer:
 
     # ------------------------------------------------------------------ one loop
 
-    def make_loop(self, a: int, link: PeerLink) -> FfnLoop:
-        """The loop serving Attention rank ``a`` on ``link``: its own connector and executor."""
-        peer = self.topology.global_rank(ATTENTION, a)
+    def make_loop(self, group: Group, link: PeerLink) -> FfnLoop:
+        """The loop serving ``group`` on ``link``: its own connector and executor; each item is one expert
+        computation over the rows of every rank of the group (M:N)."""
+        peers = [self.topology.global_rank(ATTENTION, a) for a in group]
         # follow_stages: an engine decides alone whether a step is split, so the stage identity comes from the wire
         context = FfnContext(
             config=self.config,
             p2p_link=link,
             model=self._p2p_shape,
-            attention_peers=[peer],
+            attention_peers=peers,
             follow_stages=True,
             on_item=self.report.item_seen,
+            on_rows=self.report.rows_seen,
         )
         trace = None
         if self.config.multistream.trace:
-            trace = Trace(rank=self.me, role=FFN, label=f"serving attention rank {a}")
+            trace = Trace(rank=self.me, role=FFN, label=f"serving {_name(group)}")
             self._traces.append(trace)
         plugins = load_plugins(context)
-        self._connectors[a].append(plugins.connector)
-        self._links[a] = link
+        self._connectors[group].append(plugins.connector)
+        self._links[group] = link
         ms = self.config.multistream
         executor = Executor(plugins, make_backend(ms.backend), ms, compute=self.compute, role=FFN, trace=trace)
         return FfnLoop(executor, num_layers=len(self.experts), num_stages=1)
 
-    def serve(self, a: int, loop: FfnLoop) -> None:
-        """Run ``loop`` until it ends and record how it ended; a loop that failed on its own (not because its
-        peer left) ends the session and tells every Attention rank why, at once."""
+    def serve(self, group: Group, loop: FfnLoop) -> None:
+        """Run ``loop`` until it ends and record how it ended; a loop that failed on its own (not because a peer
+        left) ends the session and tells every Attention rank why, at once."""
         end = "stopped"
         try:
             while True:
@@ -396,27 +415,29 @@ class FfnServer:
         except PipelineError as exc:
             end = str(exc).splitlines()[0]
             if left_between_steps(exc):  # a normal stop of the engine: nothing of a step was lost
-                end = f"{LEFT_BETWEEN_STEPS}: attention rank {a} closed its connection while no step was in flight"
+                end = f"{LEFT_BETWEEN_STEPS}: {_name(group)} closed its connection while no step was in flight"
             elif not isinstance(exc.__cause__, (PeerLost, PeerAborted)):  # this rank found the fault (a bad header...)
                 self._own_fault.set()
                 self.abort_all(f"FFN rank {self.index} stopped serving: {end}")
         finally:
-            self._loop_ended(a, loop, end)
+            self._loop_ended(group, loop, end)
 
-    def _loop_ended(self, a: int, loop: FfnLoop, end: str) -> None:
+    def _loop_ended(self, group: Group, loop: FfnLoop, end: str) -> None:
         abandoned = 0
         try:
             abandoned = len(loop.close().abandoned)
-            link = self._links.get(a)
+            link = self._links.get(group)
             if link is not None:
                 link.release()
         finally:
             served = loop.submitted - abandoned
-            connector = self._connectors[a][-1]
-            self.report.loop_ended(a, served, end, loop.executor, _redispatched(connector))
+            connector = self._connectors[group][-1]
             stamps = _round_trip_stamps(connector)
-            if stamps is not None:
-                self.report.loop_stamps(a, stamps)
+            resent = _redispatched(connector)
+            for i, a in enumerate(group):  # every item of a group loop carried a message of each of its ranks
+                self.report.loop_ended(a, served, end, loop.executor, resent if i == 0 else 0)
+                if stamps is not None:
+                    self.report.loop_stamps(a, stamps)
 
     def compute(
         self,

@@ -16,6 +16,10 @@ class ParallelConfig:
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     use_sequence_parallel_moe: bool = False  # a property upstream
+    # an Attention group's process rank (afd_mrv2.mrv2.deployment.process_rank) and admission's refusals
+    data_parallel_rank: int = 0
+    rank: int = 0
+    enable_elastic_ep: bool = False
 
 
 @dataclass
@@ -36,3 +40,4 @@ class VllmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     additional_config: dict = field(default_factory=dict)
     use_v2_model_runner: bool = True  # a property upstream (VLLM_USE_V2_MODEL_RUNNER)
+    lora_config: object = None
