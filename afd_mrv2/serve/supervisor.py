@@ -111,25 +111,33 @@ class Supervisor:
             self._stop.set()
 
     def _degrade(self, role: RoleProcess) -> bool:
-        """One of several Attention engines died: take it out of the endpoint's rotation and serve on with
-        the others (the FFN ranks go on serving them: faults are scoped to a peer on the vLLM path).
-        False when it was the last engine serving, or before every role was ready."""
+        """One of several Attention groups (or engines) died: take it out of the endpoint's rotation and serve on
+        with the others (the FFN ranks go on serving them: faults are scoped to a peer, or a group, on the vLLM
+        path).  A data-parallel group (several ranks: one rank's loss ends its whole vLLM deployment) is
+        restarted whole even when it was the only one, unless ``--no-restart-attention`` or its restarts are
+        used up.  False when it was the last engine serving, or before every role was ready."""
         proxy = self.proxy
         if proxy is None or not proxy.ready:
             return False
         index = role.spec.rank
         others = [b for i, b in enumerate(proxy.backends) if i != index and b.lost is None]
-        if not others:
+        group = len(role.spec.afd_ranks) > 1
+        restart = self.plan.options.restart_attention and not self._exhausted(role)
+        if not others and not (group and restart):
             return False
         reason = f"{role.describe()} exited ({role.describe_exit()})"
         proxy.mark_lost(index, reason)
         self._lose(role)
         role.signal_group(signal.SIGKILL)  # what is left of its group (vLLM's EngineCore, its worker) serves no one
-        self._say(
-            f"{reason}: the endpoint serves on with {', '.join(b.name for b in others)} "
-            f"({len(others)} of {len(proxy.backends)} Attention {'engines' if len(role.spec.afd_ranks) == 1 else 'groups'})"
-        )
-        if self.plan.options.restart_attention:
+        kind = "groups" if group else "engines"
+        if others:
+            then = f"the endpoint serves on with {', '.join(b.name for b in others)} ({len(others)} of {len(proxy.backends)} Attention {kind})"
+        else:  # a data-parallel group, the only one: its deployment restarts whole, the endpoint answers 503 meanwhile
+            then = "no Attention group serves until it is back (503 meanwhile)"
+        if group:  # one line says what serve does about a deployment that is gone whole
+            then += "; its vLLM deployment restarts whole" if restart else "; not restarted (--no-restart-attention)"
+        self._say(f"{reason}: {then}")
+        if restart:
             self._restart_later(role)
         return True
 
