@@ -122,8 +122,8 @@ class Supervisor:
         index = role.spec.rank
         others = [b for i, b in enumerate(proxy.backends) if i != index and b.lost is None]
         group = len(role.spec.afd_ranks) > 1
-        restart = self.plan.options.restart_attention and not self._exhausted(role)
-        if not others and not (group and restart):
+        restart = self.plan.options.restart_attention
+        if not others and not (group and restart and not self._exhausted(role)):
             return False
         reason = f"{role.describe()} exited ({role.describe_exit()})"
         proxy.mark_lost(index, reason)
@@ -135,7 +135,10 @@ class Supervisor:
         else:  # a data-parallel group, the only one: its deployment restarts whole, the endpoint answers 503 meanwhile
             then = "no Attention group serves until it is back (503 meanwhile)"
         if group:  # one line says what serve does about a deployment that is gone whole
-            then += "; its vLLM deployment restarts whole" if restart else "; not restarted (--no-restart-attention)"
+            if not restart:
+                then += "; not restarted (--no-restart-attention)"
+            elif not self._exhausted(role):
+                then += "; its vLLM deployment restarts whole"
         self._say(f"{reason}: {then}")
         if restart:
             self._restart_later(role)
