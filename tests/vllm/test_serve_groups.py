@@ -31,18 +31,11 @@ from afd_mrv2.harness.servers import ENGINE_ARGS
 from afd_mrv2.procs import group_members
 from tests.serve.conftest import free_port_block
 from tests.vllm.harness import make_model, v2_env
-from tests.vllm.serving import PlainServer, Serve, body, compare, complete_all, ffn_reports, greedy, stream
-from tests.vllm.test_serve_topologies import PROMPTS_32
+from tests.vllm.serving import PlainServer, Serve, body, compare, ffn_reports, stream
+from tests.vllm.test_serve_topologies import PROMPTS_32, TOKENS
+from tests.vllm.test_serve_topologies import answers as _answers
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1800)]
-
-TOKENS = 16
-
-
-def _answers(url: str, model: Path) -> list[tuple[list[int], list[float]]]:
-    got = complete_all(url, [body(model, p, TOKENS, logprobs=1, return_token_ids=True) for p in PROMPTS_32])
-    assert all(status == 200 for status, _ in got), got
-    return [greedy(a) for _, a in got]  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +108,7 @@ def test_a_group_is_token_identical_to_plain_vllm_and_meets_in_one_expert_call_p
         assert sum(mixed.values()) == calls
 
 
+@pytest.mark.vllm_full
 def test_an_ffn_rank_killed_mid_stream_at_dp2_2f_r2_costs_no_request(model: Path, plain: Any, tmp_path: Path) -> None:
     serve = Serve(
         model, free_port_block(4), tmp_path / "serve.log", "--expert-replicas", "2", attention=2, ffn=2, groups=1

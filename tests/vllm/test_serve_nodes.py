@@ -35,7 +35,9 @@ from afd_mrv2.harness.servers import ENGINE_ARGS
 from tests.netns import Cluster, Node, require_namespaces
 from tests.vllm.harness import make_model
 
-pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(1500)]
+#: the full matrix (330 s): CI's reduced one keeps its budget; the two-node logic (join, loss, retry) runs in the
+#: unit run on fake roles (tests/serve/test_serve_nodes.py)
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.vllm_full, pytest.mark.timeout(1500)]
 
 READY = "afd-mrv2 serve: ready at"
 START_S = 600.0

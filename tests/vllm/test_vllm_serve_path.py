@@ -75,6 +75,7 @@ def _run_roles(
     return got, report
 
 
+@pytest.mark.vllm_full  # 110 s: CI's reduced matrix keeps its budget (README)
 def test_an_attention_engine_started_by_vllm_serve_is_token_identical_to_plain_vllm(tmp_path: Path) -> None:
     model = make_model(tmp_path / "model", "mixtral")
     env = v2_env()
