@@ -439,6 +439,29 @@ def core_blocks(count: int, cores: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(cores[i * size : (i + 1) * size]) for i in range(count)]
 
 
+#: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` value for "bind nothing"
+UNBOUND = "nobind"
+
+
+def _core_layout(
+    local: Sequence[tuple[str, int, int]], cores: Sequence[int]
+) -> dict[tuple[str, int], list[tuple[int, ...]] | None]:
+    """Each local role rank's core blocks, one per process (:func:`core_blocks`; Attention processes first).
+
+    With fewer cores than processes the FFN ranks get None: no core of their own.  Pinned to a core an Attention
+    process also has, an FFN rank starves: a tensor-parallel rank that got its combine first spins in vLLM's shm
+    all-reduce on that core while the FFN still has to send its TP peer's combine (measured: DP1 TP2 with one FFN
+    rank on 2 cores stalled at start in 4 starts of 4 pinned and 2 of 2 under vLLM's own binding, started in 3 of
+    3 left to the scheduler).
+    """
+    processes = sum(n for _, _, n in local)
+    pinned = [p for p in local if p[0] == ATTENTION or len(cores) >= processes]
+    blocks = iter(core_blocks(sum(n for _, _, n in pinned), cores))
+    layout: dict[tuple[str, int], list[tuple[int, ...]] | None] = {(role, r): None for role, r, _ in local}
+    layout.update({(role, r): [next(blocks) for _ in range(n)] for role, r, n in pinned})
+    return layout
+
+
 def cpu_binds(count: int, cores: Sequence[int]) -> list[str]:
     """:func:`core_blocks` as ``VLLM_CPU_OMP_THREADS_BIND`` values."""
     return [",".join(map(str, block)) for block in core_blocks(count, cores)]
@@ -506,12 +529,10 @@ def build_plan(opts: ServeOptions, commands: RoleCommands | None = None, run_dir
     run_dir = run_dir or str(Path(tempfile.gettempdir()) / f"afd-mrv2-serve-{os.getpid()}")
     here = opts.nodes.node_rank
     local = [(role, r, n) for role, r, n in _processes(opts) if layout.node_of(role, r) == here]
-    # this node's Attention processes take the first core blocks, its FFN ranks the next ones
-    blocks = iter(core_blocks(sum(n for _, _, n in local), _available_cores()))
-    cores = {(role, r): [next(blocks) for _ in range(n)] for role, r, n in local}
+    cores = _core_layout(local, _available_cores())
     where = _Where(afd, from_extra, extra, run_dir, addr, commands or RoleCommands(), own_keys_in_env(), secret)
     specs = [
-        _role_spec(opts, where, role, rank, layout.node_of(role, rank), cores.get((role, rank), []))
+        _role_spec(opts, where, role, rank, layout.node_of(role, rank), cores.get((role, rank)))
         for role, count in ((FFN, opts.ffn), (ATTENTION, opts.attention_groups))
         for rank in range(count)
     ]
@@ -534,11 +555,11 @@ class _Where:
 
 
 def _role_spec(
-    opts: ServeOptions, where: _Where, role: str, rank: int, node: int, blocks: Sequence[tuple[int, ...]]
+    opts: ServeOptions, where: _Where, role: str, rank: int, node: int, blocks: Sequence[tuple[int, ...]] | None
 ) -> RoleSpec:
-    """One role rank's spec (an Attention group's: its first AFD rank in its section, one core block per process):
-    its own ``afd`` section, environment, port and command line; another node's role gets its section and port
-    only (that node builds the rest)."""
+    """One role rank's spec (an Attention group's: its first AFD rank in its section, one core block per process;
+    None: left to the scheduler, :func:`_core_layout`): its own ``afd`` section, environment, port and command
+    line; another node's role gets its section and port only (that node builds the rest)."""
     first = rank * int(where.afd[GROUP_KEY]) if role == ATTENTION else rank
     section = {**where.afd, "role": role, RANK_KEY: first}
     parse_afd_config(section)  # rank below its role's count
@@ -551,7 +572,9 @@ def _role_spec(
         env[envs.SECRET.name] = where.secret.hex()
     if role == ATTENTION and opts.ubatches is not None:
         env[envs.V2_MODEL_RUNNER.name] = "1"
-    if any(blocks):  # one entry per process (vLLM slices it by DP rank, then TP rank)
+    if blocks is None:  # not pinned, and vLLM binds nothing either (its "auto" would pin the worker)
+        env[CPU_BIND_ENV], blocks = UNBOUND, []
+    elif any(blocks):  # one entry per process (vLLM slices it by DP rank, then TP rank)
         env[CPU_BIND_ENV] = "|".join(",".join(map(str, block)) for block in blocks)
     cores = tuple(sorted({c for block in blocks for c in block})) if CPU_BIND_ENV not in os.environ else ()
     ready = str(Path(where.run_dir) / f"ffn-{rank}.ready") if role == FFN else None

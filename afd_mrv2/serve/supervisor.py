@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import time
@@ -22,7 +23,7 @@ from afd_mrv2.live_stats import Written
 from afd_mrv2.ports import ephemeral_ports, ports_in_ephemeral_range
 from afd_mrv2.serve.figures import FiguresReader
 from afd_mrv2.serve.metrics import Health, RoleState
-from afd_mrv2.serve.plan import Plan, RoleSpec
+from afd_mrv2.serve.plan import CPU_BIND_ENV, Plan, RoleSpec
 from afd_mrv2.serve.proxy import Proxy
 from afd_mrv2.serve.reaper import Reaper
 from afd_mrv2.serve.remote import NodeWatch, RemoteRole
@@ -379,15 +380,13 @@ class Supervisor:
 
     def _say_cores(self) -> None:
         """Where each role runs: its cores, for every process of it (front end, EngineCore, workers)."""
-        pinned = [spec for spec in self.plan.roles if spec.cores]
-        if not pinned:
-            self._say("cores: not pinned (VLLM_CPU_OMP_THREADS_BIND is set in serve's environment)")
+        if CPU_BIND_ENV in os.environ:
+            self._say(f"cores: not pinned ({CPU_BIND_ENV} is set in serve's environment)")
             return
-        parts = ", ".join(
-            f"{spec.name} -> {','.join(map(str, spec.cores))}"
-            for spec in sorted(pinned, key=lambda r: (r.role != ATTENTION, r.rank))
-        )
-        self._say(f"cores: {parts} (every process of a role: its front end, EngineCore and workers)")
+        here = sorted(self.plan.local, key=lambda r: (r.role != ATTENTION, r.rank))
+        parts = ", ".join(f"{spec.name} -> {','.join(map(str, spec.cores)) or 'any'}" for spec in here)
+        free = " ('any': fewer cores than processes, left to the scheduler)" if any(not r.cores for r in here) else ""
+        self._say(f"cores: {parts} (every process of a role: its front end, EngineCore and workers){free}")
 
     def _say_transport(self) -> None:
         """What every pair runs on (``afd.transport``; the roles' sections agree: one base section)."""

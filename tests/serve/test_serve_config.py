@@ -235,6 +235,24 @@ def test_each_role_is_pinned_to_its_own_cores(monkeypatch: pytest.MonkeyPatch) -
     assert [r.cores for r in build_plan(ServeOptions("m", 1, 2, port=9000), run_dir="/run/x").roles] == [()] * 3
 
 
+def test_with_fewer_cores_than_processes_the_ffn_ranks_are_left_to_the_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DP1 TP2 with one FFN rank on 2 cores: each TP rank keeps a core (vLLM binds it), the FFN rank gets none and
+    vLLM's "bind nothing", so it never waits behind a TP rank spinning in vLLM's shm all-reduce on its core."""
+    monkeypatch.setattr(serve_plan, "_available_cores", lambda: [0, 1])
+    monkeypatch.delenv(serve_plan.CPU_BIND_ENV, raising=False)
+    plan = build_plan(ServeOptions("/models/m", 1, 1, port=9000, attention_tp=2), run_dir="/run/x")
+    assert {r.name: (r.cores, r.env.get(serve_plan.CPU_BIND_ENV)) for r in plan.roles} == {
+        "attention 0": ((0, 1), "0|1"),
+        "ffn 0": ((), "nobind"),
+    }
+    # as many cores as processes: every role keeps its own
+    monkeypatch.setattr(serve_plan, "_available_cores", lambda: [0, 1, 2])
+    plan = build_plan(ServeOptions("/models/m", 1, 1, port=9000, attention_tp=2), run_dir="/run/x")
+    assert {r.name: r.cores for r in plan.roles} == {"attention 0": (0, 1), "ffn 0": (2,)}
+
+
 def test_rank_is_an_afd_option_checked_per_process():
     assert parse_afd_config({"connector": "x", "role": "ffn", "rank": 0}).rank == 0
     with pytest.raises(ConfigError, match=r"^afd\.rank: expected an integer in 0\.\.0 \(num_ffn_ranks is 1\), got 1$"):

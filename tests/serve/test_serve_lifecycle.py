@@ -377,6 +377,26 @@ def test_role_dying_during_startup(start_serve):
     assert "afd-mrv2 serve: error: ffn rank 0" in serve.err_lines()[-1] and "exit code 3" in serve.err_lines()[-1]
 
 
+def test_with_more_processes_than_cores_the_ffn_rank_runs_on_any_core(start_serve):
+    """Two engines and one FFN rank on 2 cores: each engine keeps its core, the FFN rank's process is pinned to
+    none (every core of serve's affinity) and the line says so."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        pytest.fail(f"this test needs exactly 2 cores in serve's affinity, the machine gives {cores}")
+    serve, _ = start_serve(2, 1, {"grandchild": True})
+    serve.wait_ready()
+    err = serve.err_lines()
+    (line,) = [x for x in err if x.startswith("[serve] cores: ")]
+    assert line.startswith(f"[serve] cores: attention 0 -> {cores[0]}, attention 1 -> {cores[1]}, ffn 0 -> any ("), line
+    assert line.endswith("('any': fewer cores than processes, left to the scheduler)"), line
+    said = [x.split("] ", 1)[1].split() for x in err if "] cores " in x]  # cores ROLE RANK LIST grandchild LIST
+    pinned = {" ".join(words[1:3]): words[3:] for words in said}
+    both = ",".join(map(str, cores))
+    assert pinned["ffn 0"] == [both, "grandchild", both], err
+    serve.signal(signal.SIGTERM)
+    assert serve.wait() == 0
+
+
 def test_ready_timeout(start_serve):
     serve, _ = start_serve(1, 1, {"ready_delay": 30}, "--ready-timeout-s", "1")
     assert serve.wait() == 1

@@ -5,8 +5,8 @@ Mixtral-style checkpoint in fp32; plain vLLM (one engine, DP1 TP1, afd-mrv2 inst
 answers the 32 greedy completions first.  Each layout answers the same 32 concurrently (16 clients at a time):
 
 * DP2 with 1 FFN rank (the reduced matrix), DP2 with 2 FFN ranks (R = 2), DP2 on Model Runner V2 (the tests'
-  Triton stand-in): 32/32 token-identical, max |dlogprob| <= 1e-4.  Tensor parallelism inside a rank is not
-  here: on this 2-core host its start stalls more often than not (docs/vllm.md, "Limits and open points");
+  Triton stand-in), DP1 TP2 and DP2 TP2 (each TP rank sends its share of the rows): 32/32 token-identical,
+  max |dlogprob| <= 1e-4;
 * the FFN ranks' reports (``afd-mrv2 ffn: done``): the group's ranks served the same number of items (lock-step),
   every expert computation took rows from both ranks or one (``ranks_per_call``), and there is at most one
   computation per MoE layer and step of the group (two independent engines would make two);
@@ -60,6 +60,8 @@ LAYOUTS = [
         ("dp2-2f-r2", 2, 1, 2, ("--expert-replicas", "2"), False), id="dp2-2f-r2", marks=pytest.mark.vllm_full
     ),
     pytest.param(("dp2-1f-v2", 2, 1, 1, (), True), id="dp2-1f-v2", marks=pytest.mark.vllm_full),
+    pytest.param(("dp1tp2-1f", 1, 2, 1, (), False), id="dp1tp2-1f", marks=pytest.mark.vllm_full),
+    pytest.param(("dp2tp2-1f", 2, 2, 1, (), False), id="dp2tp2-1f", marks=pytest.mark.vllm_full),
 ]
 
 
