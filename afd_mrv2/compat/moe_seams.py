@@ -14,6 +14,8 @@ ROUTED = f"{FUSED_MOE}.routed_experts"
 METHOD = f"{FUSED_MOE}.fused_moe_method_base"
 TOPK = ("x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input")
 MOE = "moe_seam"
+#: an Attention group's DP ranks on nodes without its front end (afd_mrv2/serve/headless.py)
+DP_NODES = "dp_nodes"
 CPU = frozenset({"cpu"})
 SHARED = f"{FUSED_MOE}.runner.shared_experts"
 MOE_RUNNER = f"{FUSED_MOE}.runner.moe_runner"
@@ -665,6 +667,15 @@ MOE_SEAMS: tuple[Seam, ...] = (
         "afd-mrv2 serve starts each Attention engine as `python -m vllm.entrypoints.openai.api_server`",
         runnable=True,
         capability=MOE,
+    ),
+    Seam(
+        "vllm",
+        "vllm.entrypoints.cli.serve",
+        "run_headless",
+        "`python -m afd_mrv2.serve.headless` runs an Attention group's engine cores on a node without its front end",
+        params=("args",),
+        uses=("data_parallel_size_local", "CoreEngineProcManager"),
+        capability=DP_NODES,
     ),
     Seam(
         "vllm",
