@@ -377,6 +377,15 @@ def test_role_dying_during_startup(start_serve):
     assert "afd-mrv2 serve: error: ffn rank 0" in serve.err_lines()[-1] and "exit code 3" in serve.err_lines()[-1]
 
 
+def _cores_said(serve) -> tuple[str, dict[str, list[str]]]:
+    """serve's one ``[serve] cores:`` line, and per role what its fake says: its cores, ``grandchild``, the
+    grandchild's cores."""
+    err = serve.err_lines()
+    (line,) = [x for x in err if x.startswith("[serve] cores: ")]
+    said = [x.split("] ", 1)[1].split() for x in err if "] cores " in x]  # cores ROLE RANK LIST grandchild LIST
+    return line, {" ".join(words[1:3]): words[3:] for words in said}
+
+
 def test_with_more_processes_than_cores_the_ffn_rank_runs_on_any_core(start_serve):
     """Two engines and one FFN rank on 2 cores: each engine keeps its core, the FFN rank's process is pinned to
     none (every core of serve's affinity) and the line says so."""
@@ -385,14 +394,11 @@ def test_with_more_processes_than_cores_the_ffn_rank_runs_on_any_core(start_serv
         pytest.fail(f"this test needs exactly 2 cores in serve's affinity, the machine gives {cores}")
     serve, _ = start_serve(2, 1, {"grandchild": True})
     serve.wait_ready()
-    err = serve.err_lines()
-    (line,) = [x for x in err if x.startswith("[serve] cores: ")]
+    line, pinned = _cores_said(serve)
     assert line.startswith(f"[serve] cores: attention 0 -> {cores[0]}, attention 1 -> {cores[1]}, ffn 0 -> any ("), line
     assert line.endswith("('any': fewer cores than processes, left to the scheduler)"), line
-    said = [x.split("] ", 1)[1].split() for x in err if "] cores " in x]  # cores ROLE RANK LIST grandchild LIST
-    pinned = {" ".join(words[1:3]): words[3:] for words in said}
     both = ",".join(map(str, cores))
-    assert pinned["ffn 0"] == [both, "grandchild", both], err
+    assert pinned["ffn 0"] == [both, "grandchild", both], pinned
     serve.signal(signal.SIGTERM)
     assert serve.wait() == 0
 
@@ -425,14 +431,11 @@ def test_every_process_of_a_role_runs_on_the_role_s_cores(start_serve):
         pytest.fail(f"this test needs 2 cores in serve's affinity, the machine gives {cores}")
     serve, _ = start_serve(1, 1, {"grandchild": True})
     serve.wait_ready()
-    err = serve.err_lines()
-    (line,) = [x for x in err if x.startswith("[serve] cores: ")]
+    line, pinned = _cores_said(serve)
     assert line.startswith(f"[serve] cores: attention 0 -> {cores[0]}, ffn 0 -> {cores[1]} ("), line
-    said = [x.split("] ", 1)[1].split() for x in err if "] cores " in x]  # cores ROLE RANK LIST grandchild LIST
-    pinned = {" ".join(words[1:3]): words[3:] for words in said}
     assert pinned == {
         "attention 0": [str(cores[0]), "grandchild", str(cores[0])],
         "ffn 0": [str(cores[1]), "grandchild", str(cores[1])],
-    }, err
+    }, pinned
     serve.signal(signal.SIGTERM)
     assert serve.wait() == 0
